@@ -1,0 +1,16 @@
+"""btjit: trace a Python loss function once, train it natively.
+
+    prog = btjit.trace(loss_fn, params, x0, y0, optimizer=btjit.optim.SGD(lr=0.1))
+    loss = prog.step(x, y)
+"""
+from . import optim
+from .graph.trace import (TraceError, abs, broadcast_to, causal_attention, concatenate, copy, cross_entropy,
+                          equal, exp, gelu, layer_norm, log, log_softmax, matmul, max, maximum, mean, minimum,
+                          relu, reshape, sigmoid, softmax, split, sqrt, sum, swapaxes, take, tanh, transpose, where)
+from .program import Program, trace
+
+__version__ = "0.1.0"
+__all__ = ["trace", "Program", "optim", "TraceError", "abs", "broadcast_to", "causal_attention", "concatenate",
+           "copy", "cross_entropy", "equal", "exp", "gelu", "layer_norm", "log", "log_softmax", "matmul", "max",
+           "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "split", "sqrt", "sum", "swapaxes",
+           "take", "tanh", "transpose", "where"]

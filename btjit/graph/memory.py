@@ -1,0 +1,156 @@
+"""Memory planner: every value at a fixed offset in ONE float arena (plus one int32 arena).
+
+Float arena layout (llm.c style):
+  [params | grads (same layout) | optimizer state (k copies of that layout) | constants and hyper-parameters |
+   float inputs | outputs (loss, named outputs) | planned intermediates]
+Views (reshape) share their input's storage. Intermediates get offsets by a greedy best-fit over their
+lifetimes on the whole forward+backward schedule: two storages share bytes only if their lifetimes
+[defining eqn, last use] are disjoint. The update kernels run after the schedule and touch only the fixed
+regions. Every buffer starts 16-element aligned (64 bytes in float32).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .ir import Graph, Var
+from .ops import TABLE
+
+ALIGN = 16
+
+
+def _al(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class Plan:
+    off: dict                    # var id -> offset in its arena (float or int by var dtype)
+    param_off: dict              # name -> offset
+    params_span: tuple           # (start, length) of the params region; grads at start + length
+    n_state: int                 # optimizer state copies of the params region
+    hyper_off: int               # start of the hyper-parameter slots
+    n_hyper: int
+    float_size: int
+    int_size: int
+    scratch: int                 # int32 BLAS scratch (8 slots)
+    int_state: int               # int32 optimizer step counter
+    intervals: dict = field(default_factory=dict)   # storage var id -> (def, last use, offset, size) planned
+    naive_bytes: int = 0
+    min_bytes: int = 0
+
+    @property
+    def grads_start(self):
+        return self.params_span[0] + self.params_span[1]
+
+    def state_start(self, k):
+        return self.params_span[0] + (2 + k) * self.params_span[1]
+
+
+def storage_roots(graph: Graph) -> dict:
+    """var id -> id of the var that owns its storage (views point to their input's root)."""
+    root = {}
+    for e in graph.eqns:
+        for o in e.outs:
+            root[o.id] = root.get(e.ins[0].id, e.ins[0].id) if TABLE[e.op].view else o.id
+    return root
+
+
+def lifetimes(graph: Graph, root: dict) -> dict:
+    """storage id -> [first def, last use] over the eqn schedule."""
+    life = {}
+    for i, e in enumerate(graph.eqns):
+        for v in e.ins:
+            r = root.get(v.id, v.id)
+            if r in life:
+                life[r][1] = max(life[r][1], i)
+        for o in e.outs:
+            r = root[o.id]
+            if r not in life:
+                life[r] = [i, i]
+    return life
+
+
+def place(sizes: dict, life: dict) -> tuple[dict, int]:
+    """Greedy best-fit: largest first, lowest offset that overlaps no placed buffer alive at the same time."""
+    order = sorted(sizes, key=lambda s: (-sizes[s], life[s][0]))
+    placed, offs, top = [], {}, 0
+    for s in order:
+        lo, hi = life[s]
+        busy = sorted((o, o + n) for (o, n, l2, h2) in placed if not (h2 < lo or l2 > hi))
+        off = 0
+        for b0, b1 in busy:
+            if off + sizes[s] <= b0:
+                break
+            off = max(off, b1)
+        offs[s] = off
+        placed.append((off, sizes[s], lo, hi))
+        top = max(top, off + sizes[s])
+    return offs, top
+
+
+def plan(graph: Graph, pinned: dict, n_state: int, n_hyper: int) -> Plan:
+    """pinned: storage var id -> ("grad", name) | ("out", name); everything else unpinned is planned."""
+    root = storage_roots(graph)
+    life = lifetimes(graph, root)
+    var = var_index(graph)
+    off, ioff = {}, {}
+    pos = 0
+    param_off = {}
+    for name, v in graph.params.items():
+        param_off[name] = off[v.id] = pos
+        pos += _al(v.size)
+    plen = pos
+    pos = plen * (2 + n_state)
+    hyper_off = pos
+    pos += _al(n_hyper)
+    ipos = 0
+    for v, c in graph.consts.items():
+        if v.dtype == "i32":
+            ioff[v.id], ipos = ipos, ipos + _al(v.size)
+        else:
+            off[v.id], pos = pos, pos + _al(v.size)
+    for v in graph.inputs:
+        if v.dtype == "i32":
+            ioff[v.id], ipos = ipos, ipos + _al(v.size)
+        else:
+            off[v.id], pos = pos, pos + _al(v.size)
+    scratch, ipos = ipos, ipos + ALIGN
+    int_state, ipos = ipos, ipos + ALIGN
+    for r, (kind, name) in pinned.items():
+        if kind == "grad":
+            off[r] = param_off[name] + plen
+        else:
+            off[r], pos = pos, pos + _al(var[r].size)
+    fixed = set(off) | set(ioff)
+    sizes = {r: _al(var[r].size) for r in life if r not in fixed}
+    if any(var[r].dtype == "i32" for r in sizes):
+        raise NotImplementedError("integer intermediates are not supported")
+    rel, top = place(sizes, life)
+    for r, o in rel.items():
+        off[r] = pos + o
+    intervals = {r: (life[r][0], life[r][1], pos + rel[r], sizes[r]) for r in rel}
+    fsize = pos + top
+    for vid, r in root.items():   # views
+        if vid != r:
+            (ioff if r in ioff else off)[vid] = (ioff if r in ioff else off)[r]
+    p = Plan({**off, **ioff}, param_off, (0, plen), n_state, hyper_off, n_hyper, fsize, ipos, scratch, int_state,
+             intervals)
+    p.naive_bytes = (pos + sum(sizes.values())) * _itemsize(graph) + ipos * 4
+    p.min_bytes = plen * (2 + n_state) * _itemsize(graph)
+    return p
+
+
+def _itemsize(graph):
+    return 4 if graph.float_dtype == "f32" else 8
+
+
+def var_index(graph: Graph) -> dict:
+    idx = {v.id: v for v in list(graph.params.values()) + graph.inputs + list(graph.consts)}
+    for e in graph.eqns:
+        for o in e.outs:
+            idx[o.id] = o
+    return idx
+
+

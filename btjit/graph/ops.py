@@ -1,0 +1,631 @@
+"""THE op table. Each op is defined once, here: shape rule, VJP rule (written with the tracer API, so it
+emits IR), numpy reference, lowering to kernel rows, and gradient-check cases. Tests are parametrized over
+TABLE; adding an op = adding an entry.
+
+Lowering uses a context `L` (graph/lower.py): L.off(var) arena offset, L.const(x) offset of a float
+constant, L.scratch int32 scratch offset, L.row(kernel_name, *args) builds one tape row.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from btjit.kernels import elementwise as EW
+from btjit.kernels.reduce import R_MAX, R_SUM
+from btjit.graph import trace as T
+
+
+class ShapeError(Exception):
+    pass
+
+
+@dataclass
+class Case:
+    """A gradient-check case: args are ("f", shape, domain) or ("i", shape, high); domain in
+    normal | pos | away (|x| >= 0.3, off kinks)."""
+    args: tuple
+    attrs: dict = field(default_factory=dict)
+    tol: float = 1e-6
+
+
+@dataclass
+class OpDef:
+    name: str
+    infer: object                  # (types [(shape, dtype)], attrs, float_dtype) -> [(shape, dtype)]
+    ref: object                    # (numpy inputs, attrs) -> tuple of numpy outputs
+    lower: object                  # (eqn, L) -> list of rows
+    vjp: object = None             # (gs, xs, outs, attrs) -> [tracer | None per input]
+    cases: list = field(default_factory=list)
+    view: bool = False             # output aliases the input's storage (reshape)
+    nondiff: bool = False          # outputs carry no gradient (comparisons)
+    internal: bool = False         # emitted by autodiff only
+
+
+TABLE: dict[str, OpDef] = {}
+
+
+def op(name, **kw):
+    TABLE[name] = OpDef(name, **kw)
+
+
+F = lambda *shape, dom="normal": ("f", tuple(shape), dom)  # noqa: E731
+
+
+# ----------------------------------------------------------------------------- shape-rule helpers
+def _float(types, name):
+    for i, (_, d) in enumerate(types):
+        if d == "i32":
+            raise ShapeError(f"input {i} is an integer array where floats are needed")
+
+
+def _bcast_shape(*shapes):
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError:
+        raise ShapeError("shapes do not broadcast") from None
+
+
+def same_as_input(types, attrs, fd):
+    _float(types, "")
+    return [(types[0][0], fd)]
+
+
+def elementwise_rule(types, attrs, fd):
+    _float(types, "")
+    return [(_bcast_shape(*(s for s, _ in types)), fd)]
+
+
+def cstrides(shape):
+    st, acc = [], 1
+    for d in reversed(shape):
+        st.append(acc)
+        acc *= d
+    return tuple(reversed(st))
+
+
+def bstrides(shape, out_shape):
+    """Strides of `shape` broadcast against out_shape (0 where broadcast)."""
+    st = cstrides(shape)
+    pad = len(out_shape) - len(shape)
+    return tuple([0] * pad + [0 if shape[i] == 1 and out_shape[pad + i] != 1 else st[i] for i in range(len(shape))])
+
+
+def strided_rows(L, sub, shape, out, ins):
+    """Rows of k_strided: out = (off, strides); ins = up to three (off, strides); loops collapsed to <= 4-D,
+    outer dims beyond that unrolled into several rows."""
+    ops_ = [out] + list(ins) + [(out[0], (0,) * len(shape))] * (3 - len(ins))
+    dims = [[n, [s[1][i] for s in ops_]] for i, n in enumerate(shape) if n != 1]
+    merged = []
+    for n, st in dims:
+        if merged and all(ps == s * n for ps, s in zip(merged[-1][1], st)):
+            merged[-1] = [merged[-1][0] * n, st]
+        else:
+            merged.append([n, st])
+    while len(merged) < 4:
+        merged.insert(0, [1, [0, 0, 0, 0]])
+    rows = []
+    outer, inner = merged[:-4], merged[-4:]
+    for idx in np.ndindex(*[n for n, _ in outer]) if outer else [()]:
+        offs = [o for o, _ in ops_]
+        for (n, st), i in zip(outer, idx):
+            offs = [o + i * s for o, s in zip(offs, st)]
+        rows.append(L.row("k_strided", sub, *offs, *[n for n, _ in inner],
+                          *[st[k] for k in range(4) for _, st in inner]))
+    return rows
+
+
+def lower_elementwise(sub, eqn, L):
+    """Same-size or scalar operands -> one flat k_binary loop; anything else -> k_strided."""
+    out = eqn.outs[0]
+    n = out.size
+    if len(eqn.ins) == 2 and all(v.size in (n, 1) for v in eqn.ins):
+        x, y = eqn.ins
+        mode = 0 if x.size == n and y.size == n else (1 if x.size == n else 2)
+        return [L.row("k_binary", sub, L.off(out), L.off(x), L.off(y), n, mode)]
+    return strided_rows(L, sub, out.shape, (L.off(out), cstrides(out.shape)),
+                        [(L.off(v), bstrides(v.shape, out.shape)) for v in eqn.ins])
+
+
+# ----------------------------------------------------------------------------- elementwise ops
+def _binary(name, sub, fn, vjp=None, cases=(), nondiff=False, internal=False):
+    rule = same_as_input if internal else elementwise_rule
+    op(name, infer=rule, ref=lambda xs, at, fn=fn: (fn(*xs),),
+       lower=lambda e, L, sub=sub: lower_elementwise(sub, e, L), vjp=vjp, cases=list(cases),
+       nondiff=nondiff, internal=internal)
+
+
+_bc = [F(3, 4), F(4)], [F(2, 1, 3), F(4, 1)], [F(), F(3, 2)]
+_binary("add", EW.B_ADD, np.add, lambda g, x, o, a: [g[0], g[0]], [Case(c) for c in _bc])
+_binary("sub", EW.B_SUB, np.subtract, lambda g, x, o, a: [g[0], -g[0]], [Case(c) for c in _bc])
+_binary("mul", EW.B_MUL, np.multiply, lambda g, x, o, a: [g[0] * x[1], g[0] * x[0]], [Case(c) for c in _bc])
+_binary("div", EW.B_DIV, np.divide, lambda g, x, o, a: [g[0] / x[1], -g[0] * o[0] / x[1]],
+        [Case((F(3, 4), F(4, dom="pos"))), Case((F(2, 1, 3), F(4, 1, dom="pos"))), Case((F(), F(3, 2, dom="pos")))])
+_binary("maximum", EW.B_MAX, np.maximum,
+        lambda g, x, o, a: [g[0] * T.emit("ge", (x[0], x[1])), g[0] * T.emit("lt", (x[0], x[1]))],
+        [Case((F(3, 4), F(3, 4))), Case((F(3, 4), F(4)))])
+_binary("minimum", EW.B_MIN, np.minimum,
+        lambda g, x, o, a: [g[0] * T.emit("le", (x[0], x[1])), g[0] * T.emit("gt", (x[0], x[1]))],
+        [Case((F(3, 4), F(3, 4)))])
+_binary("pow2", EW.B_POW, np.power,
+        lambda g, x, o, a: [g[0] * x[1] * x[0] ** (x[1] - 1.0), g[0] * o[0] * T.log(x[0])],
+        [Case((F(3, 4, dom="pos"), F(3, 4))), Case((F(3, 4, dom="pos"), F()))])
+for _n, _s, _f in [("eq", EW.B_EQ, np.equal), ("gt", EW.B_GT, np.greater), ("ge", EW.B_GE, np.greater_equal),
+                   ("lt", EW.B_LT, np.less), ("le", EW.B_LE, np.less_equal), ("ne", EW.B_NE, np.not_equal)]:
+    _binary(_n, _s, lambda x, y, f=_f: f(x, y).astype(np.result_type(x, y)), nondiff=True,
+            cases=[Case((F(3, 4), F(4)))])
+_binary("tanh_grad", EW.B_TANH_GRAD, lambda y, g: g * (1 - y * y), internal=True, cases=[Case((F(3, 4), F(3, 4)))])
+_binary("relu_grad", EW.B_RELU_GRAD, lambda x, g: g * (x > 0), internal=True, cases=[Case((F(3, 4), F(3, 4)))])
+_binary("sigmoid_grad", EW.B_SIGMOID_GRAD, lambda y, g: g * y * (1 - y), internal=True,
+        cases=[Case((F(3, 4), F(3, 4)))])
+
+
+def _unary(name, sub, fn, vjp, dom="normal", tol=1e-6):
+    op(name, infer=same_as_input, ref=lambda xs, at, fn=fn: (fn(xs[0], at),),
+       lower=lambda e, L, sub=sub: [L.row("k_unary", sub, L.off(e.outs[0]), L.off(e.ins[0]), e.outs[0].size,
+                                          L.const(e.attrs.get("p", 0.0)))],
+       vjp=vjp, cases=[Case((F(3, 5, dom=dom),), tol=tol), Case((F(dom=dom),), tol=tol)])
+
+
+_sig = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+_unary("copy", EW.U_COPY, lambda x, a: x.copy(), lambda g, x, o, a: [g[0]])
+_unary("neg", EW.U_NEG, lambda x, a: -x, lambda g, x, o, a: [-g[0]])
+_unary("exp", EW.U_EXP, lambda x, a: np.exp(x), lambda g, x, o, a: [g[0] * o[0]])
+_unary("log", EW.U_LOG, lambda x, a: np.log(x), lambda g, x, o, a: [g[0] / x[0]], dom="pos")
+_unary("tanh", EW.U_TANH, lambda x, a: np.tanh(x), lambda g, x, o, a: [T.emit("tanh_grad", (o[0], g[0]))])
+_unary("relu", EW.U_RELU, lambda x, a: np.maximum(x, 0), lambda g, x, o, a: [T.emit("relu_grad", (x[0], g[0]))],
+       dom="away")
+_unary("sigmoid", EW.U_SIGMOID, lambda x, a: _sig(x), lambda g, x, o, a: [T.emit("sigmoid_grad", (o[0], g[0]))])
+_unary("sqrt", EW.U_SQRT, lambda x, a: np.sqrt(x), lambda g, x, o, a: [g[0] * 0.5 / o[0]], dom="pos")
+_unary("abs", EW.U_ABS, lambda x, a: np.abs(x), lambda g, x, o, a: [g[0] * T.emit("gt", (x[0], T.lift(0.0))) -
+                                                                      g[0] * T.emit("lt", (x[0], T.lift(0.0)))],
+       dom="away")
+_unary("pow", EW.U_POW, lambda x, a: np.power(x, a["p"]), lambda g, x, o, a: [g[0] * a["p"] * x[0] ** (a["p"] - 1)],
+       dom="pos")
+TABLE["pow"].cases = [Case((F(3, 5, dom="pos"),), {"p": 3.0}), Case((F(4, dom="pos"),), {"p": -1.5})]
+
+
+def _gelu_ref(x, a):
+    return 0.5 * x * (1 + np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+
+
+def _gelu_grad_ref(x, g):
+    u = 0.7978845608028654 * (x + 0.044715 * x ** 3)
+    t = np.tanh(u)
+    return g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * x * x))
+
+
+op("gelu", infer=same_as_input, ref=lambda xs, a: (_gelu_ref(xs[0], a),),
+   lower=lambda e, L: [L.row("k_gelu_fwd", L.off(e.ins[0]), L.off(e.outs[0]), e.outs[0].size)],
+   vjp=lambda g, x, o, a: [T.emit("gelu_grad", (x[0], g[0]))], cases=[Case((F(3, 5),))])
+op("gelu_grad", infer=same_as_input, ref=lambda xs, a: (_gelu_grad_ref(*xs),), internal=True,
+   lower=lambda e, L: [L.row("k_gelu_bwd", L.off(e.ins[0]), L.off(e.ins[1]), L.off(e.outs[0]), e.outs[0].size)],
+   cases=[Case((F(3, 5), F(3, 5)))])
+
+
+def _where_rule(types, attrs, fd):
+    _float(types, "")
+    return [(_bcast_shape(*(s for s, _ in types)), fd)]
+
+
+op("where", infer=_where_rule,
+   ref=lambda xs, a: (np.where(xs[0] != 0, xs[1], xs[2]).astype(np.result_type(xs[1], xs[2])),),
+   lower=lambda e, L: strided_rows(L, EW.S_SELECT, e.outs[0].shape, (L.off(e.outs[0]), cstrides(e.outs[0].shape)),
+                                   [(L.off(v), bstrides(v.shape, e.outs[0].shape)) for v in e.ins]),
+   vjp=lambda g, x, o, a: [None, T.where(x[0], g[0], 0.0), T.where(x[0], 0.0, g[0])],
+   cases=[Case((("mask", (3, 4)), F(3, 4), F(4))), Case((("mask", (4,)), F(3, 4), F()))])
+
+
+# ----------------------------------------------------------------------------- reductions
+def _reduce_rule(types, attrs, fd):
+    _float(types, "")
+    s = types[0][0]
+    return [(s[:attrs["lo"]] + s[attrs["hi"]:], fd)]
+
+
+def _lower_reduce(sub):
+    def lower(e, L):
+        s, lo, hi = e.ins[0].shape, e.attrs["lo"], e.attrs["hi"]
+        n0, n1, n2 = (int(np.prod(s[:lo])), int(np.prod(s[lo:hi])), int(np.prod(s[hi:])))
+        return [L.row("k_reduce", sub, L.off(e.outs[0]), L.off(e.ins[0]), n0, n1, n2)]
+    return lower
+
+
+def _keep(g, x, a):
+    """g reshaped to x's rank with the reduced axes kept as size 1."""
+    s = x.shape
+    return T.reshape(g, s[:a["lo"]] + (1,) * (a["hi"] - a["lo"]) + s[a["hi"]:])
+
+
+def _max_vjp(g, x, o, a):
+    mask = T.emit("eq", (x[0], T.broadcast_to(_keep(o[0], x[0], a), x[0].shape)))
+    count = _keep(T.emit("sum", (mask,), **a), x[0], a)
+    return [mask * T.broadcast_to(_keep(g[0], x[0], a) / count, x[0].shape)]
+
+
+_rcases = [Case((F(3, 4, 5),), {"lo": 1, "hi": 2}), Case((F(3, 4, 5),), {"lo": 0, "hi": 3}),
+           Case((F(3, 4, 5),), {"lo": 2, "hi": 3}), Case((F(6, 4),), {"lo": 0, "hi": 1})]
+op("sum", infer=_reduce_rule, ref=lambda xs, a: (xs[0].sum(axis=tuple(range(a["lo"], a["hi"]))),),
+   lower=_lower_reduce(R_SUM), cases=_rcases,
+   vjp=lambda g, x, o, a: [T.broadcast_to(_keep(g[0], x[0], a), x[0].shape)])
+op("max", infer=_reduce_rule, ref=lambda xs, a: (xs[0].max(axis=tuple(range(a["lo"], a["hi"]))),),
+   lower=_lower_reduce(R_MAX), cases=_rcases, vjp=_max_vjp)
+
+
+# ----------------------------------------------------------------------------- layout ops
+def _reshape_rule(types, attrs, fd):
+    (s, d), = types
+    if int(np.prod(attrs["shape"])) != int(np.prod(s)) or any(n < 0 for n in attrs["shape"]):
+        raise ShapeError(f"cannot reshape {s} into {attrs['shape']}")
+    return [(tuple(attrs["shape"]), d)]
+
+
+op("reshape", infer=_reshape_rule, ref=lambda xs, a: (xs[0].reshape(a["shape"]),), lower=lambda e, L: [],
+   view=True, vjp=lambda g, x, o, a: [T.reshape(g[0], x[0].shape)], cases=[Case((F(3, 4),), {"shape": (2, 6)})])
+
+
+def _bcast_to_rule(types, attrs, fd):
+    (s, d), = types
+    if _bcast_shape(s, attrs["shape"]) != tuple(attrs["shape"]):
+        raise ShapeError(f"cannot broadcast {s} to {attrs['shape']}")
+    return [(tuple(attrs["shape"]), d)]
+
+
+op("broadcast_to", infer=_bcast_to_rule, ref=lambda xs, a: (np.broadcast_to(xs[0], a["shape"]).copy(),),
+   lower=lambda e, L: strided_rows(L, EW.B_COPY, e.outs[0].shape, (L.off(e.outs[0]), cstrides(e.outs[0].shape)),
+                                   [(L.off(e.ins[0]), bstrides(e.ins[0].shape, e.outs[0].shape))]),
+   vjp=lambda g, x, o, a: [g[0]],   # autodiff's unbroadcast sums it back to the input shape
+   cases=[Case((F(3, 1),), {"shape": (2, 3, 4)})])
+
+
+def _transpose_rule(types, attrs, fd):
+    (s, d), = types
+    if sorted(attrs["perm"]) != list(range(len(s))):
+        raise ShapeError(f"bad axes {attrs['perm']} for a {len(s)}-d input")
+    return [(tuple(s[p] for p in attrs["perm"]), d)]
+
+
+def _lower_transpose(e, L):
+    st = cstrides(e.ins[0].shape)
+    return strided_rows(L, EW.B_COPY, e.outs[0].shape, (L.off(e.outs[0]), cstrides(e.outs[0].shape)),
+                        [(L.off(e.ins[0]), tuple(st[p] for p in e.attrs["perm"]))])
+
+
+op("transpose", infer=_transpose_rule, ref=lambda xs, a: (np.transpose(xs[0], a["perm"]).copy(),),
+   lower=_lower_transpose, vjp=lambda g, x, o, a: [T.transpose(g[0], tuple(np.argsort(a["perm"])))],
+   cases=[Case((F(2, 3, 4),), {"perm": (2, 0, 1)}), Case((F(2, 3, 4, 5),), {"perm": (0, 2, 1, 3)})])
+
+
+def _slice_rule(types, attrs, fd):
+    (s, d), = types
+    return [(tuple(len(range(a, b, c)) for a, b, c in zip(attrs["starts"], attrs["stops"], attrs["steps"])), d)]
+
+
+def _slice_view(shape, a):
+    st = cstrides(shape)
+    return int(np.dot(a["starts"], st)), tuple(s * k for s, k in zip(st, a["steps"]))
+
+
+def _slices(a):
+    return tuple(slice(*t) for t in zip(a["starts"], a["stops"], a["steps"]))
+
+
+def _lower_slice(e, L):
+    off, st = _slice_view(e.ins[0].shape, e.attrs)
+    return strided_rows(L, EW.B_COPY, e.outs[0].shape, (L.off(e.outs[0]), cstrides(e.outs[0].shape)),
+                        [(L.off(e.ins[0]) + off, st)])
+
+
+def _slice_scatter_ref(xs, a):
+    out = np.zeros(a["shape"], xs[0].dtype)
+    out[_slices(a)] = xs[0]
+    return (out,)
+
+
+def _lower_slice_scatter(e, L):
+    off, st = _slice_view(e.outs[0].shape, e.attrs)
+    return [L.row("k_fill", L.off(e.outs[0]), e.outs[0].size, L.const(0.0))] + strided_rows(
+        L, EW.B_COPY, e.ins[0].shape, (L.off(e.outs[0]) + off, st), [(L.off(e.ins[0]), cstrides(e.ins[0].shape))])
+
+
+_sl = {"starts": (1, 0), "stops": (4, 5), "steps": (2, 2)}
+op("slice", infer=_slice_rule, ref=lambda xs, a: (xs[0][_slices(a)].copy(),), lower=_lower_slice,
+   vjp=lambda g, x, o, a: [T.emit("slice_scatter", (g[0],), shape=x[0].shape, **a)],
+   cases=[Case((F(4, 5),), _sl), Case((F(3, 4, 5),), {"starts": (0, 1, 0), "stops": (3, 3, 5), "steps": (1, 1, 1)})])
+op("slice_scatter", infer=lambda t, a, fd: [(tuple(a["shape"]), fd)], ref=_slice_scatter_ref,
+   lower=_lower_slice_scatter, internal=True, cases=[Case((F(2, 3),), dict(_sl, shape=(4, 5)))])
+
+
+def _concat_rule(types, attrs, fd):
+    _float(types, "")
+    ax = attrs["axis"]
+    s0 = types[0][0]
+    for s, _ in types:
+        if len(s) != len(s0) or s[:ax] + s[ax + 1:] != s0[:ax] + s0[ax + 1:]:
+            raise ShapeError(f"all inputs must agree except along axis {ax}")
+    return [(s0[:ax] + (sum(s[ax] for s, _ in types),) + s0[ax + 1:], fd)]
+
+
+def _lower_concat(e, L):
+    out, ax, rows, pos = e.outs[0], e.attrs["axis"], [], 0
+    ost = cstrides(out.shape)
+    for v in e.ins:
+        rows += strided_rows(L, EW.B_COPY, v.shape, (L.off(out) + pos * ost[ax], ost),
+                             [(L.off(v), cstrides(v.shape))])
+        pos += v.shape[ax]
+    return rows
+
+
+def _concat_vjp(g, x, o, a):
+    bounds = np.cumsum([v.shape[a["axis"]] for v in x])[:-1]
+    return T.split(g[0], list(bounds), a["axis"])
+
+
+op("concatenate", infer=_concat_rule, ref=lambda xs, a: (np.concatenate(xs, a["axis"]),), lower=_lower_concat,
+   vjp=_concat_vjp, cases=[Case((F(2, 3), F(2, 4)), {"axis": 1}), Case((F(1, 3), F(2, 3), F(3, 3)), {"axis": 0})])
+
+
+# ----------------------------------------------------------------------------- matmul
+def _matmul_rule(types, attrs, fd):
+    _float(types, "")
+    (sa, _), (sb, _) = types
+    if len(sa) < 2 or len(sb) < 2:
+        raise ShapeError("operands must be at least 2-d")
+    M, K = (sa[-1], sa[-2]) if attrs["ta"] else sa[-2:]
+    K2, N = (sb[-1], sb[-2]) if attrs["tb"] else sb[-2:]
+    if K != K2:
+        raise ShapeError(f"shapes {sa} and {sb} do not align ({K} != {K2})")
+    return [(_bcast_shape(sa[:-2], sb[:-2]) + (M, N), fd)]
+
+
+def _mm_ref(xs, a):
+    x, y = xs
+    x = np.swapaxes(x, -1, -2) if a["ta"] else x
+    y = np.swapaxes(y, -1, -2) if a["tb"] else y
+    return (np.matmul(x, y),)
+
+
+def _lower_matmul(e, L, beta=0):
+    A, B = e.ins
+    C = e.outs[0]
+    M, N = C.shape[-2:]
+    ta, tb = int(e.attrs["ta"]), int(e.attrs["tb"])
+    K = A.shape[-2] if ta else A.shape[-1]
+    batch = C.shape[:-2]
+    consts = (L.scratch, L.one_zero)      # int32 BLAS scratch; a[one_zero] == 1.0, a[one_zero + 1] == 0.0
+    if len(B.shape) == 2 and not ta:      # fold A's batch dims into M: one GEMM
+        return [L.row("k_matmul", L.off(A), L.off(B), L.off(C), 1, int(np.prod(batch, dtype=np.int64)) * M, N, K,
+                      0, 0, 0, ta, tb, beta, *consts)]
+    sa = bstrides(A.shape[:-2] or (1,), batch or (1,))
+    sb = bstrides(B.shape[:-2] or (1,), batch or (1,))
+    ma, mb = A.shape[-2] * A.shape[-1], B.shape[-2] * B.shape[-1]
+    shape, ops_ = (batch or (1,)), [(L.off(C), tuple(s * M * N for s in cstrides(batch or (1,)))),
+                                    (L.off(A), tuple(s * ma for s in sa)), (L.off(B), tuple(s * mb for s in sb))]
+    # collapse batch loops like strided_rows: the innermost batch run becomes nbatch, outer ones rows
+    dims = [[n, [st[i] for _, st in ops_]] for i, n in enumerate(shape) if n != 1] or [[1, [0, 0, 0]]]
+    merged = []
+    for n, st in dims:
+        if merged and all(ps == s * n for ps, s in zip(merged[-1][1], st)):
+            merged[-1] = [merged[-1][0] * n, st]
+        else:
+            merged.append([n, st])
+    (nb, (sc_, sa_, sb_)), outer = merged[-1], merged[:-1]
+    rows = []
+    for idx in np.ndindex(*[n for n, _ in outer]) if outer else [()]:
+        offs = [o for o, _ in ops_]
+        for (n, st), i in zip(outer, idx):
+            offs = [o + i * s for o, s in zip(offs, st)]
+        rows.append(L.row("k_matmul", offs[1], offs[2], offs[0], nb, M, N, K, sa_, sb_, sc_, ta, tb, beta, *consts))
+    return rows
+
+
+def _matmul_vjp(g, x, o, a):
+    A, B = x
+    g = g[0]
+    ta, tb = a["ta"], a["tb"]
+    mm = lambda p, q, t1, t2: T.emit("matmul", (p, q), ta=bool(t1), tb=bool(t2))  # noqa: E731
+    if ta:
+        dA = mm(B, g, 0, 1) if not tb else mm(B, g, 1, 1)
+    else:
+        dA = mm(g, B, 0, not tb)
+    if A.ndim > 2 and B.ndim == 2 and not ta:   # dW of x @ W: fold the batch into one GEMM
+        A2, g2 = T.reshape(A, (-1, A.shape[-1])), T.reshape(g, (-1, g.shape[-1]))
+        dB = mm(A2, g2, 1, 0) if not tb else mm(g2, A2, 1, 0)
+    elif not tb:
+        dB = mm(A, g, not ta, 0) if not ta else mm(A, g, 0, 0)
+    else:
+        dB = mm(g, A, 1, 0) if not ta else mm(g, A, 1, 1)
+    return [dA, dB]
+
+
+op("matmul", infer=_matmul_rule, ref=_mm_ref, lower=_lower_matmul, vjp=_matmul_vjp,
+   cases=[Case((F(3, 4), F(4, 5)), {"ta": False, "tb": False}), Case((F(2, 3, 4), F(4, 5)), {"ta": False, "tb": False}),
+          Case((F(2, 3, 4), F(2, 4, 5)), {"ta": False, "tb": False}), Case((F(3, 4), F(2, 4, 5)), {"ta": False, "tb": False}),
+          Case((F(4, 3), F(4, 5)), {"ta": True, "tb": False}), Case((F(3, 4), F(5, 4)), {"ta": False, "tb": True}),
+          Case((F(2, 4, 3), F(2, 5, 4)), {"ta": True, "tb": True}), Case((F(2, 1, 3, 4), F(3, 4, 2)), {"ta": False, "tb": False})])
+
+
+# ----------------------------------------------------------------------------- gather
+def _take_rule(types, attrs, fd):
+    (st, dt), (si, di) = types
+    if dt == "i32" or di != "i32":
+        raise ShapeError("take needs a float table and an integer index array")
+    if not st:
+        raise ShapeError("cannot index a 0-d value")
+    return [(tuple(si) + tuple(st[1:]), fd)]
+
+
+def _row_len(shape):
+    return int(np.prod(shape[1:], dtype=np.int64))
+
+
+op("take", infer=_take_rule, ref=lambda xs, a: (xs[0][xs[1]],),
+   lower=lambda e, L: [L.row("k_gather_rows", L.off(e.ins[0]), L.off(e.ins[1]), L.off(e.outs[0]), e.ins[1].size,
+                             _row_len(e.ins[0].shape))],
+   vjp=lambda g, x, o, a: [T.emit("take_grad", (g[0], x[1]), rows=x[0].shape[0]), None],
+   cases=[Case((F(5, 3), ("i", (4, 2), 5))), Case((F(6), ("i", (7,), 6)))])
+
+
+def _take_grad_ref(xs, a):
+    g, idx = xs
+    out = np.zeros((a["rows"],) + g.shape[idx.ndim:], g.dtype)
+    np.add.at(out, idx, g)
+    return (out,)
+
+
+op("take_grad", infer=lambda t, a, fd: [((a["rows"],) + tuple(t[0][0][len(t[1][0]):]), fd)], ref=_take_grad_ref,
+   internal=True, cases=[Case((F(4, 2, 3), ("i", (4, 2), 5)), {"rows": 5})],
+   lower=lambda e, L: [L.row("k_scatter_add_rows", L.off(e.ins[0]), L.off(e.ins[1]), L.off(e.outs[0]), e.ins[1].size,
+                             e.attrs["rows"], _row_len(e.outs[0].shape))])
+
+
+# ----------------------------------------------------------------------------- softmax family
+def _rows(v):
+    return v.size // v.shape[-1], v.shape[-1]
+
+
+def _softmax_ref(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _logsoftmax_ref(x):
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def _softmax_op(name, sub, ref, gref):
+    op(name, infer=same_as_input, ref=lambda xs, a: (ref(xs[0]),),
+       lower=lambda e, L: [L.row("k_softmax", sub, L.off(e.outs[0]), L.off(e.ins[0]), *_rows(e.ins[0]))],
+       vjp=lambda g, x, o, a: [T.emit(name + "_grad", (o[0], g[0]))], cases=[Case((F(3, 5),)), Case((F(2, 3, 4),))])
+    op(name + "_grad", infer=same_as_input, ref=lambda xs, a: (gref(*xs),), internal=True,
+       lower=lambda e, L: [L.row("k_softmax_bwd", sub, L.off(e.outs[0]), L.off(e.ins[0]), L.off(e.ins[1]),
+                                 *_rows(e.ins[0]))], cases=[Case((F(3, 5), F(3, 5)))])
+
+
+_softmax_op("softmax", 0, _softmax_ref, lambda y, g: y * (g - (g * y).sum(-1, keepdims=True)))
+_softmax_op("log_softmax", 1, _logsoftmax_ref, lambda y, g: g - np.exp(y) * g.sum(-1, keepdims=True))
+
+
+def _ce_rule(types, attrs, fd):
+    (sl, dl), (st, dt) = types
+    if dl == "i32" or dt != "i32":
+        raise ShapeError("cross_entropy needs float logits and integer targets")
+    if tuple(sl[:-1]) != tuple(st):
+        raise ShapeError(f"targets shape {st} must equal logits shape {sl} without its last axis")
+    return [((), fd), (tuple(sl), fd)]
+
+
+def _ce_ref(xs, a):
+    logits, t = xs
+    lp = _logsoftmax_ref(logits).reshape(-1, logits.shape[-1])
+    return (np.asarray(-lp[np.arange(lp.shape[0]), t.ravel()].mean()), np.exp(lp).reshape(logits.shape))
+
+
+def _ce_grad_ref(xs, a):
+    p, t, g = xs
+    p2 = p.reshape(-1, p.shape[-1]).copy()
+    p2[np.arange(p2.shape[0]), t.ravel()] -= 1
+    return ((p2 * g / p2.shape[0]).reshape(p.shape),)
+
+
+op("cross_entropy", infer=_ce_rule, ref=_ce_ref,
+   lower=lambda e, L: [L.row("k_ce_fwd", L.off(e.ins[0]), L.off(e.ins[1]), L.off(e.outs[0]), L.off(e.outs[1]),
+                             *_rows(e.ins[0]))],
+   vjp=lambda g, x, o, a: [T.emit("cross_entropy_grad", (o[1], x[1], g[0])), None],
+   cases=[Case((F(4, 5), ("i", (4,), 5))), Case((F(2, 3, 7), ("i", (2, 3), 7)))])
+op("cross_entropy_grad", infer=lambda t, a, fd: [(t[0][0], fd)], ref=_ce_grad_ref, internal=True,
+   lower=lambda e, L: [L.row("k_ce_bwd", L.off(e.ins[0]), L.off(e.ins[1]), L.off(e.ins[2]), L.off(e.outs[0]),
+                             *_rows(e.ins[0]))], cases=[Case((F(4, 5), ("i", (4,), 5), F()))])
+
+
+# ----------------------------------------------------------------------------- fused transformer ops
+def _ln_rule(types, attrs, fd):
+    _float(types, "")
+    (sx, _), (sw, _), (sb, _) = types
+    if not sx or tuple(sw) != sx[-1:] or tuple(sb) != sx[-1:]:
+        raise ShapeError(f"weight and bias must have shape ({sx[-1] if sx else '?'},)")
+    m = int(np.prod(sx[:-1], dtype=np.int64))
+    return [(tuple(sx), fd), ((m,), fd), ((m,), fd)]
+
+
+def _ln_ref(xs, a):
+    x, w, b = xs
+    mu = x.mean(-1, keepdims=True)
+    rs = 1.0 / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + a["eps"])
+    return ((x - mu) * rs * w + b, mu.ravel(), rs.ravel())
+
+
+def _ln_grad_ref(xs, a):
+    x, w, mu, rs, gy = xs
+    C = x.shape[-1]
+    x2, g2 = x.reshape(-1, C), gy.reshape(-1, C)
+    xh = (x2 - mu[:, None]) * rs[:, None]
+    gx = g2 * w
+    dx = rs[:, None] * (gx - gx.mean(-1, keepdims=True) - xh * (gx * xh).mean(-1, keepdims=True))
+    return (dx.reshape(x.shape), (g2 * xh).sum(0), g2.sum(0))
+
+
+def _ln_grad_rule(types, attrs, fd):
+    return [(types[0][0], fd), (types[1][0], fd), (types[1][0], fd)]
+
+
+op("layernorm", infer=_ln_rule, ref=_ln_ref,
+   lower=lambda e, L: [L.row("k_layernorm_fwd", *[L.off(v) for v in e.ins + e.outs], *_rows(e.ins[0]),
+                             L.const(e.attrs["eps"]))],
+   vjp=lambda g, x, o, a: list(T.emit("layernorm_grad", (x[0], x[1], o[1], o[2], g[0]), **a)),
+   cases=[Case((F(3, 6), F(6), F(6)), {"eps": 1e-5}), Case((F(2, 3, 5), F(5), F(5)), {"eps": 1e-5})])
+op("layernorm_grad", infer=_ln_grad_rule, ref=_ln_grad_ref, internal=True,
+   lower=lambda e, L: [L.row("k_layernorm_bwd", *[L.off(v) for v in e.ins + e.outs], *_rows(e.ins[0]))],
+   cases=[Case((F(3, 6), F(6), F(3), F(3, dom="pos"), F(3, 6)), {"eps": 1e-5})])
+
+
+def _attn_rule(types, attrs, fd):
+    _float(types, "")
+    (s, _), = types
+    nh = attrs["n_head"]
+    if len(s) != 3 or s[2] % 3 or (s[2] // 3) % nh:
+        raise ShapeError(f"qkv must be (B, T, 3*C) with C divisible by n_head={nh}")
+    B, T_, C3 = s
+    return [((B, T_, C3 // 3), fd), ((B, nh, T_, T_), fd)]
+
+
+def _attn_ref(xs, a):
+    qkv = xs[0]
+    B, T_, C3 = qkv.shape
+    C, nh = C3 // 3, a["n_head"]
+    q, k, v = (qkv[..., i * C:(i + 1) * C].reshape(B, T_, nh, C // nh).transpose(0, 2, 1, 3) for i in range(3))
+    att = q @ k.transpose(0, 1, 3, 2) / math.sqrt(C // nh)
+    att = np.where(np.tril(np.ones((T_, T_), bool)), att, -np.inf)
+    p = _softmax_ref(att)
+    return ((p @ v).transpose(0, 2, 1, 3).reshape(B, T_, C), p)
+
+
+def _attn_grad_ref(xs, a):
+    qkv, p, gy = xs
+    B, T_, C3 = qkv.shape
+    C, nh = C3 // 3, a["n_head"]
+    hs = C // nh
+    q, k, v = (qkv[..., i * C:(i + 1) * C].reshape(B, T_, nh, hs).transpose(0, 2, 1, 3) for i in range(3))
+    gy = gy.reshape(B, T_, nh, hs).transpose(0, 2, 1, 3)
+    dv = p.transpose(0, 1, 3, 2) @ gy
+    dp = gy @ v.transpose(0, 1, 3, 2)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / math.sqrt(hs)
+    dq, dk = ds @ k, ds.transpose(0, 1, 3, 2) @ q
+    return (np.concatenate([d.transpose(0, 2, 1, 3).reshape(B, T_, C) for d in (dq, dk, dv)], -1),)
+
+
+def _attn_lower(kernel):
+    def lower(e, L):
+        B, T_ = e.ins[0].shape[:2]
+        C, nh = e.ins[0].shape[2] // 3, e.attrs["n_head"]
+        return [L.row(kernel, *[L.off(v) for v in e.ins + e.outs], B, T_, C, nh, L.const(1.0 / math.sqrt(C // nh)))]
+    return lower
+
+
+op("causal_attention", infer=_attn_rule, ref=_attn_ref, lower=_attn_lower("k_attn_fwd"),
+   vjp=lambda g, x, o, a: [T.emit("causal_attention_grad", (x[0], o[1], g[0]), **a)],
+   cases=[Case((F(2, 4, 12),), {"n_head": 2}), Case((F(1, 3, 6),), {"n_head": 1})])
+op("causal_attention_grad", infer=lambda t, a, fd: [(t[0][0], fd)], ref=_attn_grad_ref, internal=True,
+   lower=_attn_lower("k_attn_bwd"), cases=[])

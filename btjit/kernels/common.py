@@ -1,0 +1,152 @@
+# Shared kernel machinery: the FM njit options, dtype-generic scalar helpers usable inside njit
+# (`cvt` cast-to-arena-dtype, `fexp` vectorizable exp, `ftanh` vectorizable tanh) and `gemm`, a row-major
+# GEMM that calls OpenBLAS sgemm/dgemm directly through scipy.linalg.cython_blas (KERNEL_NOTES §7).
+import math
+
+import numpy as np
+import llvmlite.binding as llvm
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import get_cython_function_address, intrinsic, overload
+
+FM = dict(fastmath={'nsz', 'arcp', 'contract', 'afn', 'reassoc'}, error_model='numpy', boundscheck=False)
+
+f32 = np.float32
+
+
+# ---------------------------------------------------------------- scalar helpers (dtype dispatch via overload)
+def cvt(a, x):
+    """x converted to the dtype of array `a` (float32 arena -> float32 scalar). Use for precision-sensitive
+    literals and int->float conversions in kernels generic over the arena dtype."""
+    return a.dtype.type(x)
+
+
+@overload(cvt, jit_options=FM, inline='always')
+def _ov_cvt(a, x):
+    if isinstance(a, types.Array) and a.dtype == types.float32:
+        return lambda a, x: np.float32(x)
+    return lambda a, x: np.float64(x)
+
+
+@intrinsic
+def i32_as_f32(typingctx, x):
+    """Bit-cast int32 -> float32 (vectorizes)."""
+    if x != types.int32:
+        return None
+
+    def impl(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), impl
+
+
+def fexp(x):
+    """exp(x). Inside njit: float32 -> branch-free Cephes polynomial (max rel err ~1.2e-7, input clamped to
+    [-87, 88], vectorizes); float64 -> math.exp."""
+    return np.exp(x)
+
+
+def _fexp32(x):
+    x = min(max(x, f32(-87.0)), f32(88.0))
+    n = math.floor(x * f32(1.4426950408889634) + f32(0.5))
+    fn = f32(n)
+    r = x - fn * f32(0.693359375) + fn * f32(2.12194440e-4)
+    p = f32(1.9875691500e-4)
+    p = p * r + f32(1.3981999507e-3)
+    p = p * r + f32(8.3334519073e-3)
+    p = p * r + f32(4.1665795894e-2)
+    p = p * r + f32(1.6666665459e-1)
+    p = p * r + f32(5.0000001201e-1)
+    p = p * r * r + r + f32(1.0)
+    return p * i32_as_f32(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
+
+
+def _exp64(x):
+    return math.exp(x)
+
+
+@overload(fexp, jit_options=FM)
+def _ov_fexp(x):
+    if x == types.float32:
+        return _fexp32
+    if isinstance(x, (types.Float, types.Integer)):
+        return _exp64
+
+
+def ftanh(x):
+    """tanh(x). Inside njit: float32 -> Eigen's rational approximation (abs err ~3e-7, vectorizes);
+    float64 -> math.tanh."""
+    return np.tanh(x)
+
+
+def _ftanh32(x):
+    x = min(max(x, f32(-7.90531110763549805)), f32(7.90531110763549805))
+    x2 = x * x
+    p = f32(-2.76076847742355e-16)
+    p = p * x2 + f32(2.00018790482477e-13)
+    p = p * x2 + f32(-8.60467152213735e-11)
+    p = p * x2 + f32(5.12229709037114e-08)
+    p = p * x2 + f32(1.48572235717979e-05)
+    p = p * x2 + f32(6.37261928875436e-04)
+    p = p * x2 + f32(4.89352455891786e-03)
+    q = f32(1.19825839466702e-06)
+    q = q * x2 + f32(1.18534705686654e-04)
+    q = q * x2 + f32(2.26843463243900e-03)
+    q = q * x2 + f32(4.89352518554385e-03)
+    return x * p / q
+
+
+def _tanh64(x):
+    return math.tanh(x)
+
+
+@overload(ftanh, jit_options=FM)
+def _ov_ftanh(x):
+    if x == types.float32:
+        return _ftanh32
+    if isinstance(x, (types.Float, types.Integer)):
+        return _tanh64
+
+
+# ---------------------------------------------------------------- direct BLAS gemm
+# The BLAS entry points are bound as named external symbols (llvmlite.add_symbol), not ctypes pointers:
+# a ctypes pointer is a "dynamic global" that stops numba from caching every caller on disk, and a
+# baked-in address would be wrong in the next process. The symbols are re-registered at every import.
+llvm.add_symbol("btjit_sgemm", get_cython_function_address('scipy.linalg.cython_blas', 'sgemm'))
+llvm.add_symbol("btjit_dgemm", get_cython_function_address('scipy.linalg.cython_blas', 'dgemm'))
+_sgemm = types.ExternalFunction("btjit_sgemm", types.void(*([types.voidptr] * 13)))
+_dgemm = types.ExternalFunction("btjit_dgemm", types.void(*([types.voidptr] * 13)))
+
+
+@intrinsic
+def ptr(typingctx, arr, off):
+    """void* to arr[off]; no bounds check."""
+    def impl(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.bitcast(builder.gep(ary.data, [args[1]]), ir.IntType(8).as_pointer())
+    return types.voidptr(arr, off), impl
+
+
+@njit(**FM)
+def gemm(a, ia, osc, oconst, ta, tb, M, N, K, oA, lda, oB, ldb, oC, ldc, beta):
+    """Row-major C[M,N] = op(A)[M,K] @ op(B)[K,N] (+ C if beta == 1), all three inside arena `a`.
+    op(A) = A (stored (M,K), lda >= K) if ta == 0 else A^T (A stored (K,M), lda >= M); likewise B/tb.
+    osc: 8 free int32 slots in ia (BLAS char/int args). oconst: a[oconst] == 1.0, a[oconst+1] == 0.0.
+    float32 arena -> sgemm, float64 -> dgemm. Implemented as column-major C^T = op(B)^T op(A)^T."""
+    if M <= 0 or N <= 0:
+        return
+    p = ia[osc:osc + 8]
+    p[0] = 78                                    # 'N'
+    p[1] = 84                                    # 'T'
+    p[2] = N
+    p[3] = M
+    p[4] = K
+    p[5] = max(ldb, 1)
+    p[6] = max(lda, 1)
+    p[7] = max(ldc, 1)
+    ob = oconst if beta == 1 else oconst + 1
+    if a.itemsize == 4:
+        _sgemm(ptr(p, tb), ptr(p, ta), ptr(p, 2), ptr(p, 3), ptr(p, 4), ptr(a, oconst), ptr(a, oB), ptr(p, 5),
+               ptr(a, oA), ptr(p, 6), ptr(a, ob), ptr(a, oC), ptr(p, 7))
+    else:
+        _dgemm(ptr(p, tb), ptr(p, ta), ptr(p, 2), ptr(p, 3), ptr(p, 4), ptr(a, oconst), ptr(a, oB), ptr(p, 5),
+               ptr(a, oA), ptr(p, 6), ptr(a, ob), ptr(a, oC), ptr(p, 7))

@@ -1,0 +1,159 @@
+"""Elementwise kernels: unary maps, same-shape / scalar-operand binary maps, a general strided kernel
+(broadcasting, transposes, slices, select) and fills. Sub-op codes below are shared with graph/ops.py.
+
+Rows (see notes/CONVENTIONS.md):
+  k_unary   r = [op, sub, oout, oin, n, oc]              out = f(in) (a[oc] = exponent for POW)
+  k_binary  r = [op, sub, oout, o1, o2, n, mode]          mode 0: both length n; 1: in2 scalar; 2: in1 scalar
+  k_strided r = [op, sub, oout, o1, o2, o3, n0..n3, so0..so3, s1_0..s1_3, s2_0..s2_3, s3_0..s3_3]
+            4-D loop nest with element strides for the output and up to three inputs (stride 0 = broadcast).
+            sub < 32: binary op of in1, in2 (COPY uses in1 only); SELECT: out = in2 if in1 != 0 else in3.
+  k_fill    r = [op, oout, n, oc]                          out[:n] = a[oc]
+"""
+import math
+
+import numpy as np
+from numba import njit
+
+from .common import FM, fexp, ftanh
+
+# unary sub-ops
+U_COPY, U_NEG, U_EXP, U_LOG, U_TANH, U_RELU, U_SIGMOID, U_SQRT, U_POW, U_ABS = range(10)
+# binary sub-ops (also used by k_strided); COPY = unary copy of in1
+(B_ADD, B_SUB, B_MUL, B_DIV, B_MAX, B_MIN, B_POW, B_EQ, B_GT, B_GE, B_LT, B_LE, B_NE,
+ B_TANH_GRAD, B_RELU_GRAD, B_SIGMOID_GRAD, B_COPY) = range(17)
+S_SELECT = 32
+
+_z = np.float32(0.0)
+_one = np.float32(1.0)
+
+
+@njit(inline="always", **FM)
+def _unary(sub, x, c):
+    if sub == U_COPY:
+        return x
+    elif sub == U_NEG:
+        return -x
+    elif sub == U_EXP:
+        return fexp(x)
+    elif sub == U_LOG:
+        return math.log(x)
+    elif sub == U_TANH:
+        return ftanh(x)
+    elif sub == U_RELU:
+        return x if x > _z else x * _z
+    elif sub == U_SIGMOID:
+        return _one / (_one + fexp(-x))
+    elif sub == U_SQRT:
+        return math.sqrt(x)
+    elif sub == U_POW:
+        return x ** c
+    else:
+        return abs(x)
+
+
+@njit(inline="always", **FM)
+def _binary(sub, x, y):
+    if sub == B_ADD:
+        return x + y
+    elif sub == B_SUB:
+        return x - y
+    elif sub == B_MUL:
+        return x * y
+    elif sub == B_DIV:
+        return x / y
+    elif sub == B_MAX:
+        return x if x >= y else y
+    elif sub == B_MIN:
+        return x if x <= y else y
+    elif sub == B_POW:
+        return x ** y
+    elif sub == B_EQ:
+        return _one if x == y else _z
+    elif sub == B_GT:
+        return _one if x > y else _z
+    elif sub == B_GE:
+        return _one if x >= y else _z
+    elif sub == B_LT:
+        return _one if x < y else _z
+    elif sub == B_LE:
+        return _one if x <= y else _z
+    elif sub == B_NE:
+        return _one if x != y else _z
+    elif sub == B_TANH_GRAD:          # x = tanh output, y = upstream grad
+        return y * (_one - x * x)
+    elif sub == B_RELU_GRAD:          # x = relu input, y = upstream grad
+        return y if x > _z else y * _z
+    elif sub == B_SIGMOID_GRAD:       # x = sigmoid output, y = upstream grad
+        return y * x * (_one - x)
+    else:                             # B_COPY
+        return x
+
+
+@njit(**FM)
+def k_unary(a, ia, r):
+    sub = r[1]
+    n = r[4]
+    out = a[r[2]:r[2] + n]
+    x = a[r[3]:r[3] + n]
+    c = a[r[5]]
+    for i in range(n):
+        out[i] = _unary(sub, x[i], c)
+
+
+@njit(**FM)
+def k_binary(a, ia, r):
+    sub = r[1]
+    n = r[5]
+    mode = r[6]
+    out = a[r[2]:r[2] + n]
+    if mode == 0:
+        x = a[r[3]:r[3] + n]
+        y = a[r[4]:r[4] + n]
+        for i in range(n):
+            out[i] = _binary(sub, x[i], y[i])
+    elif mode == 1:
+        x = a[r[3]:r[3] + n]
+        y = a[r[4]]
+        for i in range(n):
+            out[i] = _binary(sub, x[i], y)
+    else:
+        x = a[r[3]]
+        y = a[r[4]:r[4] + n]
+        for i in range(n):
+            out[i] = _binary(sub, x, y[i])
+
+
+@njit(**FM)
+def k_strided(a, ia, r):
+    sub = r[1]
+    oo, o1, o2, o3 = r[2], r[3], r[4], r[5]
+    n0, n1, n2, n3 = r[6], r[7], r[8], r[9]
+    so0, so1, so2, so3 = r[10], r[11], r[12], r[13]
+    p0, p1, p2, p3 = r[14], r[15], r[16], r[17]
+    q0, q1, q2, q3 = r[18], r[19], r[20], r[21]
+    t0, t1, t2, t3 = r[22], r[23], r[24], r[25]
+    for i0 in range(n0):
+        for i1 in range(n1):
+            for i2 in range(n2):
+                bo = oo + i0 * so0 + i1 * so1 + i2 * so2
+                b1 = o1 + i0 * p0 + i1 * p1 + i2 * p2
+                b2 = o2 + i0 * q0 + i1 * q1 + i2 * q2
+                if sub == S_SELECT:
+                    b3 = o3 + i0 * t0 + i1 * t1 + i2 * t2
+                    for i3 in range(n3):
+                        a[bo + i3 * so3] = a[b2 + i3 * q3] if a[b1 + i3 * p3] != _z else a[b3 + i3 * t3]
+                elif sub == B_COPY:
+                    for i3 in range(n3):
+                        a[bo + i3 * so3] = a[b1 + i3 * p3]
+                else:
+                    for i3 in range(n3):
+                        a[bo + i3 * so3] = _binary(sub, a[b1 + i3 * p3], a[b2 + i3 * q3])
+
+
+@njit(**FM)
+def k_fill(a, ia, r):
+    n = r[2]
+    out = a[r[1]:r[1] + n]
+    v = a[r[3]]
+    for i in range(n):
+        out[i] = v

@@ -1,0 +1,38 @@
+# Linear-algebra tape kernels: batched (optionally broadcast) row-major matmul through direct BLAS
+# (sgemm for float32 arenas, dgemm for float64) via btjit.kernels.common.gemm.
+from numba import njit
+
+from btjit.kernels.common import FM, gemm
+
+
+@njit(**FM)
+def k_matmul(a, ia, r):
+    """Batched matmul: C_i (M,N) = op(A_i) @ op(B_i)  (+ C_i if beta == 1)  for i in range(nbatch).
+
+    r = [op, oA, oB, oC, nbatch, M, N, K, sA, sB, sC, ta, tb, beta, oscratch, oconst]
+      A_i at a[oA + i*sA]: stored row-major (M,K) if ta == 0, else stored (K,M) and used transposed.
+      B_i at a[oB + i*sB]: stored row-major (K,N) if tb == 0, else stored (N,K) and used transposed.
+      C_i at a[oC + i*sC], row-major (M,N). sA / sB may be 0 (operand broadcast over the batch).
+      beta: 0 -> overwrite C, 1 -> accumulate into C.
+      oscratch: offset in ia of 8 free int32 slots (BLAS int/char arguments).
+      oconst: offset in a with a[oconst] == 1.0 and a[oconst+1] == 0.0 (alpha / beta values).
+    """
+    oA = r[1]
+    oB = r[2]
+    oC = r[3]
+    nbatch = r[4]
+    M = r[5]
+    N = r[6]
+    K = r[7]
+    sA = r[8]
+    sB = r[9]
+    sC = r[10]
+    ta = r[11]
+    tb = r[12]
+    beta = r[13]
+    osc = r[14]
+    oconst = r[15]
+    lda = M if ta == 1 else K
+    ldb = K if tb == 1 else N
+    for i in range(nbatch):
+        gemm(a, ia, osc, oconst, ta, tb, M, N, K, oA + i * sA, lda, oB + i * sB, ldb, oC + i * sC, N, beta)

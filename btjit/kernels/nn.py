@@ -1,0 +1,350 @@
+# Neural-net tape kernels, generic over float32/float64 arenas: LayerNorm fwd/bwd, fused causal multi-head
+# self-attention fwd/bwd (q,k,v as column blocks of one qkv buffer), softmax cross-entropy fwd/bwd,
+# tanh-GELU fwd/bwd, embedding gather / scatter-add. Row layouts are in each docstring; outputs overwrite.
+import math
+
+import numpy as np
+from numba import njit
+
+from btjit.kernels.common import FM, cvt, fexp
+
+f32 = np.float32
+
+
+# ---------------------------------------------------------------- LayerNorm
+@njit(**FM)
+def k_layernorm_fwd(a, ia, r):
+    """y = (x - mean) * rstd * g + b over the last dim C (biased variance, like torch).
+
+    r = [op, ox, og, ob, oy, omean, orstd, M, C, oeps]
+      x, y: (M, C); g, b: (C,); mean, rstd: (M,) saved for the backward; eps = a[oeps].
+    """
+    ox = r[1]; og = r[2]; ob = r[3]; oy = r[4]; omean = r[5]; orstd = r[6]; M = r[7]; C = r[8]
+    eps = a[r[9]]
+    one = cvt(a, 1.0)
+    zero = cvt(a, 0.0)
+    invC = one / cvt(a, C)
+    g = a[og:og + C]
+    b = a[ob:ob + C]
+    mean = a[omean:omean + M]
+    rstd = a[orstd:orstd + M]
+    for i in range(M):
+        x = a[ox + i * C:ox + i * C + C]
+        y = a[oy + i * C:oy + i * C + C]
+        s = zero
+        for c in range(C):
+            s += x[c]
+        mu = s * invC
+        v = zero
+        for c in range(C):
+            d = x[c] - mu
+            v += d * d
+        rs = one / math.sqrt(v * invC + eps)
+        mean[i] = mu
+        rstd[i] = rs
+        for c in range(C):
+            y[c] = (x[c] - mu) * rs * g[c] + b[c]
+
+
+@njit(**FM)
+def k_layernorm_bwd(a, ia, r):
+    """LayerNorm backward from the saved mean/rstd.
+
+    r = [op, ox, og, omean, orstd, ody, odx, odg, odb, M, C]
+      x, dy, dx: (M, C); g, dg, db: (C,); mean, rstd: (M,). Writes dx, dg, db (overwrite).
+    """
+    ox = r[1]; og = r[2]; omean = r[3]; orstd = r[4]; ody = r[5]; odx = r[6]; odg = r[7]; odb = r[8]
+    M = r[9]; C = r[10]
+    zero = cvt(a, 0.0)
+    invC = cvt(a, 1.0) / cvt(a, C)
+    g = a[og:og + C]
+    dg = a[odg:odg + C]
+    db = a[odb:odb + C]
+    for c in range(C):
+        dg[c] = zero
+        db[c] = zero
+    for i in range(M):
+        x = a[ox + i * C:ox + i * C + C]
+        dy = a[ody + i * C:ody + i * C + C]
+        dx = a[odx + i * C:odx + i * C + C]
+        mu = a[omean + i]
+        rs = a[orstd + i]
+        s1 = zero
+        s2 = zero
+        for c in range(C):
+            gy = dy[c] * g[c]
+            s1 += gy
+            s2 += gy * (x[c] - mu)
+        m1 = s1 * invC
+        m2 = s2 * rs * invC
+        for c in range(C):
+            xh = (x[c] - mu) * rs
+            dx[c] = (dy[c] * g[c] - m1 - xh * m2) * rs
+            dg[c] += dy[c] * xh
+            db[c] += dy[c]
+
+
+# ---------------------------------------------------------------- causal multi-head self-attention
+@njit(**FM)
+def k_attn_fwd(a, ia, r):
+    """Causal multi-head self-attention forward, one (sequence, head, query) row at a time.
+
+    r = [op, oqkv, oy, oP, B, T, C, NH, oscale]
+      qkv: (B*T, 3C), q cols [0,C), k [C,2C), v [2C,3C); head h uses cols h*hs..h*hs+hs-1 of each block,
+      hs = C // NH. y: (B*T, C), y[b*T+t, h*hs+d]. P: (B*NH*T, T) saved softmax probabilities, row
+      (b*NH+h)*T+t, zeros above the diagonal. scale = a[oscale] (the caller stores 1/sqrt(hs)).
+    """
+    oqkv = r[1]; oy = r[2]; oP = r[3]; B = r[4]; T = r[5]; C = r[6]; NH = r[7]
+    scale = a[r[8]]
+    hs = C // NH
+    C3 = 3 * C
+    BT = B * T
+    zero = cvt(a, 0.0)
+    one = cvt(a, 1.0)
+    QKV = a[oqkv:oqkv + BT * C3].reshape(BT, C3)
+    Y = a[oy:oy + BT * C].reshape(BT, C)
+    P = a[oP:oP + B * NH * T * T].reshape(B * NH * T, T)
+    for b in range(B):
+        r0 = b * T
+        for h in range(NH):
+            qo = h * hs
+            ko = C + qo
+            vo = 2 * C + qo
+            pr = (b * NH + h) * T
+            for t in range(T):
+                p = P[pr + t]
+                q = QKV[r0 + t]
+                for s in range(t + 1):
+                    k = QKV[r0 + s]
+                    sc = zero
+                    for d in range(hs):
+                        sc += q[qo + d] * k[ko + d]
+                    p[s] = sc * scale
+                mx = p[0]
+                for s in range(1, t + 1):
+                    x = p[s]
+                    mx = x if x > mx else mx
+                tot = zero
+                for s in range(t + 1):
+                    e = fexp(p[s] - mx)
+                    p[s] = e
+                    tot += e
+                inv = one / tot
+                for s in range(t + 1):
+                    p[s] *= inv
+                for s in range(t + 1, T):
+                    p[s] = zero
+                y = Y[r0 + t]
+                for d in range(hs):
+                    acc = zero
+                    for s in range(t + 1):
+                        acc += p[s] * QKV[r0 + s, vo + d]
+                    y[qo + d] = acc
+
+
+@njit(**FM)
+def k_attn_bwd(a, ia, r):
+    """Causal multi-head self-attention backward from the saved probabilities P.
+
+    r = [op, oqkv, oP, ody, odqkv, B, T, C, NH, oscale]
+      layouts as in k_attn_fwd; dy: (B*T, C). Writes dqkv (B*T, 3C) (overwrite).
+    """
+    oqkv = r[1]; oP = r[2]; ody = r[3]; odqkv = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
+    scale = a[r[9]]
+    hs = C // NH
+    C3 = 3 * C
+    BT = B * T
+    zero = cvt(a, 0.0)
+    QKV = a[oqkv:oqkv + BT * C3].reshape(BT, C3)
+    DQKV = a[odqkv:odqkv + BT * C3].reshape(BT, C3)
+    DY = a[ody:ody + BT * C].reshape(BT, C)
+    P = a[oP:oP + B * NH * T * T].reshape(B * NH * T, T)
+    for i in range(BT):
+        row = DQKV[i]
+        for c in range(C3):
+            row[c] = zero
+    for b in range(B):
+        r0 = b * T
+        for h in range(NH):
+            qo = h * hs
+            ko = C + qo
+            vo = 2 * C + qo
+            pr = (b * NH + h) * T
+            for t in range(T):
+                p = P[pr + t]
+                dy = DY[r0 + t]
+                q = QKV[r0 + t]
+                dq = DQKV[r0 + t]
+                # pass 1: dv_s += p_s * dy_t ; dot = sum_s p_s * <dy_t, v_s>
+                dot = zero
+                for s in range(t + 1):
+                    ps = p[s]
+                    v = QKV[r0 + s]
+                    dv = DQKV[r0 + s]
+                    gs = zero
+                    for d in range(hs):
+                        gs += dy[qo + d] * v[vo + d]
+                        dv[vo + d] += ps * dy[qo + d]
+                    dot += gs * ps
+                # pass 2: dS_s = p_s * (<dy_t, v_s> - dot) * scale ; dq_t += dS_s k_s ; dk_s += dS_s q_t
+                for s in range(t + 1):
+                    kv = QKV[r0 + s]
+                    dk = DQKV[r0 + s]
+                    gs = zero
+                    for d in range(hs):
+                        gs += dy[qo + d] * kv[vo + d]
+                    ds = p[s] * (gs - dot) * scale
+                    for d in range(hs):
+                        dq[qo + d] += ds * kv[ko + d]
+                        dk[ko + d] += ds * q[qo + d]
+
+
+# ---------------------------------------------------------------- softmax cross-entropy
+@njit(**FM)
+def k_ce_fwd(a, ia, r):
+    """Mean softmax cross-entropy (max-subtracted, fexp).
+
+    r = [op, ologits, otarget, oloss, oprobs, M, V]
+      logits, probs: (M, V) in a; targets: int32 ia[otarget:otarget+M], each in [0, V) (not checked).
+      Writes a[oloss] (mean loss) and probs.
+    """
+    ol = r[1]; ot = r[2]; oloss = r[3]; op_ = r[4]; M = r[5]; V = r[6]
+    zero = cvt(a, 0.0)
+    one = cvt(a, 1.0)
+    V4 = V - V % 4
+    tot = 0.0
+    for i in range(M):
+        l = a[ol + i * V:ol + i * V + V]
+        d = a[op_ + i * V:op_ + i * V + V]
+        m0 = l[0]; m1 = m0; m2 = m0; m3 = m0        # 4 independent max chains
+        for j in range(0, V4, 4):
+            x0 = l[j]; x1 = l[j + 1]; x2 = l[j + 2]; x3 = l[j + 3]
+            m0 = x0 if x0 > m0 else m0
+            m1 = x1 if x1 > m1 else m1
+            m2 = x2 if x2 > m2 else m2
+            m3 = x3 if x3 > m3 else m3
+        for j in range(V4, V):
+            x0 = l[j]
+            m0 = x0 if x0 > m0 else m0
+        m0 = m0 if m0 > m1 else m1
+        m2 = m2 if m2 > m3 else m3
+        mx = m0 if m0 > m2 else m2
+        s = zero
+        for j in range(V):
+            e = fexp(l[j] - mx)
+            d[j] = e
+            s += e
+        inv = one / s
+        for j in range(V):
+            d[j] *= inv
+        t = ia[ot + i]
+        tot += math.log(s) + (mx - l[t])
+    a[oloss] = tot / M
+
+
+@njit(**FM)
+def k_ce_bwd(a, ia, r):
+    """Cross-entropy backward: dlogits = (probs - onehot(target)) * a[og] / M  (overwrite).
+
+    r = [op, oprobs, otarget, og, odlogits, M, V]
+      probs, dlogits: (M, V); targets int32 ia[otarget:otarget+M]; a[og]: upstream grad of the mean loss.
+    """
+    op_ = r[1]; ot = r[2]; og = r[3]; od = r[4]; M = r[5]; V = r[6]
+    sc = a[og] / cvt(a, M)
+    for i in range(M):
+        p = a[op_ + i * V:op_ + i * V + V]
+        d = a[od + i * V:od + i * V + V]
+        for j in range(V):
+            d[j] = p[j] * sc
+        d[ia[ot + i]] -= sc
+
+
+# ---------------------------------------------------------------- GELU (tanh approximation)
+# 0.5 (1 + tanh(u)) == sigmoid(2u), so gelu(x) = x * sig(t), t = 2u, computed from e = exp(-|t|) in (0, 1]:
+# sig = 1/(1+e) (t >= 0) or e/(1+e) (t < 0), and sig (1 - sig) = e/(1+e)^2. This keeps full relative
+# accuracy in the tails (1 - tanh^2 from an approximate float32 tanh cancels: abs err ~3e-5 at |x| ~ 8) and
+# no intermediate can overflow, whatever order fastmath reassociation picks. x is clamped to [-10, 10]
+# inside sig and gelu' (at |x| = 10, sig is 1 or ~1e-38: exact far below float64 resolution).
+@njit(**FM)
+def k_gelu_fwd(a, ia, r):
+    """y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))  (torch gelu(approximate='tanh')).
+
+    r = [op, ox, oy, n]    x, y: (n,)
+    """
+    ox = r[1]; oy = r[2]; n = r[3]
+    k0 = cvt(a, 1.5957691216057308)                # 2 * sqrt(2/pi)
+    k1 = cvt(a, 0.044715)
+    ten = f32(10.0)
+    zero = f32(0.0)
+    one = f32(1.0)
+    x = a[ox:ox + n]
+    y = a[oy:oy + n]
+    for i in range(n):
+        v = x[i]
+        vc = min(max(v, -ten), ten)
+        t = k0 * (vc + k1 * vc * vc * vc)
+        e = fexp(-abs(t))
+        inv = one / (one + e)
+        y[i] = v * (inv if t >= zero else e * inv)
+
+
+@njit(**FM)
+def k_gelu_bwd(a, ia, r):
+    """dx = gelu'(x) * dy  (overwrite), gelu as in k_gelu_fwd.
+
+    r = [op, ox, ody, odx, n]    x, dy, dx: (n,)
+    """
+    ox = r[1]; ody = r[2]; odx = r[3]; n = r[4]
+    k0 = cvt(a, 1.5957691216057308)                # 2 * sqrt(2/pi)
+    k1 = cvt(a, 0.044715)
+    k3 = cvt(a, 0.134145)                          # 3 * 0.044715
+    ten = f32(10.0)
+    zero = f32(0.0)
+    one = f32(1.0)
+    x = a[ox:ox + n]
+    dy = a[ody:ody + n]
+    dx = a[odx:odx + n]
+    for i in range(n):
+        v = min(max(x[i], -ten), ten)
+        v2 = v * v
+        t = k0 * (v + k1 * v2 * v)
+        e = fexp(-abs(t))
+        inv = one / (one + e)
+        sig = inv if t >= zero else e * inv
+        # d/dx [x sig(t)] = sig + x sig (1 - sig) dt/dx
+        dx[i] = dy[i] * (sig + v * (e * inv * inv) * k0 * (one + k3 * v2))
+
+
+# ---------------------------------------------------------------- embedding gather / scatter-add
+@njit(**FM)
+def k_gather_rows(a, ia, r):
+    """out[i, :] = table[ia[oidx + i], :] for i < n.
+
+    r = [op, otable, oidx, oout, n, C]    table: (V, C); idx: int32 ia[oidx:oidx+n]; out: (n, C)
+    """
+    otable = r[1]; oidx = r[2]; oout = r[3]; n = r[4]; C = r[5]
+    for i in range(n):
+        j = ia[oidx + i]
+        src = a[otable + j * C:otable + j * C + C]
+        dst = a[oout + i * C:oout + i * C + C]
+        for c in range(C):
+            dst[c] = src[c]
+
+
+@njit(**FM)
+def k_scatter_add_rows(a, ia, r):
+    """dtable = 0; dtable[ia[oidx + i], :] += g[i, :] for i < n  (repeated indices accumulate).
+
+    r = [op, og, oidx, odtable, n, V, C]    g: (n, C); idx: int32 ia[oidx:oidx+n]; dtable: (V, C)
+    """
+    og = r[1]; oidx = r[2]; odt = r[3]; n = r[4]; V = r[5]; C = r[6]
+    zero = cvt(a, 0.0)
+    dt = a[odt:odt + V * C]
+    for k in range(V * C):
+        dt[k] = zero
+    for i in range(n):
+        j = ia[oidx + i]
+        src = a[og + i * C:og + i * C + C]
+        dst = a[odt + j * C:odt + j * C + C]
+        for c in range(C):
+            dst[c] += src[c]

@@ -1,0 +1,57 @@
+"""Optimizers, run inside the native step: one kernel pass over the contiguous param/grad/state slices.
+
+Hyper-parameters live in arena slots (not in compiled code), so `prog.lr = x` takes effect at the next
+step without recompiling. Semantics follow torch.optim.SGD and torch.optim.AdamW.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HYPER = ("lr", "momentum", "weight_decay", "beta1", "beta2", "eps", "clip_norm", "clip_scale")
+
+
+@dataclass
+class SGD:
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+    @property
+    def n_state(self):
+        return 1 if self.momentum else 0
+
+    def hyper(self):
+        return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
+
+    def rows(self, L, plan, h):
+        p0, n = plan.params_span
+        return [L.row("k_sgd", p0, plan.grads_start, plan.state_start(0), n, h["lr"], h["momentum"],
+                      h["weight_decay"], h["clip_scale"], self.n_state)]
+
+
+@dataclass
+class AdamW:
+    lr: float = 1e-3
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+    n_state = 2
+
+    def hyper(self):
+        return {"lr": self.lr, "beta1": self.betas[0], "beta2": self.betas[1], "eps": self.eps,
+                "weight_decay": self.weight_decay}
+
+    def rows(self, L, plan, h):
+        p0, n = plan.params_span
+        return [L.row("k_adamw", p0, plan.grads_start, plan.state_start(0), plan.state_start(1), n, h["lr"],
+                      h["beta1"], h["beta2"], h["eps"], h["weight_decay"], plan.int_state, h["clip_scale"])]
+
+
+def update_rows(opt, clip_norm, L, plan):
+    """Tape rows of the update: optional global-norm clipping, then the optimizer."""
+    h = {k: plan.hyper_off + i for i, k in enumerate(HYPER)}
+    rows = []
+    if clip_norm:
+        rows.append(L.row("k_clip_scale", plan.grads_start, plan.params_span[1], h["clip_norm"], h["clip_scale"]))
+    return rows + opt.rows(L, plan, h)

@@ -1,0 +1,280 @@
+"""`trace()` and `Program`: from a Python loss function to a native training step.
+
+trace: record fn into a Graph -> autodiff -> pin loss/outputs/grads -> dead-code elimination -> verify ->
+plan the arena -> lower to a kernel tape -> load the executor. Program owns the arena and the tape;
+`step()` is one native call (forward, backward, update).
+"""
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+
+from .graph import autodiff, trace as T
+from .graph.ir import Graph, np_dtype, verify
+from .graph.lower import Executor, Lowering, lower_eqns
+from .graph.memory import plan as make_plan, storage_roots
+from .graph.ops import TABLE
+from .optim import HYPER, update_rows
+
+_EXECUTORS: dict = {}
+
+
+def executor(float_dtype) -> Executor:
+    if float_dtype not in _EXECUTORS:
+        _EXECUTORS[float_dtype] = Executor(float_dtype)
+    return _EXECUTORS[float_dtype]
+
+
+def _arg_names(fn, n):
+    try:
+        import inspect
+        names = list(inspect.signature(fn).parameters)[1:1 + n]
+    except (TypeError, ValueError):
+        names = []
+    return names + [f"arg{i}" for i in range(len(names), n)]
+
+
+def trace(fn, params, *batch, optimizer=None, clip_norm=None, dtype="float32", grad=None):
+    """Trace fn(params, *batch) once and compile it. With an optimizer, `step()` trains; without one,
+    `forward()` (and `value_and_grad()` for a scalar output) evaluate."""
+    t0 = time.perf_counter()
+    fd = {"float32": "f32", "float64": "f64", "f32": "f32", "f64": "f64"}.get(str(np.dtype(dtype)) if dtype else "")
+    if fd is None:
+        raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
+    g = Graph(float_dtype=fd)
+    if not isinstance(params, dict):
+        raise TypeError("params must be a dict of name -> numpy float array")
+    for name, v in params.items():
+        arr = np.asarray(v)
+        if arr.dtype.kind != "f":
+            raise TypeError(f"parameter {name!r} has dtype {arr.dtype}; parameters must be float arrays")
+        g.params[name] = g.new_var(arr.shape, fd)
+    names = _arg_names(fn, len(batch))
+    for name, x in zip(names, batch):
+        x = np.asarray(x)
+        if x.dtype.kind not in "iuf":
+            raise TypeError(f"batch argument {name!r} has dtype {x.dtype}; use float or integer arrays")
+        g.inputs.append(g.new_var(x.shape, "i32" if x.dtype.kind in "iu" else fd))
+        g.input_names.append(name)
+    with T.building(g):
+        ptr = {k: T.Tracer(v, g) for k, v in g.params.items()}
+        res = fn(ptr, *[T.Tracer(v, g) for v in g.inputs])
+    out, aux = (res if isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict) else (res, {}))
+    if not isinstance(out, T.Tracer):
+        raise T.TraceError(f"the traced function must return a traced value (got {type(out).__name__})")
+    for k, v in aux.items():
+        if not isinstance(v, T.Tracer):
+            raise T.TraceError(f"output {k!r} is not a traced value")
+    g.n_forward = len(g.eqns)
+    grad = (optimizer is not None) if grad is None else grad
+    if grad:
+        if out.shape != () or out.var.dtype == "i32":
+            raise T.TraceError(f"the loss must be a float scalar to differentiate, got shape {out.shape}")
+        g.loss = out.var
+        grads = autodiff.differentiate(g)
+        for name in g.params:
+            if name not in grads:
+                warnings.warn(f"btjit: parameter {name!r} does not reach the loss; its gradient is always zero",
+                              stacklevel=2)
+    else:
+        grads = {}
+    g.outputs = {"out": out.var, **{k: v.var for k, v in aux.items()}}
+    pinned = _pin(g, grads)
+    autodiff.eliminate_dead_code(g, list(g.outputs.values()) + list(g.grads.values()))
+    g.n_backward = len(g.eqns)
+    verify(g, TABLE)
+    return Program(g, params, optimizer, clip_norm, pinned, time.perf_counter() - t0)
+
+
+def _pin(g: Graph, grads: dict) -> dict:
+    """Give each output and grad its own storage in its fixed slot, copying where the value's storage is
+    fixed (a param, input, constant) or already pinned."""
+    root = storage_roots(g)
+    fixed = {v.id for v in list(g.params.values()) + g.inputs + list(g.consts)}
+    pinned = {}
+    fwd_copies, bwd_copies = [], []
+
+    def own(v, tag, copies):
+        r = root.get(v.id, v.id)
+        if r in fixed or r in pinned:
+            with T.building(g):
+                c = T.copy(T.Tracer(v, g))
+            copies.append(g.eqns.pop())
+            v, r = c.var, c.var.id
+        pinned[r] = tag
+        return v
+
+    g.outputs = {k: own(v, ("out", k), fwd_copies) for k, v in g.outputs.items()}
+    if g.loss is not None:
+        g.loss = g.outputs["out"]
+    g.grads = {k: own(v, ("grad", k), bwd_copies) for k, v in grads.items()}
+    g.eqns = g.eqns[:g.n_forward] + fwd_copies + g.eqns[g.n_forward:] + bwd_copies
+    g.n_forward += len(fwd_copies)
+    return pinned
+
+
+class Program:
+    """A compiled program over one arena. Views (`params`, `grads`, `inputs`, `outputs`) alias the arena."""
+
+    def __init__(self, graph, init_params, optimizer, clip_norm, pinned, trace_seconds):
+        t0 = time.perf_counter()
+        self.graph, self.optimizer, self.clip_norm = graph, optimizer, clip_norm
+        n_state = optimizer.n_state if optimizer else 0
+        self.plan = p = make_plan(graph, pinned, n_state, len(HYPER))
+        L = Lowering(p, const_base=p.float_size)
+        fwd, self._fwd_starts = lower_eqns(graph.eqns[:graph.n_forward], L)
+        bwd, _ = lower_eqns(graph.eqns[graph.n_forward:], L)
+        upd = update_rows(optimizer, clip_norm, L, p) if optimizer else []
+        self.n_fwd, self.n_bwd = len(fwd), len(fwd) + len(bwd)
+        rows = fwd + bwd + upd
+        self.tape = np.array(rows, np.int64).reshape(len(rows), -1)
+        fdt = np_dtype(graph.float_dtype)
+        self.dtype = np.dtype(fdt)
+        self.a = _aligned(p.float_size + len(L.consts), fdt)
+        self.ia = np.zeros(max(p.int_size, 1), np.int32)
+        self.a[p.float_size:] = L.consts
+        for v, c in graph.consts.items():
+            (self.ia if v.dtype == "i32" else self.a)[p.off[v.id]:p.off[v.id] + v.size] = c.ravel()
+        view = lambda v, off=None: (self.ia if v.dtype == "i32" else self.a)[  # noqa: E731
+            (p.off[v.id] if off is None else off):][:v.size].reshape(v.shape)
+        self.params = {k: view(v) for k, v in graph.params.items()}
+        self.grads = {k: view(v, p.param_off[k] + p.params_span[1]) for k, v in graph.params.items()}
+        self.inputs = {k: view(v) for k, v in zip(graph.input_names, graph.inputs)}
+        self.outputs = {k: view(v) for k, v in graph.outputs.items()}
+        self._in = list(self.inputs.values())
+        self._in_types = [(v.shape, v.dtype) for v in graph.inputs]
+        self._bounds = _index_bounds(graph)
+        for k, v in init_params.items():
+            self.params[k][...] = v
+        self._hyper = {k: p.hyper_off + i for i, k in enumerate(HYPER)}
+        self.a[self._hyper["clip_scale"]] = 1.0
+        self.a[self._hyper["clip_norm"]] = clip_norm or 0.0
+        for k, v in (optimizer.hyper().items() if optimizer else ()):
+            self.a[self._hyper[k]] = v
+        self.trace_seconds = trace_seconds
+        self.plan_seconds = time.perf_counter() - t0
+        self.executor = executor(graph.float_dtype)
+        self.compile_seconds = self.executor.seconds
+        self._run = self.executor.fn
+        self._out = self.outputs["out"]
+        self._state_names = [f"opt/state{k}" for k in range(n_state)]
+
+    # ------------------------------------------------------------------ running
+    def _load(self, batch):
+        if len(batch) != len(self._in):
+            raise TypeError(f"expected {len(self._in)} batch arguments ({', '.join(self.inputs)}), got {len(batch)}")
+        for i, (x, dst, (shape, dt)) in enumerate(zip(batch, self._in, self._in_types)):
+            x = np.asarray(x)
+            if x.shape != shape or (x.dtype.kind in "iu") != (dt == "i32") or \
+                    (dt != "i32" and x.dtype != self.dtype):
+                want = "int" if dt == "i32" else str(self.dtype)
+                raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): expected {want} array of "
+                                 f"shape {shape}, got {x.dtype} {x.shape}")
+            hi = self._bounds.get(i)
+            if hi is not None and x.size and (x.min() < 0 or x.max() >= hi):
+                raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): index values must be in "
+                                 f"[0, {hi}), got min {x.min()} max {x.max()}")
+            dst[...] = x
+
+    def step(self, *batch) -> float:
+        """Forward, backward and optimizer update in one native call; returns the loss."""
+        if self.optimizer is None:
+            raise RuntimeError("this program was traced without an optimizer; use forward() or value_and_grad()")
+        self._load(batch)
+        self._run(self.a, self.ia, self.tape, 0, self.tape.shape[0])
+        return float(self._out)
+
+    def value_and_grad(self, *batch) -> float:
+        """Loss and gradients (in `grads`), no update."""
+        if self.graph.loss is None:
+            raise RuntimeError("this program has no gradient (traced with grad=False)")
+        self._load(batch)
+        self._run(self.a, self.ia, self.tape, 0, self.n_bwd)
+        return float(self._out)
+
+    def forward(self, *batch):
+        """Evaluate the traced function: a float for a scalar output, else a copy of the output array."""
+        self._load(batch)
+        self._run(self.a, self.ia, self.tape, 0, self.n_fwd)
+        return float(self._out) if self._out.shape == () else self._out.copy()
+
+    __call__ = forward
+
+    # ------------------------------------------------------------------ state
+    @property
+    def lr(self) -> float:
+        return float(self.a[self._hyper["lr"]])
+
+    @lr.setter
+    def lr(self, v):
+        self.a[self._hyper["lr"]] = v
+
+    @property
+    def step_count(self) -> int:
+        return int(self.ia[self.plan.int_state])
+
+    def _state_views(self):
+        p0, n = self.plan.params_span
+        return {name: self.a[self.plan.state_start(k):][:n] for k, name in enumerate(self._state_names)}
+
+    def state_dict(self) -> dict:
+        d = {f"param/{k}": v.copy() for k, v in self.params.items()}
+        d.update({k: v.copy() for k, v in self._state_views().items()})
+        d["opt/step"] = np.array(self.ia[self.plan.int_state], np.int64)
+        return d
+
+    def load_state_dict(self, d: dict):
+        for k, v in self.params.items():
+            src = np.asarray(d[f"param/{k}"])
+            if src.shape != v.shape:
+                raise ValueError(f"parameter {k!r}: checkpoint has shape {src.shape}, program has {v.shape}")
+            v[...] = src
+        for k, v in self._state_views().items():
+            if k in d:
+                v[...] = d[k]
+        if "opt/step" in d:
+            self.ia[self.plan.int_state] = int(d["opt/step"])
+
+    @property
+    def n_params(self) -> int:
+        return int(sum(v.size for v in self.params.values()))
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.a.nbytes + self.ia.nbytes
+
+    @property
+    def memory(self) -> dict:
+        return {"planned_bytes": self.arena_bytes, "naive_bytes": self.plan.naive_bytes,
+                "minimum_bytes": self.plan.min_bytes}
+
+    def __repr__(self):
+        return (f"Program({len(self.graph.eqns)} eqns, {self.tape.shape[0]} kernel rows, {self.n_params} params, "
+                f"arena {self.arena_bytes / 1e6:.2f} MB, {self.dtype})")
+
+
+def _index_bounds(graph) -> dict:
+    """For integer batch inputs used as indices: input position -> exclusive upper bound."""
+    pos = {v.id: i for i, v in enumerate(graph.inputs)}
+    root = storage_roots(graph)
+    bounds = {}
+    for e in graph.eqns:
+        hi, idx = None, None
+        if e.op == "take":
+            hi, idx = e.ins[0].shape[0], e.ins[1]
+        elif e.op == "cross_entropy":
+            hi, idx = e.ins[0].shape[-1], e.ins[1]
+        if idx is not None:
+            i = pos.get(root.get(idx.id, idx.id))
+            if i is not None:
+                bounds[i] = min(bounds.get(i, hi), hi)
+    return bounds
+
+
+def _aligned(n, dtype):
+    itemsize = np.dtype(dtype).itemsize
+    buf = np.zeros(n + 64 // itemsize, dtype)
+    start = (-buf.ctypes.data % 64) // itemsize
+    return buf[start:start + n]
