@@ -1,0 +1,398 @@
+# Tests for btjit/kernels/{common,linalg,nn}.py: every kernel on float32 and float64 arenas against float64 numpy
+# references (written here), backward kernels also against central finite differences of the numpy forward.
+# Each test also checks that a kernel writes nothing outside its declared outputs.
+import numpy as np
+import pytest
+from numba import njit
+
+from btjit.kernels.common import FM, cvt, fexp, ftanh
+from btjit.kernels.linalg import k_matmul
+from btjit.kernels import nn as K
+
+DTS = [np.float32, np.float64]
+GARBAGE = 777.25
+
+
+def tol(dt):
+    return 1e-5 if dt == np.float32 else 1e-10
+
+
+def check(got, ref, dt, t=None):
+    """max |got - ref| <= tol * max(1, max|ref|)"""
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert got.shape == ref.shape
+    lim = (tol(dt) if t is None else t) * max(1.0, float(np.abs(ref).max(initial=0.0)))
+    err = float(np.abs(got - ref).max(initial=0.0))
+    assert err <= lim, f"max abs err {err:.3e} > {lim:.3e}"
+
+
+def rnd(rng, shape, dt, scale=1.0):
+    """random normal values already rounded to dt (so the float64 reference sees the stored values)"""
+    return (rng.standard_normal(shape) * scale).astype(dt).astype(np.float64)
+
+
+class Arena:
+    """Float arena with named regions (16-aligned, 16-float guard gaps pre-filled with garbage)."""
+
+    def __init__(self, dt):
+        self.dt, self.regions, self.n = dt, {}, 16
+
+    def put(self, name, x=None, size=None):
+        size = int(np.size(x)) if x is not None else int(size)
+        self.regions[name] = (self.n, size, x)
+        self.n += (size + 15) // 16 * 16 + 16
+        return self.regions[name][0]
+
+    def build(self):
+        self.a = np.full(self.n + 16, GARBAGE, self.dt)
+        for o, size, x in self.regions.values():
+            if x is not None:
+                self.a[o:o + size] = np.ravel(x)
+        self.before = self.a.copy()
+        return self.a
+
+    def get(self, name, shape=None):
+        o, size, _ = self.regions[name]
+        v = self.a[o:o + size].astype(np.float64)
+        return v.reshape(shape) if shape is not None else v
+
+    def only_wrote(self, *names):
+        mask = np.ones(self.a.size, bool)
+        for nm in names:
+            o, size, _ = self.regions[nm]
+            mask[o:o + size] = False
+        assert np.array_equal(self.a[mask], self.before[mask]), "kernel wrote outside its outputs"
+
+
+def row(*args):
+    return np.array([0, *args], np.int64)
+
+
+def fd_grad(f, x, eps=1e-6):
+    """central finite-difference gradient of scalar f at x (float64)"""
+    g = np.zeros_like(x)
+    for i in range(x.size):
+        xp = x.copy(); xp.flat[i] += eps
+        xm = x.copy(); xm.flat[i] -= eps
+        g.flat[i] = (f(xp) - f(xm)) / (2 * eps)
+    return g
+
+
+# ---------------------------------------------------------------- common helpers
+@njit(**FM)
+def _map(x, y, which):
+    for i in range(x.shape[0]):
+        y[i] = fexp(x[i]) if which == 0 else ftanh(x[i])
+
+
+@njit(**FM)
+def _cvt(a):
+    return cvt(a, 0.1)
+
+
+@pytest.mark.parametrize("dt", DTS)
+def test_fexp_ftanh_cvt(dt):
+    x = np.linspace(-80, 80, 20001).astype(dt)
+    y = np.empty_like(x)
+    _map(x, y, 0)
+    ref = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(y - ref) / ref) < (3e-7 if dt == np.float32 else 1e-15)
+    x = np.linspace(-12, 12, 20001).astype(dt)
+    _map(x, y, 1)
+    assert np.max(np.abs(y - np.tanh(x.astype(np.float64)))) < (5e-7 if dt == np.float32 else 1e-15)
+    c = _cvt(np.zeros(1, dt))
+    assert type(c) in (float, np.float32, np.float64) and c == dt(0.1)
+
+
+# ---------------------------------------------------------------- matmul
+MM_SHAPES = [(8, 72, 24), (5, 7, 13), (1, 65, 24), (33, 17, 96)]
+
+
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("ta,tb", [(0, 0), (0, 1), (1, 0), (1, 1)])
+@pytest.mark.parametrize("beta", [0, 1])
+@pytest.mark.parametrize("M,N,Kd", MM_SHAPES)
+def test_matmul(dt, ta, tb, beta, M, N, Kd):
+    rng = np.random.default_rng(M * 100 + N + 7 * Kd)
+    A, B, C0 = rnd(rng, (M, Kd), dt), rnd(rng, (Kd, N), dt), rnd(rng, (M, N), dt)
+    ar = Arena(dt)
+    oc, oA = ar.put("const", np.array([1.0, 0.0])), ar.put("A", A.T if ta else A)
+    oB, oC = ar.put("B", B.T if tb else B), ar.put("C", C0)
+    a = ar.build()
+    ia = np.full(16, -5, np.int32)
+    k_matmul(a, ia, row(oA, oB, oC, 1, M, N, Kd, 0, 0, 0, ta, tb, beta, 4, oc))
+    check(ar.get("C", (M, N)), A @ B + (C0 if beta else 0), dt)
+    ar.only_wrote("C")
+    assert np.all(ia[:4] == -5) and np.all(ia[12:] == -5)
+
+
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("bcast", ["A", "B", "none"])
+@pytest.mark.parametrize("ta,tb,beta", [(0, 0, 0), (1, 0, 1), (0, 1, 1), (1, 1, 0)])
+def test_matmul_batched(dt, bcast, ta, tb, beta):
+    rng = np.random.default_rng(3)
+    nb, M, N, Kd = 3, 8, 4, 6
+    A = rnd(rng, (nb, M, Kd), dt)
+    B = rnd(rng, (nb, Kd, N), dt)
+    A[:] = A[0] if bcast == "A" else A
+    B[:] = B[0] if bcast == "B" else B
+    C0 = rnd(rng, (nb, M, N), dt)
+    As = A.transpose(0, 2, 1) if ta else A
+    Bs = B.transpose(0, 2, 1) if tb else B
+    ar = Arena(dt)
+    oc = ar.put("const", np.array([1.0, 0.0]))
+    oA = ar.put("A", As[0] if bcast == "A" else As)
+    oB = ar.put("B", Bs[0] if bcast == "B" else Bs)
+    oC = ar.put("C", C0)
+    a = ar.build()
+    ia = np.zeros(8, np.int32)
+    sA = 0 if bcast == "A" else M * Kd
+    sB = 0 if bcast == "B" else Kd * N
+    k_matmul(a, ia, row(oA, oB, oC, nb, M, N, Kd, sA, sB, M * N, ta, tb, beta, 0, oc))
+    check(ar.get("C", (nb, M, N)), A @ B + (C0 if beta else 0), dt)
+    ar.only_wrote("C")
+
+
+# ---------------------------------------------------------------- LayerNorm
+def ln_ref(x, g, b, eps):
+    mu = x.mean(-1)
+    rs = 1.0 / np.sqrt(x.var(-1) + eps)
+    return (x - mu[:, None]) * rs[:, None] * g + b, mu, rs
+
+
+def ln_bwd_ref(x, g, dy, eps):
+    _, mu, rs = ln_ref(x, g, 0.0, eps)
+    xh = (x - mu[:, None]) * rs[:, None]
+    gy = dy * g
+    dx = rs[:, None] * (gy - gy.mean(-1, keepdims=True) - xh * (gy * xh).mean(-1, keepdims=True))
+    return dx, (dy * xh).sum(0), dy.sum(0)
+
+
+def run_ln(dt, x, g, b, dy, eps):
+    M, C = x.shape
+    ar = Arena(dt)
+    oe = ar.put("eps", np.array([eps]))
+    ox, og, ob, ody = ar.put("x", x), ar.put("g", g), ar.put("b", b), ar.put("dy", dy)
+    oy, om, orr = ar.put("y", size=M * C), ar.put("mean", size=M), ar.put("rstd", size=M)
+    odx, odg, odb = ar.put("dx", size=M * C), ar.put("dg", size=C), ar.put("db", size=C)
+    a = ar.build()
+    ia = np.zeros(1, np.int32)
+    K.k_layernorm_fwd(a, ia, row(ox, og, ob, oy, om, orr, M, C, oe))
+    K.k_layernorm_bwd(a, ia, row(ox, og, om, orr, ody, odx, odg, odb, M, C))
+    ar.only_wrote("y", "mean", "rstd", "dx", "dg", "db")
+    return ar
+
+
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("M,C", [(8, 24), (32, 24), (5, 7), (1, 3)])
+def test_layernorm(dt, M, C):
+    rng = np.random.default_rng(M + C)
+    x = rnd(rng, (M, C), dt, 2.0) + 0.5
+    g, b, dy = rnd(rng, C, dt) + 1.0, rnd(rng, C, dt), rnd(rng, (M, C), dt)
+    eps = float(dt(1e-5))
+    ar = run_ln(dt, x, g, b, dy, eps)
+    y, mu, rs = ln_ref(x, g, b, eps)
+    check(ar.get("y", (M, C)), y, dt)
+    check(ar.get("mean"), mu, dt)
+    check(ar.get("rstd") / rs, np.ones(M), dt)
+    dx, dg, db = ln_bwd_ref(x, g, dy, eps)
+    check(ar.get("dx", (M, C)), dx, dt)
+    check(ar.get("dg"), dg, dt)
+    check(ar.get("db"), db, dt)
+
+
+def test_layernorm_bwd_finite_diff():
+    rng = np.random.default_rng(11)
+    M, C, eps = 3, 5, 1e-5
+    x, g, b, dy = rnd(rng, (M, C), np.float64), rnd(rng, C, np.float64), rnd(rng, C, np.float64), rnd(rng, (M, C), np.float64)
+    ar = run_ln(np.float64, x, g, b, dy, eps)
+    dx_fd = fd_grad(lambda v: (ln_ref(v, g, b, eps)[0] * dy).sum(), x)
+    dg_fd = fd_grad(lambda v: (ln_ref(x, v, b, eps)[0] * dy).sum(), g)
+    db_fd = fd_grad(lambda v: (ln_ref(x, g, v, eps)[0] * dy).sum(), b)
+    for name, fd, refv in zip(("dx", "dg", "db"), (dx_fd, dg_fd, db_fd), ln_bwd_ref(x, g, dy, eps)):
+        check(ar.get(name).reshape(fd.shape), fd, np.float64, 1e-7)
+        check(refv, fd, np.float64, 1e-7)
+
+
+# ---------------------------------------------------------------- attention
+def attn_ref(qkv, B, T, C, NH, scale):
+    hs = C // NH
+    x = qkv.reshape(B, T, 3, NH, hs).transpose(2, 0, 3, 1, 4)         # (3, B, NH, T, hs)
+    q, k, v = x[0], x[1], x[2]
+    S = q @ k.transpose(0, 1, 3, 2) * scale
+    S = np.where(np.tril(np.ones((T, T), bool)), S, -np.inf)
+    P = np.exp(S - S.max(-1, keepdims=True))
+    P /= P.sum(-1, keepdims=True)
+    y = (P @ v).transpose(0, 2, 1, 3).reshape(B * T, C)
+    return y, P.reshape(B * NH * T, T)
+
+
+def attn_bwd_ref(qkv, dy, B, T, C, NH, scale):
+    hs = C // NH
+    x = qkv.reshape(B, T, 3, NH, hs).transpose(2, 0, 3, 1, 4)
+    q, k, v = x[0], x[1], x[2]
+    P = attn_ref(qkv, B, T, C, NH, scale)[1].reshape(B, NH, T, T)
+    dY = dy.reshape(B, T, NH, hs).transpose(0, 2, 1, 3)
+    dv = P.transpose(0, 1, 3, 2) @ dY
+    dP = dY @ v.transpose(0, 1, 3, 2)
+    dS = P * (dP - (dP * P).sum(-1, keepdims=True)) * scale
+    dq, dk = dS @ k, dS.transpose(0, 1, 3, 2) @ q
+    return np.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4).reshape(B * T, 3 * C)
+
+
+def run_attn(dt, qkv, dy, B, T, C, NH, scale):
+    ar = Arena(dt)
+    osc = ar.put("scale", np.array([scale]))
+    oq, ody = ar.put("qkv", qkv), ar.put("dy", dy)
+    oy, oP, odq = ar.put("y", size=B * T * C), ar.put("P", size=B * NH * T * T), ar.put("dqkv", size=B * T * 3 * C)
+    a = ar.build()
+    ia = np.zeros(1, np.int32)
+    K.k_attn_fwd(a, ia, row(oq, oy, oP, B, T, C, NH, osc))
+    K.k_attn_bwd(a, ia, row(oq, oP, ody, odq, B, T, C, NH, osc))
+    ar.only_wrote("y", "P", "dqkv")
+    return ar
+
+
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("B,T,C,NH", [(1, 8, 24, 6), (4, 8, 24, 6), (2, 5, 6, 3), (3, 1, 4, 1), (2, 7, 10, 1)])
+def test_attention(dt, B, T, C, NH):
+    rng = np.random.default_rng(B * 1000 + T * 10 + C)
+    qkv, dy = rnd(rng, (B * T, 3 * C), dt, 1.5), rnd(rng, (B * T, C), dt)
+    scale = float(dt(1.0 / np.sqrt(C // NH)))
+    ar = run_attn(dt, qkv, dy, B, T, C, NH, scale)
+    y, P = attn_ref(qkv, B, T, C, NH, scale)
+    check(ar.get("y", y.shape), y, dt)
+    Pk = ar.get("P", P.shape)
+    check(Pk, P, dt)
+    assert np.all(Pk[np.triu(np.ones((T, T), bool), 1)[None].repeat(B * NH, 0).reshape(-1, T)] == 0)
+    check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
+
+
+def test_attention_bwd_finite_diff():
+    rng = np.random.default_rng(5)
+    B, T, C, NH = 2, 4, 6, 2
+    qkv, dy = rnd(rng, (B * T, 3 * C), np.float64), rnd(rng, (B * T, C), np.float64)
+    scale = 1.0 / np.sqrt(C // NH)
+    ar = run_attn(np.float64, qkv, dy, B, T, C, NH, scale)
+    fd = fd_grad(lambda v: (attn_ref(v, B, T, C, NH, scale)[0] * dy).sum(), qkv)
+    check(ar.get("dqkv", qkv.shape), fd, np.float64, 1e-7)
+    check(attn_bwd_ref(qkv, dy, B, T, C, NH, scale), fd, np.float64, 1e-7)
+
+
+# ---------------------------------------------------------------- cross-entropy
+def ce_ref(l, t):
+    mx = l.max(-1, keepdims=True)
+    e = np.exp(l - mx)
+    s = e.sum(-1, keepdims=True)
+    loss = (np.log(s[:, 0]) + mx[:, 0] - l[np.arange(len(t)), t]).mean()
+    return loss, e / s
+
+
+def run_ce(dt, l, t, g):
+    M, V = l.shape
+    ar = Arena(dt)
+    ol, og = ar.put("logits", l), ar.put("g", np.array([g]))
+    oloss, op, od = ar.put("loss", size=1), ar.put("probs", size=M * V), ar.put("dlogits", size=M * V)
+    a = ar.build()
+    ia = np.full(M + 8, -1, np.int32)
+    ia[3:3 + M] = t
+    K.k_ce_fwd(a, ia, row(ol, 3, oloss, op, M, V))
+    K.k_ce_bwd(a, ia, row(op, 3, og, od, M, V))
+    ar.only_wrote("loss", "probs", "dlogits")
+    return ar
+
+
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("M,V", [(8, 65), (32, 65), (5, 13), (3, 1), (4, 2)])
+def test_cross_entropy(dt, M, V):
+    rng = np.random.default_rng(M * V)
+    l = rnd(rng, (M, V), dt, 3.0) + 20.0                      # offset: max subtraction matters
+    t = rng.integers(0, V, M).astype(np.int32)
+    g = 0.75
+    ar = run_ce(dt, l, t, g)
+    loss, probs = ce_ref(l, t)
+    check(ar.get("loss"), [loss], dt)
+    check(ar.get("probs", (M, V)), probs, dt)
+    oh = np.zeros((M, V))
+    oh[np.arange(M), t] = 1
+    check(ar.get("dlogits", (M, V)), (probs - oh) * g / M, dt)
+
+
+def test_cross_entropy_finite_diff_and_extreme():
+    rng = np.random.default_rng(9)
+    M, V = 4, 7
+    l, t = rnd(rng, (M, V), np.float64, 2.0), np.array([0, 6, 3, 3], np.int32)
+    ar = run_ce(np.float64, l, t, 1.0)
+    check(ar.get("dlogits", (M, V)), fd_grad(lambda v: ce_ref(v, t)[0], l), np.float64, 1e-7)
+    for dt in DTS:                                            # huge spread: no overflow / NaN
+        l = np.array([[1000.0, -1000.0, 0.0], [-50.0, -50.0, -50.0]])
+        ar = run_ce(dt, l, np.array([1, 2], np.int32), 1.0)
+        check(ar.get("loss"), [(2000.0 + np.log(3.0)) / 2], dt)
+        assert np.all(np.isfinite(ar.get("probs")))
+
+
+# ---------------------------------------------------------------- GELU
+def gelu_ref(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def gelu_grad_ref(x):
+    k = np.sqrt(2 / np.pi)
+    th = np.tanh(k * (x + 0.044715 * x ** 3))
+    return 0.5 * (1 + th) + 0.5 * x * (1 - th * th) * k * (1 + 3 * 0.044715 * x * x)
+
+
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("n", [1, 13, 8 * 96, 1001])
+@pytest.mark.parametrize("scale", [1.0, 3.0, 30.0])
+def test_gelu(dt, n, scale):
+    rng = np.random.default_rng(n)
+    x, dy = rnd(rng, n, dt, scale), rnd(rng, n, dt)
+    ar = Arena(dt)
+    ox, ody, oy, odx = ar.put("x", x), ar.put("dy", dy), ar.put("y", size=n), ar.put("dx", size=n)
+    a = ar.build()
+    ia = np.zeros(1, np.int32)
+    K.k_gelu_fwd(a, ia, row(ox, oy, n))
+    K.k_gelu_bwd(a, ia, row(ox, ody, odx, n))
+    ar.only_wrote("y", "dx")
+    check(ar.get("y"), gelu_ref(x), dt)
+    check(ar.get("dx"), gelu_grad_ref(x) * dy, dt)
+    eps = 1e-6                                                # analytic reference vs elementwise central FD
+    check(gelu_grad_ref(x), (gelu_ref(x + eps) - gelu_ref(x - eps)) / (2 * eps), np.float64, 1e-7)
+
+
+# ---------------------------------------------------------------- embedding gather / scatter-add
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("V,C,n", [(65, 24, 8), (65, 24, 32), (13, 7, 5), (3, 5, 11)])
+def test_gather_scatter(dt, V, C, n):
+    rng = np.random.default_rng(V + C + n)
+    table, g = rnd(rng, (V, C), dt), rnd(rng, (n, C), dt)
+    idx = rng.integers(0, V, n).astype(np.int32)
+    idx[-1] = idx[0]                                          # guaranteed repeat
+    ar = Arena(dt)
+    ot, og, oo, odt = ar.put("table", table), ar.put("g", g), ar.put("out", size=n * C), ar.put("dtable", size=V * C)
+    a = ar.build()
+    ia = np.full(n + 6, 99999, np.int32)
+    ia[2:2 + n] = idx
+    K.k_gather_rows(a, ia, row(ot, 2, oo, n, C))
+    K.k_scatter_add_rows(a, ia, row(og, 2, odt, n, V, C))
+    ar.only_wrote("out", "dtable")
+    check(ar.get("out", (n, C)), table[idx], dt)
+    ref = np.zeros((V, C))
+    np.add.at(ref, idx, g)
+    check(ar.get("dtable", (V, C)), ref, dt)
+
+
+# ---------------------------------------------------------------- optional extra reference
+def test_against_torch_optional():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    B, T, C, NH = 2, 8, 24, 6
+    qkv = rnd(rng, (B * T, 3 * C), np.float64)
+    ar = run_attn(np.float64, qkv, np.zeros((B * T, C)), B, T, C, NH, 1.0 / np.sqrt(C // NH))
+    x = torch.tensor(qkv).view(B, T, 3, NH, C // NH).permute(2, 0, 3, 1, 4)
+    yt = torch.nn.functional.scaled_dot_product_attention(x[0], x[1], x[2], is_causal=True)
+    check(ar.get("y", (B * T, C)), yt.transpose(1, 2).reshape(B * T, C).numpy(), np.float64)
+    xs = rnd(rng, 50, np.float64, 3.0)
+    check(gelu_ref(xs), torch.nn.functional.gelu(torch.tensor(xs), approximate="tanh").numpy(), np.float64)
