@@ -122,14 +122,18 @@ class Executor:
         t0 = time.perf_counter()
         self.fn, self.cache_path = self._load()
         a = np.zeros(4, np.float32 if float_dtype == "f32" else np.float64)
+        args = (a, np.zeros(4, np.int32), np.zeros((0, ROW), np.int64), 0, 0)
         try:
-            self.fn(a, np.zeros(4, np.int32), np.zeros((0, ROW), np.int64), 0, 0)   # compile or load now
+            self.fn(*args)                                   # compile, or load from the disk cache, now
         except Exception as e:  # noqa: BLE001 — a broken cache file must never stop training
             warnings.warn(f"btjit: kernel cache at {self.cache_path} unusable ({type(e).__name__}: {e}); "
-                          "compiling in memory")
-            self.fn = self._module().run_nocache
-            self.cache_path = None
-            self.fn(a, np.zeros(4, np.int32), np.zeros((0, ROW), np.int64), 0, 0)
+                          "discarding it and compiling")
+            self.fn = self._recompile()
+            try:
+                self.fn(*args)
+            except Exception:  # noqa: BLE001
+                self.fn = self._module().run_nocache
+                self.fn(*args)
         self.seconds = time.perf_counter() - t0
         st = getattr(self.fn, "stats", None)
         self.cache_hit = bool(st and sum(st.cache_hits.values()) > 0)
@@ -160,6 +164,19 @@ class Executor:
         mod.path = path
         Executor._modules[key] = mod
         return mod
+
+    def _recompile(self):
+        """Drop this module's disk-cache entries; a fresh dispatcher compiles (and re-caches) on first call."""
+        mod = self._module()
+        self.cache_path = None
+        if not mod.cache_ok:
+            return mod.run_nocache
+        for f in (mod.path.parent / "__pycache__").glob(f"{mod.path.stem}.*"):
+            try:
+                f.unlink()
+            except OSError:
+                pass
+        return numba.njit(cache=True, boundscheck=False)(mod.run)
 
     def _load(self):
         mod = self._module()
