@@ -124,9 +124,11 @@ class Program:
         n_state = optimizer.n_state if optimizer else 0
         self.plan = p = make_plan(graph, pinned, n_state, len(HYPER))
         L = Lowering(p, const_base=p.float_size)
-        fwd, self._fwd_starts = lower_eqns(graph.eqns[:graph.n_forward], L)
-        bwd, _ = lower_eqns(graph.eqns[graph.n_forward:], L)
+        fwd, fwd_labels = lower_eqns(graph.eqns[:graph.n_forward], L)
+        bwd, bwd_labels = lower_eqns(graph.eqns[graph.n_forward:], L)
         upd = update_rows(optimizer, clip_norm, L, p) if optimizer else []
+        self.row_labels = fwd_labels + [f"{op} (bwd)" for op in bwd_labels] + \
+            [f"update:{type(optimizer).__name__}"] * len(upd)
         self.n_fwd, self.n_bwd = len(fwd), len(fwd) + len(bwd)
         rows = fwd + bwd + upd
         self.tape = np.array(rows, np.int64).reshape(len(rows), -1)
@@ -201,6 +203,37 @@ class Program:
         return float(self._out) if self._out.shape == () else self._out.copy()
 
     __call__ = forward
+
+    def profile(self, *batch, reps=200, print_table=True):
+        """Time every tape row of one step (forward, backward, update) on a scratch copy of the arena and
+        group by op kind. Returns rows of {op, calls, total_us, share}; prints a table."""
+        import time as _t
+        self._load(batch)
+        a, ia = self.a.copy(), self.ia.copy()
+        z = np.zeros((0, self.tape.shape[1]), np.int64)
+        t0 = _t.perf_counter()
+        for _ in range(reps):
+            self._run(a, ia, z, 0, 0)
+        empty = (_t.perf_counter() - t0) / reps
+        per = {}
+        for i, label in enumerate(self.row_labels):
+            self._run(a, ia, self.tape, i, i + 1)                   # warm
+            t0 = _t.perf_counter()
+            for _ in range(reps):
+                self._run(a, ia, self.tape, i, i + 1)
+            dt = max((_t.perf_counter() - t0) / reps - empty, 0.0)
+            c = per.setdefault(label, [0, 0.0])
+            c[0] += 1
+            c[1] += dt * 1e6
+        total = sum(v[1] for v in per.values()) or 1.0
+        rows = sorted(({"op": k, "calls": v[0], "total_us": v[1], "share": v[1] / total} for k, v in per.items()),
+                      key=lambda r: -r["total_us"])
+        if print_table:
+            print(f"{'op':<28s} {'calls':>5s} {'total µs':>10s} {'share':>6s}")
+            for r in rows:
+                print(f"{r['op']:<28s} {r['calls']:>5d} {r['total_us']:>10.1f} {100 * r['share']:>5.1f}%")
+            print(f"{'total':<28s} {len(self.row_labels):>5d} {total:>10.1f}")
+        return rows
 
     # ------------------------------------------------------------------ state
     @property

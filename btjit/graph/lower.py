@@ -60,12 +60,13 @@ class Lowering:
 
 
 def lower_eqns(eqns, L: Lowering) -> tuple[list, list]:
-    """Rows for a list of equations, and for each eqn its first row index (for profiles)."""
-    rows, starts = [], []
+    """Rows for a list of equations, and the op name each row comes from (for profiles)."""
+    rows, labels = [], []
     for e in eqns:
-        starts.append(len(rows))
-        rows += TABLE[e.op].lower(e, L)
-    return rows, starts
+        r = TABLE[e.op].lower(e, L)
+        rows += r
+        labels += [e.op] * len(r)
+    return rows, labels
 
 
 # ----------------------------------------------------------------------------- executor codegen and cache

@@ -40,7 +40,7 @@ def _unary(sub, x, c):
     elif sub == U_TANH:
         return ftanh(x)
     elif sub == U_RELU:
-        return x if x > _z else x * _z
+        return x if x > _z else _z
     elif sub == U_SIGMOID:
         return _one / (_one + fexp(-x))
     elif sub == U_SQRT:
@@ -89,38 +89,122 @@ def _binary(sub, x, y):
         return x
 
 
+def _map1(f):
+    """A contiguous loop out[i] = f(x[i], c), specialized (and vectorized) for one scalar function f."""
+    @njit(**FM)
+    def loop(out, x, c):
+        for i in range(out.shape[0]):
+            out[i] = f(x[i], c)
+    return loop
+
+
+def _map2(f):
+    """Contiguous binary loops for one scalar function f: mode 0 both arrays, 1 y scalar, 2 x scalar."""
+    @njit(**FM)
+    def loop(out, x, y, mode):
+        n = out.shape[0]
+        if mode == 0:
+            for i in range(n):
+                out[i] = f(x[i], y[i])
+        elif mode == 1:
+            yv = y[0]
+            for i in range(n):
+                out[i] = f(x[i], yv)
+        else:
+            xv = x[0]
+            for i in range(n):
+                out[i] = f(xv, y[i])
+    return loop
+
+
+def _u(sub):
+    return njit(inline="always", **FM)(lambda x, c: _unary(sub, x, c))
+
+
+def _b(sub):
+    return njit(inline="always", **FM)(lambda x, y: _binary(sub, x, y))
+
+
+(_u_copy, _u_neg, _u_exp, _u_log, _u_tanh, _u_relu, _u_sigmoid, _u_sqrt, _u_pow, _u_abs) = \
+    [_map1(_u(s)) for s in range(10)]
+(_b_add, _b_sub, _b_mul, _b_div, _b_max, _b_min, _b_pow, _b_eq, _b_gt, _b_ge, _b_lt, _b_le, _b_ne,
+ _b_tanh_grad, _b_relu_grad, _b_sigmoid_grad, _b_copy) = [_map2(_b(s)) for s in range(17)]
+
+
+@njit(**FM)
+def _unary_loop(sub, out, x, c):
+    if sub == U_COPY:
+        _u_copy(out, x, c)
+    elif sub == U_NEG:
+        _u_neg(out, x, c)
+    elif sub == U_EXP:
+        _u_exp(out, x, c)
+    elif sub == U_LOG:
+        _u_log(out, x, c)
+    elif sub == U_TANH:
+        _u_tanh(out, x, c)
+    elif sub == U_RELU:
+        _u_relu(out, x, c)
+    elif sub == U_SIGMOID:
+        _u_sigmoid(out, x, c)
+    elif sub == U_SQRT:
+        _u_sqrt(out, x, c)
+    elif sub == U_POW:
+        _u_pow(out, x, c)
+    else:
+        _u_abs(out, x, c)
+
+
+@njit(**FM)
+def _binary_loop(sub, out, x, y, mode):
+    """out = f_sub(x, y) over contiguous slices; mode 1: y is a 1-element slice, 2: x is."""
+    if sub == B_ADD:
+        _b_add(out, x, y, mode)
+    elif sub == B_SUB:
+        _b_sub(out, x, y, mode)
+    elif sub == B_MUL:
+        _b_mul(out, x, y, mode)
+    elif sub == B_DIV:
+        _b_div(out, x, y, mode)
+    elif sub == B_MAX:
+        _b_max(out, x, y, mode)
+    elif sub == B_MIN:
+        _b_min(out, x, y, mode)
+    elif sub == B_POW:
+        _b_pow(out, x, y, mode)
+    elif sub == B_EQ:
+        _b_eq(out, x, y, mode)
+    elif sub == B_GT:
+        _b_gt(out, x, y, mode)
+    elif sub == B_GE:
+        _b_ge(out, x, y, mode)
+    elif sub == B_LT:
+        _b_lt(out, x, y, mode)
+    elif sub == B_LE:
+        _b_le(out, x, y, mode)
+    elif sub == B_NE:
+        _b_ne(out, x, y, mode)
+    elif sub == B_TANH_GRAD:
+        _b_tanh_grad(out, x, y, mode)
+    elif sub == B_RELU_GRAD:
+        _b_relu_grad(out, x, y, mode)
+    elif sub == B_SIGMOID_GRAD:
+        _b_sigmoid_grad(out, x, y, mode)
+    else:
+        _b_copy(out, x, y, mode)
+
+
 @njit(**FM)
 def k_unary(a, ia, r):
-    sub = r[1]
     n = r[4]
-    out = a[r[2]:r[2] + n]
-    x = a[r[3]:r[3] + n]
-    c = a[r[5]]
-    for i in range(n):
-        out[i] = _unary(sub, x[i], c)
+    _unary_loop(r[1], a[r[2]:r[2] + n], a[r[3]:r[3] + n], a[r[5]])
 
 
 @njit(**FM)
 def k_binary(a, ia, r):
-    sub = r[1]
-    n = r[5]
-    mode = r[6]
-    out = a[r[2]:r[2] + n]
-    if mode == 0:
-        x = a[r[3]:r[3] + n]
-        y = a[r[4]:r[4] + n]
-        for i in range(n):
-            out[i] = _binary(sub, x[i], y[i])
-    elif mode == 1:
-        x = a[r[3]:r[3] + n]
-        y = a[r[4]]
-        for i in range(n):
-            out[i] = _binary(sub, x[i], y)
-    else:
-        x = a[r[3]]
-        y = a[r[4]:r[4] + n]
-        for i in range(n):
-            out[i] = _binary(sub, x, y[i])
+    n, mode = r[5], r[6]
+    _binary_loop(r[1], a[r[2]:r[2] + n], a[r[3]:r[3] + (1 if mode == 2 else n)],
+                 a[r[4]:r[4] + (1 if mode == 1 else n)], mode)
 
 
 @njit(**FM)
@@ -142,6 +226,10 @@ def k_strided(a, ia, r):
                     b3 = o3 + i0 * t0 + i1 * t1 + i2 * t2
                     for i3 in range(n3):
                         a[bo + i3 * so3] = a[b2 + i3 * q3] if a[b1 + i3 * p3] != _z else a[b3 + i3 * t3]
+                elif so3 == 1 and p3 <= 1 and q3 <= 1 and not (p3 == 0 and q3 == 0):
+                    mode = 0 if p3 == 1 and q3 == 1 else (1 if p3 == 1 else 2)
+                    _binary_loop(sub, a[bo:bo + n3], a[b1:b1 + (n3 if p3 else 1)], a[b2:b2 + (n3 if q3 else 1)],
+                                 mode)
                 elif sub == B_COPY:
                     for i3 in range(n3):
                         a[bo + i3 * so3] = a[b1 + i3 * p3]

@@ -1,0 +1,215 @@
+# btjit/cli.py -- the `btjit` command line (click): `train`, `sample`, `plot`. The group turns every
+# known error into one line on stderr and a non-zero exit (a traceback only with --debug). Other
+# commands (e.g. `bench`) register on the same group with @cli.command() / cli.add_command().
+# The work itself lives in btjit.train, btjit.sampling, btjit.checkpoint; nothing heavy at import.
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from btjit.checkpoint import CheckpointError
+from btjit.config import ConfigError
+from btjit.data import DataError
+
+
+class CLIError(Exception):
+    """A bad command-line value; str(e) is the message."""
+
+
+def _known_errors():
+    from btjit.train import TrainError
+    return (ConfigError, DataError, CheckpointError, TrainError, CLIError)
+
+
+class BtjitGroup(click.Group):
+    """click.Group whose main() prints `error: <one line>` and exits non-zero on any failure."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        args = list(sys.argv[1:] if args is None else args)
+        debug = "--debug" in args or bool(os.environ.get("BTJIT_DEBUG"))
+        code = 0
+        try:
+            rv = super().main(args, prog_name or "btjit", complete_var, standalone_mode=False, **extra)
+            code = rv if isinstance(rv, int) else 0
+        except click.exceptions.Exit as e:
+            code = e.exit_code
+        except click.ClickException as e:
+            if debug:
+                raise
+            hint = ""
+            if isinstance(e, click.UsageError) and e.ctx is not None:
+                hint = f" (see '{e.ctx.command_path} --help')"
+            click.echo(f"error: {e.format_message()}{hint}", err=True)
+            code = e.exit_code
+        except (click.exceptions.Abort, KeyboardInterrupt):
+            if debug:
+                raise
+            click.echo("error: interrupted", err=True)
+            code = 130
+        except Exception as e:
+            if debug:
+                raise
+            if isinstance(e, _known_errors()):
+                msg = str(e)
+            else:
+                msg = f"{type(e).__name__}: {e} (run with --debug for the traceback)"
+            click.echo(f"error: {' '.join(msg.split(chr(10)))}", err=True)
+            code = 1
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+debug_option = click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
+
+
+@click.group(name="btjit", cls=BtjitGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@debug_option
+def cli(debug):
+    """btjit: a Numba-JIT static-graph compiler and trainer for small neural nets on the CPU."""
+
+
+@cli.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--data", "data_path", type=click.Path(path_type=Path),
+              help="Train on this UTF-8 file (default: [data] path, else the built-in corpus).")
+@click.option("--out", type=click.Path(path_type=Path), help="Run dir (default: runs/<config stem>).")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Override a config value (a TOML value), e.g. --set train.steps=100. Repeatable.")
+@click.option("--resume", is_flag=True, help="Continue from the latest valid checkpoint of the run dir.")
+@click.option("--threads", type=int, help="Threads (overrides train.threads; 0 = all cores).")
+@debug_option
+def train(config, data_path, out, overrides, resume, threads, debug):
+    """Train a model from a TOML CONFIG (e.g. configs/gpt3_tiny.toml)."""
+    from btjit import config as config_mod
+    from btjit.train import train as run_training
+    if threads is not None and threads < 0:
+        raise CLIError(f"--threads must be >= 0, got {threads}")
+    cfg = config_mod.load(config, overrides)
+    run_dir = out if out is not None else Path("runs") / config.stem
+    hint = ["btjit", "train", str(config)] + [f"--set={s}" for s in overrides]
+    hint += ["--data", str(data_path)] if data_path is not None else []
+    hint += ["--out", str(out)] if out is not None else []
+    hint += ["--resume"]
+    run_training(cfg, run_dir, data_path=data_path, resume=resume, threads=threads,
+                 echo=lambda s="": click.echo(s), resume_hint=" ".join(shlex.quote(h) for h in hint))
+
+
+def _load_checkpoint(path: Path):
+    from btjit import checkpoint
+    if path.is_dir():
+        ck, skipped = checkpoint.latest_valid(path)
+        if ck is None:
+            bad = f" ({len(skipped)} corrupt: {', '.join(p.name for p, _ in skipped)})" if skipped else ""
+            raise CheckpointError(f"no valid checkpoint (ckpt_*.npz) in {path}{bad}")
+        for p, why in skipped:
+            click.echo(f"warning: skipped {why}", err=True)
+        return ck
+    return checkpoint.load(path)
+
+
+@cli.command()
+@click.argument("ckpt", type=click.Path(path_type=Path))
+@click.option("--prompt", default="", help="Text to start from (GPT) or the start of each name (MLP).")
+@click.option("--n", "n_chars", type=int, default=500, show_default=True, help="Characters to generate.")
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Sample among the k likeliest (0 = all).")
+@click.option("--seed", type=int, default=None, help="Sampling seed (default: the run's train.seed).")
+@debug_option
+def sample(ckpt, prompt, n_chars, temperature, top_k, seed, debug):
+    """Generate text from a checkpoint file CKPT (or the latest one in a run dir)."""
+    import numpy as np
+    from btjit.checkpoint import check_compatible
+    from btjit.config import Config
+    from btjit.data import Vocab
+    from btjit.sampling import Sampler, model_for
+    if n_chars < 0:
+        raise CLIError(f"--n must be >= 0, got {n_chars}")
+    if not temperature >= 0.0:
+        raise CLIError(f"--temperature must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise CLIError(f"--top-k must be >= 0, got {top_k}")
+    ck = _load_checkpoint(ckpt)
+    try:
+        cfg = Config.from_dict(ck.meta["config"], source=f"config in {ck.path}")
+        vocab = Vocab(ck.meta["vocab"])
+    except KeyError as e:
+        raise CheckpointError(f"checkpoint {ck.path} has no {e.args[0]} entry") from None
+    module, mcfg = model_for(cfg.model, len(vocab))
+    expected = module.init_params(mcfg, np.random.default_rng(0))
+    check_compatible(ck, {f"param/{k}": v for k, v in expected.items()}, prefix="param/")
+    sampler = Sampler(cfg.model, vocab, ck.params, cfg.train.dtype)
+    sampler.check_prompt(prompt)
+    rng = np.random.default_rng(cfg.train.seed if seed is None else seed)
+    click.echo(sampler.generate(prompt, n_chars, rng, temperature, top_k))
+
+
+def read_metrics(run_dir: Path):
+    """(train steps, train losses, val steps, val losses) from a run dir's metrics.jsonl."""
+    from btjit.train import METRICS
+    path = run_dir / METRICS
+    if not run_dir.is_dir():
+        raise CLIError(f"run dir not found: {run_dir}")
+    if not path.exists():
+        raise CLIError(f"no {METRICS} in {run_dir} (is it a btjit run dir?)")
+    tr, va = [], []
+    for line in path.read_text().splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("event") == "train":
+            tr.append((e["step"], e["loss"]))
+        elif e.get("event") == "val":
+            va.append((e["step"], e["val_loss"]))
+    if not tr and not va:
+        raise CLIError(f"{path} has no loss values yet")
+    return [s for s, _ in tr], [l for _, l in tr], [s for s, _ in va], [l for _, l in va]
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), help="PNG to write (default: RUN_DIR/loss.png).")
+@debug_option
+def plot(run_dir, out, debug):
+    """Plot train and val loss against step for RUN_DIR into a PNG."""
+    ts, tl, vs, vl = read_metrics(run_dir)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise CLIError("btjit plot needs matplotlib: pip install 'btjit[plot]'") from None
+    out = out if out is not None else run_dir / "loss.png"
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    if ts:
+        ax.plot(ts, tl, label="train loss", lw=1.2)
+    if vs:
+        ax.plot(vs, vl, "o-", label="val loss", lw=1.5, ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss")
+    ax.set_title(f"btjit run {run_dir.resolve().name}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(out)
+    except OSError as e:
+        raise CLIError(f"cannot write {out}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+    click.echo(f"wrote {out}")
+
+
+def main(argv=None):
+    """Console-script entry point (`btjit = "btjit.cli:main"`)."""
+    cli.main(args=argv, prog_name="btjit")
+
+
+if __name__ == "__main__":
+    main()

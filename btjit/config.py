@@ -1,0 +1,257 @@
+# btjit/config.py -- the TOML run configuration of `btjit train`: typed dataclasses for the sections
+# [model] [data] [train] [optim], loading with tomllib, `--set section.key=value` overrides, validation
+# with one readable message per error (ConfigError), and to_dict()/from_dict() for the run dir and
+# checkpoints. It holds no training logic and imports nothing heavy (no numpy, no numba).
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(Exception):
+    """A bad config file, key, value or override; str(e) is one readable line."""
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "gpt"              # "gpt" (paper E6) or "mlp" (paper E5, makemore)
+    n_layer: int = 6               # gpt: transformer blocks
+    n_head: int = 6                # gpt: attention heads (head size = n_embd // n_head)
+    n_embd: int = 24               # gpt: embedding width
+    block_size: int = 8            # gpt: context length T
+    activation: str = "relu"       # gpt: FFN activation, "relu" or "gelu"
+    context: int = 16              # mlp: characters of context (left-padded with '.')
+    n_emb: int = 64                # mlp: embedding width per character
+    n_hidden: int = 1024           # mlp: hidden units (tanh)
+
+
+@dataclass
+class DataConfig:
+    path: typing.Optional[str] = None   # None = built-in corpus (CPython's pydoc_data topics)
+    val_fraction: float = 0.1           # tail fraction held out for validation
+    format: str = "text"                # "text" (one stream of chars) or "lines" (one word per line)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 3000
+    batch_size: int = 64
+    seed: int = 1337
+    dtype: str = "float32"              # "float32" or "float64"
+    eval_interval: int = 250            # 0 = never (still evaluated at start and end)
+    eval_batches: int = 20
+    sample_interval: int = 1000         # 0 = never
+    sample_chars: int = 200
+    log_interval: int = 100
+    checkpoint_interval: int = 500      # 0 = only at the end
+    keep_checkpoints: int = 3
+    on_nonfinite: str = "stop"          # "stop" or "skip"
+    threads: int = 1                    # 0 = all cores
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"                   # "sgd" or "adamw"
+    lr: float = 3e-4
+    momentum: float = 0.0               # sgd only
+    weight_decay: float = 0.0
+    betas: typing.Tuple[float, float] = (0.9, 0.999)   # adamw only
+    eps: float = 1e-8                   # adamw only
+    clip_norm: float = 0.0              # global gradient-norm clip; 0 = off
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["optim"]["betas"] = list(d["optim"]["betas"])
+        if d["data"]["path"] is None:       # TOML has no null: a missing key means None
+            del d["data"]["path"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config") -> "Config":
+        return _build(d, source)
+
+    def to_toml(self) -> str:
+        lines = []
+        for sec, vals in self.to_dict().items():
+            lines.append(f"[{sec}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in vals.items()]
+            lines.append("")
+        return "\n".join(lines)
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig}
+CHOICES = {
+    ("model", "kind"): ("gpt", "mlp"), ("model", "activation"): ("relu", "gelu"),
+    ("data", "format"): ("text", "lines"), ("train", "dtype"): ("float32", "float64"),
+    ("train", "on_nonfinite"): ("stop", "skip"), ("optim", "name"): ("sgd", "adamw"),
+}
+POSITIVE = {  # must be >= 1
+    "model": ("n_layer", "n_head", "n_embd", "block_size", "context", "n_emb", "n_hidden"),
+    "train": ("steps", "batch_size", "eval_batches", "sample_chars", "log_interval", "keep_checkpoints"),
+}
+NON_NEGATIVE = {"train": ("seed", "eval_interval", "sample_interval", "checkpoint_interval", "threads"),
+                "optim": ("weight_decay", "clip_norm")}
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, float):
+        return repr(v) if v == v and abs(v) != float("inf") else ("nan" if v != v else
+                                                                 ("inf" if v > 0 else "-inf"))
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return str(v)
+
+
+def _type_name(tp) -> str:
+    return {int: "integer", float: "number", str: "string"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(key: str, tp, value):
+    """Check `value` (parsed TOML) against the annotated type `tp`; return the stored value."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):          # Optional[X]
+        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        return _coerce(key, inner, value)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} numbers, got {value!r}")
+        return tuple(_coerce(f"{key}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value)))
+    ok = (isinstance(value, int) and not isinstance(value, bool)) if tp is int else \
+        (isinstance(value, (int, float)) and not isinstance(value, bool)) if tp is float else \
+        isinstance(value, tp)
+    if not ok:
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    return float(value) if tp is float else value
+
+
+def _build(d: dict, source: str) -> Config:
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: expected a table of sections")
+    for sec in d:
+        if sec not in SECTIONS:
+            raise ConfigError(f"{source}: unknown section [{sec}]; allowed: {', '.join(SECTIONS)}")
+    parts = {}
+    for sec, cls in SECTIONS.items():
+        vals = d.get(sec, {})
+        if not isinstance(vals, dict):
+            raise ConfigError(f"{source}: [{sec}] must be a table, got {vals!r}")
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for k, v in vals.items():
+            if k not in hints:
+                raise ConfigError(f"{source}: unknown key {sec}.{k}; allowed in [{sec}]: "
+                                  f"{', '.join(hints)}")
+            try:
+                kwargs[k] = _coerce(f"{sec}.{k}", hints[k], v)
+            except ConfigError as e:
+                raise ConfigError(f"{source}: {e}") from None
+        parts[sec] = cls(**kwargs)
+    cfg = Config(**parts)
+    validate(cfg, source)
+    return cfg
+
+
+def validate(cfg: Config, source: str = "config") -> None:
+    def bad(msg):
+        raise ConfigError(f"{source}: {msg}")
+    for (sec, key), allowed in CHOICES.items():
+        v = getattr(getattr(cfg, sec), key)
+        if v not in allowed:
+            bad(f"{sec}.{key} = {v!r} is not one of: {', '.join(allowed)}")
+    for sec, keys in POSITIVE.items():
+        for key in keys:
+            if getattr(getattr(cfg, sec), key) < 1:
+                bad(f"{sec}.{key} must be >= 1, got {getattr(getattr(cfg, sec), key)}")
+    for sec, keys in NON_NEGATIVE.items():
+        for key in keys:
+            if getattr(getattr(cfg, sec), key) < 0:
+                bad(f"{sec}.{key} must be >= 0, got {getattr(getattr(cfg, sec), key)}")
+    m, o = cfg.model, cfg.optim
+    if m.kind == "gpt" and m.n_embd % m.n_head != 0:
+        bad(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        bad(f"data.val_fraction must be between 0 and 1 (exclusive), got {cfg.data.val_fraction}")
+    if m.kind == "mlp" and cfg.data.format != "lines":
+        bad('model.kind = "mlp" needs data.format = "lines" (one word per line)')
+    if m.kind == "gpt" and cfg.data.format != "text":
+        bad('model.kind = "gpt" needs data.format = "text"')
+    if not o.lr > 0.0 or o.lr == float("inf"):
+        bad(f"optim.lr must be a positive number, got {o.lr}")
+    if not 0.0 <= o.momentum < 1.0:
+        bad(f"optim.momentum must be in [0, 1), got {o.momentum}")
+    if not all(0.0 <= b < 1.0 for b in o.betas):
+        bad(f"optim.betas must both be in [0, 1), got {list(o.betas)}")
+    if not o.eps > 0.0:
+        bad(f"optim.eps must be > 0, got {o.eps}")
+    if cfg.data.path is not None and not cfg.data.path:
+        bad("data.path is empty (leave it out to use the built-in corpus)")
+
+
+def _parse_toml(text: str, source: str) -> dict:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:        # message already carries "(at line L, column C)"
+        raise ConfigError(f"{source}: malformed TOML: {e}") from None
+
+
+def parse_override(item: str) -> tuple[str, str, object]:
+    """'train.steps=100' -> ('train', 'steps', 100). The value is a TOML value; a bare word that is
+    not valid TOML (e.g. data.path=names.txt) is taken as a string."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    lhs, rhs = item.split("=", 1)
+    lhs = lhs.strip()
+    if lhs.count(".") != 1 or not all(lhs.split(".")):
+        raise ConfigError(f"--set {item!r}: the key must be section.key, e.g. train.steps")
+    sec, key = lhs.split(".")
+    try:
+        value = tomllib.loads(f"v = {rhs.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = rhs.strip()
+    return sec, key, value
+
+
+def load(path, overrides=()) -> Config:
+    """Read a TOML config file, apply `--set` overrides, validate; ConfigError on any problem."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file not found: {p}")
+    if p.is_dir():
+        raise ConfigError(f"config path is a directory, not a file: {p}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a UTF-8 text file") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config {p}: {e.strerror}") from None
+    d = _parse_toml(text, str(p))
+    for item in overrides:
+        sec, key, value = parse_override(item)
+        if sec not in SECTIONS:
+            raise ConfigError(f"--set {item!r}: unknown section [{sec}]; allowed: {', '.join(SECTIONS)}")
+        table = d.setdefault(sec, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{p}: [{sec}] must be a table")
+        table[key] = value
+    return _build(d, str(p))
+
+
+def loads(text: str, source: str = "<string>") -> Config:
+    return _build(_parse_toml(text, source), source)

@@ -1,0 +1,201 @@
+# btjit/data.py -- character-level data for `btjit train`: reading a corpus (a UTF-8 file or the
+# built-in one that ships with CPython), the vocabulary, encode/decode, the train/val split and seeded
+# batch sampling. Two formats: "text" (one stream of characters, GPT-style (B,T) -> (B,T) batches) and
+# "lines" (one word per line, makemore-style (B,context) -> (B,) samples with '.' as index 0).
+# It knows nothing about models or the compiler; errors are DataError with one readable message.
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+BUILTIN_NAME = "<built-in corpus: CPython pydoc_data topics>"
+PAD = "."   # "lines" format: start/end token, index 0
+
+
+class DataError(Exception):
+    """Missing, empty, binary or too-short data; str(e) is one readable line naming the file."""
+
+
+def builtin_text() -> str:
+    """~465k characters of English and Python from the standard library (no download needed)."""
+    from pydoc_data.topics import topics
+    return "".join(topics[k] for k in sorted(topics))
+
+
+def read_text(path) -> tuple[str, str]:
+    """Return (text, name) of a UTF-8 file; path None -> the built-in corpus."""
+    if path is None:
+        return builtin_text(), BUILTIN_NAME
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"data file not found: {p}")
+    if p.is_dir():
+        raise DataError(f"data path is a directory, not a file: {p}")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read data file {p}: {e.strerror}") from None
+    if not raw:
+        raise DataError(f"data file is empty: {p}")
+    if b"\x00" in raw[:65536]:
+        raise DataError(f"data file looks binary (contains NUL bytes), expected UTF-8 text: {p}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"data file is not valid UTF-8 text (bad byte at offset {e.start}): {p}") from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    if not text.strip():
+        raise DataError(f"data file has no text (only whitespace): {p}")
+    return text, str(p)
+
+
+class Vocab:
+    """Index <-> character tables. `chars` is the list itos; it is what checkpoints store."""
+
+    def __init__(self, chars):
+        self.chars = list(chars)
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        if len(self.stoi) != len(self.chars):
+            raise DataError("vocabulary has duplicate characters")
+
+    @classmethod
+    def from_text(cls, text: str) -> "Vocab":
+        return cls(sorted(set(text)))
+
+    @classmethod
+    def from_words(cls, words) -> "Vocab":
+        return cls([PAD] + sorted(set("".join(words)) - {PAD}))
+
+    def __len__(self):
+        return len(self.chars)
+
+    def __eq__(self, other):
+        return isinstance(other, Vocab) and self.chars == other.chars
+
+    def encode(self, s: str) -> np.ndarray:
+        for c in s:
+            if c not in self.stoi:
+                raise DataError(f"character {c!r} is not in the vocabulary")
+        return np.fromiter((self.stoi[c] for c in s), dtype=np.int32, count=len(s))
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+
+@dataclass
+class Split:
+    """One split. text: x = the token stream (N,); lines: x (N, context) contexts, y (N,) next chars."""
+    x: np.ndarray
+    y: np.ndarray | None = None
+
+    def __len__(self):
+        return len(self.x)
+
+
+class Dataset:
+    """The encoded train/val splits plus everything needed to draw batches of a fixed shape."""
+
+    def __init__(self, fmt, vocab, train, val, block, name, n_chars):
+        self.format, self.vocab, self.train, self.val = fmt, vocab, train, val
+        self.block = block            # T for "text", context for "lines"
+        self.name, self.n_chars = name, n_chars
+
+    def batch(self, split: str, batch_size: int, rng: np.random.Generator):
+        """Draw a batch with `rng` (the only randomness). text: x, y int32 (B,T);
+        lines: x int32 (B,context), y int32 (B,)."""
+        s = self.train if split == "train" else self.val
+        if self.format == "text":
+            T = self.block
+            ix = rng.integers(0, len(s.x) - T, size=batch_size)
+            pos = ix[:, None] + np.arange(T)[None, :]          # (B,T)
+            return (np.ascontiguousarray(s.x[pos], dtype=np.int32),
+                    np.ascontiguousarray(s.x[pos + 1], dtype=np.int32))
+        ix = rng.integers(0, len(s.y), size=batch_size)
+        return (np.ascontiguousarray(s.x[ix], dtype=np.int32),
+                np.ascontiguousarray(s.y[ix], dtype=np.int32))
+
+    def describe(self) -> str:
+        unit = "tokens" if self.format == "text" else "samples"
+        return (f"data: {self.name}: {self.n_chars:,} chars, vocab {len(self.vocab)}, "
+                f"train {len(self.train):,} / val {len(self.val):,} {unit}")
+
+
+def split_point(n: int, val_fraction: float) -> int:
+    return int(round(n * (1.0 - val_fraction)))
+
+
+def load_text(path, block_size: int, val_fraction: float = 0.1, vocab: Vocab | None = None) -> Dataset:
+    """"text" format: the whole file is one character stream; the last val_fraction is validation."""
+    text, name = read_text(path)
+    vocab = vocab or Vocab.from_text(text)
+    missing = sorted(set(text) - set(vocab.chars))
+    if missing:
+        raise DataError(f"{name}: characters not in the checkpoint's vocabulary: "
+                        f"{''.join(missing[:20])!r}")
+    data = vocab.encode(text)
+    n = split_point(len(data), val_fraction)
+    train, val = data[:n], data[n:]
+    for label, part in (("train", train), ("val", val)):
+        if len(part) < block_size + 1:
+            raise DataError(f"{name}: too short: the {label} split has {len(part)} characters, needs at "
+                            f"least block_size + 1 = {block_size + 1} (file has {len(data)} characters, "
+                            f"val_fraction {val_fraction})")
+    return Dataset("text", vocab, Split(train), Split(val), block_size, name, len(text))
+
+
+def builtin_words(text: str) -> list[str]:
+    """A names.txt-like word list from the built-in corpus: unique lower-case words of 3+ letters."""
+    return sorted(set(re.findall(r"[a-z]{3,}", text.lower())))
+
+
+def build_samples(words, vocab: Vocab, context: int):
+    """makemore: each word w gives len(w)+1 samples (context left-padded with '.', next char)."""
+    xs, ys = [], []
+    for w in words:
+        ctx = [0] * context
+        for c in w + PAD:
+            ix = vocab.stoi[c]
+            xs.append(ctx)
+            ys.append(ix)
+            ctx = ctx[1:] + [ix]
+    return (np.array(xs, dtype=np.int32).reshape(-1, context), np.array(ys, dtype=np.int32))
+
+
+def load_lines(path, context: int, val_fraction: float = 0.1, seed: int = 0,
+               vocab: Vocab | None = None) -> Dataset:
+    """"lines" format: one word per line; words are shuffled with `seed`, split by val_fraction."""
+    text, name = read_text(path)
+    if path is None:
+        words = builtin_words(text)
+    else:
+        words = [w.strip() for w in text.splitlines() if w.strip()]
+    bad = [w for w in words if PAD in w]
+    if bad:
+        raise DataError(f"{name}: the 'lines' format reserves {PAD!r} as the word boundary, "
+                        f"but the word {bad[0]!r} contains it")
+    vocab = vocab or Vocab.from_words(words)
+    missing = sorted(set("".join(words)) - set(vocab.chars))
+    if missing:
+        raise DataError(f"{name}: characters not in the checkpoint's vocabulary: "
+                        f"{''.join(missing[:20])!r}")
+    order = np.random.default_rng(seed).permutation(len(words))
+    words = [words[i] for i in order]
+    n = split_point(len(words), val_fraction)
+    tr, va = words[:n], words[n:]
+    if not tr or not va:
+        raise DataError(f"{name}: too short: {len(words)} word(s) cannot be split into train and val "
+                        f"with val_fraction {val_fraction}")
+    train, val = Split(*build_samples(tr, vocab, context)), Split(*build_samples(va, vocab, context))
+    return Dataset("lines", vocab, train, val, context, name, len(text))
+
+
+def load(cfg, data_path=None, vocab: Vocab | None = None) -> Dataset:
+    """Dataset for a btjit.config.Config; `data_path` (the --data option) overrides cfg.data.path."""
+    path = data_path if data_path is not None else cfg.data.path
+    if cfg.data.format == "lines":
+        return load_lines(path, cfg.model.context, cfg.data.val_fraction, cfg.train.seed, vocab)
+    return load_text(path, cfg.model.block_size, cfg.data.val_fraction, vocab)

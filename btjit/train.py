@@ -1,0 +1,357 @@
+# btjit/train.py -- the training loop of `btjit train`: run dir, data, model, one traced program
+# (btjit.trace), the start-up banner, progress lines, val loss, samples, the JSONL metrics log,
+# checkpoints, Ctrl+C (finish the step, save, exit 0), --resume (bit-exact: the batch RNG state is
+# checkpointed) and NaN/Inf handling. Not here: the compiler (btjit.trace), the models (btjit.models),
+# argument parsing (btjit.cli). Errors are TrainError (or Config/Data/CheckpointError), one line each.
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from btjit import checkpoint as ckpt_mod
+from btjit import data as data_mod
+from btjit.checkpoint import CheckpointError
+from btjit.config import Config
+
+METRICS, CONFIG_FILE = "metrics.jsonl", "config.toml"
+MAX_SKIPS = 100   # consecutive non-finite steps tolerated with on_nonfinite = "skip"
+
+
+class TrainError(Exception):
+    """The run cannot start or had to stop; str(e) is one readable line."""
+
+
+@dataclass
+class Result:
+    step: int                       # steps completed
+    checkpoint: Path | None         # the last checkpoint written (or resumed from)
+    interrupted: bool = False
+    val_loss: float | None = None
+
+
+def set_threads(n: int) -> int:
+    """Use n threads (0 = all cores) for numba parallel kernels and, if threadpoolctl is there, BLAS."""
+    n = n or os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = str(n)  # child processes
+    import numba
+    n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    try:
+        import threadpoolctl
+        threadpoolctl.threadpool_limits(n)
+    except ImportError:
+        _limit_openblas(n)
+    return n
+
+
+def _limit_openblas(n: int) -> list[int]:
+    """Set the thread count of every OpenBLAS loaded in this process (numpy's, scipy's) through its
+    own C entry point; returns what each now reports. Linux only (reads /proc/self/maps)."""
+    import ctypes
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    libs = sorted({l.split()[-1] for l in maps.splitlines() if "openblas" in l.rsplit("/", 1)[-1]})
+    got = []
+    for lib in libs:
+        try:
+            dll = ctypes.CDLL(lib)
+        except OSError:
+            continue
+        for suffix in ("", "64_"):
+            set_fn = getattr(dll, f"scipy_openblas_set_num_threads{suffix}", None) or \
+                getattr(dll, f"openblas_set_num_threads{suffix}", None)
+            get_fn = getattr(dll, f"scipy_openblas_get_num_threads{suffix}", None) or \
+                getattr(dll, f"openblas_get_num_threads{suffix}", None)
+            if set_fn is not None:
+                set_fn(ctypes.c_int(n))
+                if get_fn is not None:
+                    got.append(int(get_fn()))
+                break
+    return got
+
+
+def seeds(seed: int):
+    """One seed drives everything: (param init, train batches, eval batches, samples) generators."""
+    return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4)]
+
+
+def first_nonfinite(arrays: dict) -> str | None:
+    for name, a in arrays.items():
+        if not np.all(np.isfinite(a)):
+            return name
+    return None
+
+
+def prepare_run_dir(run_dir: Path, resume: bool) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TrainError(f"--out {run_dir} is a file, not a directory")
+    if resume and not run_dir.is_dir():
+        raise TrainError(f"--resume: run dir {run_dir} does not exist")
+    if not resume and ckpt_mod.list_checkpoints(run_dir):
+        last = ckpt_mod.list_checkpoints(run_dir)[-1]
+        raise TrainError(f"run dir {run_dir} already holds checkpoints (latest {last.name}); "
+                         f"pass --resume to continue it, or --out DIR for a new run")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TrainError(f"cannot create run dir {run_dir}: {e.strerror}") from None
+
+
+def trim_metrics(path: Path, step: int) -> None:
+    """On resume: drop log events after the checkpoint's step (they will be logged again)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except ValueError:
+            pass
+    path.write_text("".join(l + "\n" for l in keep))
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir, data_path=None, resume=False, threads=None,
+                 echo=None, resume_hint="--resume"):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.echo = echo or (lambda s="": print(s, flush=True))
+        self.resume_hint = resume_hint
+        t = cfg.train
+        prepare_run_dir(self.run_dir, resume)
+        self.resumed = None
+        if resume:
+            self.resumed = self._find_checkpoint()
+        self.threads = set_threads(threads if threads is not None else t.threads)
+        vocab = data_mod.Vocab(self.resumed.meta["vocab"]) if self.resumed else None
+        self.ds = data_mod.load(cfg, data_path, vocab)
+        self.param_rng, self.rng, _, self.sample_rng = seeds(t.seed)
+        self._build_program()
+        self.step, self.last_ckpt = 0, None
+        if self.resumed:
+            ck = self.resumed
+            ckpt_mod.check_compatible(ck, self.prog.state_dict())
+            self.prog.load_state_dict(ck.state)
+            self.rng = ckpt_mod.rng_from_state(ck.meta["rng_state"])
+            self.step, self.last_ckpt = ck.step, ck.path
+        self.sampler = None
+        self.metrics_path = self.run_dir / METRICS
+        if resume:
+            trim_metrics(self.metrics_path, self.step)
+        (self.run_dir / CONFIG_FILE).write_text(
+            "# resolved config of this run, written by `btjit train`\n" + cfg.to_toml())
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def _find_checkpoint(self):
+        ck, skipped = ckpt_mod.latest_valid(self.run_dir)
+        for path, why in skipped:
+            bad = path.with_name(path.name + ".corrupt")
+            os.replace(path, bad)
+            self.echo(f"warning: skipped {why}; moved it to {bad.name}")
+        if ck is None:
+            raise TrainError(f"--resume: no valid checkpoint in {self.run_dir}")
+        saved = ck.meta.get("config", {}).get("model", {})
+        now = self.cfg.to_dict()["model"]
+        diff = [k for k in now if saved.get(k) != now[k]]
+        if diff:
+            k = diff[0]
+            raise TrainError(f"--resume: {ck.path.name} was trained with model.{k} = {saved.get(k)!r}, "
+                             f"the config says {now[k]!r}")
+        if skipped:
+            self.echo(f"resuming from the newest valid checkpoint {ck.path.name} (step {ck.step})")
+        return ck
+
+    def _build_program(self):
+        import btjit
+        from btjit.sampling import model_for
+        cfg, t, o = self.cfg, self.cfg.train, self.cfg.optim
+        self.module, self.mcfg = model_for(cfg.model, len(self.ds.vocab))
+        params = self.module.init_params(self.mcfg, self.param_rng)
+        if o.name == "sgd":
+            opt = btjit.optim.SGD(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        else:
+            opt = btjit.optim.AdamW(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        x, y = self.ds.batch("train", t.batch_size, np.random.default_rng(0))
+        t0 = time.perf_counter()
+        self.prog = btjit.trace(self.module.loss_fn(self.mcfg), params, x, y, optimizer=opt,
+                                clip_norm=o.clip_norm or None, dtype=t.dtype)
+        self.build_seconds = time.perf_counter() - t0
+        self.tokens_per_step = x.size if cfg.model.kind == "gpt" else len(y)
+
+    def banner(self):
+        import numba
+        from importlib import metadata
+        try:
+            ver = metadata.version("btjit")
+        except metadata.PackageNotFoundError:
+            ver = "dev"
+        p, m, t, o = self.prog, self.cfg.model, self.cfg.train, self.cfg.optim
+        arch = (f"gpt {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {m.block_size}, "
+                f"{m.activation}" if m.kind == "gpt" else
+                f"mlp context {m.context}, n_emb {m.n_emb}, n_hidden {m.n_hidden}")
+        tr, cs = getattr(p, "trace_seconds", 0.0), getattr(p, "compile_seconds", 0.0)
+        plan = getattr(p, "plan_seconds", None)
+        times = f"trace {tr:.2f} s + " + (f"plan {plan:.2f} s + " if plan is not None else "") + \
+            f"compile {cs:.2f} s (btjit.trace wall time {self.build_seconds:.2f} s)"
+        self.echo(f"btjit {ver} | numba {numba.__version__} | numpy {np.__version__} | "
+                  f"threads {self.threads} | {t.dtype}")
+        self.echo(f"model: {arch} | {p.n_params:,} params | arena {p.arena_bytes / 1e6:.2f} MB")
+        self.echo(self.ds.describe())
+        self.echo(f"optim: {o.name} lr {o.lr:g}" + (f" momentum {o.momentum:g}" if o.name == "sgd" else
+                  f" betas {tuple(o.betas)} eps {o.eps:g}") + f" weight_decay {o.weight_decay:g}" +
+                  (f" clip_norm {o.clip_norm:g}" if o.clip_norm else "") +
+                  f" | batch {t.batch_size} | {t.steps} steps | seed {t.seed}")
+        self.echo(f"program: {times}")
+        where = f"resumed from {self.last_ckpt.name} at step {self.step}" if self.resumed else "new run"
+        self.echo(f"run dir: {self.run_dir} ({where})")
+
+    # ---- pieces of the loop ---------------------------------------------------------------------
+    def log(self, **event):
+        event["time"] = round(time.time(), 3)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(event) + "\n")
+
+    def evaluate(self) -> float:
+        """Mean loss over eval_batches val batches; the same batches every time (fixed seed)."""
+        t = self.cfg.train
+        rng = seeds(t.seed)[2]
+        losses = [self.prog.forward(*self.ds.batch("val", t.batch_size, rng)) for _ in range(t.eval_batches)]
+        return float(np.mean(losses))
+
+    def sample(self) -> str:
+        from btjit.sampling import Sampler
+        if self.sampler is None:
+            self.sampler = Sampler(self.cfg.model, self.ds.vocab, self.prog.params, self.cfg.train.dtype)
+        else:
+            self.sampler.set_params(self.prog.params)
+        return self.sampler.generate("", self.cfg.train.sample_chars, self.sample_rng)
+
+    def save(self) -> Path:
+        bad = first_nonfinite(self.prog.params)
+        if bad is not None:
+            raise TrainError(f"parameter {bad} is not finite at step {self.step}; not saved. "
+                             f"{self._last_good()}")
+        meta = {"rng_state": ckpt_mod.rng_state(self.rng), "config": self.cfg.to_dict(),
+                "vocab": self.ds.vocab.chars, "data": self.ds.name, "n_params": int(self.prog.n_params)}
+        try:
+            path = ckpt_mod.save(self.run_dir, self.step, self.prog.state_dict(), meta,
+                                 keep=self.cfg.train.keep_checkpoints)
+        except CheckpointError as e:
+            raise TrainError(f"stopped at step {self.step}: {e}. {self._last_good()}") from None
+        self.last_ckpt = path
+        self.log(event="checkpoint", step=self.step, path=path.name)
+        return path
+
+    def _last_good(self) -> str:
+        if self.last_ckpt is None:
+            return "No checkpoint was saved yet."
+        return f"Last good checkpoint: {self.last_ckpt}"
+
+    def _nonfinite(self, loss) -> None:
+        bad = first_nonfinite(self.prog.grads)
+        where = f" (first non-finite gradient: {bad})" if bad else ""
+        raise TrainError(f"loss is {loss} at step {self.step + 1}{where}; stopped. {self._last_good()}")
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def run(self) -> Result:
+        t, prog = self.cfg.train, self.prog
+        self.banner()
+        stop = {"sigint": False}
+        old = None
+        if threading.current_thread() is threading.main_thread():
+            def on_sigint(signum, frame):
+                if stop["sigint"]:
+                    raise KeyboardInterrupt
+                stop["sigint"] = True
+                self.echo("\ninterrupt: finishing the current step, then saving (Ctrl+C again to abort)")
+            old = signal.signal(signal.SIGINT, on_sigint)
+        try:
+            return self._loop(t, prog, stop)
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGINT, old)
+
+    def _loop(self, t, prog, stop) -> Result:
+        val, width = None, len(str(t.steps))
+        if self.step == 0:
+            val = self.evaluate()
+            self.echo(f"step {0:>{width}}: val loss {val:.4f}")
+            self.log(event="val", step=0, val_loss=val)
+        if self.step >= t.steps:
+            self.echo(f"already at step {self.step} of {t.steps}: nothing to do "
+                      f"(raise train.steps to train further)")
+            return Result(self.step, self.last_ckpt)
+        t_start, losses, step_time, timed, skips = time.perf_counter(), [], 0.0, 0, 0
+        first = self.step
+        while self.step < t.steps:
+            x, y = self.ds.batch("train", t.batch_size, self.rng)
+            snap = prog.state_dict() if t.on_nonfinite == "skip" else None
+            t0 = time.perf_counter()
+            loss = prog.step(x, y)
+            step_time += time.perf_counter() - t0
+            timed += 1
+            self.step += 1
+            if snap is not None and math.isfinite(loss) and first_nonfinite(prog.params):
+                loss = float("nan")         # "skip" mode: an update that broke a parameter is undone too
+            if math.isfinite(loss):
+                skips = 0
+                losses.append(loss)
+            elif snap is None:
+                self.step -= 1
+                self.log(event="nonfinite", step=self.step + 1, loss=str(loss))
+                self._nonfinite(loss)
+            else:
+                prog.load_state_dict(snap)
+                skips += 1
+                if skips <= 3:
+                    bad = first_nonfinite(prog.grads)
+                    self.echo(f"step {self.step}: non-finite loss or update ({loss}"
+                              + (f", first non-finite gradient: {bad}" if bad else "") + "), step skipped"
+                              + (" (further skips are logged in metrics.jsonl only)" if skips == 3 else ""))
+                self.log(event="skip", step=self.step, loss=str(loss))
+                if skips >= MAX_SKIPS:
+                    raise TrainError(f"{skips} non-finite steps in a row at step {self.step}; stopped. "
+                                     f"{self._last_good()}")
+            s, saved = self.step, False
+            if losses and (s % t.log_interval == 0 or s == t.steps):
+                ms = 1000.0 * step_time / timed
+                tps = self.tokens_per_step / (ms / 1000.0) if ms > 0 else 0.0
+                done = s - first
+                eta = (time.perf_counter() - t_start) / done * (t.steps - s)
+                self.echo(f"step {s:>{width}}/{t.steps} ({100 * s // t.steps:3d}%) | loss {np.mean(losses):.4f} "
+                          f"| {ms:.2f} ms/step | {tps / 1000:.1f}k tok/s | eta {eta:.0f} s")
+                self.log(event="train", step=s, loss=float(np.mean(losses)), ms_per_step=round(ms, 4),
+                         tokens_per_s=round(tps, 1), lr=float(getattr(prog, "lr", self.cfg.optim.lr)))
+                losses, step_time, timed = [], 0.0, 0
+            if (t.eval_interval and s % t.eval_interval == 0) or s == t.steps:
+                val = self.evaluate()
+                self.echo(f"step {s:>{width}}: val loss {val:.4f}")
+                self.log(event="val", step=s, val_loss=val)
+            if t.sample_interval and s % t.sample_interval == 0:
+                self.echo(f"--- sample at step {s} ---\n{self.sample()}\n---")
+            if (t.checkpoint_interval and s % t.checkpoint_interval == 0) or s == t.steps:
+                self.save()
+                saved = True
+            if stop["sigint"]:
+                path = self.last_ckpt if saved else self.save()
+                self.echo(f"interrupted at step {s}: saved {path}; continue with {self.resume_hint}")
+                return Result(s, path, interrupted=True, val_loss=val)
+        total = time.perf_counter() - t_start
+        self.echo(f"done: {self.step - first} steps in {total:.1f} s; checkpoint {self.last_ckpt}")
+        return Result(self.step, self.last_ckpt, val_loss=val)
+
+
+def train(cfg: Config, run_dir, data_path=None, resume=False, threads=None, echo=None,
+          resume_hint="--resume") -> Result:
+    """Run (or resume) a training run; returns a Result. Raises TrainError & co. with one-line messages."""
+    return Trainer(cfg, run_dir, data_path, resume, threads, echo, resume_hint).run()
