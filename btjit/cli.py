@@ -206,6 +206,31 @@ def plot(run_dir, out, debug):
     click.echo(f"wrote {out}")
 
 
+@cli.command()
+@click.option("--suite", default="paper", show_default=True, help="Workload suite.")
+@click.option("--only", default=None, metavar="E1,E6b1,...", help="Only these workloads.")
+@click.option("--peers", default=None, metavar="torch,jax,micrograd,autograd|none",
+              help="Peers to run beside btjit (default: every installed one).")
+@click.option("--threads", type=int, default=1, show_default=True, help="Threads for every measurement.")
+@click.option("--reps", type=int, default=5, show_default=True, help="Timed repetitions (median reported).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the rows as JSON.")
+@click.option("--compile", "use_compile", is_flag=True, help="Add torch.compile rows for E5/E6.")
+@click.option("--profile", is_flag=True, help="Print btjit's per-op time breakdown for E5/E6 instead.")
+@click.option("--debug", is_flag=True, hidden=True)
+def bench(suite, only, peers, threads, reps, json_path, use_compile, profile, debug):
+    """Run the paper's workloads (E1-E6) for btjit and each installed peer, side by side."""
+    from btjit.bench import harness
+    if profile:
+        from btjit.bench.btjit_impl import profile as run_profile
+        run_profile(only or "E5,E6b1,E6b64", threads)
+        return
+    rows = harness.run_bench(suite=suite, only=only, peers=peers, threads=threads, reps=reps,
+                             json_path=str(json_path) if json_path else None, compile=use_compile,
+                             progress=lambda r: click.echo(f"  {r['workload']:<6s} {r['impl']:<14s} {r['status']}",
+                                                           err=True))
+    click.echo(harness.format_table(rows))
+
+
 def main(argv=None):
     """Console-script entry point (`btjit = "btjit.cli:main"`)."""
     cli.main(args=argv, prog_name="btjit")

@@ -48,10 +48,11 @@ class AdamW:
                       h["beta1"], h["beta2"], h["eps"], h["weight_decay"], plan.int_state, h["clip_scale"])]
 
 
-def update_rows(opt, clip_norm, L, plan):
-    """Tape rows of the update: optional global-norm clipping, then the optimizer."""
+def update_rows(opt, clip_norm, skip_nonfinite, L, plan):
+    """Tape rows of the update: the gradient-norm row (for clipping by global norm, and for skipping the
+    update when a gradient is NaN/Inf), then the optimizer."""
     h = {k: plan.hyper_off + i for i, k in enumerate(HYPER)}
     rows = []
-    if clip_norm:
+    if clip_norm or skip_nonfinite:
         rows.append(L.row("k_clip_scale", plan.grads_start, plan.params_span[1], h["clip_norm"], h["clip_scale"]))
     return rows + opt.rows(L, plan, h)

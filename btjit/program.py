@@ -36,9 +36,11 @@ def _arg_names(fn, n):
     return names + [f"arg{i}" for i in range(len(names), n)]
 
 
-def trace(fn, params, *batch, optimizer=None, clip_norm=None, dtype="float32", grad=None):
+def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=False, dtype="float32", grad=None):
     """Trace fn(params, *batch) once and compile it. With an optimizer, `step()` trains; without one,
-    `forward()` (and `value_and_grad()` for a scalar output) evaluate."""
+    `forward()` (and `value_and_grad()` for a scalar output) evaluate. clip_norm: clip gradients by global
+    norm. skip_nonfinite: a step whose gradients contain NaN/Inf leaves params and optimizer state untouched
+    (`prog.last_step_skipped` tells)."""
     t0 = time.perf_counter()
     fd = {"float32": "f32", "float64": "f64", "f32": "f32", "f64": "f64"}.get(str(np.dtype(dtype)) if dtype else "")
     if fd is None:
@@ -85,7 +87,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, dtype="float32", g
     autodiff.eliminate_dead_code(g, list(g.outputs.values()) + list(g.grads.values()))
     g.n_backward = len(g.eqns)
     verify(g, TABLE)
-    return Program(g, params, optimizer, clip_norm, pinned, time.perf_counter() - t0)
+    return Program(g, params, optimizer, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0)
 
 
 def _pin(g: Graph, grads: dict) -> dict:
@@ -118,7 +120,7 @@ def _pin(g: Graph, grads: dict) -> dict:
 class Program:
     """A compiled program over one arena. Views (`params`, `grads`, `inputs`, `outputs`) alias the arena."""
 
-    def __init__(self, graph, init_params, optimizer, clip_norm, pinned, trace_seconds):
+    def __init__(self, graph, init_params, optimizer, clip_norm, skip_nonfinite, pinned, trace_seconds):
         t0 = time.perf_counter()
         self.graph, self.optimizer, self.clip_norm = graph, optimizer, clip_norm
         n_state = optimizer.n_state if optimizer else 0
@@ -126,7 +128,7 @@ class Program:
         L = Lowering(p, const_base=p.float_size)
         fwd, fwd_labels = lower_eqns(graph.eqns[:graph.n_forward], L)
         bwd, bwd_labels = lower_eqns(graph.eqns[graph.n_forward:], L)
-        upd = update_rows(optimizer, clip_norm, L, p) if optimizer else []
+        upd = update_rows(optimizer, clip_norm, skip_nonfinite, L, p) if optimizer else []
         self.row_labels = fwd_labels + [f"{op} (bwd)" for op in bwd_labels] + \
             [f"update:{type(optimizer).__name__}"] * len(upd)
         self.n_fwd, self.n_bwd = len(fwd), len(fwd) + len(bwd)
@@ -243,6 +245,11 @@ class Program:
     @lr.setter
     def lr(self, v):
         self.a[self._hyper["lr"]] = v
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """True if the last step() found a non-finite gradient and skipped the update (skip_nonfinite)."""
+        return bool(np.isnan(self.a[self._hyper["clip_scale"]]))
 
     @property
     def step_count(self) -> int:

@@ -184,7 +184,8 @@ class Trainer:
         x, y = self.ds.batch("train", t.batch_size, np.random.default_rng(0))
         t0 = time.perf_counter()
         self.prog = btjit.trace(self.module.loss_fn(self.mcfg), params, x, y, optimizer=opt,
-                                clip_norm=o.clip_norm or None, dtype=t.dtype)
+                                clip_norm=o.clip_norm or None, dtype=t.dtype,
+                                skip_nonfinite=(t.on_nonfinite == "skip"))
         self.build_seconds = time.perf_counter() - t0
         self.tokens_per_step = x.size if cfg.model.kind == "gpt" else len(y)
 
@@ -295,23 +296,22 @@ class Trainer:
         first = self.step
         while self.step < t.steps:
             x, y = self.ds.batch("train", t.batch_size, self.rng)
-            snap = prog.state_dict() if t.on_nonfinite == "skip" else None
             t0 = time.perf_counter()
             loss = prog.step(x, y)
             step_time += time.perf_counter() - t0
             timed += 1
             self.step += 1
-            if snap is not None and math.isfinite(loss) and first_nonfinite(prog.params):
-                loss = float("nan")         # "skip" mode: an update that broke a parameter is undone too
+            skip = t.on_nonfinite == "skip"
+            if skip and prog.last_step_skipped:
+                loss = float("nan")         # "skip" mode: the native step left params and state untouched
             if math.isfinite(loss):
                 skips = 0
                 losses.append(loss)
-            elif snap is None:
+            elif not skip:
                 self.step -= 1
                 self.log(event="nonfinite", step=self.step + 1, loss=str(loss))
                 self._nonfinite(loss)
             else:
-                prog.load_state_dict(snap)
                 skips += 1
                 if skips <= 3:
                     bad = first_nonfinite(prog.grads)

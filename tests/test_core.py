@@ -207,3 +207,22 @@ def test_state_dict_round_trip_is_exact():
     assert other.step(x, y) == prog.step(x, y)
     for k in prog.params:
         np.testing.assert_array_equal(other.params[k], prog.params[k])
+
+
+def test_skip_nonfinite_leaves_params_and_state_untouched():
+    x, y = _data()
+    x = x.astype(np.float32)
+    prog = btjit.trace(lambda p, x, y: mlp_loss(p, x, y) * btjit.sqrt(p["s"]), {**_mlp(), "s": np.ones(())}, x, y,
+                       optimizer=btjit.optim.AdamW(lr=0.01), skip_nonfinite=True)
+    prog.step(x, y)
+    assert not prog.last_step_skipped and prog.step_count == 1
+    prog.params["s"][...] = -1.0                       # sqrt(-1) = NaN: loss and every gradient non-finite
+    before = prog.state_dict()
+    loss = prog.step(x, y)
+    assert np.isnan(loss) and prog.last_step_skipped
+    after = prog.state_dict()
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+    prog.params["s"][...] = 1.0
+    prog.step(x, y)
+    assert not prog.last_step_skipped and prog.step_count == 2

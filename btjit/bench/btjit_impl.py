@@ -45,3 +45,16 @@ def make(workload_id, threads=1, seed=0, text=None, **_ignored):
         return TrainRunner(workload_id, seed=seed, text=text)
     from btjit.bench import btjit_scalar          # E1-E4 (the scalar front end)
     return btjit_scalar.make(workload_id, threads=threads, seed=seed)
+
+
+def profile(only, threads=1):
+    """`btjit bench --profile`: prog.profile() of the E5/E6 training step, a table per workload."""
+    import os
+    for k in ("OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ.setdefault(k, str(threads))
+    for wid in [w.strip() for w in (only.split(",") if isinstance(only, str) else only)]:
+        if W.WORKLOADS[wid].kind not in ("mlp", "gpt"):
+            continue
+        r = TrainRunner(wid)
+        print(f"\n{wid}: {r.prog} ({r.data})")
+        r.prog.profile(r.x, r.y, reps=20 if wid != "E6b1" else 200)

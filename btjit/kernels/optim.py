@@ -1,6 +1,7 @@
 """Optimizer kernels: one pass over the contiguous param / grad / state slices of the arena.
 
-  k_clip_scale r = [op, og, n, omax, oscale]  a[oscale] = min(1, a[omax] / (||g||_2 + 1e-6)), or 1 if a[omax] <= 0
+  k_clip_scale r = [op, og, n, omax, oscale]  a[oscale] = min(1, a[omax] / (||g||_2 + 1e-6)), or 1 if a[omax] <= 0;
+               NaN if any gradient is NaN/Inf: the optimizer kernels then skip the whole update
   k_sgd        r = [op, op_, og, obuf, n, olr, omom, owd, oscale, has_buf]
                g' = scale*g + wd*p; buf = mom*buf + g' (if has_buf, torch semantics); p -= lr * (buf or g')
   k_adamw      r = [op, op_, og, om, ov, n, olr, ob1, ob2, oeps, owd, ostep, oscale]
@@ -19,15 +20,17 @@ def k_clip_scale(a, ia, r):
     n = r[2]
     g = a[r[1]:r[1] + n]
     mx = a[r[3]]
-    if mx <= 0:
-        a[r[4]] = 1.0
-        return
     s = np.float64(0.0)
     for i in range(n):
         s += np.float64(g[i]) * np.float64(g[i])
     norm = math.sqrt(s)
-    sc = mx / (norm + 1e-6)
-    a[r[4]] = sc if sc < 1.0 else 1.0
+    if not math.isfinite(norm):
+        a[r[4]] = np.nan
+    elif mx <= 0:
+        a[r[4]] = 1.0
+    else:
+        sc = mx / (norm + 1e-6)
+        a[r[4]] = sc if sc < 1.0 else 1.0
 
 
 @njit(**FM)
@@ -36,6 +39,8 @@ def k_sgd(a, ia, r):
     p = a[r[1]:r[1] + n]
     g = a[r[2]:r[2] + n]
     lr, mom, wd, sc = a[r[5]], a[r[6]], a[r[7]], a[r[8]]
+    if sc != sc:                      # non-finite gradients: skip the update
+        return
     if r[9]:
         buf = a[r[3]:r[3] + n]
         for i in range(n):
@@ -56,6 +61,8 @@ def k_adamw(a, ia, r):
     m = a[r[3]:r[3] + n]
     v = a[r[4]:r[4] + n]
     lr, b1, b2, eps, wd, sc = a[r[6]], a[r[7]], a[r[8]], a[r[9]], a[r[10]], a[r[12]]
+    if sc != sc:                      # non-finite gradients: skip the update
+        return
     t = ia[r[11]] + 1
     ia[r[11]] = t
     bc1 = 1.0 - math.pow(np.float64(b1), t)
