@@ -11,7 +11,7 @@ import warnings
 
 import numpy as np
 
-from .graph import autodiff, trace as T
+from .graph import autodiff, fuse, trace as T
 from .graph.ir import Graph, np_dtype, verify
 from .graph.lower import Executor, Lowering, lower_eqns
 from .graph.memory import plan as make_plan, storage_roots
@@ -69,6 +69,8 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     for k, v in aux.items():
         if not isinstance(v, T.Tracer):
             raise T.TraceError(f"output {k!r} is not a traced value")
+    g.outputs = {"out": out.var, **{k: v.var for k, v in aux.items()}}
+    fuse.fuse_linear(g)
     g.n_forward = len(g.eqns)
     grad = (optimizer is not None) if grad is None else grad
     if grad:
@@ -82,7 +84,6 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
                               stacklevel=2)
     else:
         grads = {}
-    g.outputs = {"out": out.var, **{k: v.var for k, v in aux.items()}}
     pinned = _pin(g, grads)
     autodiff.eliminate_dead_code(g, list(g.outputs.values()) + list(g.grads.values()))
     g.n_backward = len(g.eqns)
@@ -293,6 +294,25 @@ class Program:
     def __repr__(self):
         return (f"Program({len(self.graph.eqns)} eqns, {self.tape.shape[0]} kernel rows, {self.n_params} params, "
                 f"arena {self.arena_bytes / 1e6:.2f} MB, {self.dtype})")
+
+    # ------------------------------------------------------------------ split step (data parallel, issue 6)
+    # step() == value_and_grad() + apply_update(); in between, btjit.distributed averages grad_slice in place.
+    @property
+    def param_slice(self) -> np.ndarray:
+        """A view of the whole params region of the arena (contiguous; alignment padding included)."""
+        p0, n = self.plan.params_span
+        return self.a[p0:p0 + n]
+
+    @property
+    def grad_slice(self) -> np.ndarray:
+        """A view of the whole grads region (same layout as param_slice), e.g. for one in-place Allreduce."""
+        return self.a[self.plan.grads_start:self.plan.grads_start + self.plan.params_span[1]]
+
+    def apply_update(self) -> None:
+        """Run only the update rows (norm clip / non-finite skip, then the optimizer) on the current grads."""
+        if self.optimizer is None:
+            raise RuntimeError("this program was traced without an optimizer; nothing to apply")
+        self._run(self.a, self.ia, self.tape, self.n_bwd, self.tape.shape[0])
 
 
 def _index_bounds(graph) -> dict:

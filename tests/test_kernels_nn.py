@@ -121,7 +121,7 @@ def test_matmul(dt, ta, tb, beta, M, N, Kd):
     oB, oC = ar.put("B", B.T if tb else B), ar.put("C", C0)
     a = ar.build()
     ia = np.full(16, -5, np.int32)
-    k_matmul(a, ia, row(oA, oB, oC, 1, M, N, Kd, 0, 0, 0, ta, tb, beta, 4, oc))
+    k_matmul(a, ia, row(oA, oB, oC, 1, M, N, Kd, 0, 0, 0, ta, tb, beta, 4, oc, 0))
     check(ar.get("C", (M, N)), A @ B + (C0 if beta else 0), dt)
     ar.only_wrote("C")
     assert np.all(ia[:4] == -5) and np.all(ia[12:] == -5)
@@ -149,8 +149,24 @@ def test_matmul_batched(dt, bcast, ta, tb, beta):
     ia = np.zeros(8, np.int32)
     sA = 0 if bcast == "A" else M * Kd
     sB = 0 if bcast == "B" else Kd * N
-    k_matmul(a, ia, row(oA, oB, oC, nb, M, N, Kd, sA, sB, M * N, ta, tb, beta, 0, oc))
+    k_matmul(a, ia, row(oA, oB, oC, nb, M, N, Kd, sA, sB, M * N, ta, tb, beta, 0, oc, 0))
     check(ar.get("C", (nb, M, N)), A @ B + (C0 if beta else 0), dt)
+    ar.only_wrote("C")
+
+
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("nb", [1, 2])
+def test_matmul_with_fused_bias(dt, nb):
+    rng = np.random.default_rng(4)
+    M, N, Kd = 5, 7, 3
+    A, B, bias = rnd(rng, (nb, M, Kd), dt), rnd(rng, (Kd, N), dt), rnd(rng, (N,), dt)
+    ar = Arena(dt)
+    oc = ar.put("const", np.array([1.0, 0.0]))
+    oA, oB, obias = ar.put("A", A), ar.put("B", B), ar.put("bias", bias)
+    oC = ar.put("C", rnd(rng, (nb, M, N), dt))          # garbage: the bias pre-fill overwrites it
+    a = ar.build()
+    k_matmul(a, np.zeros(8, np.int32), row(oA, oB, oC, nb, M, N, Kd, M * Kd, 0, M * N, 0, 0, 0, 0, oc, obias))
+    check(ar.get("C", (nb, M, N)), A @ B + bias, dt)
     ar.only_wrote("C")
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from btjit.kernels import elementwise as EW
+from btjit.kernels.nn import attn_scratch_size
 from btjit.kernels.reduce import R_MAX, R_SUM
 from btjit.graph import trace as T
 
@@ -386,7 +387,7 @@ def _mm_ref(xs, a):
     return (np.matmul(x, y),)
 
 
-def _lower_matmul(e, L, beta=0):
+def _lower_matmul(e, L, beta=0, bias=0):
     A, B = e.ins
     C = e.outs[0]
     M, N = C.shape[-2:]
@@ -396,7 +397,7 @@ def _lower_matmul(e, L, beta=0):
     consts = (L.scratch, L.one_zero)      # int32 BLAS scratch; a[one_zero] == 1.0, a[one_zero + 1] == 0.0
     if len(B.shape) == 2 and not ta:      # fold A's batch dims into M: one GEMM
         return [L.row("k_matmul", L.off(A), L.off(B), L.off(C), 1, int(np.prod(batch, dtype=np.int64)) * M, N, K,
-                      0, 0, 0, ta, tb, beta, *consts)]
+                      0, 0, 0, ta, tb, beta, *consts, bias)]
     sa = bstrides(A.shape[:-2] or (1,), batch or (1,))
     sb = bstrides(B.shape[:-2] or (1,), batch or (1,))
     ma, mb = A.shape[-2] * A.shape[-1], B.shape[-2] * B.shape[-1]
@@ -416,7 +417,8 @@ def _lower_matmul(e, L, beta=0):
         offs = [o for o, _ in ops_]
         for (n, st), i in zip(outer, idx):
             offs = [o + i * s for o, s in zip(offs, st)]
-        rows.append(L.row("k_matmul", offs[1], offs[2], offs[0], nb, M, N, K, sa_, sb_, sc_, ta, tb, beta, *consts))
+        rows.append(L.row("k_matmul", offs[1], offs[2], offs[0], nb, M, N, K, sa_, sb_, sc_, ta, tb, beta, *consts,
+                          bias))
     return rows
 
 
@@ -588,7 +590,7 @@ def _attn_rule(types, attrs, fd):
     if len(s) != 3 or s[2] % 3 or (s[2] // 3) % nh:
         raise ShapeError(f"qkv must be (B, T, 3*C) with C divisible by n_head={nh}")
     B, T_, C3 = s
-    return [((B, T_, C3 // 3), fd), ((B, nh, T_, T_), fd)]
+    return [((B, T_, C3 // 3), fd), ((B, nh, T_, T_), fd), ((attn_scratch_size(B, T_, C3 // 3),), fd)]
 
 
 def _attn_ref(xs, a):
@@ -599,7 +601,7 @@ def _attn_ref(xs, a):
     att = q @ k.transpose(0, 1, 3, 2) / math.sqrt(C // nh)
     att = np.where(np.tril(np.ones((T_, T_), bool)), att, -np.inf)
     p = _softmax_ref(att)
-    return ((p @ v).transpose(0, 2, 1, 3).reshape(B, T_, C), p)
+    return ((p @ v).transpose(0, 2, 1, 3).reshape(B, T_, C), p, np.zeros(attn_scratch_size(B, T_, C)))
 
 
 def _attn_grad_ref(xs, a):
@@ -616,16 +618,45 @@ def _attn_grad_ref(xs, a):
     return (np.concatenate([d.transpose(0, 2, 1, 3).reshape(B, T_, C) for d in (dq, dk, dv)], -1),)
 
 
-def _attn_lower(kernel):
-    def lower(e, L):
-        B, T_ = e.ins[0].shape[:2]
-        C, nh = e.ins[0].shape[2] // 3, e.attrs["n_head"]
-        return [L.row(kernel, *[L.off(v) for v in e.ins + e.outs], B, T_, C, nh, L.const(1.0 / math.sqrt(C // nh)))]
-    return lower
+def _attn_lower(e, L):
+    B, T_ = e.ins[0].shape[:2]
+    C, nh = e.ins[0].shape[2] // 3, e.attrs["n_head"]
+    scale = L.const(1.0 / math.sqrt(C // nh))
+    if e.op == "causal_attention_grad":
+        return [L.row("k_attn_bwd", *[L.off(v) for v in e.ins + e.outs], B, T_, C, nh, scale)]
+    (qkv,), (y, P, W) = e.ins, e.outs
+    if B >= 16:          # vectorized across sequences (measured: 2.3x faster at B=64, slower below ~8)
+        return [L.row("k_attn_fwd_bl", L.off(qkv), L.off(y), L.off(P), L.off(W), B, T_, C, nh, scale)]
+    return [L.row("k_attn_fwd", L.off(qkv), L.off(y), L.off(P), B, T_, C, nh, scale)]
 
 
-op("causal_attention", infer=_attn_rule, ref=_attn_ref, lower=_attn_lower("k_attn_fwd"),
+op("causal_attention", infer=_attn_rule, ref=_attn_ref, lower=_attn_lower,
    vjp=lambda g, x, o, a: [T.emit("causal_attention_grad", (x[0], o[1], g[0]), **a)],
-   cases=[Case((F(2, 4, 12),), {"n_head": 2}), Case((F(1, 3, 6),), {"n_head": 1})])
+   cases=[Case((F(2, 4, 12),), {"n_head": 2}), Case((F(1, 3, 6),), {"n_head": 1}), Case((F(17, 3, 6),), {"n_head": 2}),
+          Case((F(67, 2, 6),), {"n_head": 2})])
 op("causal_attention_grad", infer=lambda t, a, fd: [(t[0][0], fd)], ref=_attn_grad_ref, internal=True,
-   lower=_attn_lower("k_attn_bwd"), cases=[])
+   lower=_attn_lower, cases=[])
+
+
+# ----------------------------------------------------------------------------- fused linear (graph/fuse.py)
+def _linear_rule(types, attrs, fd):
+    _float(types, "")
+    (sx, _), (sw, _), (sb, _) = types
+    if len(sw) != 2 or not sx or sx[-1] != sw[0] or tuple(sb) != (sw[1],):
+        raise ShapeError(f"linear needs x (..., K), w (K, N), b (N,); got {sx}, {sw}, {sb}")
+    return [(tuple(sx[:-1]) + (sw[1],), fd)]
+
+
+def _linear_vjp(g, x, o, a):
+    X, W, _ = x
+    g = g[0]
+    X2, g2 = T.reshape(X, (-1, X.shape[-1])), T.reshape(g, (-1, g.shape[-1]))
+    dX = T.emit("matmul", (g, W), ta=False, tb=True)
+    dW = T.emit("matmul", (X2, g2), ta=True, tb=False)
+    return [dX, dW, T.emit("sum", (g2,), lo=0, hi=1)]
+
+
+op("linear", infer=_linear_rule, ref=lambda xs, a: (xs[0] @ xs[1] + xs[2],), vjp=_linear_vjp,
+   lower=lambda e, L: _lower_matmul(type(e)("matmul", e.ins[:2], e.outs, {"ta": False, "tb": False}), L,
+                                    bias=L.off(e.ins[2])),
+   cases=[Case((F(5, 3), F(3, 4), F(4))), Case((F(2, 3, 4), F(4, 6), F(6)))])

@@ -9,13 +9,15 @@ from btjit.kernels.common import FM, gemm
 def k_matmul(a, ia, r):
     """Batched matmul: C_i (M,N) = op(A_i) @ op(B_i)  (+ C_i if beta == 1)  for i in range(nbatch).
 
-    r = [op, oA, oB, oC, nbatch, M, N, K, sA, sB, sC, ta, tb, beta, oscratch, oconst]
+    r = [op, oA, oB, oC, nbatch, M, N, K, sA, sB, sC, ta, tb, beta, oscratch, oconst, obias]
       A_i at a[oA + i*sA]: stored row-major (M,K) if ta == 0, else stored (K,M) and used transposed.
       B_i at a[oB + i*sB]: stored row-major (K,N) if tb == 0, else stored (N,K) and used transposed.
       C_i at a[oC + i*sC], row-major (M,N). sA / sB may be 0 (operand broadcast over the batch).
       beta: 0 -> overwrite C, 1 -> accumulate into C.
       oscratch: offset in ia of 8 free int32 slots (BLAS int/char arguments).
       oconst: offset in a with a[oconst] == 1.0 and a[oconst+1] == 0.0 (alpha / beta values).
+      obias: if > 0, offset of a bias (N,): every row of C_i is first set to it, then accumulated into
+             (a fused `x @ W + b`); 0 = no bias.
     """
     oA = r[1]
     oB = r[2]
@@ -32,7 +34,15 @@ def k_matmul(a, ia, r):
     beta = r[13]
     osc = r[14]
     oconst = r[15]
+    obias = r[16]
     lda = M if ta == 1 else K
     ldb = K if tb == 1 else N
+    if obias > 0:
+        bias = a[obias:obias + N]
+        for i in range(nbatch):
+            o = oC + i * sC
+            for m in range(M):
+                a[o + m * N:o + m * N + N] = bias
+        beta = 1
     for i in range(nbatch):
         gemm(a, ia, osc, oconst, ta, tb, M, N, K, oA + i * sA, lda, oB + i * sB, ldb, oC + i * sC, N, beta)

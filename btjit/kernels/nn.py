@@ -199,6 +199,104 @@ def k_attn_bwd(a, ia, r):
                         dk[ko + d] += ds * q[qo + d]
 
 
+LMAX = 64
+
+@njit(**FM)
+def k_attn_fwd_bl(a, ia, r):
+    """Causal self-attention forward vectorized across sequences (KERNEL_NOTES §3 "bl"): blocks of up to 64
+    sequences are transposed into a scratch X[t, c, l] so every inner loop runs over the l lanes. Same
+    inputs, outputs and P layout as k_attn_fwd (so k_attn_bwd serves both); faster from B ~ 16 up.
+
+    r = [op, oqkv, oy, oP, oW, B, T, C, NH, oscale]
+      oW: scratch of attn_scratch_size(B, T, C) floats (X, scores S (T, L), two (L,) rows).
+    """
+    oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
+    scale = a[r[9]]
+    hs = C // NH
+    C3 = 3 * C
+    BT = B * T
+    zero = cvt(a, 0.0)
+    one = cvt(a, 1.0)
+    QKV = a[oqkv:oqkv + BT * C3].reshape(BT, C3)
+    Y = a[oy:oy + BT * C].reshape(BT, C)
+    P = a[oP:oP + B * NH * T * T].reshape(B * NH * T, T)
+    LM = min(B, LMAX)
+    for b0 in range(0, B, LM):
+        L = min(LM, B - b0)
+        X = a[oW:oW + T * C3 * L].reshape(T, C3, L)
+        w2 = oW + T * C3 * L
+        S = a[w2:w2 + T * L].reshape(T, L)
+        mx = a[w2 + T * L:w2 + T * L + L]
+        tot = a[w2 + T * L + L:w2 + T * L + 2 * L]
+        for l in range(L):
+            for t in range(T):
+                row = QKV[(b0 + l) * T + t]
+                for c in range(C3):
+                    X[t, c, l] = row[c]
+        for h in range(NH):
+            qo = h * hs
+            ko = C + qo
+            vo = 2 * C + qo
+            for t in range(T):
+                for s in range(t + 1):
+                    sr = S[s]
+                    for l in range(L):
+                        sr[l] = zero
+                    for d in range(hs):
+                        xq = X[t, qo + d]
+                        xk = X[s, ko + d]
+                        for l in range(L):
+                            sr[l] += xq[l] * xk[l]
+                    for l in range(L):
+                        sr[l] *= scale
+                s0 = S[0]
+                for l in range(L):
+                    mx[l] = s0[l]
+                for s in range(1, t + 1):
+                    sr = S[s]
+                    for l in range(L):
+                        v = sr[l]
+                        mx[l] = v if v > mx[l] else mx[l]
+                for l in range(L):
+                    tot[l] = zero
+                for s in range(t + 1):
+                    sr = S[s]
+                    for l in range(L):
+                        e = fexp(sr[l] - mx[l])
+                        sr[l] = e
+                        tot[l] += e
+                for l in range(L):
+                    tot[l] = one / tot[l]
+                for s in range(t + 1):
+                    sr = S[s]
+                    for l in range(L):
+                        sr[l] *= tot[l]
+                for l in range(L):
+                    pr = ((b0 + l) * NH + h) * T + t
+                    prow = P[pr]
+                    for s in range(t + 1):
+                        prow[s] = S[s, l]
+                    for s in range(t + 1, T):
+                        prow[s] = zero
+                for d in range(hs):
+                    acc = mx                      # reuse as the accumulator
+                    for l in range(L):
+                        acc[l] = zero
+                    for s in range(t + 1):
+                        sr = S[s]
+                        xv = X[s, vo + d]
+                        for l in range(L):
+                            acc[l] += sr[l] * xv[l]
+                    for l in range(L):
+                        Y[(b0 + l) * T + t, qo + d] = acc[l]
+
+
+def attn_scratch_size(B, T, C):
+    """Floats of scratch k_attn_fwd_bl needs."""
+    L = min(B, LMAX)
+    return T * 3 * C * L + (T + 2) * L
+
+
 # ---------------------------------------------------------------- softmax cross-entropy
 @njit(**FM)
 def k_ce_fwd(a, ia, r):
