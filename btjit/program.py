@@ -127,7 +127,12 @@ class Program:
         n_state = optimizer.n_state if optimizer else 0
         self.plan = p = make_plan(graph, pinned, n_state, len(HYPER))
         L = Lowering(p, const_base=p.float_size)
+        self._bounds = _index_bounds(graph)
+        self._flag = p.int_state + 1
+        checks = [L.row("k_check_index", p.off[graph.inputs[i].id], graph.inputs[i].size, hi, self._flag)
+                  for i, hi in sorted(self._bounds.items())]
         fwd, fwd_labels = lower_eqns(graph.eqns[:graph.n_forward], L)
+        fwd, fwd_labels = checks + fwd, ["check_index"] * len(checks) + fwd_labels
         bwd, bwd_labels = lower_eqns(graph.eqns[graph.n_forward:], L)
         upd = update_rows(optimizer, clip_norm, skip_nonfinite, L, p) if optimizer else []
         self.row_labels = fwd_labels + [f"{op} (bwd)" for op in bwd_labels] + \
@@ -149,8 +154,7 @@ class Program:
         self.inputs = {k: view(v) for k, v in zip(graph.input_names, graph.inputs)}
         self.outputs = {k: view(v) for k, v in graph.outputs.items()}
         self._in = list(self.inputs.values())
-        self._in_types = [(v.shape, v.dtype) for v in graph.inputs]
-        self._bounds = _index_bounds(graph)
+        self._in_types = [(v.shape, np.dtype(np.int32) if v.dtype == "i32" else self.dtype) for v in graph.inputs]
         for k, v in init_params.items():
             self.params[k][...] = v
         self._hyper = {k: p.hyper_off + i for i, k in enumerate(HYPER)}
@@ -171,24 +175,36 @@ class Program:
         if len(batch) != len(self._in):
             raise TypeError(f"expected {len(self._in)} batch arguments ({', '.join(self.inputs)}), got {len(batch)}")
         for i, (x, dst, (shape, dt)) in enumerate(zip(batch, self._in, self._in_types)):
-            x = np.asarray(x)
-            if x.shape != shape or (x.dtype.kind in "iu") != (dt == "i32") or \
-                    (dt != "i32" and x.dtype != self.dtype):
-                want = "int" if dt == "i32" else str(self.dtype)
-                raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): expected {want} array of "
-                                 f"shape {shape}, got {x.dtype} {x.shape}")
-            hi = self._bounds.get(i)
-            if hi is not None and x.size and (x.min() < 0 or x.max() >= hi):
-                raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): index values must be in "
-                                 f"[0, {hi}), got min {x.min()} max {x.max()}")
+            if type(x) is not np.ndarray or x.dtype != dt or x.shape != shape:
+                x = self._convert(i, x)
             dst[...] = x
+
+    def _convert(self, i, x):
+        """The slow path of _load: integer arrays of any int dtype are accepted; anything else must match."""
+        x = np.asarray(x)
+        shape, dt = self._in_types[i]
+        if x.shape != shape or (x.dtype.kind in "iu") != (dt.kind == "i") or (dt.kind == "f" and x.dtype != dt):
+            want = "int" if dt.kind == "i" else str(dt)
+            raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): expected {want} array of "
+                             f"shape {shape}, got {x.dtype} {x.shape}")
+        return x
+
+    def _run_checked(self, stop):
+        self._run(self.a, self.ia, self.tape, 0, stop)
+        if self.ia[self._flag]:
+            for i, hi in self._bounds.items():
+                x = self._in[i]
+                if x.size and (x.min() < 0 or x.max() >= hi):
+                    self.ia[self._flag] = 0
+                    raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): index values must be "
+                                     f"in [0, {hi}), got min {x.min()} max {x.max()}")
 
     def step(self, *batch) -> float:
         """Forward, backward and optimizer update in one native call; returns the loss."""
         if self.optimizer is None:
             raise RuntimeError("this program was traced without an optimizer; use forward() or value_and_grad()")
         self._load(batch)
-        self._run(self.a, self.ia, self.tape, 0, self.tape.shape[0])
+        self._run_checked(self.tape.shape[0])
         return float(self._out)
 
     def value_and_grad(self, *batch) -> float:
@@ -196,13 +212,13 @@ class Program:
         if self.graph.loss is None:
             raise RuntimeError("this program has no gradient (traced with grad=False)")
         self._load(batch)
-        self._run(self.a, self.ia, self.tape, 0, self.n_bwd)
+        self._run_checked(self.n_bwd)
         return float(self._out)
 
     def forward(self, *batch):
         """Evaluate the traced function: a float for a scalar output, else a copy of the output array."""
         self._load(batch)
-        self._run(self.a, self.ia, self.tape, 0, self.n_fwd)
+        self._run_checked(self.n_fwd)
         return float(self._out) if self._out.shape == () else self._out.copy()
 
     __call__ = forward

@@ -245,3 +245,17 @@ def k_fill(a, ia, r):
     v = a[r[3]]
     for i in range(n):
         out[i] = v
+
+
+@njit(**FM)
+def k_check_index(a, ia, r):
+    """r = [op, oidx, n, hi, oflag]: ia[oflag] = 1 + (first i with ia[oidx+i] outside [0, hi)), else 0.
+    The executor stops the tape right after a failed check, so no kernel ever reads outside the arena."""
+    idx = ia[r[1]:r[1] + r[2]]
+    hi = r[3]
+    ia[r[4]] = 0
+    for i in range(r[2]):
+        v = idx[i]
+        if v < 0 or v >= hi:
+            ia[r[4]] = i + 1
+            return
