@@ -8,9 +8,10 @@ from .graph.trace import (TraceError, abs, broadcast_to, causal_attention, conca
                           equal, exp, gelu, layer_norm, log, log_softmax, matmul, max, maximum, mean, minimum,
                           relu, reshape, sigmoid, softmax, split, sqrt, sum, swapaxes, take, tanh, transpose, where)
 from .program import Program, trace
+from .scalar import trace_scalar
 
 __version__ = "0.1.0"
-__all__ = ["trace", "Program", "optim", "TraceError", "abs", "broadcast_to", "causal_attention", "concatenate",
+__all__ = ["trace", "trace_scalar", "Program", "optim", "TraceError", "abs", "broadcast_to", "causal_attention", "concatenate",
            "copy", "cross_entropy", "equal", "exp", "gelu", "layer_norm", "log", "log_softmax", "matmul", "max",
            "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "split", "sqrt", "sum", "swapaxes",
            "take", "tanh", "transpose", "where"]

@@ -39,12 +39,12 @@ class TrainRunner(Runner):
         return {k: v.copy() for k, v in self.prog.params.items()}
 
 
-def make(workload_id, threads=1, seed=0, text=None, **_ignored):
+def make(workload_id, threads=1, seed=0, text=None, **opts):
     kind = W.WORKLOADS[workload_id].kind
     if kind in ("mlp", "gpt"):
         return TrainRunner(workload_id, seed=seed, text=text)
     from btjit.bench import btjit_scalar          # E1-E4 (the scalar front end)
-    return btjit_scalar.make(workload_id, threads=threads, seed=seed)
+    return btjit_scalar.make(workload_id, **opts)
 
 
 def profile(only, threads=1):

@@ -86,7 +86,7 @@ def run_bench(suite="paper", only=None, peers=None, threads=1, reps=5, json_path
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad:
         raise ValueError(f"unknown workload(s) {bad} (known: {', '.join(WORKLOADS)})")
-    impls = ["btjit"] + [p for p in _as_list(peers, registry.DEFAULT_PEERS) if p != "btjit"]
+    impls = ["btjit", "btjit.many"] + [p for p in _as_list(peers, registry.DEFAULT_PEERS) if not p.startswith("btjit")]
     if compile and "torch" in impls and "torch.compile" not in impls:
         impls.insert(impls.index("torch") + 1, "torch.compile")
     rows = []

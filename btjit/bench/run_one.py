@@ -51,7 +51,7 @@ def measure(impl, workload_id, threads=1, reps=5, min_time=0.2, seed=0):
     try:
         module, extra = peers.load(impl)
     except ImportError as e:
-        row["status"] = "not available" if impl == "btjit" else "not installed"
+        row["status"] = "not available" if impl.startswith("btjit") else "not installed"
         row["note"] = f"{type(e).__name__}: {e}"[:300]
         return row
     except Exception as e:                                  # a broken impl module must not kill the bench
@@ -117,7 +117,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     os.environ.update(thread_env(a.threads))               # before any impl import
-    if a.impl != "btjit" and "btjit" not in sys.modules:   # script mode, peer: skip btjit/__init__.py
+    if not a.impl.startswith("btjit") and "btjit" not in sys.modules:   # script mode, peer: skip btjit/__init__.py
         import types
         pkg = types.ModuleType("btjit")
         pkg.__path__ = [str(Path(__file__).resolve().parents[1])]

@@ -70,6 +70,7 @@ class Graph:
     n_forward: int = 0                              # eqns[:n_forward] compute the outputs
     n_backward: int = 0                             # eqns[:n_backward] also compute the grads
     _next_id: int = 0
+    _scalar_consts: dict = field(default_factory=dict)   # (dtype, bytes) -> Var: dedupes scalar constants
 
     def new_var(self, shape, dtype) -> Var:
         v = Var(self._next_id, shape, dtype)
@@ -80,12 +81,13 @@ class Graph:
         arr = np.asarray(value)
         dtype = dtype or ("i32" if arr.dtype.kind in "iub" else self.float_dtype)
         arr = arr.astype(np.int32 if dtype == "i32" else _np_dtype(dtype))
-        if arr.ndim == 0:   # dedupe scalar constants
-            for v, c in self.consts.items():
-                if v.dtype == dtype and c.ndim == 0 and c == arr and np.signbit(c) == np.signbit(arr):
-                    return v
+        key = (dtype, arr.tobytes()) if arr.ndim == 0 else None
+        if key in self._scalar_consts:
+            return self._scalar_consts[key]
         v = self.new_var(arr.shape, dtype)
         self.consts[v] = arr
+        if key is not None:
+            self._scalar_consts[key] = v
         return v
 
     def __str__(self):

@@ -75,6 +75,9 @@ def same_as_input(types, attrs, fd):
 
 def elementwise_rule(types, attrs, fd):
     _float(types, "")
+    s0 = types[0][0]
+    if all(s == s0 for s, _ in types):
+        return [(s0, fd)]
     return [(_bcast_shape(*(s for s, _ in types)), fd)]
 
 
@@ -266,8 +269,17 @@ op("reshape", infer=_reshape_rule, ref=lambda xs, a: (xs[0].reshape(a["shape"]),
    view=True, vjp=lambda g, x, o, a: [T.reshape(g[0], x[0].shape)], cases=[Case((F(3, 4),), {"shape": (2, 6)})])
 
 
+def _no_int_copy(d):
+    """Integer values live in the int arena and may only be reshaped (a view) or used as indices: a copying
+    layout op (slice, transpose, broadcast_to) on one is not supported."""
+    if d == "i32":
+        raise ShapeError("integer arrays can only be reshaped or used as indices (take, cross_entropy) in a "
+                         "traced function; slice or transpose them before passing them in")
+
+
 def _bcast_to_rule(types, attrs, fd):
     (s, d), = types
+    _no_int_copy(d)
     if _bcast_shape(s, attrs["shape"]) != tuple(attrs["shape"]):
         raise ShapeError(f"cannot broadcast {s} to {attrs['shape']}")
     return [(tuple(attrs["shape"]), d)]
@@ -282,6 +294,7 @@ op("broadcast_to", infer=_bcast_to_rule, ref=lambda xs, a: (np.broadcast_to(xs[0
 
 def _transpose_rule(types, attrs, fd):
     (s, d), = types
+    _no_int_copy(d)
     if sorted(attrs["perm"]) != list(range(len(s))):
         raise ShapeError(f"bad axes {attrs['perm']} for a {len(s)}-d input")
     return [(tuple(s[p] for p in attrs["perm"]), d)]
@@ -300,6 +313,7 @@ op("transpose", infer=_transpose_rule, ref=lambda xs, a: (np.transpose(xs[0], a[
 
 def _slice_rule(types, attrs, fd):
     (s, d), = types
+    _no_int_copy(d)
     return [(tuple(len(range(a, b, c)) for a, b, c in zip(attrs["starts"], attrs["stops"], attrs["steps"])), d)]
 
 
@@ -633,7 +647,7 @@ def _attn_lower(e, L):
 op("causal_attention", infer=_attn_rule, ref=_attn_ref, lower=_attn_lower,
    vjp=lambda g, x, o, a: [T.emit("causal_attention_grad", (x[0], o[1], g[0]), **a)],
    cases=[Case((F(2, 4, 12),), {"n_head": 2}), Case((F(1, 3, 6),), {"n_head": 1}), Case((F(17, 3, 6),), {"n_head": 2}),
-          Case((F(67, 2, 6),), {"n_head": 2})])
+          Case((F(67, 2, 6),), {"n_head": 2}), Case((F(2, 5, 24),), {"n_head": 2})])
 op("causal_attention_grad", infer=lambda t, a, fd: [(t[0][0], fd)], ref=_attn_grad_ref, internal=True,
    lower=_attn_lower, cases=[])
 

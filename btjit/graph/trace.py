@@ -7,6 +7,7 @@ too, and the VJP rules in ops.py are written with them, so backward equations co
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import sys
@@ -25,14 +26,25 @@ class TraceError(Exception):
     """A problem in the user's traced function: names the op, the shapes and the source line."""
 
 
+_INTERNAL: dict = {}       # code filename -> (is btjit/graph or numpy internals, basename)
+
+
+def _frame_file(fn):
+    if fn not in _INTERNAL:
+        _INTERNAL[fn] = (os.path.abspath(fn).startswith(_HERE) or "numpy" in fn.split(os.sep)[-3:-1],
+                         os.path.basename(fn))
+    return _INTERNAL[fn]
+
+
 def user_src() -> str:
+    """"file.py:line" of the innermost frame outside btjit's graph package (the user's code)."""
     if _SRC_OVERRIDE:
         return _SRC_OVERRIDE[-1]
     f = sys._getframe(1)
     while f is not None:
-        fn = f.f_code.co_filename
-        if not os.path.abspath(fn).startswith(_HERE) and "numpy" not in fn.split(os.sep)[-3:-1]:
-            return f"{os.path.basename(fn)}:{f.f_lineno}"
+        internal, base = _frame_file(f.f_code.co_filename)
+        if not internal:
+            return f"{base}:{f.f_lineno}"
         f = f.f_back
     return ""
 
@@ -151,7 +163,9 @@ class Tracer:
     __le__ = lambda s, o: _binop("le", s, o)
 
     def __pow__(self, p):
-        if isinstance(p, Tracer):
+        if isinstance(p, np.ndarray) and p.ndim == 0:
+            p = p.item()
+        if isinstance(p, (Tracer, np.ndarray, list)):      # an array exponent, as numpy allows
             return _binop("pow2", self, p)
         if not isinstance(p, (int, float, np.number)):
             raise TraceError(f"pow: exponent must be a number or a traced value — {user_src()}")
@@ -362,7 +376,8 @@ def getitem(x, idx):
     idx = idx if isinstance(idx, tuple) else (idx,)
     if any(i is Ellipsis for i in idx):
         k = idx.index(Ellipsis)
-        idx = idx[:k] + (slice(None),) * (x.ndim - len(idx) + 1) + idx[k + 1:]
+        used = builtins.sum(i is not None and i is not Ellipsis for i in idx)    # None takes no input axis
+        idx = idx[:k] + (slice(None),) * (x.ndim - used) + idx[k + 1:]
     starts, stops, steps, out_shape = [], [], [], []
     d = 0
     for i in idx:
@@ -427,7 +442,16 @@ def _last_axis_only(op, x, axis):
 
 def cross_entropy(logits, targets):
     """Mean softmax cross-entropy of logits (..., V) against integer class ids (...)."""
-    logits, targets = lift(logits), lift(targets)
+    logits = lift(logits)
+    if not isinstance(targets, Tracer):      # constant targets: integer, in range (never read outside a row)
+        t = np.asarray(targets)
+        if t.dtype.kind not in "iu":
+            raise TraceError(f"cross_entropy: targets must be integer class ids, got {t.dtype} — {user_src()}")
+        n = logits.shape[-1] if logits.ndim else 0
+        if t.size and (t.min() < 0 or t.max() >= n):
+            raise TraceError(f"cross_entropy: target values must be in [0, {n}), got min {t.min()} max {t.max()} "
+                             f"— {user_src()}")
+        targets = Tracer(current_graph().const(t, "i32"), current_graph())
     return emit("cross_entropy", (logits, targets))[0]
 
 
@@ -450,4 +474,14 @@ _UFUNCS = {"add": lambda x, y: _binop("add", x, y), "subtract": lambda x, y: _bi
 _FUNCS = {"sum": sum, "mean": mean, "max": max, "amax": max, "reshape": reshape, "transpose": transpose,
           "swapaxes": swapaxes, "concatenate": concatenate, "split": split, "where": where, "matmul": matmul,
           "exp": exp, "log": log, "tanh": tanh, "sqrt": sqrt, "maximum": maximum, "broadcast_to": broadcast_to,
-          "take": lambda a, idx, axis=None: take(a, idx)}
+          "take": lambda a, idx, axis=None: _np_take(a, idx, axis)}
+
+
+def _np_take(a, idx, axis=None):
+    """np.take: axis=None indexes the flattened array (as numpy does), axis=0 gathers rows."""
+    a = lift(a)
+    if axis is None:
+        return take(reshape(a, (a.size,)), idx)
+    if axis % builtins.max(a.ndim, 1) != 0:
+        raise TraceError(f"np.take: only axis=0 or axis=None is supported (got axis={axis}) — {user_src()}")
+    return take(a, idx)

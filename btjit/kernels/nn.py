@@ -87,7 +87,8 @@ def k_layernorm_bwd(a, ia, r):
 # ---------------------------------------------------------------- causal multi-head self-attention
 @njit(**FM)
 def k_attn_fwd(a, ia, r):
-    """Causal multi-head self-attention forward, one (sequence, head, query) row at a time.
+    """Causal multi-head self-attention forward, one (sequence, head, query) row at a time: one pass for
+    the scores and their max, one for exp, the sum and the weighted sum of v (hs == 4 fully unrolled).
 
     r = [op, oqkv, oy, oP, B, T, C, NH, oscale]
       qkv: (B*T, 3C), q cols [0,C), k [C,2C), v [2C,3C); head h uses cols h*hs..h*hs+hs-1 of each block,
@@ -114,37 +115,56 @@ def k_attn_fwd(a, ia, r):
             for t in range(T):
                 p = P[pr + t]
                 q = QKV[r0 + t]
-                for s in range(t + 1):
-                    k = QKV[r0 + s]
-                    sc = zero
+                y = Y[r0 + t]
+                mx = -np.inf
+                if hs == 4:
+                    q0 = q[qo] * scale; q1 = q[qo + 1] * scale; q2 = q[qo + 2] * scale; q3 = q[qo + 3] * scale
+                    for s in range(t + 1):
+                        k = QKV[r0 + s]
+                        sc = q0 * k[ko] + q1 * k[ko + 1] + q2 * k[ko + 2] + q3 * k[ko + 3]
+                        p[s] = sc
+                        mx = sc if sc > mx else mx
+                    tot = zero
+                    y0 = zero; y1 = zero; y2 = zero; y3 = zero
+                    for s in range(t + 1):
+                        e = fexp(p[s] - mx)
+                        p[s] = e
+                        tot += e
+                        v = QKV[r0 + s]
+                        y0 += e * v[vo]; y1 += e * v[vo + 1]; y2 += e * v[vo + 2]; y3 += e * v[vo + 3]
+                    inv = one / tot
+                    y[qo] = y0 * inv; y[qo + 1] = y1 * inv; y[qo + 2] = y2 * inv; y[qo + 3] = y3 * inv
+                else:
+                    for s in range(t + 1):
+                        k = QKV[r0 + s]
+                        sc = zero
+                        for d in range(hs):
+                            sc += q[qo + d] * k[ko + d]
+                        sc *= scale
+                        p[s] = sc
+                        mx = sc if sc > mx else mx
+                    tot = zero
                     for d in range(hs):
-                        sc += q[qo + d] * k[ko + d]
-                    p[s] = sc * scale
-                mx = p[0]
-                for s in range(1, t + 1):
-                    x = p[s]
-                    mx = x if x > mx else mx
-                tot = zero
-                for s in range(t + 1):
-                    e = fexp(p[s] - mx)
-                    p[s] = e
-                    tot += e
-                inv = one / tot
+                        y[qo + d] = zero
+                    for s in range(t + 1):
+                        e = fexp(p[s] - mx)
+                        p[s] = e
+                        tot += e
+                        v = QKV[r0 + s]
+                        for d in range(hs):
+                            y[qo + d] += e * v[vo + d]
+                    inv = one / tot
+                    for d in range(hs):
+                        y[qo + d] *= inv
                 for s in range(t + 1):
                     p[s] *= inv
                 for s in range(t + 1, T):
                     p[s] = zero
-                y = Y[r0 + t]
-                for d in range(hs):
-                    acc = zero
-                    for s in range(t + 1):
-                        acc += p[s] * QKV[r0 + s, vo + d]
-                    y[qo + d] = acc
 
 
 @njit(**FM)
 def k_attn_bwd(a, ia, r):
-    """Causal multi-head self-attention backward from the saved probabilities P.
+    """Causal multi-head self-attention backward from the saved probabilities P (hs == 4 unrolled).
 
     r = [op, oqkv, oP, ody, odqkv, B, T, C, NH, oscale]
       layouts as in k_attn_fwd; dy: (B*T, C). Writes dqkv (B*T, 3C) (overwrite).
@@ -175,6 +195,26 @@ def k_attn_bwd(a, ia, r):
                 dy = DY[r0 + t]
                 q = QKV[r0 + t]
                 dq = DQKV[r0 + t]
+                if hs == 4:
+                    g0 = dy[qo]; g1 = dy[qo + 1]; g2 = dy[qo + 2]; g3 = dy[qo + 3]
+                    dot = zero
+                    for s in range(t + 1):          # dv_s += p_s dy_t ; dot = sum_s p_s <dy_t, v_s>
+                        ps = p[s]
+                        v = QKV[r0 + s]
+                        dv = DQKV[r0 + s]
+                        dot += ps * (g0 * v[vo] + g1 * v[vo + 1] + g2 * v[vo + 2] + g3 * v[vo + 3])
+                        dv[vo] += ps * g0; dv[vo + 1] += ps * g1; dv[vo + 2] += ps * g2; dv[vo + 3] += ps * g3
+                    q0 = q[qo] * scale; q1 = q[qo + 1] * scale; q2 = q[qo + 2] * scale; q3 = q[qo + 3] * scale
+                    a0 = zero; a1 = zero; a2 = zero; a3 = zero
+                    for s in range(t + 1):          # dS_s = p_s (<dy_t, v_s> - dot); dq_t, dk_s
+                        kv = QKV[r0 + s]
+                        dk = DQKV[r0 + s]
+                        ds = p[s] * (g0 * kv[vo] + g1 * kv[vo + 1] + g2 * kv[vo + 2] + g3 * kv[vo + 3] - dot)
+                        a0 += ds * kv[ko]; a1 += ds * kv[ko + 1]; a2 += ds * kv[ko + 2]; a3 += ds * kv[ko + 3]
+                        dk[ko] += ds * q0; dk[ko + 1] += ds * q1; dk[ko + 2] += ds * q2; dk[ko + 3] += ds * q3
+                    dq[qo] += a0 * scale; dq[qo + 1] += a1 * scale; dq[qo + 2] += a2 * scale
+                    dq[qo + 3] += a3 * scale
+                    continue
                 # pass 1: dv_s += p_s * dy_t ; dot = sum_s p_s * <dy_t, v_s>
                 dot = zero
                 for s in range(t + 1):

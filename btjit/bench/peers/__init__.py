@@ -20,6 +20,7 @@ NA_IO = "no framework-specific save/load of 7 scalars (it would be numpy/json, n
 # impl name -> (module, pip package needed or None, {workload: True | "reason it is n/a"}, extra make() opts)
 IMPLS = {
     "btjit": ("btjit.bench.btjit_impl", None, {w: True for w in ALL}, {}),
+    "btjit.many": ("btjit.bench.btjit_scalar", None, {"E1": True, "E2": True}, {"many": True}),
     "torch": ("btjit.bench.peers.torch_peer", "torch", {w: True for w in ALL}, {}),
     "torch.compile": ("btjit.bench.peers.torch_peer", "torch", {w: True for w in TRAIN}, {"compile": True}),
     "jax": ("btjit.bench.peers.jax_peer", "jax",
