@@ -3,15 +3,17 @@
     prog = btjit.trace(loss_fn, params, x0, y0, optimizer=btjit.optim.SGD(lr=0.1))
     loss = prog.step(x, y)
 """
-from . import optim
+from . import optim, threads
 from .graph.trace import (TraceError, abs, broadcast_to, causal_attention, concatenate, copy, cross_entropy,
                           equal, exp, gelu, layer_norm, log, log_softmax, matmul, max, maximum, mean, minimum,
                           relu, reshape, sigmoid, softmax, split, sqrt, sum, swapaxes, take, tanh, transpose, where)
 from .program import Program, trace
 from .scalar import trace_scalar
+from .threads import set_num_threads
 
 __version__ = "0.1.0"
-__all__ = ["trace", "trace_scalar", "Program", "optim", "TraceError", "abs", "broadcast_to", "causal_attention", "concatenate",
+threads.set_num_threads(threads.default_threads())
+__all__ = ["trace", "trace_scalar", "Program", "set_num_threads", "optim", "TraceError", "abs", "broadcast_to", "causal_attention", "concatenate",
            "copy", "cross_entropy", "equal", "exp", "gelu", "layer_norm", "log", "log_softmax", "matmul", "max",
            "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "split", "sqrt", "sum", "swapaxes",
            "take", "tanh", "transpose", "where"]
