@@ -89,6 +89,9 @@ def _binary(sub, x, y):
         return x
 
 
+# Compile time is the budget here: every specialized vectorized loop costs ~0.5-1 s of cold compile. So
+# only the hot ops get one (same-shape operands, mode 0); scalar-operand modes and the cold ops (log,
+# sqrt, pow, abs, comparisons) share one scalar loop with the op switch inside.
 def _map1(f):
     """A contiguous loop out[i] = f(x[i], c), specialized (and vectorized) for one scalar function f."""
     @njit(**FM)
@@ -99,21 +102,11 @@ def _map1(f):
 
 
 def _map2(f):
-    """Contiguous binary loops for one scalar function f: mode 0 both arrays, 1 y scalar, 2 x scalar."""
+    """A contiguous loop out[i] = f(x[i], y[i]), specialized (and vectorized) for one scalar function f."""
     @njit(**FM)
-    def loop(out, x, y, mode):
-        n = out.shape[0]
-        if mode == 0:
-            for i in range(n):
-                out[i] = f(x[i], y[i])
-        elif mode == 1:
-            yv = y[0]
-            for i in range(n):
-                out[i] = f(x[i], yv)
-        else:
-            xv = x[0]
-            for i in range(n):
-                out[i] = f(xv, y[i])
+    def loop(out, x, y):
+        for i in range(out.shape[0]):
+            out[i] = f(x[i], y[i])
     return loop
 
 
@@ -125,10 +118,10 @@ def _b(sub):
     return njit(inline="always", **FM)(lambda x, y: _binary(sub, x, y))
 
 
-(_u_copy, _u_neg, _u_exp, _u_log, _u_tanh, _u_relu, _u_sigmoid, _u_sqrt, _u_pow, _u_abs) = \
-    [_map1(_u(s)) for s in range(10)]
-(_b_add, _b_sub, _b_mul, _b_div, _b_max, _b_min, _b_pow, _b_eq, _b_gt, _b_ge, _b_lt, _b_le, _b_ne,
- _b_tanh_grad, _b_relu_grad, _b_sigmoid_grad, _b_copy) = [_map2(_b(s)) for s in range(17)]
+_u_copy, _u_neg, _u_exp, _u_tanh, _u_relu, _u_sigmoid = [_map1(_u(s)) for s in (U_COPY, U_NEG, U_EXP, U_TANH,
+                                                                                   U_RELU, U_SIGMOID)]
+_b_add, _b_sub, _b_mul, _b_div, _b_max, _b_min, _b_tanh_grad, _b_relu_grad, _b_sigmoid_grad = [
+    _map2(_b(s)) for s in (B_ADD, B_SUB, B_MUL, B_DIV, B_MAX, B_MIN, B_TANH_GRAD, B_RELU_GRAD, B_SIGMOID_GRAD)]
 
 
 @njit(**FM)
@@ -139,59 +132,43 @@ def _unary_loop(sub, out, x, c):
         _u_neg(out, x, c)
     elif sub == U_EXP:
         _u_exp(out, x, c)
-    elif sub == U_LOG:
-        _u_log(out, x, c)
     elif sub == U_TANH:
         _u_tanh(out, x, c)
     elif sub == U_RELU:
         _u_relu(out, x, c)
     elif sub == U_SIGMOID:
         _u_sigmoid(out, x, c)
-    elif sub == U_SQRT:
-        _u_sqrt(out, x, c)
-    elif sub == U_POW:
-        _u_pow(out, x, c)
     else:
-        _u_abs(out, x, c)
+        for i in range(out.shape[0]):
+            out[i] = _unary(sub, x[i], c)
 
 
 @njit(**FM)
 def _binary_loop(sub, out, x, y, mode):
     """out = f_sub(x, y) over contiguous slices; mode 1: y is a 1-element slice, 2: x is."""
-    if sub == B_ADD:
-        _b_add(out, x, y, mode)
-    elif sub == B_SUB:
-        _b_sub(out, x, y, mode)
-    elif sub == B_MUL:
-        _b_mul(out, x, y, mode)
-    elif sub == B_DIV:
-        _b_div(out, x, y, mode)
-    elif sub == B_MAX:
-        _b_max(out, x, y, mode)
-    elif sub == B_MIN:
-        _b_min(out, x, y, mode)
-    elif sub == B_POW:
-        _b_pow(out, x, y, mode)
-    elif sub == B_EQ:
-        _b_eq(out, x, y, mode)
-    elif sub == B_GT:
-        _b_gt(out, x, y, mode)
-    elif sub == B_GE:
-        _b_ge(out, x, y, mode)
-    elif sub == B_LT:
-        _b_lt(out, x, y, mode)
-    elif sub == B_LE:
-        _b_le(out, x, y, mode)
-    elif sub == B_NE:
-        _b_ne(out, x, y, mode)
-    elif sub == B_TANH_GRAD:
-        _b_tanh_grad(out, x, y, mode)
-    elif sub == B_RELU_GRAD:
-        _b_relu_grad(out, x, y, mode)
-    elif sub == B_SIGMOID_GRAD:
-        _b_sigmoid_grad(out, x, y, mode)
+    if mode == 0 and sub == B_ADD:
+        _b_add(out, x, y)
+    elif mode == 0 and sub == B_SUB:
+        _b_sub(out, x, y)
+    elif mode == 0 and sub == B_MUL:
+        _b_mul(out, x, y)
+    elif mode == 0 and sub == B_DIV:
+        _b_div(out, x, y)
+    elif mode == 0 and sub == B_MAX:
+        _b_max(out, x, y)
+    elif mode == 0 and sub == B_MIN:
+        _b_min(out, x, y)
+    elif mode == 0 and sub == B_TANH_GRAD:
+        _b_tanh_grad(out, x, y)
+    elif mode == 0 and sub == B_RELU_GRAD:
+        _b_relu_grad(out, x, y)
+    elif mode == 0 and sub == B_SIGMOID_GRAD:
+        _b_sigmoid_grad(out, x, y)
     else:
-        _b_copy(out, x, y, mode)
+        sx = 0 if mode == 2 else 1
+        sy = 0 if mode == 1 else 1
+        for i in range(out.shape[0]):
+            out[i] = _binary(sub, x[i * sx], y[i * sy])
 
 
 @njit(**FM)
