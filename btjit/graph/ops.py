@@ -96,28 +96,36 @@ def bstrides(shape, out_shape):
     return tuple([0] * pad + [0 if shape[i] == 1 and out_shape[pad + i] != 1 else st[i] for i in range(len(shape))])
 
 
-def strided_rows(L, sub, shape, out, ins):
-    """Rows of k_strided: out = (off, strides); ins = up to three (off, strides); loops collapsed to <= 4-D,
-    outer dims beyond that unrolled into several rows."""
-    ops_ = [out] + list(ins) + [(out[0], (0,) * len(shape))] * (3 - len(ins))
-    dims = [[n, [s[1][i] for s in ops_]] for i, n in enumerate(shape) if n != 1]
+def loop_nest(shape, operands, depth):
+    """Collapse a loop nest over `shape` for operands [(offset, strides)]: size-1 dims dropped, adjacent dims
+    merged where every operand is contiguous across them. Yields (offsets, inner) per row: the innermost
+    `depth` dims [(n, [stride per operand])] (front-padded with size 1) run in one kernel row; the outer
+    dims beyond those are unrolled into one row each, with the operands' offsets advanced."""
+    k = len(operands)
     merged = []
-    for n, st in dims:
+    for i, n in enumerate(shape):
+        if n == 1:
+            continue
+        st = [s[1][i] for s in operands]
         if merged and all(ps == s * n for ps, s in zip(merged[-1][1], st)):
             merged[-1] = [merged[-1][0] * n, st]
         else:
             merged.append([n, st])
-    while len(merged) < 4:
-        merged.insert(0, [1, [0, 0, 0, 0]])
-    rows = []
-    outer, inner = merged[:-4], merged[-4:]
+    while len(merged) < depth:
+        merged.insert(0, [1, [0] * k])
+    outer, inner = merged[:-depth], merged[-depth:]
     for idx in np.ndindex(*[n for n, _ in outer]) if outer else [()]:
-        offs = [o for o, _ in ops_]
+        offs = [o for o, _ in operands]
         for (n, st), i in zip(outer, idx):
             offs = [o + i * s for o, s in zip(offs, st)]
-        rows.append(L.row("k_strided", sub, *offs, *[n for n, _ in inner],
-                          *[st[k] for k in range(4) for _, st in inner]))
-    return rows
+        yield offs, inner
+
+
+def strided_rows(L, sub, shape, out, ins):
+    """Rows of k_strided: out = (off, strides); ins = up to three (off, strides); 4-D loops per row."""
+    ops_ = [out] + list(ins) + [(out[0], (0,) * len(shape))] * (3 - len(ins))
+    return [L.row("k_strided", sub, *offs, *[n for n, _ in inner], *[st[k] for k in range(4) for _, st in inner])
+            for offs, inner in loop_nest(shape, ops_, 4)]
 
 
 def lower_elementwise(sub, eqn, L):
@@ -415,25 +423,11 @@ def _lower_matmul(e, L, beta=0, bias=0):
     sa = bstrides(A.shape[:-2] or (1,), batch or (1,))
     sb = bstrides(B.shape[:-2] or (1,), batch or (1,))
     ma, mb = A.shape[-2] * A.shape[-1], B.shape[-2] * B.shape[-1]
-    shape, ops_ = (batch or (1,)), [(L.off(C), tuple(s * M * N for s in cstrides(batch or (1,)))),
-                                    (L.off(A), tuple(s * ma for s in sa)), (L.off(B), tuple(s * mb for s in sb))]
-    # collapse batch loops like strided_rows: the innermost batch run becomes nbatch, outer ones rows
-    dims = [[n, [st[i] for _, st in ops_]] for i, n in enumerate(shape) if n != 1] or [[1, [0, 0, 0]]]
-    merged = []
-    for n, st in dims:
-        if merged and all(ps == s * n for ps, s in zip(merged[-1][1], st)):
-            merged[-1] = [merged[-1][0] * n, st]
-        else:
-            merged.append([n, st])
-    (nb, (sc_, sa_, sb_)), outer = merged[-1], merged[:-1]
-    rows = []
-    for idx in np.ndindex(*[n for n, _ in outer]) if outer else [()]:
-        offs = [o for o, _ in ops_]
-        for (n, st), i in zip(outer, idx):
-            offs = [o + i * s for o, s in zip(offs, st)]
-        rows.append(L.row("k_matmul", offs[1], offs[2], offs[0], nb, M, N, K, sa_, sb_, sc_, ta, tb, beta, *consts,
-                          bias))
-    return rows
+    ops_ = [(L.off(C), tuple(s * M * N for s in cstrides(batch or (1,)))),
+            (L.off(A), tuple(s * ma for s in sa)), (L.off(B), tuple(s * mb for s in sb))]
+    # the innermost collapsed batch run is the kernel's nbatch loop; outer batch dims become rows
+    return [L.row("k_matmul", oa, ob, oc, nb, M, N, K, sa_, sb_, sc_, ta, tb, beta, *consts, bias)
+            for (oc, oa, ob), [(nb, (sc_, sa_, sb_))] in loop_nest(batch or (1,), ops_, 1)]
 
 
 def _matmul_vjp(g, x, o, a):
