@@ -83,8 +83,11 @@ def cli(debug):
               help="Override a config value (a TOML value), e.g. --set train.steps=100. Repeatable.")
 @click.option("--resume", is_flag=True, help="Continue from the latest valid checkpoint of the run dir.")
 @click.option("--threads", type=int, help="Threads (overrides train.threads; 0 = all cores).")
+@click.option("--distributed/--no-distributed", default=None,
+              help="Data-parallel over MPI: run as `mpiexec -n N btjit train ...` (needs mpi4py: pip install "
+                   "'btjit[mpi]'). Default: on when an MPI launcher started more than one process.")
 @debug_option
-def train(config, data_path, out, overrides, resume, threads, debug):
+def train(config, data_path, out, overrides, resume, threads, distributed, debug):
     """Train a model from a TOML CONFIG (e.g. configs/gpt3_tiny.toml)."""
     from btjit import config as config_mod
     from btjit.train import train as run_training
@@ -95,9 +98,17 @@ def train(config, data_path, out, overrides, resume, threads, debug):
     hint = ["btjit", "train", str(config)] + [f"--set={s}" for s in overrides]
     hint += ["--data", str(data_path)] if data_path is not None else []
     hint += ["--out", str(out)] if out is not None else []
+    hint += ["--distributed"] if distributed else []
     hint += ["--resume"]
-    run_training(cfg, run_dir, data_path=data_path, resume=resume, threads=threads,
-                 echo=lambda s="": click.echo(s), resume_hint=" ".join(shlex.quote(h) for h in hint))
+    try:
+        run_training(cfg, run_dir, data_path=data_path, resume=resume, threads=threads,
+                     echo=lambda s="": click.echo(s), resume_hint=" ".join(shlex.quote(h) for h in hint),
+                     distributed=distributed)
+    except Exception:
+        from btjit import distributed as dist_mod
+        if dist_mod.wanted(distributed) and dist_mod.launched()[1] > 0 and not debug:
+            raise click.exceptions.Exit(1) from None    # every rank failed alike; rank 0 prints it
+        raise
 
 
 def _load_checkpoint(path: Path):
@@ -207,7 +218,8 @@ def plot(run_dir, out, debug):
 
 
 @cli.command()
-@click.option("--suite", default="paper", show_default=True, help="Workload suite.")
+@click.option("--suite", default="paper", show_default=True,
+              help="Workload suite: paper, or mpi (E6 data-parallel at 1 and 2 MPI ranks; needs btjit[mpi]).")
 @click.option("--only", default=None, metavar="E1,E6b1,...", help="Only these workloads.")
 @click.option("--peers", default=None, metavar="torch,jax,micrograd,autograd|none",
               help="Peers to run beside btjit (default: every installed one).")
@@ -220,6 +232,16 @@ def plot(run_dir, out, debug):
 def bench(suite, only, peers, threads, reps, json_path, use_compile, profile, debug):
     """Run the paper's workloads (E1-E6) for btjit and each installed peer, side by side."""
     from btjit.bench import harness
+    if suite == "mpi":                  # E6 data-parallel over MPI at 1 and 2 ranks (btjit/bench/mpi.py)
+        from btjit.bench import mpi as mpi_bench
+        from btjit.distributed import require_mpi
+        require_mpi()
+        rows = mpi_bench.run(reps=reps, threads=threads, progress=lambda r: click.echo(
+            f"  {r['ranks']} rank(s) {r['compressor']:<6} {r['scaling']:<6} {r['status']}", err=True))
+        if json_path:
+            json_path.write_text(json.dumps(rows, indent=1))
+        click.echo(mpi_bench.format_table(rows))
+        return
     if profile:
         from btjit.bench.btjit_impl import profile as run_profile
         run_profile(only or "E5,E6b1,E6b64", threads)

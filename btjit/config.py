@@ -1,5 +1,5 @@
 # btjit/config.py -- the TOML run configuration of `btjit train`: typed dataclasses for the sections
-# [model] [data] [train] [optim], loading with tomllib, `--set section.key=value` overrides, validation
+# [model] [data] [train] [optim] [distributed], loading with tomllib, `--set section.key=value` overrides, validation
 # with one readable message per error (ConfigError), and to_dict()/from_dict() for the run dir and
 # checkpoints. It holds no training logic and imports nothing heavy (no numpy, no numba).
 from __future__ import annotations
@@ -65,11 +65,19 @@ class OptimConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Data-parallel training over MPI (`mpiexec -n N btjit train`); ignored in a single process."""
+    compressor: str = "none"            # "none" (dense Allreduce), "topk" or "randk" (with EF21 error feedback)
+    ratio: float = 0.01                 # topk/randk: fraction of the gradient entries sent per step
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -91,11 +99,13 @@ class Config:
         return "\n".join(lines)
 
 
-SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig}
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig,
+            "distributed": DistributedConfig}
 CHOICES = {
     ("model", "kind"): ("gpt", "mlp"), ("model", "activation"): ("relu", "gelu"),
     ("data", "format"): ("text", "lines"), ("train", "dtype"): ("float32", "float64"),
     ("train", "on_nonfinite"): ("stop", "skip"), ("optim", "name"): ("sgd", "adamw"),
+    ("distributed", "compressor"): ("none", "topk", "randk"),
 }
 POSITIVE = {  # must be >= 1
     "model": ("n_layer", "n_head", "n_embd", "block_size", "context", "n_emb", "n_hidden"),
@@ -200,6 +210,8 @@ def validate(cfg: Config, source: str = "config") -> None:
         bad(f"optim.betas must both be in [0, 1), got {list(o.betas)}")
     if not o.eps > 0.0:
         bad(f"optim.eps must be > 0, got {o.eps}")
+    if not 0.0 < cfg.distributed.ratio <= 1.0:
+        bad(f"distributed.ratio must be in (0, 1], got {cfg.distributed.ratio}")
     if cfg.data.path is not None and not cfg.data.path:
         bad("data.path is empty (leave it out to use the built-in corpus)")
 

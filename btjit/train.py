@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+import btjit
 from btjit import checkpoint as ckpt_mod
 from btjit import data as data_mod
 from btjit.checkpoint import CheckpointError
@@ -38,46 +39,10 @@ class Result:
 
 
 def set_threads(n: int) -> int:
-    """Use n threads (0 = all cores) for numba parallel kernels and, if threadpoolctl is there, BLAS."""
-    n = n or os.cpu_count() or 1
-    os.environ["OMP_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = str(n)  # child processes
-    import numba
-    n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(n)
-    try:
-        import threadpoolctl
-        threadpoolctl.threadpool_limits(n)
-    except ImportError:
-        _limit_openblas(n)
+    """Use n threads (0 = all cores) for btjit's native code (BLAS and numba), also in child processes."""
+    n = btjit.set_num_threads(n)
+    os.environ["OMP_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = str(n)
     return n
-
-
-def _limit_openblas(n: int) -> list[int]:
-    """Set the thread count of every OpenBLAS loaded in this process (numpy's, scipy's) through its
-    own C entry point; returns what each now reports. Linux only (reads /proc/self/maps)."""
-    import ctypes
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return []
-    libs = sorted({l.split()[-1] for l in maps.splitlines() if "openblas" in l.rsplit("/", 1)[-1]})
-    got = []
-    for lib in libs:
-        try:
-            dll = ctypes.CDLL(lib)
-        except OSError:
-            continue
-        for suffix in ("", "64_"):
-            set_fn = getattr(dll, f"scipy_openblas_set_num_threads{suffix}", None) or \
-                getattr(dll, f"openblas_set_num_threads{suffix}", None)
-            get_fn = getattr(dll, f"scipy_openblas_get_num_threads{suffix}", None) or \
-                getattr(dll, f"openblas_get_num_threads{suffix}", None)
-            if set_fn is not None:
-                set_fn(ctypes.c_int(n))
-                if get_fn is not None:
-                    got.append(int(get_fn()))
-                break
-    return got
 
 
 def seeds(seed: int):
@@ -128,10 +93,7 @@ class Trainer:
         self.echo = echo or (lambda s="": print(s, flush=True))
         self.resume_hint = resume_hint
         t = cfg.train
-        prepare_run_dir(self.run_dir, resume)
-        self.resumed = None
-        if resume:
-            self.resumed = self._find_checkpoint()
+        self._prepare(resume)
         self.threads = set_threads(threads if threads is not None else t.threads)
         vocab = data_mod.Vocab(self.resumed.meta["vocab"]) if self.resumed else None
         self.ds = data_mod.load(cfg, data_path, vocab)
@@ -139,19 +101,38 @@ class Trainer:
         self._build_program()
         self.step, self.last_ckpt = 0, None
         if self.resumed:
-            ck = self.resumed
-            ckpt_mod.check_compatible(ck, self.prog.state_dict())
-            self.prog.load_state_dict(ck.state)
-            self.rng = ckpt_mod.rng_from_state(ck.meta["rng_state"])
-            self.step, self.last_ckpt = ck.step, ck.path
+            self._restore(self.resumed)
         self.sampler = None
         self.metrics_path = self.run_dir / METRICS
+        self._write_run_files(resume)
+
+    # ---- set-up (btjit.distributed.DistributedTrainer overrides these hooks) ----------------------
+    @property
+    def local_batch_size(self) -> int:
+        """Sequences (samples) this process computes per step: train.batch_size in a single process."""
+        return self.cfg.train.batch_size
+
+    def _prepare(self, resume):
+        prepare_run_dir(self.run_dir, resume)
+        self.resumed = self._find_checkpoint() if resume else None
+
+    def _restore(self, ck):
+        check_world_size(ck, 1)
+        self._load_program_state(ck)
+        self.rng = ckpt_mod.rng_from_state(ck.meta["rng_state"])
+        self.step, self.last_ckpt = ck.step, ck.path
+
+    def _load_program_state(self, ck):
+        state = {k: v for k, v in ck.state.items() if not k.startswith("dist/")}
+        ckpt_mod.check_compatible(ckpt_mod.Checkpoint(ck.path, ck.step, state, ck.meta), self.prog.state_dict())
+        self.prog.load_state_dict(state)
+
+    def _write_run_files(self, resume):
         if resume:
             trim_metrics(self.metrics_path, self.step)
         (self.run_dir / CONFIG_FILE).write_text(
-            "# resolved config of this run, written by `btjit train`\n" + cfg.to_toml())
+            "# resolved config of this run, written by `btjit train`\n" + self.cfg.to_toml())
 
-    # ---- set-up ---------------------------------------------------------------------------------
     def _find_checkpoint(self):
         ck, skipped = ckpt_mod.latest_valid(self.run_dir)
         for path, why in skipped:
@@ -181,11 +162,11 @@ class Trainer:
             opt = btjit.optim.SGD(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
         else:
             opt = btjit.optim.AdamW(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-        x, y = self.ds.batch("train", t.batch_size, np.random.default_rng(0))
+        x, y = self.ds.batch("train", self.local_batch_size, np.random.default_rng(0))
         t0 = time.perf_counter()
         self.prog = btjit.trace(self.module.loss_fn(self.mcfg), params, x, y, optimizer=opt,
                                 clip_norm=o.clip_norm or None, dtype=t.dtype,
-                                skip_nonfinite=(t.on_nonfinite == "skip"))
+                                skip_nonfinite=True)    # a non-finite gradient never updates (stop or skip)
         self.build_seconds = time.perf_counter() - t0
         self.tokens_per_step = x.size if cfg.model.kind == "gpt" else len(y)
 
@@ -261,7 +242,22 @@ class Trainer:
     def _nonfinite(self, loss) -> None:
         bad = first_nonfinite(self.prog.grads)
         where = f" (first non-finite gradient: {bad})" if bad else ""
-        raise TrainError(f"loss is {loss} at step {self.step + 1}{where}; stopped. {self._last_good()}")
+        what = f"loss is {loss}" if not math.isfinite(loss) else f"a gradient is not finite (loss {loss:.4f})"
+        raise TrainError(f"{what} at step {self.step + 1}{where}; stopped before the update. {self._last_good()}")
+
+    # ---- one training step (hooks: DistributedTrainer averages gradients across processes) --------
+    def _next_batch(self):
+        return self.ds.batch("train", self.local_batch_size, self.rng)
+
+    def _train_step(self, x, y, stop) -> float:
+        return self.prog.step(x, y)
+
+    def _stop_requested(self, stop) -> bool:
+        return stop["sigint"]
+
+    def _progress_extra(self) -> tuple[str, dict]:
+        """Extra text for the progress line and fields for its metrics event (since the last one)."""
+        return "", {}
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self) -> Result:
@@ -295,16 +291,17 @@ class Trainer:
         t_start, losses, step_time, timed, skips = time.perf_counter(), [], 0.0, 0, 0
         first = self.step
         while self.step < t.steps:
-            x, y = self.ds.batch("train", t.batch_size, self.rng)
+            x, y = self._next_batch()
             t0 = time.perf_counter()
-            loss = prog.step(x, y)
+            loss = self._train_step(x, y, stop)
             step_time += time.perf_counter() - t0
             timed += 1
             self.step += 1
             skip = t.on_nonfinite == "skip"
-            if skip and prog.last_step_skipped:
-                loss = float("nan")         # "skip" mode: the native step left params and state untouched
-            if math.isfinite(loss):
+            bad_grad = prog.last_step_skipped   # the native step found a NaN/Inf gradient and left params alone
+            if skip and bad_grad:
+                loss = float("nan")
+            if math.isfinite(loss) and not bad_grad:
                 skips = 0
                 losses.append(loss)
             elif not skip:
@@ -328,10 +325,11 @@ class Trainer:
                 tps = self.tokens_per_step / (ms / 1000.0) if ms > 0 else 0.0
                 done = s - first
                 eta = (time.perf_counter() - t_start) / done * (t.steps - s)
+                extra, fields = self._progress_extra()
                 self.echo(f"step {s:>{width}}/{t.steps} ({100 * s // t.steps:3d}%) | loss {np.mean(losses):.4f} "
-                          f"| {ms:.2f} ms/step | {tps / 1000:.1f}k tok/s | eta {eta:.0f} s")
+                          f"| {ms:.2f} ms/step | {tps / 1000:.1f}k tok/s{extra} | eta {eta:.0f} s")
                 self.log(event="train", step=s, loss=float(np.mean(losses)), ms_per_step=round(ms, 4),
-                         tokens_per_s=round(tps, 1), lr=float(getattr(prog, "lr", self.cfg.optim.lr)))
+                         tokens_per_s=round(tps, 1), lr=float(getattr(prog, "lr", self.cfg.optim.lr)), **fields)
                 losses, step_time, timed = [], 0.0, 0
             if (t.eval_interval and s % t.eval_interval == 0) or s == t.steps:
                 val = self.evaluate()
@@ -342,7 +340,7 @@ class Trainer:
             if (t.checkpoint_interval and s % t.checkpoint_interval == 0) or s == t.steps:
                 self.save()
                 saved = True
-            if stop["sigint"]:
+            if self._stop_requested(stop):
                 path = self.last_ckpt if saved else self.save()
                 self.echo(f"interrupted at step {s}: saved {path}; continue with {self.resume_hint}")
                 return Result(s, path, interrupted=True, val_loss=val)
@@ -351,7 +349,21 @@ class Trainer:
         return Result(self.step, self.last_ckpt, val_loss=val)
 
 
+def check_world_size(ck, n: int) -> None:
+    """Resume only with the number of processes that wrote the checkpoint (each has its own batch stream)."""
+    had = int(ck.meta.get("distributed", {}).get("world_size", 1))
+    if had != n:
+        how = f"mpiexec -n {had} btjit train ... --resume" if had > 1 else "btjit train ... --resume (one process)"
+        raise TrainError(f"--resume: {ck.path.name} was written by a run on {had} process(es), this run has {n}; "
+                         f"resume it with the same number: {how}")
+
+
 def train(cfg: Config, run_dir, data_path=None, resume=False, threads=None, echo=None,
-          resume_hint="--resume") -> Result:
-    """Run (or resume) a training run; returns a Result. Raises TrainError & co. with one-line messages."""
+          resume_hint="--resume", distributed=None) -> Result:
+    """Run (or resume) a training run; returns a Result. Raises TrainError & co. with one-line messages.
+    distributed: True = data-parallel over MPI (mpi4py; run this under `mpiexec -n N`), False = one process,
+    None = data-parallel exactly when an MPI launcher started this process with N > 1 (see btjit.distributed)."""
+    from btjit import distributed as dist_mod
+    if dist_mod.wanted(distributed):
+        return dist_mod.train(cfg, run_dir, data_path, resume, threads, echo, resume_hint)
     return Trainer(cfg, run_dir, data_path, resume, threads, echo, resume_hint).run()
