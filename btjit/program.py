@@ -69,6 +69,10 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     for k, v in aux.items():
         if not isinstance(v, T.Tracer):
             raise T.TraceError(f"output {k!r} is not a traced value")
+    for k, v in [("the returned value", out), *((f"output {k!r}", v) for k, v in aux.items())]:
+        if v.graph is not g:
+            raise T.TraceError(f"{k} is a traced value from another btjit.trace call (kept in a global or "
+                               f"closure); tracers are only valid inside the function being traced")
     g.outputs = {"out": out.var, **{k: v.var for k, v in aux.items()}}
     fuse.fuse_linear(g)
     g.n_forward = len(g.eqns)
@@ -187,6 +191,13 @@ class Program:
             want = "int" if dt.kind == "i" else str(dt)
             raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): expected {want} array of "
                              f"shape {shape}, got {x.dtype} {x.shape}")
+        if dt.kind == "i" and x.dtype != dt and x.size:      # would wrap around in the int32 copy
+            lo, hi = int(x.min()), int(x.max())
+            if lo < np.iinfo(np.int32).min or hi > np.iinfo(np.int32).max:
+                bound = self._bounds.get(i)
+                rng = f"[0, {bound})" if bound is not None else "the int32 range"
+                raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): index values must be in "
+                                 f"{rng}, got min {lo} max {hi}")
         return x
 
     def _run_checked(self, stop):
@@ -332,8 +343,10 @@ class Program:
 
 
 def _index_bounds(graph) -> dict:
-    """For integer batch inputs used as indices: input position -> exclusive upper bound."""
+    """For integer batch inputs used as indices: input position -> exclusive upper bound. Integer constants
+    used as indices (also through a reshape) are checked here, once: a TraceError naming the op and line."""
     pos = {v.id: i for i, v in enumerate(graph.inputs)}
+    consts = {v.id: c for v, c in graph.consts.items() if v.dtype == "i32"}
     root = storage_roots(graph)
     bounds = {}
     for e in graph.eqns:
@@ -343,9 +356,14 @@ def _index_bounds(graph) -> dict:
         elif e.op == "cross_entropy":
             hi, idx = e.ins[0].shape[-1], e.ins[1]
         if idx is not None:
-            i = pos.get(root.get(idx.id, idx.id))
+            r = root.get(idx.id, idx.id)
+            i = pos.get(r)
             if i is not None:
                 bounds[i] = min(bounds.get(i, hi), hi)
+            c = consts.get(r)
+            if c is not None and c.size and (c.min() < 0 or c.max() >= hi):
+                raise T.TraceError(f"{e.op}: constant index values must be in [0, {hi}), got min {c.min()} "
+                                   f"max {c.max()} — {e.src}")
     return bounds
 
 

@@ -153,6 +153,10 @@ class Executor:
             if not path.exists() or path.read_text() != src:
                 tmp = d / f"{name}.py.tmp{os.getpid()}"
                 tmp.write_text(src)
+                # numba keys its cache index on the file's (mtime, size): give every writer of this content the
+                # same mtime, so processes compiling at once all save an index that later processes can use
+                stamp = int(key, 16) % 2 ** 31 * 10 ** 9
+                os.utime(tmp, ns=(stamp, stamp))
                 os.replace(tmp, path)
             mod = _import_file(name, path)
             mod.cache_ok = os.access(d, os.W_OK)

@@ -77,6 +77,10 @@ def emit(op: str, ins, **attrs):
     """Append one equation; returns its output tracers (a tuple if the op has several outputs)."""
     g = current_graph()
     ins = tuple(ins)
+    for t in ins:
+        if t.graph is not g:
+            raise TraceError(f"{op}: uses a traced value from another btjit.trace call (kept in a global or closure); "
+                             f"tracers are only valid inside the function being traced — {user_src()}")
     try:
         types = _ops.TABLE[op].infer([(t.var.shape, t.var.dtype) for t in ins], attrs, g.float_dtype)
     except _ops.ShapeError as e:

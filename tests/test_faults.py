@@ -1,0 +1,302 @@
+"""Faults lose nothing (issue 5), the cases test_cache / test_checkpoint / test_cli leave open:
+
+- the compile cache written by two processes at once, into a fresh cache dir that already holds a STALE
+  executor (a different executor .py under the current name, with its compiled index): both processes get
+  the right numbers, and a third loads the cache (numba's cache-hit counter, not a time);
+- a NaN/Inf *gradient* with a finite loss: "stop" stops at that step, before the update, naming the step and
+  the parameter (it used to apply the NaN update and stop one step later blaming the first parameter);
+  "skip" skips just that step;
+- a permission error while saving a checkpoint: the run stops with the reason and the last good checkpoint,
+  leaves no temp file, and the training state in memory is exactly the state of an uninterrupted run.
+"""
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CHILD = textwrap.dedent("""
+    import json, os, sys, time, warnings
+    import numpy as np, btjit
+    go = sys.argv[1]
+    print("ready", flush=True)
+    while not os.path.exists(go):
+        time.sleep(0.005)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        p = {"w": np.linspace(-1.0, 1.0, 6).reshape(2, 3)}
+        x = np.linspace(0.5, 2.0, 8).reshape(4, 2)
+        prog = btjit.trace(lambda p, x: btjit.sum(btjit.tanh(x @ p["w"])), p, x, dtype="float64", grad=True)
+        v = prog.value_and_grad(x)
+    print(json.dumps({"value": v, "grad": prog.grads["w"].tolist(), "hit": prog.executor.cache_hit,
+                      "warnings": [str(m.message) for m in w if "btjit" in str(m.message)]}))
+""")
+
+
+def _expected():
+    w = np.linspace(-1.0, 1.0, 6).reshape(2, 3)
+    x = np.linspace(0.5, 2.0, 8).reshape(4, 2)
+    t = np.tanh(x @ w)
+    return float(t.sum()), x.T @ (1 - t * t)
+
+
+def _spawn(cache_dir, go):
+    env = dict(os.environ, BTJIT_CACHE_DIR=str(cache_dir),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, "-c", CHILD, str(go)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready", p.stderr.read()
+    return p
+
+
+def _result(p):
+    out, err = p.communicate(timeout=900)
+    assert p.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+STALE_EXECUTOR = """# a stale executor: same module name and `run` line as the real one, different code
+from numba import njit
+{pad}
+def run(a, ia, tape, start, stop):
+    for i in range(a.shape[0]):
+        a[i] = 42.0
+
+
+run_cached = njit(cache=True, boundscheck=False)(run)
+run_nocache = njit(cache=False, boundscheck=False)(run)
+"""
+
+
+def _plant_stale_executor(cache_dir):
+    """Write a wrong executor under the current cache name and compile it into the cache (its index entry is
+    for the very signature btjit calls), as an older btjit or a hand edit would have left it."""
+    from btjit.graph import lower
+    key, src = lower.source_key(), lower._source()
+    run_line = src.splitlines().index("def run(a, ia, tape, start, stop):") + 1
+    stale = STALE_EXECUTOR.format(pad="\n" * (run_line - 4))
+    assert stale.splitlines().index("def run(a, ia, tape, start, stop):") + 1 == run_line
+    path = Path(cache_dir) / f"btjit_exec_{key}.py"
+    path.write_text(stale)
+    code = textwrap.dedent(f"""
+        import importlib.util, sys, numpy as np
+        spec = importlib.util.spec_from_file_location("btjit_exec_{key}", {str(path)!r})
+        mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
+        a = np.zeros(4); mod.run_cached(a, np.zeros(4, np.int32), np.zeros((0, {lower.ROW}), np.int64), 0, 0)
+        assert a[0] == 42.0
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    assert any(f.suffix == ".nbi" for f in (Path(cache_dir) / "__pycache__").iterdir())
+    return path, stale
+
+
+@pytest.mark.parametrize("start", ["fresh", "stale"])
+def test_concurrent_compile_gives_right_results_then_a_third_process_hits(tmp_path, start):
+    """Two processes compile at once into a fresh cache dir (or one holding a stale executor); both are right;
+    a third loads from the cache. Before the executor .py got a content-derived mtime, two writers racing
+    (1 run in 5) left an index whose stamp did not match the final file, so the third process recompiled."""
+    from btjit.graph import lower
+    if start == "stale":
+        path, stale = _plant_stale_executor(tmp_path)
+    else:
+        path, stale = tmp_path / f"btjit_exec_{lower.source_key()}.py", None
+    want_v, want_g = _expected()
+    go = tmp_path / "go"
+    a, b = _spawn(tmp_path, go), _spawn(tmp_path, go)       # both imported and waiting
+    go.touch()                                               # start compiling at the same moment
+    ra, rb = _result(a), _result(b)
+    for r in (ra, rb):
+        assert abs(r["value"] - want_v) < 1e-12, r
+        np.testing.assert_allclose(r["grad"], want_g, rtol=1e-12, atol=1e-14)
+        assert not r["hit"]                                  # the stale entry was not used
+    assert path.read_text() != stale                         # the stale .py was replaced
+    assert not list(tmp_path.glob("*.tmp*"))                 # no temp file left behind
+    third = _result(_spawn(tmp_path, go))
+    assert third["hit"] and third["value"] == ra["value"] and third["grad"] == ra["grad"], third
+    assert not third["warnings"]
+
+
+def test_every_writer_gives_the_executor_file_the_same_numba_stamp(tmp_path, monkeypatch):
+    """The race above, made deterministic: however many processes (re)write the executor .py, the file ends up
+    with the same (mtime, size) -- numba's cache-index stamp -- so an index saved by any of them is valid."""
+    from btjit.graph import lower
+    name = f"btjit_exec_{lower.source_key()}"
+    monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(lower.Executor, "_modules", {})
+    monkeypatch.delitem(sys.modules, name, raising=False)         # restored afterwards
+    ex = object.__new__(lower.Executor)
+    first = ex._module().path
+    st1 = os.stat(first)
+    time.sleep(0.02)
+    first.write_text("# stale\n" + lower._source()[8:])          # same size, different content, new mtime
+    lower.Executor._modules.clear()
+    second = ex._module().path
+    st2 = os.stat(second)
+    assert second == first and second.read_text() == lower._source()
+    assert (st2.st_mtime_ns, st2.st_size) == (st1.st_mtime_ns, st1.st_size)
+
+
+# ----------------------------------------------------------------------------- NaN/Inf gradients, finite loss
+TINY = """
+[model]
+kind = "gpt"
+n_layer = 1
+n_head = 2
+n_embd = 8
+block_size = 4
+[train]
+steps = 30
+batch_size = 4
+seed = 7
+eval_interval = 0
+eval_batches = 2
+sample_interval = 0
+log_interval = 5
+checkpoint_interval = 10
+keep_checkpoints = 5
+[optim]
+name = "adamw"
+lr = 0.02
+weight_decay = 0.0
+"""
+
+
+def _corpus():
+    rng = np.random.default_rng(0)
+    words = ["the cat", "a dog", "my bird", "sees", "eats", "likes", "fish.", "seeds."]
+    return " ".join(rng.choice(words) for _ in range(600)) + "\n"
+
+
+@pytest.fixture
+def setup(tmp_path):
+    pytest.importorskip("btjit.models.gpt")
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY)
+    data = tmp_path / "text.txt"
+    data.write_text(_corpus())
+    return cfg, data, tmp_path
+
+
+def _run(*args):
+    from btjit.cli import cli
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def _error_line(res):
+    assert res.exit_code != 0, res.output
+    lines = [l for l in res.output.splitlines() if l.strip()]
+    assert lines[-1].startswith("error: ") and sum(l.startswith("error: ") for l in lines) == 1, res.output
+    assert "Traceback" not in res.output
+    return lines[-1]
+
+
+def _events(run_dir, kind):
+    return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+            if json.loads(l)["event"] == kind]
+
+
+@pytest.fixture
+def nan_grad_at_step_17(monkeypatch):
+    """The GPT loss plus 1e-3 * sqrt(d*d), d = head.b[0] - 0.25: finite everywhere, but at d == 0 its gradient
+    is 0 * inf = NaN (a finite loss with a non-finite gradient). At step 17 head.b[0] is set to 0.25 for that
+    one step (restored before step 18, unless the update moved it)."""
+    import btjit
+    import btjit.program
+    from btjit.models import gpt
+    real_loss, real_step = gpt.loss_fn, btjit.program.Program.step
+
+    def loss_fn(cfg):
+        f = real_loss(cfg)
+
+        def wrapped(p, x, y):
+            d = btjit.sum(p["head.b"][:1]) - 0.25
+            return f(p, x, y) + 1e-3 * btjit.sqrt(d * d)
+        return wrapped
+    calls = {"n": 0, "saved": None}
+
+    def step(self, *batch):
+        calls["n"] += 1
+        if calls["n"] == 17:
+            calls["saved"] = float(self.params["head.b"][0])
+            self.params["head.b"][0] = 0.25
+            calls["before"] = {k: v.copy() for k, v in self.params.items()}
+        loss = real_step(self, *batch)
+        if calls["n"] == 17:
+            calls["after"] = {k: v.copy() for k, v in self.params.items()}
+            calls["loss"] = loss
+            if self.params["head.b"][0] == 0.25:
+                self.params["head.b"][0] = calls["saved"]
+        return loss
+    monkeypatch.setattr(gpt, "loss_fn", loss_fn)
+    monkeypatch.setattr(btjit.program.Program, "step", step)
+    return calls
+
+
+def test_nonfinite_gradient_with_finite_loss_stops_at_that_step(setup, nan_grad_at_step_17):
+    cfg, data, tmp = setup
+    line = _error_line(_run("train", cfg, "--data", data, "--out", tmp / "s"))
+    calls = nan_grad_at_step_17
+    assert np.isfinite(calls["loss"])                       # the loss itself was finite
+    assert "at step 17" in line and "first non-finite gradient: head.b" in line, line
+    assert "stopped" in line and "Last good checkpoint" in line and "ckpt_00000010.npz" in line, line
+    for k, v in calls["before"].items():                     # the bad update was not applied
+        np.testing.assert_array_equal(calls["after"][k], v, err_msg=k)
+    assert [e["step"] for e in _events(tmp / "s", "nonfinite")] == [17]
+
+
+def test_nonfinite_gradient_with_finite_loss_is_skipped_in_skip_mode(setup, nan_grad_at_step_17):
+    from btjit import checkpoint as K
+    cfg, data, tmp = setup
+    res = _run("train", cfg, "--data", data, "--out", tmp / "k", "--set", "train.on_nonfinite=skip")
+    assert res.exit_code == 0, res.output
+    assert "step 17: non-finite loss or update" in res.output and "first non-finite gradient: head.b" in res.output
+    assert [e["step"] for e in _events(tmp / "k", "skip")] == [17]
+    for k, v in nan_grad_at_step_17["before"].items():
+        np.testing.assert_array_equal(nan_grad_at_step_17["after"][k], v, err_msg=k)
+    ck, skipped = K.latest_valid(tmp / "k")
+    assert ck.step == 30 and not skipped and all(np.isfinite(v).all() for v in ck.state.values())
+
+
+# ----------------------------------------------------------------------------- permission error while saving
+def test_permission_error_while_saving_stops_cleanly_and_keeps_memory_state(setup, monkeypatch):
+    from btjit import checkpoint as K
+    from btjit import config as C
+    from btjit.train import TrainError, Trainer
+    cfg_path, data, tmp = setup
+    cfg = C.load(cfg_path)
+    quiet = lambda s="": None  # noqa: E731
+    Trainer(cfg, tmp / "ref", data_path=data, echo=quiet).run()     # uninterrupted reference
+    ref20 = K.load(K.path_for(tmp / "ref", 20))
+
+    real_savez, n = np.savez, {"saves": 0}
+
+    def savez(f, **arrays):
+        n["saves"] += 1
+        if n["saves"] == 2:                                  # the step-20 checkpoint
+            f.write(b"PK\x03\x04 partial")
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(getattr(f, "name", "")))
+        return real_savez(f, **arrays)
+    monkeypatch.setattr(np, "savez", savez)
+    tr = Trainer(cfg, tmp / "p", data_path=data, echo=quiet)
+    with pytest.raises(TrainError) as e:
+        tr.run()
+    msg = str(e.value)
+    assert msg.startswith("stopped at step 20: cannot write checkpoint") and "ckpt_00000020.npz" in msg, msg
+    assert "Permission denied" in msg and msg.endswith(f"Last good checkpoint: {K.path_for(tmp / 'p', 10)}"), msg
+    assert [p.name for p in (tmp / "p").iterdir() if "ckpt" in p.name] == ["ckpt_00000010.npz"]
+    assert K.load(K.path_for(tmp / "p", 10)).step == 10
+    # the state in memory is the uninterrupted run's state at step 20: the failed write corrupted nothing
+    assert tr.step == 20
+    state = tr.prog.state_dict()
+    assert set(state) == set(ref20.state)
+    for k in state:
+        np.testing.assert_array_equal(state[k], ref20.state[k], err_msg=k)
