@@ -226,3 +226,49 @@ def test_skip_nonfinite_leaves_params_and_state_untouched():
     prog.params["s"][...] = 1.0
     prog.step(x, y)
     assert not prog.last_step_skipped and prog.step_count == 2
+
+
+@pytest.mark.parametrize("B", [17, 67])
+def test_two_thread_attention_kernels_match_the_serial_ones(B):
+    from btjit.graph.ops import TABLE as OPS
+    rng = np.random.default_rng(B)
+    qkv = rng.normal(size=(B, 5, 12))
+    w = rng.normal(size=(B, 5, 4))
+
+    def f(p):
+        return btjit.sum(btjit.causal_attention(p["qkv"], 2) * w)
+    serial = btjit.trace(f, {"qkv": qkv}, dtype="float64", grad=True)
+    btjit.set_num_threads(2)
+    try:
+        par = btjit.trace(f, {"qkv": qkv}, dtype="float64", grad=True)
+    finally:
+        btjit.set_num_threads(1)
+    assert any(lbl.startswith("causal_attention") for lbl in par.row_labels)
+    kernels = {int(r[0]) for r in par.tape}
+    from btjit.graph.lower import OPCODE
+    assert OPCODE["k_attn_fwd_bl_par"] in kernels and OPCODE["k_attn_bwd_par"] in kernels
+    assert par.value_and_grad() == pytest.approx(serial.value_and_grad(), rel=1e-12)
+    np.testing.assert_allclose(par.grads["qkv"], serial.grads["qkv"], rtol=1e-12, atol=1e-14)
+    ref = OPS["causal_attention"].ref([qkv], {"n_head": 2})[0]
+    assert par.forward() == pytest.approx(float(np.sum(ref * w)), rel=1e-12)
+
+
+def test_two_thread_gpt_step_matches_one_thread():
+    """The parallel kernels (GEMMs split over threads, attention over sequences) give the same gradients."""
+    from btjit.graph.lower import OPCODE
+    from btjit.models import gpt
+    cfg = gpt.GPTConfig(vocab_size=11, n_layer=2, n_head=2, n_embd=16, block_size=8)
+    params = {k: v.astype(np.float64) for k, v in gpt.init_params(cfg, 0).items()}
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 11, (32, 8)).astype(np.int32)
+    y = rng.integers(0, 11, (32, 8)).astype(np.int32)
+    serial = btjit.trace(gpt.loss_fn(cfg), params, x, y, dtype="float64", grad=True)
+    btjit.set_num_threads(2)
+    try:
+        par = btjit.trace(gpt.loss_fn(cfg), params, x, y, dtype="float64", grad=True)
+    finally:
+        btjit.set_num_threads(1)
+    assert OPCODE["k_matmul_par"] in {int(r[0]) for r in par.tape}
+    assert par.value_and_grad(x, y) == pytest.approx(serial.value_and_grad(x, y), rel=1e-12)
+    for k in params:
+        np.testing.assert_allclose(par.grads[k], serial.grads[k], rtol=1e-10, atol=1e-13, err_msg=k)

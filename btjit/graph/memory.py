@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from btjit.kernels.common import MAX_THREADS
+
 from .ir import Graph, Var
 from .ops import TABLE
 
@@ -116,7 +118,7 @@ def plan(graph: Graph, pinned: dict, n_state: int, n_hyper: int) -> Plan:
             ioff[v.id], ipos = ipos, ipos + _al(v.size)
         else:
             off[v.id], pos = pos, pos + _al(v.size)
-    scratch, ipos = ipos, ipos + ALIGN
+    scratch, ipos = ipos, ipos + 8 * MAX_THREADS    # 8 int32 BLAS argument slots per thread
     int_state, ipos = ipos, ipos + ALIGN
     for r, (kind, name) in pinned.items():
         if kind == "grad":

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from btjit.kernels import elementwise as EW
-from btjit.kernels.nn import attn_scratch_size
+from btjit.kernels.common import MAX_THREADS
+from btjit.kernels.nn import BL_MIN_B, NB_MAX, attn_scratch_size
 from btjit.kernels.reduce import R_MAX, R_SUM
 from btjit.graph import trace as T
 
@@ -409,24 +410,32 @@ def _mm_ref(xs, a):
     return (np.matmul(x, y),)
 
 
+PAR_GEMM_MACS = 200_000   # from this many multiply-adds a GEMM is split over the threads (launch ~2-4 us)
+
+
 def _lower_matmul(e, L, beta=0, bias=0):
+    import numba
     A, B = e.ins
     C = e.outs[0]
     M, N = C.shape[-2:]
     ta, tb = int(e.attrs["ta"]), int(e.attrs["tb"])
     K = A.shape[-2] if ta else A.shape[-1]
     batch = C.shape[:-2]
+    nb_total = int(np.prod(batch, dtype=np.int64))
+    threads = min(numba.get_num_threads(), MAX_THREADS)
+    par = threads > 1 and M * N * K * nb_total >= PAR_GEMM_MACS
+    kernel, extra = ("k_matmul_par", (threads,)) if par else ("k_matmul", ())
     consts = (L.scratch, L.one_zero)      # int32 BLAS scratch; a[one_zero] == 1.0, a[one_zero + 1] == 0.0
     if len(B.shape) == 2 and not ta:      # fold A's batch dims into M: one GEMM
-        return [L.row("k_matmul", L.off(A), L.off(B), L.off(C), 1, int(np.prod(batch, dtype=np.int64)) * M, N, K,
-                      0, 0, 0, ta, tb, beta, *consts, bias)]
+        return [L.row(kernel, L.off(A), L.off(B), L.off(C), 1, nb_total * M, N, K, 0, 0, 0, ta, tb, beta,
+                      *consts, bias, *extra)]
     sa = bstrides(A.shape[:-2] or (1,), batch or (1,))
     sb = bstrides(B.shape[:-2] or (1,), batch or (1,))
     ma, mb = A.shape[-2] * A.shape[-1], B.shape[-2] * B.shape[-1]
     ops_ = [(L.off(C), tuple(s * M * N for s in cstrides(batch or (1,)))),
             (L.off(A), tuple(s * ma for s in sa)), (L.off(B), tuple(s * mb for s in sb))]
     # the innermost collapsed batch run is the kernel's nbatch loop; outer batch dims become rows
-    return [L.row("k_matmul", oa, ob, oc, nb, M, N, K, sa_, sb_, sc_, ta, tb, beta, *consts, bias)
+    return [L.row(kernel, oa, ob, oc, nb, M, N, K, sa_, sb_, sc_, ta, tb, beta, *consts, bias, *extra)
             for (oc, oa, ob), [(nb, (sc_, sa_, sb_))] in loop_nest(batch or (1,), ops_, 1)]
 
 
@@ -627,15 +636,23 @@ def _attn_grad_ref(xs, a):
 
 
 def _attn_lower(e, L):
+    """Per-head kernels below BL_MIN_B sequences; from there the sequence-vectorized forward, and with
+    more than one thread the variants that split the sequences over the thread pool."""
+    import numba
     B, T_ = e.ins[0].shape[:2]
     C, nh = e.ins[0].shape[2] // 3, e.attrs["n_head"]
     scale = L.const(1.0 / math.sqrt(C // nh))
+    threads = numba.get_num_threads() if B >= BL_MIN_B else 1
     if e.op == "causal_attention_grad":
-        return [L.row("k_attn_bwd", *[L.off(v) for v in e.ins + e.outs], B, T_, C, nh, scale)]
+        kernel = "k_attn_bwd_par" if threads > 1 else "k_attn_bwd"
+        return [L.row(kernel, *[L.off(v) for v in e.ins + e.outs], B, T_, C, nh, scale)]
     (qkv,), (y, P, W) = e.ins, e.outs
-    if B >= 16:          # vectorized across sequences (measured: 2.3x faster at B=64, slower below ~8)
-        return [L.row("k_attn_fwd_bl", L.off(qkv), L.off(y), L.off(P), L.off(W), B, T_, C, nh, scale)]
-    return [L.row("k_attn_fwd", L.off(qkv), L.off(y), L.off(P), B, T_, C, nh, scale)]
+    if B < BL_MIN_B:
+        return [L.row("k_attn_fwd", L.off(qkv), L.off(y), L.off(P), B, T_, C, nh, scale)]
+    args = (L.off(qkv), L.off(y), L.off(P), L.off(W), B, T_, C, nh, scale)
+    if threads > 1:
+        return [L.row("k_attn_fwd_bl_par", *args, min(threads, NB_MAX))]
+    return [L.row("k_attn_fwd_bl", *args)]
 
 
 op("causal_attention", infer=_attn_rule, ref=_attn_ref, lower=_attn_lower,

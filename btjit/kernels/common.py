@@ -10,6 +10,8 @@ from numba import njit, types
 from numba.extending import get_cython_function_address, intrinsic, overload
 
 FM = dict(fastmath={'nsz', 'arcp', 'contract', 'afn', 'reassoc'}, error_model='numpy', boundscheck=False)
+MAX_THREADS = 8   # threads the parallel kernels' scratch (e.g. 8 int32 BLAS slots each) is sized for
+FM_PAR = dict(FM, parallel=True)   # only for large, race-free work: ~2-4 us per launch (NUMBA_NOTES §7)
 
 f32 = np.float32
 
