@@ -13,7 +13,7 @@ import numpy as np
 
 from .graph import autodiff, fuse, trace as T
 from .graph.ir import Graph, np_dtype, verify
-from .graph.lower import Executor, Lowering, lower_eqns
+from .graph.lower import KERNELS, Executor, Lowering, lower_eqns
 from .graph.memory import plan as make_plan, storage_roots
 from .graph.ops import TABLE
 from .optim import HYPER, update_rows
@@ -21,10 +21,10 @@ from .optim import HYPER, update_rows
 _EXECUTORS: dict = {}
 
 
-def executor(float_dtype) -> Executor:
-    if float_dtype not in _EXECUTORS:
-        _EXECUTORS[float_dtype] = Executor(float_dtype)
-    return _EXECUTORS[float_dtype]
+def executor(float_dtype, parallel=False) -> Executor:
+    if (float_dtype, parallel) not in _EXECUTORS:
+        _EXECUTORS[float_dtype, parallel] = Executor(float_dtype, parallel)
+    return _EXECUTORS[float_dtype, parallel]
 
 
 def _arg_names(fn, n):
@@ -168,7 +168,8 @@ class Program:
             self.a[self._hyper[k]] = v
         self.trace_seconds = trace_seconds
         self.plan_seconds = time.perf_counter() - t0
-        self.executor = executor(graph.float_dtype)
+        parallel = any(KERNELS[int(op)][1].endswith("_par") for op in np.unique(self.tape[:, 0]))
+        self.executor = executor(graph.float_dtype, parallel)
         self.compile_seconds = self.executor.seconds
         self._run = self.executor.fn
         self._out = self.outputs["out"]

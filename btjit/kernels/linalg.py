@@ -40,9 +40,10 @@ def k_matmul(a, ia, r):
     if obias > 0:
         bias = a[obias:obias + N]
         for i in range(nbatch):
-            o = oC + i * sC
             for m in range(M):
-                a[o + m * N:o + m * N + N] = bias
+                c = a[oC + i * sC + m * N:oC + i * sC + m * N + N]
+                for j in range(N):
+                    c[j] = bias[j]
         beta = 1
     for i in range(nbatch):
         gemm(a, ia, osc, oconst, ta, tb, M, N, K, oA + i * sA, lda, oB + i * sB, ldb, oC + i * sC, N, beta)
