@@ -72,10 +72,7 @@ def test_mpi_is_there_when_required():
     assert _mpi_missing() is None, _mpi_missing()
 
 
-def corpus(n=400, seed=0):
-    rng = np.random.default_rng(seed)
-    subj, verb, obj = ["the cat", "a dog", "my bird"], ["sees", "eats", "likes"], ["fish.", "seeds.", "the sun."]
-    return "\n".join(f"{rng.choice(subj)} {rng.choice(verb)} {rng.choice(obj)}" for _ in range(n)) + "\n"
+from textdata import corpus  # noqa: E402
 
 
 @pytest.fixture

@@ -169,14 +169,7 @@ def k_attn_bwd(a, ia, r):
     r = [op, oqkv, oP, ody, odqkv, B, T, C, NH, oscale]
       layouts as in k_attn_fwd; dy: (B*T, C). Writes dqkv (B*T, 3C) (overwrite).
     """
-    oqkv = r[1]; oP = r[2]; ody = r[3]; odqkv = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
-    scale = a[r[9]]
-    C3 = 3 * C
-    BT = B * T
-    QKV = a[oqkv:oqkv + BT * C3].reshape(BT, C3)
-    DQKV = a[odqkv:odqkv + BT * C3].reshape(BT, C3)
-    DY = a[ody:ody + BT * C].reshape(BT, C)
-    P = a[oP:oP + B * NH * T * T].reshape(B * NH * T, T)
+    QKV, DQKV, DY, P, B, T, C, NH, scale = _attn_bwd_views(a, r)
     for b in range(B):
         _attn_bwd_seq(QKV, DQKV, DY, P, b, T, C, NH, scale)
 
@@ -185,16 +178,20 @@ def k_attn_bwd(a, ia, r):
 def k_attn_bwd_par(a, ia, r):
     """k_attn_bwd with the sequences split over the thread pool (each writes only its own dqkv rows).
     r = [op, oqkv, oP, ody, odqkv, B, T, C, NH, oscale]"""
-    oqkv = r[1]; oP = r[2]; ody = r[3]; odqkv = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
-    scale = a[r[9]]
-    C3 = 3 * C
-    BT = B * T
-    QKV = a[oqkv:oqkv + BT * C3].reshape(BT, C3)
-    DQKV = a[odqkv:odqkv + BT * C3].reshape(BT, C3)
-    DY = a[ody:ody + BT * C].reshape(BT, C)
-    P = a[oP:oP + B * NH * T * T].reshape(B * NH * T, T)
+    QKV, DQKV, DY, P, B, T, C, NH, scale = _attn_bwd_views(a, r)
     for b in prange(B):
         _attn_bwd_seq(QKV, DQKV, DY, P, b, T, C, NH, scale)
+
+
+@njit(**FM)
+def _attn_bwd_views(a, r):
+    """The arena views and sizes of a k_attn_bwd(_par) row."""
+    oqkv = r[1]; oP = r[2]; ody = r[3]; odqkv = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
+    C3 = 3 * C
+    BT = B * T
+    return (a[oqkv:oqkv + BT * C3].reshape(BT, C3), a[odqkv:odqkv + BT * C3].reshape(BT, C3),
+            a[ody:ody + BT * C].reshape(BT, C), a[oP:oP + B * NH * T * T].reshape(B * NH * T, T),
+            B, T, C, NH, a[r[9]])
 
 
 @njit(**FM)
