@@ -17,34 +17,13 @@ from click.testing import CliRunner
 
 from btjit import checkpoint as K
 from btjit.cli import cli
+from textdata import corpus, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
-TINY = """
-[model]
-kind = "gpt"
-n_layer = 1
-n_head = 2
-n_embd = 8
-block_size = 4
-[train]
-steps = 30
-batch_size = 4
-seed = 7
-eval_interval = 10
-eval_batches = 8
-sample_interval = 0
-log_interval = 5
-checkpoint_interval = 10
-keep_checkpoints = 5
-[optim]
-name = "adamw"
-lr = 0.02
-weight_decay = 0.0
-"""
+TINY = tiny_config()
 
 
-from textdata import corpus  # noqa: E402
 
 
 @pytest.fixture

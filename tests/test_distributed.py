@@ -22,33 +22,12 @@ from btjit import checkpoint as K
 from btjit import compress, distributed
 from btjit.cli import cli
 from btjit.config import ConfigError, loads
+from textdata import corpus, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "mpi_worker.py"
 
-TINY = """
-[model]
-kind = "gpt"
-n_layer = 1
-n_head = 2
-n_embd = 8
-block_size = 4
-[train]
-steps = 20
-batch_size = 8
-seed = 7
-eval_interval = 10
-eval_batches = 4
-sample_interval = 10
-sample_chars = 20
-log_interval = 5
-checkpoint_interval = 10
-keep_checkpoints = 5
-[optim]
-name = "adamw"
-lr = 0.02
-weight_decay = 0.0
-"""
+TINY = tiny_config(steps=20, batch_size=8, eval_batches=4, sample_interval=10, sample_chars=20)
 
 
 def _mpi_missing() -> str | None:
@@ -72,7 +51,6 @@ def test_mpi_is_there_when_required():
     assert _mpi_missing() is None, _mpi_missing()
 
 
-from textdata import corpus  # noqa: E402
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from textdata import tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,28 +147,7 @@ def test_every_writer_gives_the_executor_file_the_same_numba_stamp(tmp_path, mon
 
 
 # ----------------------------------------------------------------------------- NaN/Inf gradients, finite loss
-TINY = """
-[model]
-kind = "gpt"
-n_layer = 1
-n_head = 2
-n_embd = 8
-block_size = 4
-[train]
-steps = 30
-batch_size = 4
-seed = 7
-eval_interval = 0
-eval_batches = 2
-sample_interval = 0
-log_interval = 5
-checkpoint_interval = 10
-keep_checkpoints = 5
-[optim]
-name = "adamw"
-lr = 0.02
-weight_decay = 0.0
-"""
+TINY = tiny_config(eval_interval=0, eval_batches=2)
 
 
 def _corpus():
