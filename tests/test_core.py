@@ -1,7 +1,6 @@
 """The compiler core: autodiff cases, the arena planner, lowering vs a numpy interpretation of the planned IR,
 trace-time errors, step() input checks, and training an MLP end to end."""
 import itertools
-import warnings
 
 import numpy as np
 import pytest

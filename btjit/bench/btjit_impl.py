@@ -5,7 +5,6 @@
 import math
 import time
 
-import numpy as np
 
 import btjit
 from btjit.bench import workloads as W

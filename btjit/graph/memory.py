@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from btjit.kernels.common import MAX_THREADS
 
-from .ir import Graph, Var
+from .ir import Graph
 from .ops import TABLE
 
 ALIGN = 16

@@ -8,7 +8,6 @@ import os
 import tempfile
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
