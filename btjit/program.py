@@ -6,6 +6,7 @@ plan the arena -> lower to a kernel tape -> load the executor. Program owns the 
 """
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 
@@ -29,7 +30,6 @@ def executor(float_dtype, parallel=False) -> Executor:
 
 def _arg_names(fn, n):
     try:
-        import inspect
         names = list(inspect.signature(fn).parameters)[1:1 + n]
     except (TypeError, ValueError):
         names = []
@@ -42,7 +42,11 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     norm. skip_nonfinite: a step whose gradients contain NaN/Inf leaves params and optimizer state untouched
     (`prog.last_step_skipped` tells)."""
     t0 = time.perf_counter()
-    fd = {"float32": "f32", "float64": "f64", "f32": "f32", "f64": "f64"}.get(str(np.dtype(dtype)) if dtype else "")
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    fd = {"float32": "f32", "float64": "f64", "f32": "f32", "f64": "f64"}.get(name)
     if fd is None:
         raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
     g = Graph(float_dtype=fd)
@@ -66,12 +70,11 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     out, aux = (res if isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict) else (res, {}))
     if not isinstance(out, T.Tracer):
         raise T.TraceError(f"the traced function must return a traced value (got {type(out).__name__})")
-    for k, v in aux.items():
+    for what, v in [("the returned value", out), *((f"output {k!r}", v) for k, v in aux.items())]:
         if not isinstance(v, T.Tracer):
-            raise T.TraceError(f"output {k!r} is not a traced value")
-    for k, v in [("the returned value", out), *((f"output {k!r}", v) for k, v in aux.items())]:
+            raise T.TraceError(f"{what} is not a traced value")
         if v.graph is not g:
-            raise T.TraceError(f"{k} is a traced value from another btjit.trace call (kept in a global or "
+            raise T.TraceError(f"{what} is a traced value from another btjit.trace call (kept in a global or "
                                f"closure); tracers are only valid inside the function being traced")
     g.outputs = {"out": out.var, **{k: v.var for k, v in aux.items()}}
     fuse.fuse_linear(g)
