@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from btjit.models import gpt, mlp   # numpy-only at import: peers' processes load them without numba
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -171,13 +173,8 @@ def e5_batch(X, Y, batch=64, seed=0):
 
 
 def e5_init(seed=0, vocab=27, emb=64, context=16, hidden=1024):
-    rng = np.random.default_rng(seed)
-    n = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
-    return {"emb": n(vocab, emb),
-            "w1": n(context * emb, hidden) * np.float32(5 / 3 / math.sqrt(context * emb)),
-            "b1": n(hidden) * np.float32(0.01),
-            "w2": n(hidden, vocab) * np.float32(0.01),
-            "b2": np.zeros(vocab, np.float32)}
+    """The E5 parameters: btjit.models.mlp's init (makemore part-3 style), the same for every impl."""
+    return mlp.init_params(mlp.MLPConfig(vocab_size=vocab, context=context, n_emb=emb, n_hidden=hidden), seed)
 
 
 # ---- E6: Tiny Shakespeare, vocab from the corpus, 90/10 split, random blocks
@@ -205,31 +202,17 @@ def e6_batch(data, batch, block=8, seed=0):
     return np.ascontiguousarray(data[off]), np.ascontiguousarray(data[off + 1])
 
 
+def e6_config(vocab=65, n_layer=6, n_embd=24, block=8):
+    return gpt.GPTConfig(vocab_size=vocab, n_layer=n_layer, n_head=6, n_embd=n_embd, block_size=block)
+
+
 def e6_param_shapes(vocab=65, n_layer=6, n_embd=24, block=8):
-    C, V = n_embd, vocab
-    shapes = {"wte": (V, C), "wpe": (block, C)}
-    for i in range(n_layer):
-        h = f"h{i}."
-        shapes.update({h + "ln1.g": (C,), h + "ln1.b": (C,), h + "attn.qkv.w": (C, 3 * C),
-                       h + "attn.proj.w": (C, C), h + "attn.proj.b": (C,),
-                       h + "ln2.g": (C,), h + "ln2.b": (C,), h + "mlp.fc.w": (C, 4 * C), h + "mlp.fc.b": (4 * C,),
-                       h + "mlp.proj.w": (4 * C, C), h + "mlp.proj.b": (C,)})
-    shapes.update({"lnf.g": (C,), "lnf.b": (C,), "head.w": (C, V), "head.b": (V,)})
-    return shapes
+    return gpt.param_shapes(e6_config(vocab, n_layer, n_embd, block))
 
 
 def e6_init(vocab=65, seed=0, n_layer=6, n_embd=24, block=8):
-    """Named float32 arrays in e6_param_shapes order (rng draws in that order, so the init is reproducible)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in e6_param_shapes(vocab, n_layer, n_embd, block).items():
-        if name.endswith(".g"):
-            out[name] = np.ones(shape, np.float32)
-        elif name.endswith(".b"):
-            out[name] = np.zeros(shape, np.float32)
-        else:
-            out[name] = (rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02))
-    return out
+    """The E6 parameters: btjit.models.gpt's init (N(0, 0.02) weights, zero biases, LayerNorm 1/0)."""
+    return gpt.init_params(e6_config(vocab, n_layer, n_embd, block), seed)
 
 
 def n_params(params):

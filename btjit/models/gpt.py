@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import btjit
-
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -63,6 +61,7 @@ def init_params(cfg: GPTConfig, rng) -> dict:
 
 
 def logits_fn(cfg: GPTConfig):
+    import btjit       # here, not at module level: the bench's peer processes import init_params without numba
     act = btjit.relu if cfg.activation == "relu" else btjit.gelu
 
     def logits(p, idx):                                     # idx (B, T) int
@@ -82,6 +81,7 @@ def logits_fn(cfg: GPTConfig):
 
 
 def loss_fn(cfg: GPTConfig):
+    import btjit
     logits = logits_fn(cfg)
 
     def loss(p, idx, targets):

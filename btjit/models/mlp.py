@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import btjit
-
 
 @dataclass(frozen=True)
 class MLPConfig:
@@ -36,6 +34,8 @@ def init_params(cfg: MLPConfig, rng) -> dict:
 
 
 def logits_fn(cfg: MLPConfig):
+    import btjit       # here, not at module level: the bench's peer processes import init_params without numba
+
     def logits(p, x):                                           # x (B, context) int
         e = btjit.take(p["emb"], x)                             # (B, context, n_emb)
         h = btjit.tanh(e.reshape(x.shape[0], -1) @ p["w1"] + p["b1"])
@@ -44,6 +44,7 @@ def logits_fn(cfg: MLPConfig):
 
 
 def loss_fn(cfg: MLPConfig):
+    import btjit
     logits = logits_fn(cfg)
 
     def loss(p, x, y):
