@@ -153,7 +153,6 @@ class Trainer:
         return ck
 
     def _build_program(self):
-        import btjit
         from btjit.sampling import model_for
         cfg, t, o = self.cfg, self.cfg.train, self.cfg.optim
         self.module, self.mcfg = model_for(cfg.model, len(self.ds.vocab))

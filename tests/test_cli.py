@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from btjit import checkpoint as K
 from btjit.cli import cli
-from textdata import corpus, tiny_config
+from textdata import corpus, tiny_config, write_run_files
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,11 +28,7 @@ TINY = tiny_config()
 
 @pytest.fixture
 def setup(tmp_path):
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(TINY)
-    data = tmp_path / "text.txt"
-    data.write_text(corpus())
-    return cfg, data, tmp_path
+    return write_run_files(tmp_path, TINY, corpus())
 
 
 def run(*args):

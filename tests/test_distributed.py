@@ -22,7 +22,7 @@ from btjit import checkpoint as K
 from btjit import compress, distributed
 from btjit.cli import cli
 from btjit.config import ConfigError, loads
-from textdata import corpus, tiny_config
+from textdata import corpus, tiny_config, write_run_files
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "mpi_worker.py"
@@ -55,11 +55,7 @@ def test_mpi_is_there_when_required():
 
 @pytest.fixture
 def setup(tmp_path):
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(TINY)
-    data = tmp_path / "text.txt"
-    data.write_text(corpus())
-    return cfg, data, tmp_path
+    return write_run_files(tmp_path, TINY, corpus())
 
 
 def mpirun(n, args, timeout=240, cwd=None):

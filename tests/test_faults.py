@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from textdata import tiny_config
+from textdata import tiny_config, write_run_files
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -158,12 +158,7 @@ def _corpus():
 
 @pytest.fixture
 def setup(tmp_path):
-    pytest.importorskip("btjit.models.gpt")
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(TINY)
-    data = tmp_path / "text.txt"
-    data.write_text(_corpus())
-    return cfg, data, tmp_path
+    return write_run_files(tmp_path, TINY, _corpus())
 
 
 def _run(*args):

@@ -27,3 +27,11 @@ name = "adamw"
 lr = 0.02
 weight_decay = 0.0
 """
+
+
+def write_run_files(tmp_path, config_text, text):
+    """tmp_path/tiny.toml and tmp_path/text.txt for a CLI test; returns (config, data, tmp_path)."""
+    cfg, data = tmp_path / "tiny.toml", tmp_path / "text.txt"
+    cfg.write_text(config_text)
+    data.write_text(text)
+    return cfg, data, tmp_path
