@@ -48,9 +48,9 @@ def make(workload_id, threads=1, seed=0, text=None, **opts):
 
 def profile(only, threads=1):
     """`btjit bench --profile`: prog.profile() of the E5/E6 training step, a table per workload."""
-    import os
-    for k in ("OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        os.environ.setdefault(k, str(threads))
+    from btjit.bench.run_one import pin_cpus
+    btjit.set_num_threads(threads)        # numba is imported already: its env vars are read-only now
+    pin_cpus(threads)
     for wid in [w.strip() for w in (only.split(",") if isinstance(only, str) else only)]:
         if W.WORKLOADS[wid].kind not in ("mlp", "gpt"):
             continue

@@ -88,15 +88,71 @@ def gpt_loss(P, x, y, n_layer=6, n_head=6):
     return F.cross_entropy(logits, y.reshape(-1))
 
 
+def split_heads(params, n_head=6):
+    """The GPT params with every layer's attn.qkv.w (C, 3C) split into one (C, hs) leaf per head and per
+    q/k/v ("h0.attn.q3.w" ...): the parameter layout of a model built from per-head modules."""
+    out = {}
+    for k, v in params.items():
+        if not k.endswith("attn.qkv.w"):
+            out[k] = v
+            continue
+        C = v.shape[0]
+        hs = C // n_head
+        for j, part in enumerate("qkv"):
+            for h in range(n_head):
+                out[k.replace("qkv", f"{part}{h}")] = v[:, j * C + h * hs:j * C + (h + 1) * hs]
+    return out
+
+
+def join_heads(P, n_head=6):
+    """Inverse of split_heads."""
+    out = {k: v for k, v in P.items() if ".attn.q" not in k and ".attn.k" not in k and ".attn.v" not in k}
+    for k in [k for k in P if k.endswith("attn.q0.w")]:
+        out[k.replace("q0", "qkv")] = torch.cat([P[k.replace("q0", f"{part}{h}")]
+                                                 for part in "qkv" for h in range(n_head)], dim=1)
+    return out
+
+
+def gpt_loss_perhead(P, x, y, n_layer=6, n_head=6):
+    """gpt_loss written the way the paper's PyTorch reference is usually written (Karpathy's "Let's build
+    GPT" model): one module-like block per head, each with its own q/k/v projections, an explicit
+    masked_fill + softmax, and torch.cat of the heads. Same function, more (smaller) eager ops."""
+    B, T = x.shape
+    C = P["wte"].shape[1]
+    hs = C // n_head
+    mask = torch.tril(torch.ones(T, T)) == 0
+    h = P["wte"][x] + P["wpe"][:T]                                                  # (B,T,C)
+    for i in range(n_layer):
+        p = f"h{i}."
+        a = F.layer_norm(h, (C,), P[p + "ln1.g"], P[p + "ln1.b"], 1e-5)
+        heads = []
+        for j in range(n_head):
+            q, k, v = (a @ P[f"{p}attn.{part}{j}.w"] for part in "qkv")             # (B,T,hs) each
+            wei = (q @ k.transpose(-2, -1)) * hs ** -0.5
+            wei = F.softmax(wei.masked_fill(mask, float("-inf")), dim=-1)
+            heads.append(wei @ v)
+        h = h + torch.cat(heads, dim=-1) @ P[p + "attn.proj.w"] + P[p + "attn.proj.b"]
+        m = F.layer_norm(h, (C,), P[p + "ln2.g"], P[p + "ln2.b"], 1e-5)
+        m = torch.relu(m @ P[p + "mlp.fc.w"] + P[p + "mlp.fc.b"])
+        h = h + m @ P[p + "mlp.proj.w"] + P[p + "mlp.proj.b"]
+    h = F.layer_norm(h, (C,), P["lnf.g"], P["lnf.b"], 1e-5)
+    logits = h @ P["head.w"] + P["head.b"]                                          # (B,T,V)
+    return F.cross_entropy(logits.view(B * T, -1), y.reshape(-1))
+
+
 class TrainRunner(Runner):
-    def __init__(self, workload_id, seed=0, compile=False, text=None):
+    def __init__(self, workload_id, seed=0, compile=False, text=None, perhead=False):
         w = W.WORKLOADS[workload_id]
         params, x, y, self.vocab, self.data = W.setup_batch(workload_id, seed, text)
+        self.perhead = perhead and w.kind == "gpt"
+        if self.perhead:
+            params = split_heads(params)
         self.P = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
         self.x, self.y = torch.from_numpy(x).long(), torch.from_numpy(y).long()
-        self.loss_fn = mlp_loss if w.kind == "mlp" else gpt_loss
+        self.loss_fn = mlp_loss if w.kind == "mlp" else gpt_loss_perhead if self.perhead else gpt_loss
         self.opt = torch.optim.SGD(list(self.P.values()), lr=w.settings["lr"])
-        self.note = "eager, SDPA attention" if w.kind == "gpt" else "eager"
+        self.note = ("eager, per-head modules (the paper's style)" if self.perhead else
+                     "eager, SDPA attention" if w.kind == "gpt" else "eager")
         if compile:
             t0 = time.perf_counter()
             self.loss_fn = torch.compile(self.loss_fn)
@@ -123,14 +179,15 @@ class TrainRunner(Runner):
         return dict(loss=loss, vocab=self.vocab, ln_vocab=math.log(self.vocab))
 
     def params(self):
-        return {k: v.detach().numpy().copy() for k, v in self.P.items()}
+        P = join_heads(self.P) if self.perhead else self.P
+        return {k: v.detach().numpy().copy() for k, v in P.items()}
 
 
-def make(workload_id, threads=1, seed=0, compile=False, text=None, **_ignored):
+def make(workload_id, threads=1, seed=0, compile=False, text=None, perhead=False, **_ignored):
     _set_threads(threads)
     kind = W.WORKLOADS[workload_id].kind
     if kind == "scalar":
         return ScalarRunner(workload_id)
     if kind == "io":
         return IORunner(workload_id)
-    return TrainRunner(workload_id, seed=seed, compile=compile, text=text)
+    return TrainRunner(workload_id, seed=seed, compile=compile, text=text, perhead=perhead)
