@@ -245,7 +245,7 @@ def test_two_thread_attention_kernels_match_the_serial_ones(B):
     assert any(lbl.startswith("causal_attention") for lbl in par.row_labels)
     kernels = {int(r[0]) for r in par.tape}
     from btjit.graph.lower import OPCODE
-    assert OPCODE["k_attn_fwd_bl_par"] in kernels and OPCODE["k_attn_bwd_par"] in kernels
+    assert OPCODE["k_attn_fwd_bl_par"] in kernels and OPCODE["k_attn_bwd_bl_par"] in kernels
     assert par.value_and_grad() == pytest.approx(serial.value_and_grad(), rel=1e-12)
     np.testing.assert_allclose(par.grads["qkv"], serial.grads["qkv"], rtol=1e-12, atol=1e-14)
     ref = OPS["causal_attention"].ref([qkv], {"n_head": 2})[0]

@@ -285,6 +285,30 @@ def test_attention(dt, B, T, C, NH):
     check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
 
 
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("B,T,C,NH,nb", [(16, 8, 24, 6, 1), (17, 8, 24, 6, 3), (20, 5, 6, 3, 2), (16, 1, 4, 1, 4)])
+def test_attention_sequence_vectorized_pair(dt, B, T, C, NH, nb):
+    """k_attn_fwd_bl / k_attn_bwd_bl (nb lane blocks, the last one shorter when nb does not divide B)
+    against the references; they write only y, P, W (forward) and dqkv, S (backward)."""
+    rng = np.random.default_rng(B * 100 + nb)
+    qkv, dy = rnd(rng, (B * T, 3 * C), dt, 1.5), rnd(rng, (B * T, C), dt)
+    scale = float(dt(1.0 / np.sqrt(C // NH)))
+    ar = Arena(dt)
+    osc = ar.put("scale", np.array([scale]))
+    oq, ody = ar.put("qkv", qkv), ar.put("dy", dy)
+    oy, oP = ar.put("y", size=B * T * C), ar.put("P", size=B * NH * T * T)
+    oW, odq = ar.put("W", size=K.attn_scratch_size(B, T, C)), ar.put("dqkv", size=B * T * 3 * C)
+    oS = ar.put("S", size=K.attn_bwd_scratch_size(B, T, C))
+    a = ar.build()
+    ia = np.zeros(1, np.int32)
+    K.k_attn_fwd_bl(a, ia, row(oq, oy, oP, oW, B, T, C, NH, osc, nb))
+    ar.only_wrote("y", "P", "W")
+    K.k_attn_bwd_bl(a, ia, row(oP, oW, ody, odq, oS, B, T, C, NH, osc, nb))
+    ar.only_wrote("y", "P", "W", "dqkv", "S")
+    check(ar.get("y", (B * T, C)), attn_ref(qkv, B, T, C, NH, scale)[0], dt)
+    check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
+
+
 def test_attention_bwd_finite_diff():
     rng = np.random.default_rng(5)
     B, T, C, NH = 2, 4, 6, 2

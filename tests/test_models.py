@@ -38,7 +38,7 @@ def _compare_grads(prog, P, rtol=2e-4):
         assert np.abs(g - want).max() <= rtol * scale + 1e-7, f"gradient of {name}"
 
 
-@pytest.mark.parametrize("B,activation", [(1, "relu"), (4, "relu"), (3, "gelu")])
+@pytest.mark.parametrize("B,activation", [(1, "relu"), (4, "relu"), (3, "gelu"), (67, "relu")])
 def test_gpt_loss_and_every_gradient_match_torch(B, activation):
     cfg, params, x, y = _gpt_case(B, activation)
     prog = btjit.trace(gpt.loss_fn(cfg), params, x, y, grad=True)

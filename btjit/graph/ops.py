@@ -14,7 +14,7 @@ import numpy as np
 
 from btjit.kernels import elementwise as EW
 from btjit.kernels.common import MAX_THREADS
-from btjit.kernels.nn import BL_MIN_B, NB_MAX, attn_scratch_size
+from btjit.kernels.nn import BL_MIN_B, attn_blocks, attn_bwd_scratch_size, attn_scratch_size
 from btjit.kernels.reduce import R_MAX, R_SUM
 from btjit.graph import trace as T
 
@@ -621,8 +621,13 @@ def _attn_ref(xs, a):
     return ((p @ v).transpose(0, 2, 1, 3).reshape(B, T_, C), p, np.zeros(attn_scratch_size(B, T_, C)))
 
 
+def _attn_grad_rule(types, attrs, fd):
+    (s, _) = types[0]
+    return [(s, fd), ((attn_bwd_scratch_size(s[0], s[1], s[2] // 3),), fd)]
+
+
 def _attn_grad_ref(xs, a):
-    qkv, p, gy = xs
+    qkv, p, _, gy = xs
     B, T_, C3 = qkv.shape
     C, nh = C3 // 3, a["n_head"]
     hs = C // nh
@@ -632,34 +637,41 @@ def _attn_grad_ref(xs, a):
     dp = gy @ v.transpose(0, 1, 3, 2)
     ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / math.sqrt(hs)
     dq, dk = ds @ k, ds.transpose(0, 1, 3, 2) @ q
-    return (np.concatenate([d.transpose(0, 2, 1, 3).reshape(B, T_, C) for d in (dq, dk, dv)], -1),)
+    return (np.concatenate([d.transpose(0, 2, 1, 3).reshape(B, T_, C) for d in (dq, dk, dv)], -1),
+            np.zeros(attn_bwd_scratch_size(B, T_, C)))
 
 
 def _attn_lower(e, L):
-    """Per-head kernels below BL_MIN_B sequences; from there the sequence-vectorized forward, and with
-    more than one thread the variants that split the sequences over the thread pool."""
+    """Per-head kernels below BL_MIN_B sequences; from there the sequence-vectorized ("bl") pair, whose
+    forward saves the transposed qkv in its scratch W and the probabilities in P in its own layout for the
+    backward. With more than one thread the bl blocks are split over the thread pool."""
     import numba
     B, T_ = e.ins[0].shape[:2]
     C, nh = e.ins[0].shape[2] // 3, e.attrs["n_head"]
     scale = L.const(1.0 / math.sqrt(C // nh))
-    threads = numba.get_num_threads() if B >= BL_MIN_B else 1
-    if e.op == "causal_attention_grad":
-        kernel = "k_attn_bwd_par" if threads > 1 else "k_attn_bwd"
-        return [L.row(kernel, *[L.off(v) for v in e.ins + e.outs], B, T_, C, nh, scale)]
-    (qkv,), (y, P, W) = e.ins, e.outs
+    grad = e.op == "causal_attention_grad"
     if B < BL_MIN_B:
+        if grad:
+            (qkv, P, _, gy), (dqkv, _) = e.ins, e.outs
+            return [L.row("k_attn_bwd", L.off(qkv), L.off(P), L.off(gy), L.off(dqkv), B, T_, C, nh, scale)]
+        (qkv,), (y, P, _) = e.ins, e.outs
         return [L.row("k_attn_fwd", L.off(qkv), L.off(y), L.off(P), B, T_, C, nh, scale)]
-    args = (L.off(qkv), L.off(y), L.off(P), L.off(W), B, T_, C, nh, scale)
-    if threads > 1:
-        return [L.row("k_attn_fwd_bl_par", *args, min(threads, NB_MAX))]
-    return [L.row("k_attn_fwd_bl", *args)]
+    threads = numba.get_num_threads()
+    par = "_par" if threads > 1 else ""
+    nb = attn_blocks(B, threads)
+    if grad:
+        (_, P, W, gy), (dqkv, S) = e.ins, e.outs
+        return [L.row("k_attn_bwd_bl" + par, L.off(P), L.off(W), L.off(gy), L.off(dqkv), L.off(S),
+                      B, T_, C, nh, scale, nb)]
+    (qkv,), (y, P, W) = e.ins, e.outs
+    return [L.row("k_attn_fwd_bl" + par, L.off(qkv), L.off(y), L.off(P), L.off(W), B, T_, C, nh, scale, nb)]
 
 
 op("causal_attention", infer=_attn_rule, ref=_attn_ref, lower=_attn_lower,
-   vjp=lambda g, x, o, a: [T.emit("causal_attention_grad", (x[0], o[1], g[0]), **a)],
+   vjp=lambda g, x, o, a: [T.emit("causal_attention_grad", (x[0], o[1], o[2], g[0]), **a)[0]],
    cases=[Case((F(2, 4, 12),), {"n_head": 2}), Case((F(1, 3, 6),), {"n_head": 1}), Case((F(17, 3, 6),), {"n_head": 2}),
           Case((F(67, 2, 6),), {"n_head": 2}), Case((F(2, 5, 24),), {"n_head": 2})])
-op("causal_attention_grad", infer=lambda t, a, fd: [(t[0][0], fd)], ref=_attn_grad_ref, internal=True,
+op("causal_attention_grad", infer=_attn_grad_rule, ref=_attn_grad_ref, internal=True,
    lower=_attn_lower, cases=[])
 
 

@@ -169,29 +169,14 @@ def k_attn_bwd(a, ia, r):
     r = [op, oqkv, oP, ody, odqkv, B, T, C, NH, oscale]
       layouts as in k_attn_fwd; dy: (B*T, C). Writes dqkv (B*T, 3C) (overwrite).
     """
-    QKV, DQKV, DY, P, B, T, C, NH, scale = _attn_bwd_views(a, r)
-    for b in range(B):
-        _attn_bwd_seq(QKV, DQKV, DY, P, b, T, C, NH, scale)
-
-
-@njit(**FM_PAR)
-def k_attn_bwd_par(a, ia, r):
-    """k_attn_bwd with the sequences split over the thread pool (each writes only its own dqkv rows).
-    r = [op, oqkv, oP, ody, odqkv, B, T, C, NH, oscale]"""
-    QKV, DQKV, DY, P, B, T, C, NH, scale = _attn_bwd_views(a, r)
-    for b in prange(B):
-        _attn_bwd_seq(QKV, DQKV, DY, P, b, T, C, NH, scale)
-
-
-@njit(**FM)
-def _attn_bwd_views(a, r):
-    """The arena views and sizes of a k_attn_bwd(_par) row."""
     oqkv = r[1]; oP = r[2]; ody = r[3]; odqkv = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
-    C3 = 3 * C
     BT = B * T
-    return (a[oqkv:oqkv + BT * C3].reshape(BT, C3), a[odqkv:odqkv + BT * C3].reshape(BT, C3),
-            a[ody:ody + BT * C].reshape(BT, C), a[oP:oP + B * NH * T * T].reshape(B * NH * T, T),
-            B, T, C, NH, a[r[9]])
+    QKV = a[oqkv:oqkv + BT * 3 * C].reshape(BT, 3 * C)
+    DQKV = a[odqkv:odqkv + BT * 3 * C].reshape(BT, 3 * C)
+    DY = a[ody:ody + BT * C].reshape(BT, C)
+    P = a[oP:oP + B * NH * T * T].reshape(B * NH * T, T)
+    for b in range(B):
+        _attn_bwd_seq(QKV, DQKV, DY, P, b, T, C, NH, a[r[9]])
 
 
 @njit(**FM)
@@ -259,130 +244,209 @@ def _attn_bwd_seq(QKV, DQKV, DY, P, b, T, C, NH, scale):
                     dk[ko + d] += ds * q[qo + d]
 
 
-LMAX = 64
-NB_MAX = 8       # most parallel blocks the scratch is sized for
-BL_MIN_B = 16    # from this batch up the sequence-vectorized forward wins (measured 2.3x at 64, slower at <= 8)
+LMAX = 64        # most sequences one lane block holds
+BL_MIN_B = 16    # from this batch up the sequence-vectorized kernels win (measured 2.3x at 64, slower at <= 8)
 
 
+# The "bl" kernels (KERNEL_NOTES §3): blocks of L sequences are transposed so that every inner loop runs
+# over the L lanes. The block of sequences b0 .. b0+L-1 keeps, from the forward to the backward,
+#   X  = its qkv transposed, X[t*3C + c, l]    at W[b0*T*3C:]          (W: the forward's scratch output)
+#   PL = its probabilities,  PL[(h*T + t)*T + s, l] (s <= t only) at P[b0*NH*T*T:]
+# so P's layout in this mode is private to the pair k_attn_fwd_bl / k_attn_bwd_bl. Blocks: nb of them,
+# Lb = ceil(B / nb) sequences each (the last may be shorter); the _par variants run one block per thread.
 @njit(**FM)
-def _attn_bl_block(QKV, Y, P, a, oWb, b0, L, T, C, NH, scale):
-    """Forward of sequences b0 .. b0+L-1, vectorized across them; scratch at a[oWb:] (block_scratch floats)."""
+def _attn_bl_fwd_block(a, oqkv, oy, oP, oW, B, b0, L, T, C, NH, scale):
     hs = C // NH
     C3 = 3 * C
     zero = cvt(a, 0.0)
     one = cvt(a, 1.0)
-    X = a[oWb:oWb + T * C3 * L].reshape(T, C3, L)
-    w2 = oWb + T * C3 * L
-    S = a[w2:w2 + T * L].reshape(T, L)
-    mx = a[w2 + T * L:w2 + T * L + L]
-    tot = a[w2 + T * L + L:w2 + T * L + 2 * L]
-    for l in range(L):
-        for t in range(T):
-            row = QKV[(b0 + l) * T + t]
-            for c in range(C3):
-                X[t, c, l] = row[c]
+    src = a[oqkv + b0 * T * C3:oqkv + (b0 + L) * T * C3].reshape(L, T * C3)
+    X = a[oW + b0 * T * C3:oW + (b0 + L) * T * C3].reshape(T * C3, L)
+    PL = a[oP + b0 * NH * T * T:oP + (b0 + L) * NH * T * T].reshape(NH * T * T, L)
+    Y = a[oy + b0 * T * C:oy + (b0 + L) * T * C].reshape(L, T * C)
+    mx = a[oW + B * T * C3 + 2 * b0:oW + B * T * C3 + 2 * b0 + L]
+    acc = a[oW + B * T * C3 + 2 * b0 + L:oW + B * T * C3 + 2 * b0 + 2 * L]
+    for j in range(T * C3):                 # transpose in: contiguous writes, strided reads (2x faster)
+        xr = X[j]
+        for l in range(L):
+            xr[l] = src[l, j]
     for h in range(NH):
         qo = h * hs
         ko = C + qo
         vo = 2 * C + qo
         for t in range(T):
-            for s in range(t + 1):
-                sr = S[s]
+            pt = (h * T + t) * T
+            for s in range(t + 1):          # scores
+                sr = PL[pt + s]
                 for l in range(L):
                     sr[l] = zero
                 for d in range(hs):
-                    xq = X[t, qo + d]
-                    xk = X[s, ko + d]
+                    xq = X[t * C3 + qo + d]
+                    xk = X[s * C3 + ko + d]
                     for l in range(L):
                         sr[l] += xq[l] * xk[l]
-                for l in range(L):
-                    sr[l] *= scale
-            s0 = S[0]
+            s0 = PL[pt]
             for l in range(L):
                 mx[l] = s0[l]
             for s in range(1, t + 1):
-                sr = S[s]
+                sr = PL[pt + s]
                 for l in range(L):
                     v = sr[l]
                     mx[l] = v if v > mx[l] else mx[l]
             for l in range(L):
-                tot[l] = zero
-            for s in range(t + 1):
-                sr = S[s]
+                acc[l] = zero
+            for s in range(t + 1):          # exp and its sum
+                sr = PL[pt + s]
                 for l in range(L):
-                    e = fexp(sr[l] - mx[l])
+                    e = fexp((sr[l] - mx[l]) * scale)
                     sr[l] = e
-                    tot[l] += e
+                    acc[l] += e
             for l in range(L):
-                tot[l] = one / tot[l]
+                acc[l] = one / acc[l]
             for s in range(t + 1):
-                sr = S[s]
+                sr = PL[pt + s]
                 for l in range(L):
-                    sr[l] *= tot[l]
-            for l in range(L):
-                pr = ((b0 + l) * NH + h) * T + t
-                prow = P[pr]
-                for s in range(t + 1):
-                    prow[s] = S[s, l]
-                for s in range(t + 1, T):
-                    prow[s] = zero
-            for d in range(hs):
-                acc = mx                      # reuse as the accumulator
+                    sr[l] *= acc[l]
+            for d in range(hs):             # y = P v
                 for l in range(L):
-                    acc[l] = zero
+                    mx[l] = zero
                 for s in range(t + 1):
-                    sr = S[s]
-                    xv = X[s, vo + d]
+                    sr = PL[pt + s]
+                    xv = X[s * C3 + vo + d]
                     for l in range(L):
-                        acc[l] += sr[l] * xv[l]
+                        mx[l] += sr[l] * xv[l]
                 for l in range(L):
-                    Y[(b0 + l) * T + t, qo + d] = acc[l]
+                    Y[l, t * C + qo + d] = mx[l]
+
+
+@njit(**FM)
+def _attn_bl_bwd_block(a, oP, oW, ody, odqkv, oS, B, b0, L, T, C, NH, scale):
+    hs = C // NH
+    C3 = 3 * C
+    zero = cvt(a, 0.0)
+    X = a[oW + b0 * T * C3:oW + (b0 + L) * T * C3].reshape(T * C3, L)
+    PL = a[oP + b0 * NH * T * T:oP + (b0 + L) * NH * T * T].reshape(NH * T * T, L)
+    dy = a[ody + b0 * T * C:ody + (b0 + L) * T * C].reshape(L, T * C)
+    dst = a[odqkv + b0 * T * C3:odqkv + (b0 + L) * T * C3].reshape(L, T * C3)
+    G = a[oS + b0 * T * C:oS + (b0 + L) * T * C].reshape(T * C, L)
+    o2 = oS + B * T * C
+    D = a[o2 + b0 * T * C3:o2 + (b0 + L) * T * C3].reshape(T * C3, L)
+    o3 = o2 + B * T * C3
+    DP = a[o3 + b0 * (T + 1):o3 + (b0 + L) * (T + 1)].reshape(T + 1, L)
+    dot = DP[T]
+    for j in range(T * C):                  # dy transposed in
+        gr = G[j]
+        for l in range(L):
+            gr[l] = dy[l, j]
+    for j in range(T * C3):
+        dr = D[j]
+        for l in range(L):
+            dr[l] = zero
+    for h in range(NH):
+        qo = h * hs
+        ko = C + qo
+        vo = 2 * C + qo
+        for t in range(T):
+            pt = (h * T + t) * T
+            for l in range(L):
+                dot[l] = zero
+            for s in range(t + 1):          # dp_s = <dy_t, v_s>; dot = sum_s p_s dp_s; dv_s += p_s dy_t
+                p = PL[pt + s]
+                dp = DP[s]
+                for l in range(L):
+                    dp[l] = zero
+                for d in range(hs):
+                    g = G[t * C + qo + d]
+                    xv = X[s * C3 + vo + d]
+                    dv = D[s * C3 + vo + d]
+                    for l in range(L):
+                        dp[l] += g[l] * xv[l]
+                        dv[l] += p[l] * g[l]
+                for l in range(L):
+                    dot[l] += p[l] * dp[l]
+            for s in range(t + 1):          # ds = p_s (dp_s - dot) scale; dq_t += ds k_s; dk_s += ds q_t
+                p = PL[pt + s]
+                dp = DP[s]
+                for l in range(L):
+                    dp[l] = p[l] * (dp[l] - dot[l]) * scale
+                for d in range(hs):
+                    dq = D[t * C3 + qo + d]
+                    xk = X[s * C3 + ko + d]
+                    dk = D[s * C3 + ko + d]
+                    xq = X[t * C3 + qo + d]
+                    for l in range(L):
+                        dq[l] += dp[l] * xk[l]
+                        dk[l] += dp[l] * xq[l]
+    for l in range(L):                      # dqkv transposed out: contiguous writes
+        dr = dst[l]
+        for j in range(T * C3):
+            dr[j] = D[j, l]
+
+
+@njit(**FM)
+def _bl_blocks(B, nb):
+    return (B + nb - 1) // nb
 
 
 @njit(**FM)
 def k_attn_fwd_bl(a, ia, r):
-    """Causal self-attention forward vectorized across sequences (KERNEL_NOTES §3 "bl"): blocks of up to 64
-    sequences are transposed into a scratch X[t, c, l] so every inner loop runs over the l lanes. Same
-    inputs, outputs and P layout as k_attn_fwd (so k_attn_bwd serves both); faster from B ~ 16 up.
-
-    r = [op, oqkv, oy, oP, oW, B, T, C, NH, oscale]
-      oW: scratch of attn_scratch_size(B, T, C) floats (per block: X, scores S (T, L), two (L,) rows).
-    """
-    oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
-    scale = a[r[9]]
-    QKV = a[oqkv:oqkv + B * T * 3 * C].reshape(B * T, 3 * C)
-    Y = a[oy:oy + B * T * C].reshape(B * T, C)
-    P = a[oP:oP + B * NH * T * T].reshape(B * NH * T, T)
-    LM = min(B, LMAX)
-    for b0 in range(0, B, LM):
-        _attn_bl_block(QKV, Y, P, a, oW, b0, min(LM, B - b0), T, C, NH, scale)
+    """Causal self-attention forward vectorized across sequences (layouts above the helpers).
+    r = [op, oqkv, oy, oP, oW, B, T, C, NH, oscale, nb]; W: attn_scratch_size(B, T, C) floats."""
+    B = r[5]; nb = r[10]
+    Lb = _bl_blocks(B, nb)
+    for i in range(nb):
+        b0 = i * Lb
+        if b0 < B:
+            _attn_bl_fwd_block(a, r[1], r[2], r[3], r[4], B, b0, min(Lb, B - b0), r[6], r[7], r[8], a[r[9]])
 
 
 @njit(**FM_PAR)
 def k_attn_fwd_bl_par(a, ia, r):
-    """k_attn_fwd_bl with the sequences split into one block per thread, each with its own scratch.
-    r = [op, oqkv, oy, oP, oW, B, T, C, NH, oscale, nblocks]   (nblocks <= NB_MAX)"""
-    oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]; nb = r[10]
-    scale = a[r[9]]
-    QKV = a[oqkv:oqkv + B * T * 3 * C].reshape(B * T, 3 * C)
-    Y = a[oy:oy + B * T * C].reshape(B * T, C)
-    P = a[oP:oP + B * NH * T * T].reshape(B * NH * T, T)
-    Lb = (B + nb - 1) // nb
+    """k_attn_fwd_bl with one block per thread-pool task (same row)."""
+    B = r[5]; nb = r[10]
+    Lb = _bl_blocks(B, nb)
     for i in prange(nb):
         b0 = i * Lb
         if b0 < B:
-            _attn_bl_block(QKV, Y, P, a, oW + i * block_scratch(Lb, T, C), b0, min(Lb, B - b0), T, C, NH, scale)
+            _attn_bl_fwd_block(a, r[1], r[2], r[3], r[4], B, b0, min(Lb, B - b0), r[6], r[7], r[8], a[r[9]])
 
 
 @njit(**FM)
-def block_scratch(L, T, C):
-    return T * 3 * C * L + (T + 2) * L
+def k_attn_bwd_bl(a, ia, r):
+    """Backward of k_attn_fwd_bl from its saved X (in W) and PL (in P); writes dqkv (overwrite).
+    r = [op, oP, oW, ody, odqkv, oS, B, T, C, NH, oscale, nb]; S: attn_bwd_scratch_size(B, T, C) floats."""
+    B = r[6]; nb = r[11]
+    Lb = _bl_blocks(B, nb)
+    for i in range(nb):
+        b0 = i * Lb
+        if b0 < B:
+            _attn_bl_bwd_block(a, r[1], r[2], r[3], r[4], r[5], B, b0, min(Lb, B - b0), r[7], r[8], r[9], a[r[10]])
+
+
+@njit(**FM_PAR)
+def k_attn_bwd_bl_par(a, ia, r):
+    """k_attn_bwd_bl with one block per thread-pool task (same row)."""
+    B = r[6]; nb = r[11]
+    Lb = _bl_blocks(B, nb)
+    for i in prange(nb):
+        b0 = i * Lb
+        if b0 < B:
+            _attn_bl_bwd_block(a, r[1], r[2], r[3], r[4], r[5], B, b0, min(Lb, B - b0), r[7], r[8], r[9], a[r[10]])
+
+
+def attn_blocks(B, threads):
+    """Lane blocks of the bl kernels: at most LMAX sequences each, at least one per thread."""
+    return max(-(-B // LMAX), threads if threads > 1 else 1)
 
 
 def attn_scratch_size(B, T, C):
-    """Floats of scratch k_attn_fwd_bl(_par) need: up to NB_MAX blocks of ceil(B / nblocks) sequences
-    (sum <= B + NB_MAX); none below BL_MIN_B, where the per-head kernel runs."""
-    return block_scratch(B + NB_MAX, T, C) if B >= BL_MIN_B else 0
+    """Floats of the forward's scratch output W in bl mode (X, then two (B,) rows); none below BL_MIN_B."""
+    return B * T * 3 * C + 2 * B if B >= BL_MIN_B else 0
+
+
+def attn_bwd_scratch_size(B, T, C):
+    """Floats of the backward's scratch output S in bl mode (dy^T, dqkv^T, T+1 rows of L); none below BL_MIN_B."""
+    return B * (T * C + T * 3 * C + T + 1) if B >= BL_MIN_B else 0
 
 
 # ---------------------------------------------------------------- softmax cross-entropy
