@@ -266,7 +266,7 @@ def _attn_bl_fwd_block(a, oqkv, oy, oP, oW, B, b0, L, T, C, NH, scale):
     Y = a[oy + b0 * T * C:oy + (b0 + L) * T * C].reshape(L, T * C)
     mx = a[oW + B * T * C3 + 2 * b0:oW + B * T * C3 + 2 * b0 + L]
     acc = a[oW + B * T * C3 + 2 * b0 + L:oW + B * T * C3 + 2 * b0 + 2 * L]
-    for j in range(T * C3):                 # transpose in: contiguous writes, strided reads (2x faster)
+    for j in range(T * C3):                 # transpose in (lanes inner: 2x faster than rows inner)
         xr = X[j]
         for l in range(L):
             xr[l] = src[l, j]
@@ -400,10 +400,10 @@ def _attn_bl_bwd_block(a, oP, oW, ody, odqkv, oS, B, b0, L, T, C, NH, scale):
                     for l in range(L):
                         dq[l] += dp[l] * xk[l]
                         dk[l] += dp[l] * xq[l]
-    for l in range(L):                      # dqkv transposed out: contiguous writes
-        dr = dst[l]
-        for j in range(T * C3):
-            dr[j] = D[j, l]
+    for j in range(T * C3):                 # dqkv transposed out (lanes inner: 2x faster than rows inner)
+        dr = D[j]
+        for l in range(L):
+            dst[l, j] = dr[l]
 
 
 @njit(**FM)
