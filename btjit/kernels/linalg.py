@@ -79,9 +79,11 @@ def k_matmul_par(a, ia, r):
                 oc += lo * N
                 rows, cols = n, N
             bt = beta
-            if obias > 0:
+            if obias > 0:                 # slices, not flat a[i] indexing (wraparound checks: 3x slower)
+                bias = a[obias + (lo if split_n else 0):obias + (lo if split_n else 0) + cols]
                 for m in range(rows):
+                    crow = a[oc + m * N:oc + m * N + cols]
                     for c in range(cols):
-                        a[oc + m * N + c] = a[obias + (lo if split_n else 0) + c]
+                        crow[c] = bias[c]
                 bt = 1
             gemm(a, ia, sc, oconst, ta, tb, rows, cols, K, oa, lda, ob, ldb, oc, N, bt)
