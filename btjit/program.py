@@ -77,6 +77,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
             raise T.TraceError(f"{what} is a traced value from another btjit.trace call (kept in a global or "
                                f"closure); tracers are only valid inside the function being traced")
     g.outputs = {"out": out.var, **{k: v.var for k, v in aux.items()}}
+    fuse.fold_embedding_matmul(g)
     fuse.fuse_linear(g)
     g.n_forward = len(g.eqns)
     grad = (optimizer is not None) if grad is None else grad
@@ -357,6 +358,8 @@ def _index_bounds(graph) -> dict:
         hi, idx = None, None
         if e.op == "take":
             hi, idx = e.ins[0].shape[0], e.ins[1]
+        elif e.op == "take_sum":
+            hi, idx = e.ins[0].shape[1], e.ins[1]
         elif e.op == "cross_entropy":
             hi, idx = e.ins[0].shape[-1], e.ins[1]
         if idx is not None:

@@ -136,6 +136,45 @@ def test_grads_are_recomputed_not_accumulated_across_steps():
 
 
 # ----------------------------------------------------------------------------- errors
+def _emb_mlp(V, B, P=3, E=4, N=5, seed=0):
+    rng = np.random.default_rng(seed)
+    params = {"emb": rng.normal(size=(V, E)), "w": rng.normal(size=(P * E, N)), "b": rng.normal(size=N)}
+    x = rng.integers(0, V, (B, P)).astype(np.int32)
+    y = rng.integers(0, N, B).astype(np.int32)
+
+    def loss(p, x, y):
+        e = btjit.take(p["emb"], x)
+        return btjit.cross_entropy(btjit.tanh(e.reshape(B, P * E) @ p["w"] + p["b"]), y)
+
+    def ref(p):                       # numpy, the textbook schedule
+        h = np.tanh(p["emb"][x].reshape(B, P * E) @ p["w"] + p["b"])
+        z = h - h.max(1, keepdims=True)
+        return float(np.mean(np.log(np.exp(z).sum(1)) - z[np.arange(B), y]))
+    return params, loss, x, y, ref
+
+
+@pytest.mark.parametrize("V,B,folded", [(5, 16, True), (16, 5, False)])
+def test_embedding_fold_only_when_the_table_is_smaller_than_the_batch(V, B, folded):
+    params, loss, x, y, ref = _emb_mlp(V, B)
+    prog = btjit.trace(loss, params, x, y, dtype="float64", grad=True)
+    ops = [e.op for e in prog.graph.eqns[:prog.graph.n_forward]]
+    assert ("take_sum" in ops) == folded and ("take" in ops) == (not folded)
+    assert prog.value_and_grad(x, y) == pytest.approx(ref(params), rel=1e-12)
+    check_grads(loss, params, x, y)
+
+
+def test_embedding_fold_keeps_a_gather_that_is_used_twice():
+    params, loss, x, y, ref = _emb_mlp(5, 16)
+
+    def loss2(p, x, y):
+        e = btjit.take(p["emb"], x)
+        h = btjit.tanh(e.reshape(16, 12) @ p["w"] + p["b"])
+        return btjit.cross_entropy(h, y) + btjit.sum(e * e)
+    prog = btjit.trace(loss2, params, x, y, dtype="float64", grad=True)
+    assert "take_sum" not in [e.op for e in prog.graph.eqns]
+    assert prog.value_and_grad(x, y) == pytest.approx(ref(params) + float(np.sum(params["emb"][x] ** 2)), rel=1e-12)
+
+
 def test_shape_error_names_op_shapes_and_line():
     def bad(p, x):
         return btjit.sum(x @ p["w"])

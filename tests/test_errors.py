@@ -417,3 +417,19 @@ def test_cli_checkpoint_from_a_newer_format_or_another_model(tmp_path, monkeypat
     cfg.write_text((run / "config.toml").read_text())
     msg = invoke("train", cfg, "--data", tmp_path / "text.txt", "--out", run, "--resume")
     assert "ckpt_00000006.npz has format version 2, newer than this btjit reads (1)" in msg
+
+
+def test_out_of_range_index_into_a_folded_embedding_is_caught_before_any_update():
+    """Through the embedding fold (graph/fuse.py) the table is read by take_sum: same native check."""
+    from btjit.models import mlp
+    cfg = mlp.MLPConfig(vocab_size=5, context=3, n_emb=4, n_hidden=8)
+    params = mlp.init_params(cfg, 0)
+    x = np.zeros((16, 3), np.int32)
+    y = np.zeros(16, np.int32)
+    prog = btjit.trace(mlp.loss_fn(cfg), params, x, y, optimizer=btjit.optim.SGD(lr=0.1))
+    assert "take_sum" in [e.op for e in prog.graph.eqns]
+    before = prog.state_dict()
+    with pytest.raises(ValueError, match=r"batch argument 0 \(x\): index values must be in \[0, 5\), got min 0 max 5"):
+        prog.step(_put(x, 5), y)
+    for k, v in prog.state_dict().items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)

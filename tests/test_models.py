@@ -70,13 +70,15 @@ def test_gpt_sgd_trajectory_matches_torch():
         np.testing.assert_allclose(v, P[k].detach().numpy(), rtol=1e-4, atol=1e-5, err_msg=k)
 
 
-def test_mlp_loss_gradients_and_trajectory_match_torch():
+@pytest.mark.parametrize("B", [8, 40])       # 40 > vocab 11: the embedding fold of graph/fuse.py applies
+def test_mlp_loss_gradients_and_trajectory_match_torch(B):
     cfg = mlp.MLPConfig(vocab_size=11, context=5, n_emb=6, n_hidden=32)
     params = mlp.init_params(cfg, 3)
     rng = np.random.default_rng(0)
-    x = rng.integers(0, 11, (8, 5)).astype(np.int32)
-    y = rng.integers(0, 11, 8).astype(np.int32)
+    x = rng.integers(0, 11, (B, 5)).astype(np.int32)
+    y = rng.integers(0, 11, B).astype(np.int32)
     g = btjit.trace(mlp.loss_fn(cfg), params, x, y, grad=True)
+    assert any(e.op == "take_sum" for e in g.graph.eqns) == (B > 11)
     loss = g.value_and_grad(x, y)
     P = TM.tensors(params)
     ref = TM.mlp_loss(P, torch.tensor(x), torch.tensor(y))

@@ -499,6 +499,44 @@ op("take_grad", infer=lambda t, a, fd: [((a["rows"],) + tuple(t[0][0][len(t[1][0
                              e.attrs["rows"], _row_len(e.outs[0].shape))])
 
 
+def _take_sum_rule(types, attrs, fd):
+    (st, dt), (si, di) = types
+    if dt == "i32" or di != "i32" or len(st) != 3 or len(si) != 2 or si[1] != st[0]:
+        raise ShapeError("take_sum needs a float (P, V, N) table and an integer (B, P) index array")
+    return [((si[0], st[2]), fd)]
+
+
+def _take_sum_ref(xs, a):
+    table, idx = xs
+    return (table[np.arange(table.shape[0]), idx].sum(1),)
+
+
+def _take_sum_grad_ref(xs, a):
+    g, idx = xs
+    B, P = idx.shape
+    out = np.zeros((P, a["rows"], g.shape[1]), g.dtype)
+    np.add.at(out, (np.broadcast_to(np.arange(P), (B, P)), idx), g[:, None, :])
+    return (out,)
+
+
+def _take_sum_lower(kernel):
+    def lower(e, L):
+        B, P = e.ins[1].shape
+        P_, V, N = (e.ins[0] if kernel == "k_take_sum" else e.outs[0]).shape
+        return [L.row(kernel, L.off(e.ins[0]), L.off(e.ins[1]), L.off(e.outs[0]), B, P, V, N)]
+    return lower
+
+
+# take_sum(table (P, V, N), idx (B, P))[b] = sum_p table[p, idx[b, p]]: made by graph/fuse.py from
+# take -> reshape -> matmul (not a public tensor function; gradient-checked like one).
+op("take_sum", infer=_take_sum_rule, ref=_take_sum_ref, lower=_take_sum_lower("k_take_sum"),
+   vjp=lambda g, x, o, a: [T.emit("take_sum_grad", (g[0], x[1]), rows=x[0].shape[1]), None],
+   cases=[Case((F(3, 5, 4), ("i", (6, 3), 5))), Case((F(1, 2, 3), ("i", (4, 1), 2)))])
+op("take_sum_grad", infer=lambda t, a, fd: [((t[1][0][1], a["rows"], t[0][0][1]), fd)], ref=_take_sum_grad_ref,
+   internal=True, lower=_take_sum_lower("k_take_sum_grad"),
+   cases=[Case((F(6, 4), ("i", (6, 3), 5)), {"rows": 5})])
+
+
 # ----------------------------------------------------------------------------- softmax family
 def _rows(v):
     return v.size // v.shape[-1], v.shape[-1]

@@ -621,3 +621,44 @@ def k_scatter_add_rows(a, ia, r):
         dst = a[odt + j * C:odt + j * C + C]
         for c in range(C):
             dst[c] += src[c]
+
+
+@njit(**FM)
+def k_take_sum(a, ia, r):
+    """out[b, :] = sum_p table[p, idx[b, p], :]: a gather from P stacked tables summed over p (the folded
+    embedding -> concat -> matmul of graph/fuse.py).
+
+    r = [op, otable, oidx, oout, B, P, V, N]    table: (P, V, N); idx: int32 (B, P); out: (B, N)
+    """
+    ot = r[1]; oidx = r[2]; oout = r[3]; B = r[4]; P = r[5]; V = r[6]; N = r[7]
+    for b in range(B):
+        dst = a[oout + b * N:oout + b * N + N]
+        j = ia[oidx + b * P]
+        src = a[ot + j * N:ot + j * N + N]
+        for c in range(N):
+            dst[c] = src[c]
+        for p in range(1, P):
+            j = ia[oidx + b * P + p]
+            src = a[ot + (p * V + j) * N:ot + (p * V + j) * N + N]
+            for c in range(N):
+                dst[c] += src[c]
+
+
+@njit(**FM)
+def k_take_sum_grad(a, ia, r):
+    """dtable = 0; dtable[p, idx[b, p], :] += g[b, :]  (the backward of k_take_sum).
+
+    r = [op, og, oidx, odtable, B, P, V, N]    g: (B, N); idx: int32 (B, P); dtable: (P, V, N)
+    """
+    og = r[1]; oidx = r[2]; odt = r[3]; B = r[4]; P = r[5]; V = r[6]; N = r[7]
+    zero = cvt(a, 0.0)
+    dt = a[odt:odt + P * V * N]
+    for k in range(P * V * N):
+        dt[k] = zero
+    for b in range(B):
+        src = a[og + b * N:og + b * N + N]
+        for p in range(P):
+            j = ia[oidx + b * P + p]
+            dst = a[odt + (p * V + j) * N:odt + (p * V + j) * N + N]
+            for c in range(N):
+                dst[c] += src[c]
