@@ -446,6 +446,10 @@ def _matmul_vjp(g, x, o, a):
     mm = lambda p, q, t1, t2: T.emit("matmul", (p, q), ta=bool(t1), tb=bool(t2))  # noqa: E731
     if ta:
         dA = mm(B, g, 0, 1) if not tb else mm(B, g, 1, 1)
+    elif A.ndim == 2 and B.ndim > 2 and not tb:
+        # A broadcast over B's batch (the embedding fold's table @ W-blocks): dA = (sum_i B_i @ g_i^T)^T. The
+        # GEMMs written this way round ran 1.28x faster than g_i @ B_i^T (E5: 1.11 vs 1.42 ms, OpenBLAS 0.3.30).
+        dA = T.transpose(T.sum(mm(B, g, 0, 1), axis=tuple(range(B.ndim - 2))))
     else:
         dA = mm(g, B, 0, not tb)
     if A.ndim > 2 and B.ndim == 2 and not ta:   # dW of x @ W: fold the batch into one GEMM
