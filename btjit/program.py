@@ -14,7 +14,7 @@ import numpy as np
 
 from .graph import autodiff, fuse, trace as T
 from .graph.ir import Graph, np_dtype, verify
-from .graph.lower import KERNELS, Executor, Lowering, lower_eqns
+from .graph.lower import Executor, Lowering, lower_eqns
 from .graph.memory import plan as make_plan, storage_roots
 from .graph.ops import TABLE
 from .optim import HYPER, update_rows
@@ -22,10 +22,11 @@ from .optim import HYPER, update_rows
 _EXECUTORS: dict = {}
 
 
-def executor(float_dtype, parallel=False) -> Executor:
-    if (float_dtype, parallel) not in _EXECUTORS:
-        _EXECUTORS[float_dtype, parallel] = Executor(float_dtype, parallel)
-    return _EXECUTORS[float_dtype, parallel]
+def executor(float_dtype, kernels: tuple) -> Executor:
+    """The executor for this float dtype and kernel set (sorted opcodes), shared by the programs using it."""
+    if (float_dtype, kernels) not in _EXECUTORS:
+        _EXECUTORS[float_dtype, kernels] = Executor(float_dtype, kernels)
+    return _EXECUTORS[float_dtype, kernels]
 
 
 def _arg_names(fn, n):
@@ -172,8 +173,7 @@ class Program:
             self.a[self._hyper[k]] = v
         self.trace_seconds = trace_seconds
         self.plan_seconds = time.perf_counter() - t0
-        parallel = any(KERNELS[int(op)][1].endswith("_par") for op in np.unique(self.tape[:, 0]))
-        self.executor = executor(graph.float_dtype, parallel)
+        self.executor = executor(graph.float_dtype, tuple(int(k) for k in np.unique(self.tape[:, 0])))
         self.compile_seconds = self.executor.seconds
         self._run = self.executor.fn
         self._out = self.outputs["out"]

@@ -50,6 +50,14 @@ def _expected():
     return float(t.sum()), x.T @ (1 - t * t)
 
 
+def _child_kernels():
+    """The kernel set of CHILD's program, which names its executor file."""
+    import btjit
+    p = {"w": np.zeros((2, 3))}
+    prog = btjit.trace(lambda p, x: btjit.sum(btjit.tanh(x @ p["w"])), p, np.ones((4, 2)), dtype="float64", grad=True)
+    return prog.executor.kernels
+
+
 def _spawn(cache_dir, go):
     env = dict(os.environ, BTJIT_CACHE_DIR=str(cache_dir),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -82,7 +90,8 @@ def _plant_stale_executor(cache_dir):
     """Write a wrong executor under the current cache name and compile it into the cache (its index entry is
     for the very signature btjit calls), as an older btjit or a hand edit would have left it."""
     from btjit.graph import lower
-    key, src = lower.source_key(), lower._source()
+    kernels = _child_kernels()
+    key, src = lower.source_key(kernels), lower._source(kernels)
     run_line = src.splitlines().index("def run(a, ia, tape, start, stop):") + 1
     stale = STALE_EXECUTOR.format(pad="\n" * (run_line - 4))
     assert stale.splitlines().index("def run(a, ia, tape, start, stop):") + 1 == run_line
@@ -109,7 +118,7 @@ def test_concurrent_compile_gives_right_results_then_a_third_process_hits(tmp_pa
     if start == "stale":
         path, stale = _plant_stale_executor(tmp_path)
     else:
-        path, stale = tmp_path / f"btjit_exec_{lower.source_key()}.py", None
+        path, stale = tmp_path / f"btjit_exec_{lower.source_key(_child_kernels())}.py", None
     want_v, want_g = _expected()
     go = tmp_path / "go"
     a, b = _spawn(tmp_path, go), _spawn(tmp_path, go)       # both imported and waiting
@@ -130,19 +139,21 @@ def test_every_writer_gives_the_executor_file_the_same_numba_stamp(tmp_path, mon
     """The race above, made deterministic: however many processes (re)write the executor .py, the file ends up
     with the same (mtime, size) -- numba's cache-index stamp -- so an index saved by any of them is valid."""
     from btjit.graph import lower
-    name = f"btjit_exec_{lower.source_key()}"
+    kernels = _child_kernels()
+    name = f"btjit_exec_{lower.source_key(kernels)}"
     monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(lower.Executor, "_modules", {})
     monkeypatch.delitem(sys.modules, name, raising=False)         # restored afterwards
     ex = object.__new__(lower.Executor)
+    ex.kernels = kernels
     first = ex._module().path
     st1 = os.stat(first)
     time.sleep(0.02)
-    first.write_text("# stale\n" + lower._source()[8:])          # same size, different content, new mtime
+    first.write_text("# stale\n" + lower._source(kernels)[8:])          # same size, different content, new mtime
     lower.Executor._modules.clear()
     second = ex._module().path
     st2 = os.stat(second)
-    assert second == first and second.read_text() == lower._source()
+    assert second == first and second.read_text() == lower._source(kernels)
     assert (st2.st_mtime_ns, st2.st_size) == (st1.st_mtime_ns, st1.st_size)
 
 
