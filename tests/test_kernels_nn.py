@@ -113,24 +113,26 @@ MM_SHAPES = [(8, 72, 24), (5, 7, 13), (1, 65, 24), (33, 17, 96)]
 @pytest.mark.parametrize("ta,tb", [(0, 0), (0, 1), (1, 0), (1, 1)])
 @pytest.mark.parametrize("beta", [0, 1])
 @pytest.mark.parametrize("M,N,Kd", MM_SHAPES)
-def test_matmul(dt, ta, tb, beta, M, N, Kd):
+@pytest.mark.parametrize("nparts", [1, 2, 3])
+def test_matmul(dt, ta, tb, beta, M, N, Kd, nparts):
     rng = np.random.default_rng(M * 100 + N + 7 * Kd)
     A, B, C0 = rnd(rng, (M, Kd), dt), rnd(rng, (Kd, N), dt), rnd(rng, (M, N), dt)
     ar = Arena(dt)
     oc, oA = ar.put("const", np.array([1.0, 0.0])), ar.put("A", A.T if ta else A)
     oB, oC = ar.put("B", B.T if tb else B), ar.put("C", C0)
     a = ar.build()
-    ia = np.full(16, -5, np.int32)
-    k_matmul(a, ia, row(oA, oB, oC, 1, M, N, Kd, 0, 0, 0, ta, tb, beta, 4, oc, 0))
+    ia = np.full(32, -5, np.int32)
+    k_matmul(a, ia, row(oA, oB, oC, 1, M, N, Kd, 0, 0, 0, ta, tb, beta, 4, oc, 0, nparts))
     check(ar.get("C", (M, N)), A @ B + (C0 if beta else 0), dt)
     ar.only_wrote("C")
-    assert np.all(ia[:4] == -5) and np.all(ia[12:] == -5)
+    assert np.all(ia[:4] == -5) and np.all(ia[4 + 8 * nparts:] == -5)     # 8 BLAS slots per block
 
 
 @pytest.mark.parametrize("dt", DTS)
 @pytest.mark.parametrize("bcast", ["A", "B", "none"])
 @pytest.mark.parametrize("ta,tb,beta", [(0, 0, 0), (1, 0, 1), (0, 1, 1), (1, 1, 0)])
-def test_matmul_batched(dt, bcast, ta, tb, beta):
+@pytest.mark.parametrize("nparts", [1, 2])
+def test_matmul_batched(dt, bcast, ta, tb, beta, nparts):
     rng = np.random.default_rng(3)
     nb, M, N, Kd = 3, 8, 4, 6
     A = rnd(rng, (nb, M, Kd), dt)
@@ -146,17 +148,18 @@ def test_matmul_batched(dt, bcast, ta, tb, beta):
     oB = ar.put("B", Bs[0] if bcast == "B" else Bs)
     oC = ar.put("C", C0)
     a = ar.build()
-    ia = np.zeros(8, np.int32)
+    ia = np.zeros(16, np.int32)
     sA = 0 if bcast == "A" else M * Kd
     sB = 0 if bcast == "B" else Kd * N
-    k_matmul(a, ia, row(oA, oB, oC, nb, M, N, Kd, sA, sB, M * N, ta, tb, beta, 0, oc, 0))
+    k_matmul(a, ia, row(oA, oB, oC, nb, M, N, Kd, sA, sB, M * N, ta, tb, beta, 0, oc, 0, nparts))
     check(ar.get("C", (nb, M, N)), A @ B + (C0 if beta else 0), dt)
     ar.only_wrote("C")
 
 
 @pytest.mark.parametrize("dt", DTS)
 @pytest.mark.parametrize("nb", [1, 2])
-def test_matmul_with_fused_bias(dt, nb):
+@pytest.mark.parametrize("nparts", [1, 2])
+def test_matmul_with_fused_bias(dt, nb, nparts):
     rng = np.random.default_rng(4)
     M, N, Kd = 5, 7, 3
     A, B, bias = rnd(rng, (nb, M, Kd), dt), rnd(rng, (Kd, N), dt), rnd(rng, (N,), dt)
@@ -165,7 +168,8 @@ def test_matmul_with_fused_bias(dt, nb):
     oA, oB, obias = ar.put("A", A), ar.put("B", B), ar.put("bias", bias)
     oC = ar.put("C", rnd(rng, (nb, M, N), dt))          # garbage: the bias pre-fill overwrites it
     a = ar.build()
-    k_matmul(a, np.zeros(8, np.int32), row(oA, oB, oC, nb, M, N, Kd, M * Kd, 0, M * N, 0, 0, 0, 0, oc, obias))
+    k_matmul(a, np.zeros(16, np.int32), row(oA, oB, oC, nb, M, N, Kd, M * Kd, 0, M * N, 0, 0, 0, 0, oc, obias,
+                                             nparts))
     check(ar.get("C", (nb, M, N)), A @ B + bias, dt)
     ar.only_wrote("C")
 
