@@ -255,7 +255,15 @@ BL_MIN_B = 16    # from this batch up the sequence-vectorized kernels win (measu
 # so P's layout in this mode is private to the pair k_attn_fwd_bl / k_attn_bwd_bl. Blocks: nb of them,
 # Lb = ceil(B / nb) sequences each (the last may be shorter); the _par variants run one block per thread.
 @njit(**FM)
-def _attn_bl_fwd_block(a, oqkv, oy, oP, oW, B, b0, L, T, C, NH, scale):
+def _attn_bl_fwd_block(a, r, i):
+    """Block i of a k_attn_fwd_bl(_par) row: sequences b0 .. b0+L-1."""
+    oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
+    scale = a[r[9]]
+    Lb = (B + r[10] - 1) // r[10]
+    b0 = i * Lb
+    L = min(Lb, B - b0)
+    if L <= 0:
+        return
     hs = C // NH
     C3 = 3 * C
     zero = cvt(a, 0.0)
@@ -328,7 +336,15 @@ def _attn_bl_fwd_block(a, oqkv, oy, oP, oW, B, b0, L, T, C, NH, scale):
 
 
 @njit(**FM)
-def _attn_bl_bwd_block(a, oP, oW, ody, odqkv, oS, B, b0, L, T, C, NH, scale):
+def _attn_bl_bwd_block(a, r, i):
+    """Block i of a k_attn_bwd_bl(_par) row: sequences b0 .. b0+L-1."""
+    oP = r[1]; oW = r[2]; ody = r[3]; odqkv = r[4]; oS = r[5]; B = r[6]; T = r[7]; C = r[8]; NH = r[9]
+    scale = a[r[10]]
+    Lb = (B + r[11] - 1) // r[11]
+    b0 = i * Lb
+    L = min(Lb, B - b0)
+    if L <= 0:
+        return
     hs = C // NH
     C3 = 3 * C
     zero = cvt(a, 0.0)
@@ -407,54 +423,33 @@ def _attn_bl_bwd_block(a, oP, oW, ody, odqkv, oS, B, b0, L, T, C, NH, scale):
 
 
 @njit(**FM)
-def _bl_blocks(B, nb):
-    return (B + nb - 1) // nb
-
-
-@njit(**FM)
 def k_attn_fwd_bl(a, ia, r):
     """Causal self-attention forward vectorized across sequences (layouts above the helpers).
     r = [op, oqkv, oy, oP, oW, B, T, C, NH, oscale, nb]; W: attn_scratch_size(B, T, C) floats."""
-    B = r[5]; nb = r[10]
-    Lb = _bl_blocks(B, nb)
-    for i in range(nb):
-        b0 = i * Lb
-        if b0 < B:
-            _attn_bl_fwd_block(a, r[1], r[2], r[3], r[4], B, b0, min(Lb, B - b0), r[6], r[7], r[8], a[r[9]])
+    for i in range(r[10]):
+        _attn_bl_fwd_block(a, r, i)
 
 
 @njit(**FM_PAR)
 def k_attn_fwd_bl_par(a, ia, r):
     """k_attn_fwd_bl with one block per thread-pool task (same row)."""
-    B = r[5]; nb = r[10]
-    Lb = _bl_blocks(B, nb)
-    for i in prange(nb):
-        b0 = i * Lb
-        if b0 < B:
-            _attn_bl_fwd_block(a, r[1], r[2], r[3], r[4], B, b0, min(Lb, B - b0), r[6], r[7], r[8], a[r[9]])
+    for i in prange(r[10]):
+        _attn_bl_fwd_block(a, r, i)
 
 
 @njit(**FM)
 def k_attn_bwd_bl(a, ia, r):
     """Backward of k_attn_fwd_bl from its saved X (in W) and PL (in P); writes dqkv (overwrite).
     r = [op, oP, oW, ody, odqkv, oS, B, T, C, NH, oscale, nb]; S: attn_bwd_scratch_size(B, T, C) floats."""
-    B = r[6]; nb = r[11]
-    Lb = _bl_blocks(B, nb)
-    for i in range(nb):
-        b0 = i * Lb
-        if b0 < B:
-            _attn_bl_bwd_block(a, r[1], r[2], r[3], r[4], r[5], B, b0, min(Lb, B - b0), r[7], r[8], r[9], a[r[10]])
+    for i in range(r[11]):
+        _attn_bl_bwd_block(a, r, i)
 
 
 @njit(**FM_PAR)
 def k_attn_bwd_bl_par(a, ia, r):
     """k_attn_bwd_bl with one block per thread-pool task (same row)."""
-    B = r[6]; nb = r[11]
-    Lb = _bl_blocks(B, nb)
-    for i in prange(nb):
-        b0 = i * Lb
-        if b0 < B:
-            _attn_bl_bwd_block(a, r[1], r[2], r[3], r[4], r[5], B, b0, min(Lb, B - b0), r[7], r[8], r[9], a[r[10]])
+    for i in prange(r[11]):
+        _attn_bl_bwd_block(a, r, i)
 
 
 def attn_blocks(B, threads):
