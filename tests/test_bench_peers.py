@@ -126,6 +126,20 @@ def test_torch_and_jax_agree(small_text):
     assert np.allclose(lt, lj, atol=1e-4) and lj[0] == pytest.approx(loss0, abs=1e-5), (lt, lj)
 
 
+def test_torch_per_head_peer_is_the_same_model(small_text):
+    """torch.perhead (one q/k/v projection per head) computes the fused peer's function: same loss and, after
+    3 SGD steps, the same params (its per-head weights joined back into attn.qkv.w)."""
+    fused = peer("torch").make("E6b64", text=small_text)
+    perhead = peer("torch").make("E6b64", text=small_text, perhead=True)
+    assert perhead.check()["loss"] == pytest.approx(fused.check()["loss"], abs=1e-6)
+    for _ in range(3):
+        assert perhead.step() == pytest.approx(fused.step(), abs=1e-5)
+    pf, pp = fused.params(), perhead.params()
+    assert set(pf) == set(pp)
+    for k in pf:
+        np.testing.assert_allclose(pp[k], pf[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
 # ---- harness
 ROW_KEYS = {"workload", "impl", "status", "time_s", "times_s", "iters", "reps", "threads", "peak_rss_mb",
             "compile_s", "setup_s", "first_step_s", "data", "check", "check_ok", "note", "version"}

@@ -151,7 +151,7 @@ class TrainRunner(Runner):
         self.x, self.y = torch.from_numpy(x).long(), torch.from_numpy(y).long()
         self.loss_fn = mlp_loss if w.kind == "mlp" else gpt_loss_perhead if self.perhead else gpt_loss
         self.opt = torch.optim.SGD(list(self.P.values()), lr=w.settings["lr"])
-        self.note = ("eager, per-head modules (the paper's style)" if self.perhead else
+        self.note = ("eager, q/k/v projections per head (Karpathy-style)" if self.perhead else
                      "eager, SDPA attention" if w.kind == "gpt" else "eager")
         if compile:
             t0 = time.perf_counter()
