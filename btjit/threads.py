@@ -52,12 +52,10 @@ def set_blas_threads(n: int, scipy_only: bool = True) -> list[int]:
 def set_num_threads(n: int = 0) -> int:
     """Use n threads (0 = all cores) for programs traced from now on; returns n used. The parallelism is all
     numba's thread pool: large GEMMs are split into one single-threaded BLAS call per thread, and OpenBLAS
-    itself stays at 1 thread (its spinning threads beside numba's pool cost 30x on 2 cores, measured). With
-    n > 1 that includes numpy's own OpenBLAS, which btjit never calls: its idle threads alone made 2-thread
-    E6 steps 2.5x slower (2.0 -> 5.0 ms, measured)."""
+    itself stays at 1 thread (its spinning threads beside numba's pool cost 30x on 2 cores, measured)."""
     import numba
     n = n or os.cpu_count() or 1
     n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(n)
-    set_blas_threads(1, scipy_only=n == 1)
+    set_blas_threads(1)
     return n
