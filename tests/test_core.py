@@ -310,3 +310,27 @@ def test_two_thread_gpt_step_matches_one_thread():
     assert par.value_and_grad(x, y) == pytest.approx(serial.value_and_grad(x, y), rel=1e-12)
     for k in params:
         np.testing.assert_allclose(par.grads[k], serial.grads[k], rtol=1e-10, atol=1e-13, err_msg=k)
+
+
+def test_two_thread_folded_mlp_matches_one_thread():
+    """The embedding fold's batched, broadcast GEMMs split over threads (and in halves on one thread,
+    split_gemm) give the gradients of the serial program."""
+    from btjit.graph.lower import OPCODE
+    from btjit.models import mlp
+    cfg = mlp.MLPConfig(vocab_size=11, context=8, n_emb=16, n_hidden=1024)
+    params = {k: v.astype(np.float64) for k, v in mlp.init_params(cfg, 0).items()}
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 11, (48, 8)).astype(np.int32)
+    y = rng.integers(0, 11, 48).astype(np.int32)
+    serial = btjit.trace(mlp.loss_fn(cfg), params, x, y, dtype="float64", grad=True)
+    btjit.set_num_threads(2)
+    try:
+        par = btjit.trace(mlp.loss_fn(cfg), params, x, y, dtype="float64", grad=True)
+    finally:
+        btjit.set_num_threads(1)
+    assert "take_sum" in [e.op for e in par.graph.eqns]
+    assert OPCODE["k_matmul_par"] in {int(r[0]) for r in par.tape}
+    assert any(int(r[0]) == OPCODE["k_matmul"] and r[17] == 2 for r in serial.tape)   # a split GEMM
+    assert par.value_and_grad(x, y) == pytest.approx(serial.value_and_grad(x, y), rel=1e-12)
+    for k in params:
+        np.testing.assert_allclose(par.grads[k], serial.grads[k], rtol=1e-10, atol=1e-13, err_msg=k)
