@@ -266,6 +266,17 @@ def test_skip_nonfinite_leaves_params_and_state_untouched():
     assert not prog.last_step_skipped and prog.step_count == 2
 
 
+def _serial_and_two_thread(loss, params, *batch):
+    """The same float64 gradient program traced with 1 thread and with 2 (the parallel kernels)."""
+    serial = btjit.trace(loss, params, *batch, dtype="float64", grad=True)
+    btjit.set_num_threads(2)
+    try:
+        par = btjit.trace(loss, params, *batch, dtype="float64", grad=True)
+    finally:
+        btjit.set_num_threads(1)
+    return serial, par
+
+
 @pytest.mark.parametrize("B", [17, 67])
 def test_two_thread_attention_kernels_match_the_serial_ones(B):
     from btjit.graph.ops import TABLE as OPS
@@ -275,12 +286,7 @@ def test_two_thread_attention_kernels_match_the_serial_ones(B):
 
     def f(p):
         return btjit.sum(btjit.causal_attention(p["qkv"], 2) * w)
-    serial = btjit.trace(f, {"qkv": qkv}, dtype="float64", grad=True)
-    btjit.set_num_threads(2)
-    try:
-        par = btjit.trace(f, {"qkv": qkv}, dtype="float64", grad=True)
-    finally:
-        btjit.set_num_threads(1)
+    serial, par = _serial_and_two_thread(f, {"qkv": qkv})
     assert any(lbl.startswith("causal_attention") for lbl in par.row_labels)
     kernels = {int(r[0]) for r in par.tape}
     from btjit.graph.lower import OPCODE
@@ -300,12 +306,7 @@ def test_two_thread_gpt_step_matches_one_thread():
     rng = np.random.default_rng(0)
     x = rng.integers(0, 11, (32, 8)).astype(np.int32)
     y = rng.integers(0, 11, (32, 8)).astype(np.int32)
-    serial = btjit.trace(gpt.loss_fn(cfg), params, x, y, dtype="float64", grad=True)
-    btjit.set_num_threads(2)
-    try:
-        par = btjit.trace(gpt.loss_fn(cfg), params, x, y, dtype="float64", grad=True)
-    finally:
-        btjit.set_num_threads(1)
+    serial, par = _serial_and_two_thread(gpt.loss_fn(cfg), params, x, y)
     assert OPCODE["k_matmul_par"] in {int(r[0]) for r in par.tape}
     assert par.value_and_grad(x, y) == pytest.approx(serial.value_and_grad(x, y), rel=1e-12)
     for k in params:
@@ -322,12 +323,7 @@ def test_two_thread_folded_mlp_matches_one_thread():
     rng = np.random.default_rng(0)
     x = rng.integers(0, 11, (48, 8)).astype(np.int32)
     y = rng.integers(0, 11, 48).astype(np.int32)
-    serial = btjit.trace(mlp.loss_fn(cfg), params, x, y, dtype="float64", grad=True)
-    btjit.set_num_threads(2)
-    try:
-        par = btjit.trace(mlp.loss_fn(cfg), params, x, y, dtype="float64", grad=True)
-    finally:
-        btjit.set_num_threads(1)
+    serial, par = _serial_and_two_thread(mlp.loss_fn(cfg), params, x, y)
     assert "take_sum" in [e.op for e in par.graph.eqns]
     assert OPCODE["k_matmul_par"] in {int(r[0]) for r in par.tape}
     assert any(int(r[0]) == OPCODE["k_matmul"] and r[17] == 2 for r in serial.tape)   # a split GEMM
