@@ -22,11 +22,13 @@ from .optim import HYPER, update_rows
 _EXECUTORS: dict = {}
 
 
-def executor(float_dtype, kernels: tuple) -> Executor:
-    """The executor for this float dtype and kernel set (sorted opcodes), shared by the programs using it."""
-    if (float_dtype, kernels) not in _EXECUTORS:
-        _EXECUTORS[float_dtype, kernels] = Executor(float_dtype, kernels)
-    return _EXECUTORS[float_dtype, kernels]
+def executor(float_dtype, kernels: tuple, attn_shapes: tuple = ()) -> Executor:
+    """The executor for this float dtype, kernel set (sorted opcodes) and generated attention shapes, shared
+    by the programs using it."""
+    key = (float_dtype, kernels, attn_shapes)
+    if key not in _EXECUTORS:
+        _EXECUTORS[key] = Executor(float_dtype, kernels, attn_shapes)
+    return _EXECUTORS[key]
 
 
 def _arg_names(fn, n):
@@ -173,7 +175,8 @@ class Program:
             self.a[self._hyper[k]] = v
         self.trace_seconds = trace_seconds
         self.plan_seconds = time.perf_counter() - t0
-        self.executor = executor(graph.float_dtype, tuple(int(k) for k in np.unique(self.tape[:, 0])))
+        self.executor = executor(graph.float_dtype, tuple(int(k) for k in np.unique(self.tape[:, 0])),
+                                 tuple(sorted(L.attn_shapes)))
         self.compile_seconds = self.executor.seconds
         self._run = self.executor.fn
         self._out = self.outputs["out"]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from btjit.kernels import attn_lanes
 from btjit.kernels import elementwise as EW
 from btjit.kernels.common import MAX_THREADS
 from btjit.kernels.nn import BL_MIN_B, attn_blocks, attn_bwd_scratch_size, attn_scratch_size
@@ -710,6 +711,8 @@ def _attn_lower(e, L):
     threads = numba.get_num_threads()
     par = "_par" if threads > 1 else ""
     nb = attn_blocks(B, threads)
+    if attn_lanes.eligible(T_, C // nh):
+        L.attn_shapes.add((T_, C // nh))
     if grad:
         (_, P, W, gy), (dqkv, S) = e.ins, e.outs
         return [L.row("k_attn_bwd_bl" + par, L.off(P), L.off(W), L.off(gy), L.off(dqkv), L.off(S),

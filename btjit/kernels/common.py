@@ -109,6 +109,25 @@ def _ov_ftanh(x):
         return _tanh64
 
 
+# ---------------------------------------------------------------- stack buffers
+@intrinsic
+def stack_buf(typingctx, arr, n):
+    """Pointer to a fresh n-element stack buffer (n a literal int) of arr's dtype, for numba.carray. LLVM
+    knows an alloca aliases no argument, so loops that load from the arena and store only here vectorize
+    without runtime alias checks. Keep ONE such buffer per function: with two, LLVM checks them against
+    each other and can give up."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    size = n.literal_value
+
+    def impl(context, builder, sig, args):
+        ety = context.get_data_type(sig.args[0].dtype)
+        with builder.goto_entry_block():
+            buf = builder.alloca(ir.ArrayType(ety, size))
+        return builder.bitcast(buf, ety.as_pointer())
+    return types.CPointer(arr.dtype)(arr, n), impl
+
+
 # ---------------------------------------------------------------- direct BLAS gemm
 # The BLAS entry points are bound as named external symbols (llvmlite.add_symbol), not ctypes pointers:
 # a ctypes pointer is a "dynamic global" that stops numba from caching every caller on disk, and a

@@ -255,29 +255,43 @@ BL_MIN_B = 16    # from this batch up the sequence-vectorized kernels win (measu
 # so P's layout in this mode is private to the pair k_attn_fwd_bl / k_attn_bwd_bl. Blocks: nb of them,
 # Lb = ceil(B / nb) sequences each (the last may be shorter); the _par variants run one block per thread.
 @njit(**FM)
+def bl_span(B, nb, i):
+    """First sequence and lane count of block i of nb (Lb = ceil(B / nb) each; the last may be shorter)."""
+    Lb = (B + nb - 1) // nb
+    b0 = i * Lb
+    return b0, min(Lb, B - b0)
+
+
+@njit(**FM)
+def bl_in(a, osrc, odst, b0, L, n):
+    """Rows b0 .. b0+L-1 of the (B, n) matrix at osrc, transposed to (n, L) at odst + b0*n (lanes inner: 2x
+    faster than rows inner)."""
+    src = a[osrc + b0 * n:osrc + (b0 + L) * n].reshape(L, n)
+    X = a[odst + b0 * n:odst + (b0 + L) * n].reshape(n, L)
+    for j in range(n):
+        xr = X[j]
+        for l in range(L):
+            xr[l] = src[l, j]
+
+
+@njit(**FM)
 def _attn_bl_fwd_block(a, r, i):
     """Block i of a k_attn_fwd_bl(_par) row: sequences b0 .. b0+L-1."""
     oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
     scale = a[r[9]]
-    Lb = (B + r[10] - 1) // r[10]
-    b0 = i * Lb
-    L = min(Lb, B - b0)
+    b0, L = bl_span(B, r[10], i)
     if L <= 0:
         return
     hs = C // NH
     C3 = 3 * C
     zero = cvt(a, 0.0)
     one = cvt(a, 1.0)
-    src = a[oqkv + b0 * T * C3:oqkv + (b0 + L) * T * C3].reshape(L, T * C3)
+    bl_in(a, oqkv, oW, b0, L, T * C3)
     X = a[oW + b0 * T * C3:oW + (b0 + L) * T * C3].reshape(T * C3, L)
     PL = a[oP + b0 * NH * T * T:oP + (b0 + L) * NH * T * T].reshape(NH * T * T, L)
     Y = a[oy + b0 * T * C:oy + (b0 + L) * T * C].reshape(L, T * C)
     mx = a[oW + B * T * C3 + 2 * b0:oW + B * T * C3 + 2 * b0 + L]
     acc = a[oW + B * T * C3 + 2 * b0 + L:oW + B * T * C3 + 2 * b0 + 2 * L]
-    for j in range(T * C3):                 # transpose in (lanes inner: 2x faster than rows inner)
-        xr = X[j]
-        for l in range(L):
-            xr[l] = src[l, j]
     for h in range(NH):
         qo = h * hs
         ko = C + qo
@@ -340,9 +354,7 @@ def _attn_bl_bwd_block(a, r, i):
     """Block i of a k_attn_bwd_bl(_par) row: sequences b0 .. b0+L-1."""
     oP = r[1]; oW = r[2]; ody = r[3]; odqkv = r[4]; oS = r[5]; B = r[6]; T = r[7]; C = r[8]; NH = r[9]
     scale = a[r[10]]
-    Lb = (B + r[11] - 1) // r[11]
-    b0 = i * Lb
-    L = min(Lb, B - b0)
+    b0, L = bl_span(B, r[11], i)
     if L <= 0:
         return
     hs = C // NH
@@ -350,7 +362,6 @@ def _attn_bl_bwd_block(a, r, i):
     zero = cvt(a, 0.0)
     X = a[oW + b0 * T * C3:oW + (b0 + L) * T * C3].reshape(T * C3, L)
     PL = a[oP + b0 * NH * T * T:oP + (b0 + L) * NH * T * T].reshape(NH * T * T, L)
-    dy = a[ody + b0 * T * C:ody + (b0 + L) * T * C].reshape(L, T * C)
     dst = a[odqkv + b0 * T * C3:odqkv + (b0 + L) * T * C3].reshape(L, T * C3)
     G = a[oS + b0 * T * C:oS + (b0 + L) * T * C].reshape(T * C, L)
     o2 = oS + B * T * C
@@ -358,10 +369,7 @@ def _attn_bl_bwd_block(a, r, i):
     o3 = o2 + B * T * C3
     DP = a[o3 + b0 * (T + 1):o3 + (b0 + L) * (T + 1)].reshape(T + 1, L)
     dot = DP[T]
-    for j in range(T * C):                  # dy transposed in
-        gr = G[j]
-        for l in range(L):
-            gr[l] = dy[l, j]
+    bl_in(a, ody, oS, b0, L, T * C)         # dy transposed in
     for j in range(T * C3):
         dr = D[j]
         for l in range(L):
