@@ -313,19 +313,18 @@ def test_attention_sequence_vectorized_pair(dt, B, T, C, NH, nb):
     check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
 
 
-@pytest.mark.parametrize("dt", DTS)
-@pytest.mark.parametrize("B,T,C,NH,nb", [(16, 8, 24, 6, 1), (67, 8, 24, 6, 2), (17, 8, 24, 6, 3), (20, 5, 6, 3, 1),
-                                         (40, 3, 4, 2, 2), (33, 1, 4, 1, 1)])
+@pytest.mark.parametrize("B,T,C,NH,nb", [(16, 8, 24, 6, 1), (67, 8, 24, 6, 2), (64, 8, 24, 6, 2), (20, 5, 6, 3, 1),
+                                         (40, 3, 4, 2, 2), (33, 1, 4, 1, 1), (16, 2, 40, 4, 1)])
 @pytest.mark.parametrize("par", ["", "_par"])
-def test_attention_generated_lanes(dt, B, T, C, NH, nb, par):
-    """The straight-line kernels generated for (T, hs) (kernels/attn_lanes.py), as the executor file defines
-    them: against the references, writing only what the bl pair writes. Blocks of >= 16 lanes run the
-    generated code, the last chunk overlapping the one before it unless 16 divides the block; narrower
-    blocks (B=17 in 3) fall back to the loop kernels."""
+def test_attention_generated_lanes(B, T, C, NH, nb, par):
+    """The vector kernels generated for (T, hs) (kernels/attn_lanes.py), as the executor file defines them:
+    against the references, writing only what the bl pair writes (y, P, W; dqkv, S). Blocks of 16 lanes
+    exactly, of 34/33 (the last chunk overlapping the one before), and of 20 and 33 (one overlap each)."""
     from btjit.kernels import attn_lanes
-    assert attn_lanes.eligible(T, C // NH)
+    dt = np.float32
+    assert attn_lanes.eligible(T, C // NH, B, nb, "f32")
     ns = {}
-    exec(attn_lanes.executor_source([(T, C // NH)], ["k_attn_fwd_bl" + par, "k_attn_bwd_bl" + par]), ns)
+    exec(attn_lanes.executor_source([(T, C // NH)], ["k_attn_fwd_lanes" + par, "k_attn_bwd_lanes" + par]), ns)
     rng = np.random.default_rng(B * 100 + T)
     qkv, dy = rnd(rng, (B * T, 3 * C), dt, 1.5), rnd(rng, (B * T, C), dt)
     scale = float(dt(1.0 / np.sqrt(C // NH)))
@@ -337,24 +336,23 @@ def test_attention_generated_lanes(dt, B, T, C, NH, nb, par):
     oS = ar.put("S", size=K.attn_bwd_scratch_size(B, T, C))
     a = ar.build()
     ia = np.zeros(1, np.int32)
-    ns["k_attn_fwd_bl" + par](a, ia, row(oq, oy, oP, oW, B, T, C, NH, osc, nb))
+    ns["k_attn_fwd_lanes" + par](a, ia, row(oq, oy, oP, oW, B, T, C, NH, osc, nb))
     ar.only_wrote("y", "P", "W")
-    ns["k_attn_bwd_bl" + par](a, ia, row(oP, oW, ody, odq, oS, B, T, C, NH, osc, nb))
+    ns["k_attn_bwd_lanes" + par](a, ia, row(oP, oW, ody, odq, oS, B, T, C, NH, osc, nb))
     ar.only_wrote("y", "P", "W", "dqkv", "S")
     check(ar.get("y", (B * T, C)), attn_ref(qkv, B, T, C, NH, scale)[0], dt)
     check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
 
 
 def test_attention_generated_lanes_eligibility():
-    """The GPT's shape is served; shapes whose lane loops would touch too many addresses are not (they keep
-    the loop kernels), and the rule is monotone in T and hs."""
+    """Used for float32 when every lane block holds >= 16 sequences and the body is bounded; otherwise the
+    loop kernels run."""
     from btjit.kernels import attn_lanes
-    assert attn_lanes.eligible(8, 4) and attn_lanes.eligible(1, 1)
-    assert not attn_lanes.eligible(8, 8) and not attn_lanes.eligible(16, 4) and not attn_lanes.eligible(64, 1)
-    for T in range(1, 20):
-        for hs in range(1, 20):
-            if not attn_lanes.eligible(T, hs):
-                assert not attn_lanes.eligible(T + 1, hs) and not attn_lanes.eligible(T, hs + 1)
+    assert attn_lanes.eligible(8, 4, 64, 1, "f32") and attn_lanes.eligible(8, 4, 32, 2, "f32")
+    assert not attn_lanes.eligible(8, 4, 64, 1, "f64")
+    assert not attn_lanes.eligible(8, 4, 31, 2, "f32")        # blocks of 16 and 15
+    assert not attn_lanes.eligible(8, 4, 17, 3, "f32")
+    assert not attn_lanes.eligible(64, 4, 64, 1, "f32")       # 2080 score terms
 
 
 def test_attention_bwd_finite_diff():

@@ -29,7 +29,8 @@ from .ops import TABLE
 ROW = 32
 KERNEL_MODULES = (elementwise, reduce, linalg, nn, optim)
 KERNELS = [(m.__name__, n) for m in KERNEL_MODULES for n, f in sorted(vars(m).items())
-           if n.startswith("k_") and isinstance(f, numba.core.dispatcher.Dispatcher)]
+           if n.startswith("k_") and isinstance(f, numba.core.dispatcher.Dispatcher)] + \
+    [(attn_lanes.__name__, n) for n in attn_lanes.KERNEL_NAMES]      # defined in the executor file itself
 OPCODE = {n: i for i, (_, n) in enumerate(KERNELS)}
 
 

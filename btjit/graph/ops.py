@@ -711,14 +711,16 @@ def _attn_lower(e, L):
     threads = numba.get_num_threads()
     par = "_par" if threads > 1 else ""
     nb = attn_blocks(B, threads)
-    if attn_lanes.eligible(T_, C // nh):
+    kind = "bl"
+    if attn_lanes.eligible(T_, C // nh, B, nb, e.ins[0].dtype):
+        kind = "lanes"                      # same rows and layouts, generated per (T, hs): attn_lanes.py
         L.attn_shapes.add((T_, C // nh))
     if grad:
         (_, P, W, gy), (dqkv, S) = e.ins, e.outs
-        return [L.row("k_attn_bwd_bl" + par, L.off(P), L.off(W), L.off(gy), L.off(dqkv), L.off(S),
+        return [L.row(f"k_attn_bwd_{kind}{par}", L.off(P), L.off(W), L.off(gy), L.off(dqkv), L.off(S),
                       B, T_, C, nh, scale, nb)]
     (qkv,), (y, P, W) = e.ins, e.outs
-    return [L.row("k_attn_fwd_bl" + par, L.off(qkv), L.off(y), L.off(P), L.off(W), B, T_, C, nh, scale, nb)]
+    return [L.row(f"k_attn_fwd_{kind}{par}", L.off(qkv), L.off(y), L.off(P), L.off(W), B, T_, C, nh, scale, nb)]
 
 
 op("causal_attention", infer=_attn_rule, ref=_attn_ref, lower=_attn_lower,

@@ -1,200 +1,251 @@
-# Straight-line causal attention for one (T, hs), generated as source text for the executor file
-# (btjit/graph/lower.py). It computes what the "bl" pair of btjit/kernels/nn.py computes, in the same
-# layouts (qkv transposed into W, probabilities lane-major in P), but per chunk of LANES sequences and one
-# head the whole T x T problem is unrolled into one loop over the lanes: every score, exponential and
-# product stays in registers, and the loop loads only from the arena and stores only to one stack buffer,
-# so LLVM vectorizes it without alias checks. Measured per GPT layer at batch 64 (T=8, hs=4): forward
-# 44 -> 25 us, backward 57 -> 29 us.
+# Causal attention at batch >= 16 for one (T, hs), as explicit 16-lane vector code (float32 arenas). Same
+# layouts as the "bl" pair in btjit/kernels/nn.py (qkv transposed into W, probabilities lane-major in P),
+# but a chunk of LANES sequences x one head is ONE LLVM IR block built here with llvmlite: every q/k/v row
+# is loaded once as a <16 x float>, the whole T x T problem (scores, max, exp, sums, products, and in the
+# backward all of dq/dk/dv) runs in registers, and only P rows, y and dqkv are stored. Numba's front end
+# never sees the unrolled body (as numba source it took 6 s per kernel to compile), and LLVM needs no
+# vectorizer or alias checks.
 #
-# A block narrower than LANES goes to the loop kernels. The last chunk of a block starts at L - LANES and
-# may redo lanes of the chunk before it: every store is an overwrite, so that is harmless.
+# The executor file (btjit/graph/lower.py) gets, for each (T, hs) a program uses, the block functions below
+# (source text) and the kernels k_attn_fwd_lanes(_par) / k_attn_bwd_lanes(_par). ops.py picks them for a row
+# only when every lane block holds >= LANES sequences; the last chunk of a block then starts at L - LANES
+# and may redo lanes of the chunk before it, which is harmless: every store is an overwrite.
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
 LANES = 16
-MAX_POINTERS = 240   # distinct addresses one lane loop may touch; past ~250 LLVM stops tracking aliases
+KERNEL_NAMES = ("k_attn_bwd_lanes", "k_attn_bwd_lanes_par", "k_attn_fwd_lanes", "k_attn_fwd_lanes_par")
+_FLAGS = ("nsz", "arcp", "contract", "afn", "reassoc")   # numba's FM set: no nnan/ninf, NaNs propagate
+_F = ir.FloatType()
+_VF = ir.VectorType(_F, LANES)
+_VI = ir.VectorType(ir.IntType(32), LANES)
 
 
-def _sizes(T, hs):
-    NP = T * (T + 1) // 2          # causal (t, s) pairs
-    return NP, 3 * T * hs
+def eligible(T, hs, B, nb, float_dtype) -> bool:
+    """Whether rows of this attention use the generated kernels: float32, every one of the nb lane blocks at
+    least LANES wide, and a body of bounded size (the GPT's T=8, hs=4 is 144 score terms of 4)."""
+    Lb = -(-B // nb)
+    return (float_dtype == "f32" and min(Lb, B - (nb - 1) * Lb) >= LANES
+            and T * (T + 1) // 2 * hs <= 300)
 
 
-def eligible(T, hs) -> bool:
-    """Whether the generated kernels serve this shape: every lane loop stays under MAX_POINTERS addresses
-    (forward: q,k,v loads + p,y stores; backward pass 1: v,g,p loads + dv,ds stores; pass 2: q,k,ds loads +
-    dq,dk stores)."""
-    NP, NX = _sizes(T, hs)
-    return T >= 1 and max(NX + NP + T * hs, 2 * T * hs + 2 * NP + T * hs, 4 * T * hs + NP) <= MAX_POINTERS
+class _Vec:
+    """Emits <16 x float> arithmetic on one llvmlite builder."""
+
+    def __init__(self, context, builder, arr_type, arr):
+        self.b = builder
+        self.data = context.make_array(arr_type)(context, builder, arr).data
+        self.i64 = ir.IntType(64)
+
+    def const(self, x):
+        return ir.Constant(_VF, [float(x)] * LANES)
+
+    def off(self, base, *terms):
+        """base + sum(c * v) with Python-int c and i64 values v."""
+        o = base
+        for c, v in terms:
+            if c:
+                o = self.b.add(o, self.b.mul(ir.Constant(self.i64, c), v) if c != 1 else v)
+        return o
+
+    def load(self, off):
+        return self.b.load(self.b.bitcast(self.b.gep(self.data, [off]), _VF.as_pointer()), align=4)
+
+    def store(self, v, off):
+        self.b.store(v, self.b.bitcast(self.b.gep(self.data, [off]), _VF.as_pointer()), align=4)
+
+    def scatter(self, v, off, stride):
+        """Lane l of v to data[off + l * stride] (one llvm.masked.scatter)."""
+        b = self.b
+        vi = ir.VectorType(self.i64, LANES)
+        lanes = b.mul(ir.Constant(vi, list(range(LANES))), self._splat_i64(stride))
+        base = b.ptrtoint(b.gep(self.data, [off]), self.i64)
+        addrs = b.add(self._splat_i64(base), b.shl(lanes, ir.Constant(vi, [2] * LANES)))
+        pty = ir.VectorType(self.data.type, LANES)
+        ptrs = b.inttoptr(addrs, pty)
+        fn = cgutils.get_or_insert_function(
+            b.module, ir.FunctionType(ir.VoidType(), [_VF, pty, ir.IntType(32), ir.VectorType(ir.IntType(1), LANES)]),
+            "llvm.masked.scatter.v16f32.v16p0")
+        b.call(fn, [v, ptrs, ir.Constant(ir.IntType(32), 4), ir.Constant(ir.VectorType(ir.IntType(1), LANES), [1] * LANES)])
+
+    def _splat_i64(self, x):
+        vi = ir.VectorType(self.i64, LANES)
+        v = self.b.insert_element(ir.Constant(vi, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
+        return self.b.shuffle_vector(v, ir.Constant(vi, ir.Undefined), ir.Constant(_VI, [0] * LANES))
+
+    def splat(self, off):
+        x = self.b.load(self.b.gep(self.data, [off]))
+        v = self.b.insert_element(ir.Constant(_VF, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
+        return self.b.shuffle_vector(v, ir.Constant(_VF, ir.Undefined), ir.Constant(_VI, [0] * LANES))
+
+    def add(self, x, y):
+        return self.b.fadd(x, y, flags=_FLAGS)
+
+    def sub(self, x, y):
+        return self.b.fsub(x, y, flags=_FLAGS)
+
+    def mul(self, x, y):
+        return self.b.fmul(x, y, flags=_FLAGS)
+
+    def dot(self, xs, ys):
+        acc = self.mul(xs[0], ys[0])
+        for x, y in zip(xs[1:], ys[1:]):
+            acc = self.add(acc, self.mul(x, y))
+        return acc
+
+    def sum(self, xs):
+        acc = xs[0]
+        for x in xs[1:]:
+            acc = self.add(acc, x)
+        return acc
+
+    def max(self, x, y):
+        return self.b.select(self.b.fcmp_ordered(">", x, y), x, y)
+
+    def min(self, x, y):
+        return self.b.select(self.b.fcmp_ordered("<", x, y), x, y)
+
+    def exp(self, x):
+        """common._fexp32 (Cephes, max rel err ~1.2e-7), lane-wise."""
+        b = self.b
+        x = self.min(self.max(x, self.const(-87.0)), self.const(88.0))
+        floor = cgutils.get_or_insert_function(b.module, ir.FunctionType(_VF, [_VF]), "llvm.floor.v16f32")
+        fn = b.call(floor, [self.add(self.mul(x, self.const(1.4426950408889634)), self.const(0.5))])
+        r = self.add(self.sub(x, self.mul(fn, self.const(0.693359375))), self.mul(fn, self.const(2.12194440e-4)))
+        p = self.const(1.9875691500e-4)
+        for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+            p = self.add(self.mul(p, r), self.const(c))
+        p = self.add(self.add(self.mul(self.mul(p, r), r), r), self.const(1.0))
+        e = b.shl(b.add(b.fptosi(fn, _VI), ir.Constant(_VI, [127] * LANES)), ir.Constant(_VI, [23] * LANES))
+        return self.mul(p, b.bitcast(e, _VF))
 
 
-def names(T, hs):
-    return f"_lanes_fwd_{T}_{hs}", f"_lanes_bwd_{T}_{hs}"
+def fwd_chunk(T, hs):
+    """Intrinsic: one head x LANES sequences of the forward. Arguments (int64 arena offsets and strides):
+    x0 = X[head's row 0, l0] with rows L apart and a token's q|k|v blocks of C rows CL = C*L apart;
+    p0 = PL[(h*T + 0)*T + 0, l0] (rows L apart); y0 = y[l0, h*hs] (sequences TC = T*C apart); oscale."""
+    @intrinsic
+    def chunk(typingctx, a, x0, L, CL, p0, y0, TC, C, oscale):
+        def impl(context, builder, sig, args):
+            v = _Vec(context, builder, sig.args[0], args[0])
+            _, x0, L, CL, p0, y0, TC, C, oscale = args
+            X = [[[v.load(v.off(x0, (3 * t + p, CL), (d, L))) for d in range(hs)] for p in range(3)]
+                 for t in range(T)]
+            scale = v.splat(oscale)
+            for t in range(T):
+                s = [v.dot(X[t][0], X[j][1]) for j in range(t + 1)]
+                m = s[0]
+                for x in s[1:]:
+                    m = v.max(x, m)
+                e = [v.exp(v.mul(v.sub(x, m), scale)) for x in s]
+                iz = builder.fdiv(v.const(1.0), v.sum(e), flags=_FLAGS)
+                p = [v.mul(x, iz) for x in e]
+                for j in range(t + 1):
+                    v.store(p[j], v.off(p0, (t * T + j, L)))
+                for d in range(hs):
+                    y = v.dot(p, [X[j][2][d] for j in range(t + 1)])
+                    v.scatter(y, builder.add(v.off(y0, (t, C)), ir.Constant(v.i64, d)), TC)
+            return context.get_dummy_value()
+        sig = types.void(a, x0, L, CL, p0, y0, TC, C, oscale)
+        return sig, impl
+    return chunk
 
 
-def _row(t, p, d):
-    """Row of X (qkv transposed) for token t, part p (0 q, 1 k, 2 v), dim d, relative to the head's first row."""
-    return f"{3 * t + p} * C + {d}"
+def bwd_chunk(T, hs):
+    """Intrinsic: one head x LANES sequences of the backward, from X and PL as in fwd_chunk and g0 = G[head's
+    row 0, l0] (dy transposed, rows as X's); writes dqkv transposed (D, rows as X's, from d0 = D[head's row
+    0, l0]), which the block function then transposes out: 16-lane scatters measured slower (29 against 24
+    us per layer). Overwrites, so D needs no zeroing."""
+    @intrinsic
+    def chunk(typingctx, a, x0, L, CL, g0, p0, d0, oscale):
+        def impl(context, builder, sig, args):
+            v = _Vec(context, builder, sig.args[0], args[0])
+            _, x0, L, CL, g0, p0, d0, oscale = args
+            X = [[[v.load(v.off(x0, (3 * t + p, CL), (d, L))) for d in range(hs)] for p in range(3)]
+                 for t in range(T)]
+            G = [[v.load(v.off(g0, (t, CL), (d, L))) for d in range(hs)] for t in range(T)]
+            scale = v.splat(oscale)
+            dq = [[None] * hs for _ in range(T)]
+            dk = [[None] * hs for _ in range(T)]
+            dv = [[None] * hs for _ in range(T)]
+
+            def acc(grid, t, d, x):
+                grid[t][d] = x if grid[t][d] is None else v.add(grid[t][d], x)
+
+            for t in range(T):
+                p = [v.load(v.off(p0, (t * T + j, L))) for j in range(t + 1)]
+                dp = [v.dot(G[t], X[j][2]) for j in range(t + 1)]           # <dy_t, v_j>
+                for j in range(t + 1):
+                    for d in range(hs):
+                        acc(dv, j, d, v.mul(p[j], G[t][d]))
+                dot = v.dot(p, dp)
+                ds = [v.mul(v.mul(p[j], v.sub(dp[j], dot)), scale) for j in range(t + 1)]
+                for d in range(hs):
+                    acc(dq, t, d, v.dot(ds, [X[j][1][d] for j in range(t + 1)]))
+                for j in range(t + 1):
+                    for d in range(hs):
+                        acc(dk, j, d, v.mul(ds[j], X[t][0][d]))
+            for t in range(T):
+                for part, grid in enumerate((dq, dk, dv)):
+                    for d in range(hs):
+                        v.store(grid[t][d], v.off(d0, (3 * t + part, CL), (d, L)))
+            return context.get_dummy_value()
+        sig = types.void(a, x0, L, CL, g0, p0, d0, oscale)
+        return sig, impl
+    return chunk
 
 
-def source(T, hs) -> str:
-    """Source of the two block functions for (T, hs): same (a, r, i) arguments as nn._attn_bl_*_block."""
-    NP, NX = _sizes(T, hs)
-    fwd_name, bwd_name = names(T, hs)
-    V = LANES
-    out = []
-    w = out.append
-    ind = " " * 16
-    pairs = [(t, s) for t in range(T) for s in range(t + 1)]
+_BLOCKS = """
+_fwd_chunk_{T}_{hs} = fwd_chunk({T}, {hs})
+_bwd_chunk_{T}_{hs} = bwd_chunk({T}, {hs})
 
-    # ---------------------------------------------------------------- forward
-    w(f"@njit(**FM)\ndef {fwd_name}(a, r, i):")
-    w("    oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; C = r[7]; NH = r[8]")
-    w("    b0, L = bl_span(B, r[10], i)")
-    w(f"    if L < {V}:")
-    w("        _attn_bl_fwd_block(a, r, i)")
-    w("        return")
-    w("    scale = a[r[9]]")
-    w("    one = cvt(a, 1.0)")
-    w(f"    n = {T} * 3 * C")
-    w("    bl_in(a, oqkv, oW, b0, L, n)")
-    w("    X = a[oW + b0 * n:oW + (b0 + L) * n].reshape(n, L)")
-    w(f"    PL = a[oP + b0 * NH * {T * T}:oP + (b0 + L) * NH * {T * T}].reshape(NH * {T * T}, L)")
-    w(f"    Y = a[oy + b0 * {T} * C:oy + (b0 + L) * {T} * C].reshape(L, {T} * C)")
-    w(f"    S = carray(stack_buf(a, {(NP + T * hs) * V}), ({NP + T * hs}, {V}))   # p rows, then y rows")
-    w("    for h in range(NH):")
-    w(f"        qo = h * {hs}")
-    w("        XH = X[qo:]")
-    w(f"        PH = PL[h * {T * T}:]")
-    w(f"        for c in range((L + {V - 1}) // {V}):")
-    w(f"            l0 = max(min(c * {V}, L - {V}), 0)")     # max(): lets LLVM see l0 >= 0
-    w(f"            for l in range({V}):")
-    for t in range(T):
-        for d in range(hs):
-            for p, nm in enumerate("qkv"):
-                w(f"{ind}{nm}{t}_{d} = XH[{_row(t, p, d)}, l0 + l]")
-    k = 0
-    for t in range(T):
-        for s in range(t + 1):
-            w(f"{ind}s{s} = " + " + ".join(f"q{t}_{d} * k{s}_{d}" for d in range(hs)))
-        w(f"{ind}m = s0")
-        for s in range(1, t + 1):
-            w(f"{ind}m = s{s} if s{s} > m else m")
-        for s in range(t + 1):
-            w(f"{ind}e{s} = fexp((s{s} - m) * scale)")
-        w(f"{ind}iz = one / (" + " + ".join(f"e{s}" for s in range(t + 1)) + ")")
-        for s in range(t + 1):
-            w(f"{ind}p{s} = e{s} * iz")
-            w(f"{ind}S[{k}, l] = p{s}")
-            k += 1
-        for d in range(hs):
-            w(f"{ind}S[{NP + t * hs + d}, l] = " + " + ".join(f"p{s} * v{s}_{d}" for s in range(t + 1)))
-    for k, (t, s) in enumerate(pairs):
-        w(f"            pr = PH[{t * T + s}]")
-        w(f"            for l in range({V}):")
-        w(f"                pr[l0 + l] = S[{k}, l]")
-    w(f"            for l in range({V}):")
-    w("                yr = Y[l0 + l]")
-    w(f"                for t in range({T}):")
-    w(f"                    for d in range({hs}):")
-    w(f"                        yr[t * C + qo + d] = S[{NP} + t * {hs} + d, l]")
-    w("")
 
-    # ---------------------------------------------------------------- backward
-    # pass 1 (v, dy, p): dv_s += p_ts dy_t and ds_ts = p_ts (<dy_t, v_s> - sum_s' p_ts' <dy_t, v_s'>) scale;
-    # pass 2 (q, k, ds): dq_t += ds_ts k_s and dk_s += ds_ts q_t. S rows: (t, part, d) of dqkv, then ds.
-    w(f"@njit(**FM)\ndef {bwd_name}(a, r, i):")
-    w("    oP = r[1]; oW = r[2]; ody = r[3]; odqkv = r[4]; oS = r[5]; B = r[6]; C = r[8]; NH = r[9]")
-    w("    b0, L = bl_span(B, r[11], i)")
-    w(f"    if L < {V}:")
-    w("        _attn_bl_bwd_block(a, r, i)")
-    w("        return")
-    w("    scale = a[r[10]]")
-    w(f"    n = {T} * 3 * C")
-    w(f"    bl_in(a, ody, oS, b0, L, {T} * C)")
-    w("    X = a[oW + b0 * n:oW + (b0 + L) * n].reshape(n, L)")
-    w(f"    PL = a[oP + b0 * NH * {T * T}:oP + (b0 + L) * NH * {T * T}].reshape(NH * {T * T}, L)")
-    w(f"    G = a[oS + b0 * {T} * C:oS + (b0 + L) * {T} * C].reshape({T} * C, L)")
-    w("    dst = a[odqkv + b0 * n:odqkv + (b0 + L) * n].reshape(L, n)")
-    w(f"    S = carray(stack_buf(a, {(NX + NP) * V}), ({NX + NP}, {V}))")
-    w("    for h in range(NH):")
-    w(f"        qo = h * {hs}")
-    w("        XH = X[qo:]")
-    w("        GH = G[qo:]")
-    w(f"        PH = PL[h * {T * T}:]")
-    w(f"        for c in range((L + {V - 1}) // {V}):")
-    w(f"            l0 = max(min(c * {V}, L - {V}), 0)")     # max(): lets LLVM see l0 >= 0
-    seen = set()
+@njit(**FM)
+def _lanes_fwd_{T}_{hs}(a, r, i):
+    oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; C = r[7]; NH = r[8]
+    b0, L = bl_span(B, r[10], i)
+    n = {T} * 3 * C
+    bl_in(a, oqkv, oW, b0, L, n)
+    for h in range(NH):
+        for c in range((L + {V1}) // {V}):
+            l0 = max(min(c * {V}, L - {V}), 0)
+            _fwd_chunk_{T}_{hs}(a, oW + b0 * n + h * {hs} * L + l0, L, C * L,
+                               oP + (b0 * NH + h * L) * {TT} + l0, oy + (b0 + l0) * {T} * C + h * {hs}, {T} * C, C, r[9])
 
-    def acc(name, expr):
-        w(f"{ind}{name} {'+=' if name in seen else '='} {expr}")
-        seen.add(name)
 
-    w(f"            for l in range({V}):")
-    for t in range(T):
-        for d in range(hs):
-            w(f"{ind}v{t}_{d} = XH[{_row(t, 2, d)}, l0 + l]")
-            w(f"{ind}g{t}_{d} = GH[{t} * C + {d}, l0 + l]")
-    k = 0
-    for t in range(T):
-        for s in range(t + 1):
-            w(f"{ind}p{s} = PH[{t * T + s}, l0 + l]")
-            w(f"{ind}dp{s} = " + " + ".join(f"g{t}_{d} * v{s}_{d}" for d in range(hs)))
-            for d in range(hs):
-                acc(f"dv{s}_{d}", f"p{s} * g{t}_{d}")
-        w(f"{ind}dot = " + " + ".join(f"p{s} * dp{s}" for s in range(t + 1)))
-        for s in range(t + 1):
-            w(f"{ind}S[{NX + k}, l] = p{s} * (dp{s} - dot) * scale")
-            k += 1
-    for t in range(T):
-        for d in range(hs):
-            w(f"{ind}S[{(3 * t + 2) * hs + d}, l] = dv{t}_{d}")
-    w(f"            for l in range({V}):")
-    for t in range(T):
-        for d in range(hs):
-            w(f"{ind}q{t}_{d} = XH[{_row(t, 0, d)}, l0 + l]")
-            w(f"{ind}k{t}_{d} = XH[{_row(t, 1, d)}, l0 + l]")
-    k = 0
-    for t in range(T):
-        for s in range(t + 1):
-            w(f"{ind}ds{s} = S[{NX + k}, l]")
-            k += 1
-        for d in range(hs):
-            acc(f"dq{t}_{d}", " + ".join(f"ds{s} * k{s}_{d}" for s in range(t + 1)))
-        for s in range(t + 1):
-            for d in range(hs):
-                acc(f"dk{s}_{d}", f"ds{s} * q{t}_{d}")
-    for t in range(T):
-        for p, nm in enumerate(("dq", "dk")):
-            for d in range(hs):
-                w(f"{ind}S[{(3 * t + p) * hs + d}, l] = {nm}{t}_{d}")
-    w(f"            for l in range({V}):")
-    w("                dr = dst[l0 + l]")
-    w(f"                for t in range({T}):")
-    w("                    for p in range(3):")
-    w(f"                        for d in range({hs}):")
-    w(f"                            dr[(3 * t + p) * C + qo + d] = S[(3 * t + p) * {hs} + d, l]")
-    w("")
-    return "\n".join(out)
+@njit(**FM)
+def _lanes_bwd_{T}_{hs}(a, r, i):
+    oP = r[1]; oW = r[2]; ody = r[3]; odqkv = r[4]; oS = r[5]; B = r[6]; C = r[8]; NH = r[9]
+    b0, L = bl_span(B, r[11], i)
+    n = {T} * 3 * C
+    bl_in(a, ody, oS, b0, L, {T} * C)
+    oD = oS + B * {T} * C
+    for h in range(NH):
+        for c in range((L + {V1}) // {V}):
+            l0 = max(min(c * {V}, L - {V}), 0)
+            _bwd_chunk_{T}_{hs}(a, oW + b0 * n + h * {hs} * L + l0, L, C * L, oS + b0 * {T} * C + h * {hs} * L + l0,
+                               oP + (b0 * NH + h * L) * {TT} + l0, oD + b0 * n + h * {hs} * L + l0, r[10])
+    bl_out(a, oD, odqkv, b0, L, n)
+"""
 
 
 def executor_source(shapes, kernel_names) -> str:
-    """Source defining the bl attention kernels among `kernel_names` (k_attn_fwd_bl, ..._par, k_attn_bwd_bl,
-    ..._par) so that rows of a shape in `shapes` ((T, hs) pairs, all eligible) run the generated block
-    functions and any other row the loop blocks of nn.py. Goes into the executor file, which then does not
-    import those names from nn."""
+    """Source of the lanes kernels among `kernel_names` for the (T, hs) pairs `shapes` (every row of those
+    kernels in the tape has one of them), for the executor file."""
     shapes = sorted(set(shapes))
-    out = ["from numba import carray, njit, prange",
-           "from btjit.kernels.common import FM, FM_PAR, cvt, fexp, stack_buf",
-           "from btjit.kernels.nn import _attn_bl_bwd_block, _attn_bl_fwd_block, bl_in, bl_span", ""]
-    out += [source(T, hs) for T, hs in shapes]
+    out = ["from numba import njit, prange",
+           "from btjit.kernels.attn_lanes import bwd_chunk, fwd_chunk",
+           "from btjit.kernels.common import FM, FM_PAR",
+           "from btjit.kernels.nn import bl_in, bl_out, bl_span"]
+    out += [_BLOCKS.format(T=T, hs=hs, TT=T * T, V=LANES, V1=LANES - 1) for T, hs in shapes]
     for kind, iT, iC, iNH, inb in (("fwd", 6, 7, 8, 10), ("bwd", 7, 8, 9, 11)):
-        out.append(f"@njit(**FM)\ndef _attn_{kind}_block(a, r, i):")
-        out.append(f"    T = r[{iT}]\n    hs = r[{iC}] // r[{iNH}]")
+        out.append(f"\n@njit(**FM)\ndef _lanes_{kind}(a, r, i):\n    T = r[{iT}]\n    hs = r[{iC}] // r[{iNH}]")
         for j, (T, hs) in enumerate(shapes):
-            out.append(f"    {'if' if j == 0 else 'elif'} T == {T} and hs == {hs}:\n"
-                       f"        {names(T, hs)[kind == 'bwd']}(a, r, i)")
-        out.append(f"    else:\n        _attn_bl_{kind}_block(a, r, i)\n")
+            out.append(f"    {'if' if j == 0 else 'elif'} T == {T} and hs == {hs}:\n        _lanes_{kind}_{T}_{hs}(a, r, i)")
         for par in ("", "_par"):
-            if f"k_attn_{kind}_bl{par}" in kernel_names:
-                out.append(f"@njit(**FM{par.upper()})\ndef k_attn_{kind}_bl{par}(a, ia, r):\n"
-                           f"    for i in {'prange' if par else 'range'}(r[{inb}]):\n"
-                           f"        _attn_{kind}_block(a, r, i)\n")
-    return "\n".join(out)
+            if f"k_attn_{kind}_lanes{par}" in kernel_names:
+                out.append(f"\n\n@njit(**FM{par.upper()})\ndef k_attn_{kind}_lanes{par}(a, ia, r):\n"
+                           f"    for i in {'prange' if par else 'range'}(r[{inb}]):\n        _lanes_{kind}(a, r, i)")
+    return "\n".join(out) + "\n"

@@ -49,8 +49,7 @@ def fexp(x):
 
 def _fexp32(x):
     x = min(max(x, f32(-87.0)), f32(88.0))
-    n = math.floor(x * f32(1.4426950408889634) + f32(0.5))
-    fn = f32(n)
+    fn = np.floor(x * f32(1.4426950408889634) + f32(0.5))   # float floor: math.floor's int64 costs 6 instrs
     r = x - fn * f32(0.693359375) + fn * f32(2.12194440e-4)
     p = f32(1.9875691500e-4)
     p = p * r + f32(1.3981999507e-3)
@@ -59,7 +58,7 @@ def _fexp32(x):
     p = p * r + f32(1.6666665459e-1)
     p = p * r + f32(5.0000001201e-1)
     p = p * r * r + r + f32(1.0)
-    return p * i32_as_f32(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
+    return p * i32_as_f32(np.int32((np.int32(fn) + np.int32(127)) << np.int32(23)))
 
 
 def _exp64(x):

@@ -275,6 +275,18 @@ def bl_in(a, osrc, odst, b0, L, n):
 
 
 @njit(**FM)
+def bl_out(a, osrc, odst, b0, L, n):
+    """The inverse of bl_in: the (n, L) matrix at osrc + b0*n into rows b0 .. b0+L-1 of the (B, n) matrix at
+    odst (lanes inner: 2x faster than rows inner)."""
+    src = a[osrc + b0 * n:osrc + (b0 + L) * n].reshape(n, L)
+    dst = a[odst + b0 * n:odst + (b0 + L) * n].reshape(L, n)
+    for j in range(n):
+        sr = src[j]
+        for l in range(L):
+            dst[l, j] = sr[l]
+
+
+@njit(**FM)
 def _attn_bl_fwd_block(a, r, i):
     """Block i of a k_attn_fwd_bl(_par) row: sequences b0 .. b0+L-1."""
     oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
@@ -424,10 +436,7 @@ def _attn_bl_bwd_block(a, r, i):
                     for l in range(L):
                         dq[l] += dp[l] * xk[l]
                         dk[l] += dp[l] * xq[l]
-    for j in range(T * C3):                 # dqkv transposed out (lanes inner: 2x faster than rows inner)
-        dr = D[j]
-        for l in range(L):
-            dst[l, j] = dr[l]
+    bl_out(a, o2, odqkv, b0, L, T * C3)     # dqkv transposed out
 
 
 @njit(**FM)
