@@ -259,7 +259,10 @@ def _max_vjp(g, x, o, a):
 
 
 _rcases = [Case((F(3, 4, 5),), {"lo": 1, "hi": 2}), Case((F(3, 4, 5),), {"lo": 0, "hi": 3}),
-           Case((F(3, 4, 5),), {"lo": 2, "hi": 3}), Case((F(6, 4),), {"lo": 0, "hi": 1})]
+           Case((F(3, 4, 5),), {"lo": 2, "hi": 3}), Case((F(6, 4),), {"lo": 0, "hi": 1}),
+           # k_reduce's paths: rows folded m at a time plus leftovers (70x3, 5x33x7), column blocks (130 > 128)
+           Case((F(70, 3),), {"lo": 0, "hi": 1}), Case((F(5, 33, 7),), {"lo": 1, "hi": 2}),
+           Case((F(2, 3, 130),), {"lo": 1, "hi": 2})]
 op("sum", infer=_reduce_rule, ref=lambda xs, a: (xs[0].sum(axis=tuple(range(a["lo"], a["hi"]))),),
    lower=_lower_reduce(R_SUM), cases=_rcases,
    vjp=lambda g, x, o, a: [T.broadcast_to(_keep(g[0], x[0], a), x[0].shape)])

@@ -9,9 +9,9 @@
 import math
 
 import numpy as np
-from numba import njit
+from numba import carray, njit
 
-from .common import FM, fexp
+from .common import FM, cvt, fexp, stack_buf
 
 R_SUM, R_MAX = 0, 1
 
@@ -37,19 +37,46 @@ def k_reduce(a, ia, r):
                     v = xi[j, 0]
                     m = v if v > m else m
                 o[0] = m
-        else:
+        elif sub == R_SUM and n2 <= 64:   # narrow rows (bias gradients): m rows per pass, folded at the end
             xi = x[i]
-            for k in range(n2):
-                o[k] = xi[0, k]
-            for j in range(1, n1):
+            acc = carray(stack_buf(a, 128), (128,))   # a stack accumulator: no alias checks
+            m = 128 // n2
+            w = m * n2
+            flat = a[r[3] + i * n1 * n2:r[3] + (i + 1) * n1 * n2]
+            for k in range(w):
+                acc[k] = cvt(a, 0.0)
+            ng = n1 // m
+            for q in range(ng):
+                blk = flat[q * w:q * w + w]
+                for k in range(w):
+                    acc[k] += blk[k]
+            for j in range(ng * m, n1):
                 row = xi[j]
-                if sub == R_SUM:
-                    for k in range(n2):
-                        o[k] += row[k]
-                else:
-                    for k in range(n2):
-                        v = row[k]
-                        o[k] = v if v > o[k] else o[k]
+                for k in range(n2):
+                    acc[k] += row[k]
+            for q in range(1, m):
+                for k in range(n2):
+                    acc[k] += acc[q * n2 + k]
+            for k in range(n2):
+                o[k] = acc[k]
+        else:                             # column blocks through a stack accumulator: no alias checks
+            xi = x[i]
+            acc = carray(stack_buf(a, 128), (128,))
+            for k0 in range(0, n2, 128):
+                nk = min(128, n2 - k0)
+                for k in range(nk):
+                    acc[k] = xi[0, k0 + k]
+                for j in range(1, n1):
+                    row = xi[j, k0:k0 + nk]
+                    if sub == R_SUM:
+                        for k in range(nk):
+                            acc[k] += row[k]
+                    else:
+                        for k in range(nk):
+                            v = row[k]
+                            acc[k] = v if v > acc[k] else acc[k]
+                for k in range(nk):
+                    o[k0 + k] = acc[k]
 
 
 @njit(**FM)
