@@ -106,7 +106,8 @@ def test_fexp_ftanh_cvt(dt):
 
 
 # ---------------------------------------------------------------- matmul
-MM_SHAPES = [(8, 72, 24), (5, 7, 13), (1, 65, 24), (33, 17, 96)]
+MM_SHAPES = [(8, 72, 24), (5, 7, 13), (1, 65, 24), (33, 17, 96),
+             (6, 129, 128)]   # N*K > linalg.WT_MAX: a B^T product through BLAS's transpose, not a stack copy
 
 
 @pytest.mark.parametrize("dt", DTS)

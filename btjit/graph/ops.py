@@ -418,10 +418,11 @@ PAR_GEMM_MACS = 200_000   # from this many multiply-adds a GEMM is split over th
 
 
 def split_gemm(nb, M, N, K) -> int:
-    """Blocks one thread computes a GEMM row in. OpenBLAS 0.3.30 (SkylakeX kernels on this Zen 4) ran large
-    products with K >= 64, and batched ones, 1.2-2x faster in two halves (E5: 16 x (27,1024,64) 1066 -> 662
-    us; E6b64 dW (96,24,512) 42 -> 24 us), and the small or K=24 ones 5-10% slower."""
-    return 2 if nb * M * N * K >= 1_000_000 and (K >= 64 or nb > 1) else 1
+    """Blocks one thread computes a GEMM row in. OpenBLAS 0.3.30 (SkylakeX kernels on this Zen 4) ran products
+    of >= 1M multiply-adds 1.2-2x faster in two halves (E5: 16 x (27,1024,64) 1066 -> 662 us; E6b64 dW
+    (96,24,512) 43 -> 23 us, fc (512,96,24) 28 -> 22 us) and smaller ones no faster. (B^T products split
+    this way were 2-6% slower; k_matmul runs them on a transposed copy of B, where halves win too.)"""
+    return 2 if nb * M * N * K >= 1_000_000 else 1
 
 
 def _lower_matmul(e, L, beta=0, bias=0):

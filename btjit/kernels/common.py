@@ -147,8 +147,9 @@ def ptr(typingctx, arr, off):
 
 
 @njit(**FM)
-def gemm(a, ia, osc, oconst, ta, tb, M, N, K, oA, lda, oB, ldb, oC, ldc, beta):
-    """Row-major C[M,N] = op(A)[M,K] @ op(B)[K,N] (+ C if beta == 1), all three inside arena `a`.
+def gemm(a, ia, osc, oconst, ta, tb, M, N, K, oA, lda, b, oB, ldb, oC, ldc, beta):
+    """Row-major C[M,N] = op(A)[M,K] @ op(B)[K,N] (+ C if beta == 1); A and C inside arena `a`, B at b[oB] (b is
+    the arena, or a stack copy of the same dtype).
     op(A) = A (stored (M,K), lda >= K) if ta == 0 else A^T (A stored (K,M), lda >= M); likewise B/tb.
     osc: 8 free int32 slots in ia (BLAS char/int args). oconst: a[oconst] == 1.0, a[oconst+1] == 0.0.
     float32 arena -> sgemm, float64 -> dgemm. Implemented as column-major C^T = op(B)^T op(A)^T."""
@@ -165,8 +166,8 @@ def gemm(a, ia, osc, oconst, ta, tb, M, N, K, oA, lda, oB, ldb, oC, ldc, beta):
     p[7] = max(ldc, 1)
     ob = oconst if beta == 1 else oconst + 1
     if a.itemsize == 4:
-        _sgemm(ptr(p, tb), ptr(p, ta), ptr(p, 2), ptr(p, 3), ptr(p, 4), ptr(a, oconst), ptr(a, oB), ptr(p, 5),
+        _sgemm(ptr(p, tb), ptr(p, ta), ptr(p, 2), ptr(p, 3), ptr(p, 4), ptr(a, oconst), ptr(b, oB), ptr(p, 5),
                ptr(a, oA), ptr(p, 6), ptr(a, ob), ptr(a, oC), ptr(p, 7))
     else:
-        _dgemm(ptr(p, tb), ptr(p, ta), ptr(p, 2), ptr(p, 3), ptr(p, 4), ptr(a, oconst), ptr(a, oB), ptr(p, 5),
+        _dgemm(ptr(p, tb), ptr(p, ta), ptr(p, 2), ptr(p, 3), ptr(p, 4), ptr(a, oconst), ptr(b, oB), ptr(p, 5),
                ptr(a, oA), ptr(p, 6), ptr(a, ob), ptr(a, oC), ptr(p, 7))
