@@ -236,6 +236,20 @@ def test_layernorm_bwd_finite_diff():
         check(refv, fd, np.float64, 1e-7)
 
 
+# ---------------------------------------------------------------- transpose (16 x 16 register tiles)
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("R,C", [(16, 16), (64, 576), (37, 53), (5, 3), (16, 40), (33, 16), (1, 17)])
+def test_transpose(dt, R, C):
+    """Exact (a copy), for full tiles, edges of either side and no tile at all; writes only the output."""
+    x = rnd(np.random.default_rng(R * 100 + C), (R, C), dt)
+    ar = Arena(dt)
+    ox, oy = ar.put("x", x), ar.put("y", size=R * C)
+    a = ar.build()
+    K.transpose(a, ox, oy, R, C)
+    assert np.array_equal(ar.get("y", (C, R)), x.T.astype(np.float64))
+    ar.only_wrote("y")
+
+
 # ---------------------------------------------------------------- attention
 def attn_ref(qkv, B, T, C, NH, scale):
     hs = C // NH
