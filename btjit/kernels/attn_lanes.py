@@ -4,7 +4,8 @@
 # is loaded once as a <16 x float>, the whole T x T problem (scores, max, exp, sums, products, and in the
 # backward all of dq/dk/dv) runs in registers, and only P rows, y and dqkv are stored. Numba's front end
 # never sees the unrolled body (as numba source it took 6 s per kernel to compile), and LLVM needs no
-# vectorizer or alias checks.
+# vectorizer or alias checks. Per GPT layer at batch 64 (T=8, hs=4, one thread, with the transposes in and
+# out): forward 44 -> 18.5 us, backward 57 -> 19.6 us against the loop kernels; ~1.5 s compile each.
 #
 # The executor file (btjit/graph/lower.py) gets, for each (T, hs) a program uses, the block functions below
 # (source text) and the kernels k_attn_fwd_lanes(_par) / k_attn_bwd_lanes(_par). ops.py picks them for a row
