@@ -107,7 +107,8 @@ def test_fexp_ftanh_cvt(dt):
 
 # ---------------------------------------------------------------- matmul
 MM_SHAPES = [(8, 72, 24), (5, 7, 13), (1, 65, 24), (33, 17, 96),
-             (6, 129, 128)]   # N*K > linalg.WT_MAX: a B^T product through BLAS's transpose, not a stack copy
+             (130, 24, 40), (64, 96, 24),   # >= linalg.COPY_MIN_ROWS rows: B^T products on a transposed copy
+             (6, 129, 128)]                 # N*K > linalg.WT_MAX: through BLAS's transpose, not a stack copy
 
 
 @pytest.mark.parametrize("dt", DTS)
@@ -133,9 +134,10 @@ def test_matmul(dt, ta, tb, beta, M, N, Kd, nparts):
 @pytest.mark.parametrize("bcast", ["A", "B", "none"])
 @pytest.mark.parametrize("ta,tb,beta", [(0, 0, 0), (1, 0, 1), (0, 1, 1), (1, 1, 0)])
 @pytest.mark.parametrize("nparts", [1, 2])
-def test_matmul_batched(dt, bcast, ta, tb, beta, nparts):
+@pytest.mark.parametrize("M", [8, 64])
+def test_matmul_batched(dt, bcast, ta, tb, beta, nparts, M):
     rng = np.random.default_rng(3)
-    nb, M, N, Kd = 3, 8, 4, 6
+    nb, N, Kd = 3, 4, 6
     A = rnd(rng, (nb, M, Kd), dt)
     B = rnd(rng, (nb, Kd, N), dt)
     A[:] = A[0] if bcast == "A" else A

@@ -129,6 +129,7 @@ class Executor:
     of its generated attention kernels. `cache_hit` tells whether it was loaded from disk."""
     _modules: dict = {}
     kernels: tuple = ()
+    attn_shapes: tuple = ()
 
     def __init__(self, float_dtype, kernels, attn_shapes=()):
         self.kernels = tuple(sorted(int(k) for k in kernels))

@@ -4,7 +4,8 @@ from numba import carray, njit, prange
 
 from btjit.kernels.common import FM, FM_PAR, gemm, stack_buf
 
-WT_MAX = 16384   # floats of the largest B a B^T product copies transposed onto the stack (64 KB)
+WT_MAX = 16384       # floats of the largest B a B^T product copies transposed onto the stack (64 KB)
+COPY_MIN_ROWS = 64   # ... and the fewest rows of C it does that for (at 8 rows the copy costs 2x the GEMM)
 
 
 @njit(**FM)
@@ -66,7 +67,8 @@ def _matmul_part(a, ia, r, j, nparts):
             oc += lo * N
             rows, cols = n, N
         bt = beta
-        if tb == 1 and N * K <= WT_MAX:   # B^T products (dX = dY @ W^T): on a transposed stack copy of B's
+        copy = tb == 1 and N * K <= WT_MAX and rows >= COPY_MIN_ROWS
+        if copy:                          # B^T products (dX = dY @ W^T): on a transposed stack copy of B's
             nr = cols if split_n else N     # rows in use OpenBLAS runs 15-25% faster (E6b64: 31 -> 24 us)
             if i == 0 or sB != 0:
                 r0 = ob if split_n else oB + i * sB
@@ -81,7 +83,7 @@ def _matmul_part(a, ia, r, j, nparts):
                 for c in range(cols):
                     crow[c] = bias[c]
             bt = 1
-        if tb == 1 and N * K <= WT_MAX:
+        if copy:
             gemm(a, ia, sc, oconst, ta, 0, rows, cols, K, oa, lda, wt, 0, nr, oc, N, bt)
         else:
             gemm(a, ia, sc, oconst, ta, tb, rows, cols, K, oa, lda, a, ob, ldb, oc, N, bt)
