@@ -306,12 +306,10 @@ def test_attention(dt, B, T, C, NH):
     check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
 
 
-@pytest.mark.parametrize("dt", DTS)
-@pytest.mark.parametrize("B,T,C,NH,nb", [(16, 8, 24, 6, 1), (17, 8, 24, 6, 3), (20, 5, 6, 3, 2), (16, 1, 4, 1, 4)])
-def test_attention_sequence_vectorized_pair(dt, B, T, C, NH, nb):
-    """k_attn_fwd_bl / k_attn_bwd_bl (nb lane blocks, the last one shorter when nb does not divide B)
-    against the references; they write only y, P, W (forward) and dqkv, S (backward)."""
-    rng = np.random.default_rng(B * 100 + nb)
+def check_bl_pair(dt, B, T, C, NH, nb, fwd, bwd, seed):
+    """Run a forward/backward pair with the bl rows and layouts (nb lane blocks) against the references; they
+    may write only y, P, W (forward) and dqkv, S (backward)."""
+    rng = np.random.default_rng(seed)
     qkv, dy = rnd(rng, (B * T, 3 * C), dt, 1.5), rnd(rng, (B * T, C), dt)
     scale = float(dt(1.0 / np.sqrt(C // NH)))
     ar = Arena(dt)
@@ -322,43 +320,33 @@ def test_attention_sequence_vectorized_pair(dt, B, T, C, NH, nb):
     oS = ar.put("S", size=K.attn_bwd_scratch_size(B, T, C))
     a = ar.build()
     ia = np.zeros(1, np.int32)
-    K.k_attn_fwd_bl(a, ia, row(oq, oy, oP, oW, B, T, C, NH, osc, nb))
+    fwd(a, ia, row(oq, oy, oP, oW, B, T, C, NH, osc, nb))
     ar.only_wrote("y", "P", "W")
-    K.k_attn_bwd_bl(a, ia, row(oP, oW, ody, odq, oS, B, T, C, NH, osc, nb))
+    bwd(a, ia, row(oP, oW, ody, odq, oS, B, T, C, NH, osc, nb))
     ar.only_wrote("y", "P", "W", "dqkv", "S")
     check(ar.get("y", (B * T, C)), attn_ref(qkv, B, T, C, NH, scale)[0], dt)
     check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
+
+
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("B,T,C,NH,nb", [(16, 8, 24, 6, 1), (17, 8, 24, 6, 3), (20, 5, 6, 3, 2), (16, 1, 4, 1, 4)])
+def test_attention_sequence_vectorized_pair(dt, B, T, C, NH, nb):
+    """k_attn_fwd_bl / k_attn_bwd_bl, nb lane blocks (the last one shorter when nb does not divide B)."""
+    check_bl_pair(dt, B, T, C, NH, nb, K.k_attn_fwd_bl, K.k_attn_bwd_bl, B * 100 + nb)
 
 
 @pytest.mark.parametrize("B,T,C,NH,nb", [(16, 8, 24, 6, 1), (67, 8, 24, 6, 2), (64, 8, 24, 6, 2), (20, 5, 6, 3, 1),
                                          (40, 3, 4, 2, 2), (33, 1, 4, 1, 1), (16, 2, 40, 4, 1)])
 @pytest.mark.parametrize("par", ["", "_par"])
 def test_attention_generated_lanes(B, T, C, NH, nb, par):
-    """The vector kernels generated for (T, hs) (kernels/attn_lanes.py), as the executor file defines them:
-    against the references, writing only what the bl pair writes (y, P, W; dqkv, S). Blocks of 16 lanes
-    exactly, of 34/33 (the last chunk overlapping the one before), and of 20 and 33 (one overlap each)."""
+    """The vector kernels generated for (T, hs) (kernels/attn_lanes.py), as the executor file defines them, in
+    the bl pair's rows and layouts: blocks of 16 lanes exactly, of 34/33 (the last chunk overlapping the one
+    before), and of 20 and 33 (one overlap each)."""
     from btjit.kernels import attn_lanes
-    dt = np.float32
     assert attn_lanes.eligible(T, C // NH, B, nb, "f32")
     ns = {}
     exec(attn_lanes.executor_source([(T, C // NH)], ["k_attn_fwd_lanes" + par, "k_attn_bwd_lanes" + par]), ns)
-    rng = np.random.default_rng(B * 100 + T)
-    qkv, dy = rnd(rng, (B * T, 3 * C), dt, 1.5), rnd(rng, (B * T, C), dt)
-    scale = float(dt(1.0 / np.sqrt(C // NH)))
-    ar = Arena(dt)
-    osc = ar.put("scale", np.array([scale]))
-    oq, ody = ar.put("qkv", qkv), ar.put("dy", dy)
-    oy, oP = ar.put("y", size=B * T * C), ar.put("P", size=B * NH * T * T)
-    oW, odq = ar.put("W", size=K.attn_scratch_size(B, T, C)), ar.put("dqkv", size=B * T * 3 * C)
-    oS = ar.put("S", size=K.attn_bwd_scratch_size(B, T, C))
-    a = ar.build()
-    ia = np.zeros(1, np.int32)
-    ns["k_attn_fwd_lanes" + par](a, ia, row(oq, oy, oP, oW, B, T, C, NH, osc, nb))
-    ar.only_wrote("y", "P", "W")
-    ns["k_attn_bwd_lanes" + par](a, ia, row(oP, oW, ody, odq, oS, B, T, C, NH, osc, nb))
-    ar.only_wrote("y", "P", "W", "dqkv", "S")
-    check(ar.get("y", (B * T, C)), attn_ref(qkv, B, T, C, NH, scale)[0], dt)
-    check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
+    check_bl_pair(np.float32, B, T, C, NH, nb, ns["k_attn_fwd_lanes" + par], ns["k_attn_bwd_lanes" + par], B * 100 + T)
 
 
 def test_attention_generated_lanes_eligibility():

@@ -407,7 +407,6 @@ def _attn_bl_bwd_block(a, r, i):
     zero = cvt(a, 0.0)
     X = a[oW + b0 * T * C3:oW + (b0 + L) * T * C3].reshape(T * C3, L)
     PL = a[oP + b0 * NH * T * T:oP + (b0 + L) * NH * T * T].reshape(NH * T * T, L)
-    dst = a[odqkv + b0 * T * C3:odqkv + (b0 + L) * T * C3].reshape(L, T * C3)
     G = a[oS + b0 * T * C:oS + (b0 + L) * T * C].reshape(T * C, L)
     o2 = oS + B * T * C
     D = a[o2 + b0 * T * C3:o2 + (b0 + L) * T * C3].reshape(T * C3, L)
