@@ -22,10 +22,11 @@ def k_reduce(a, ia, r):
     n0, n1, n2 = r[4], r[5], r[6]
     out = a[r[2]:r[2] + n0 * n2].reshape(n0, n2)
     x = a[r[3]:r[3] + n0 * n1 * n2].reshape(n0, n1, n2)
+    acc = carray(stack_buf(a, 128), (128,))   # one stack accumulator: its loops need no alias checks
     for i in range(n0):
         o = out[i]
+        xi = x[i]
         if n2 == 1:                       # contiguous reduction: scalar accumulator (vectorizes)
-            xi = x[i]
             if sub == R_SUM:
                 s = xi[0, 0] * np.float32(0.0)
                 for j in range(n1):
@@ -38,8 +39,6 @@ def k_reduce(a, ia, r):
                     m = v if v > m else m
                 o[0] = m
         elif sub == R_SUM and n2 <= 64:   # narrow rows (bias gradients): m rows per pass, folded at the end
-            xi = x[i]
-            acc = carray(stack_buf(a, 128), (128,))   # a stack accumulator: no alias checks
             m = 128 // n2
             w = m * n2
             flat = a[r[3] + i * n1 * n2:r[3] + (i + 1) * n1 * n2]
@@ -59,9 +58,7 @@ def k_reduce(a, ia, r):
                     acc[k] += acc[q * n2 + k]
             for k in range(n2):
                 o[k] = acc[k]
-        else:                             # column blocks through a stack accumulator: no alias checks
-            xi = x[i]
-            acc = carray(stack_buf(a, 128), (128,))
+        else:                             # column blocks of 128 through the accumulator
             for k0 in range(0, n2, 128):
                 nk = min(128, n2 - k0)
                 for k in range(nk):
