@@ -22,12 +22,12 @@ from .optim import HYPER, update_rows
 _EXECUTORS: dict = {}
 
 
-def executor(float_dtype, kernels: tuple, attn_shapes: tuple = ()) -> Executor:
-    """The executor for this float dtype, kernel set (sorted opcodes) and generated attention shapes, shared
-    by the programs using it."""
-    key = (float_dtype, kernels, attn_shapes)
+def executor(float_dtype, kernels: tuple, attn_shapes: tuple = (), replicas: bool = False) -> Executor:
+    """The executor for this float dtype, kernel set (sorted opcodes), generated attention shapes and
+    data-parallel driver (or not), shared by the programs using it."""
+    key = (float_dtype, kernels, attn_shapes, replicas)
     if key not in _EXECUTORS:
-        _EXECUTORS[key] = Executor(float_dtype, kernels, attn_shapes)
+        _EXECUTORS[key] = Executor(float_dtype, kernels, attn_shapes, replicas)
     return _EXECUTORS[key]
 
 
@@ -39,11 +39,18 @@ def _arg_names(fn, n):
     return names + [f"arg{i}" for i in range(len(names), n)]
 
 
-def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=False, dtype="float32", grad=None):
+def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=False, dtype="float32", grad=None,
+          replicas=1):
     """Trace fn(params, *batch) once and compile it. With an optimizer, `step()` trains; without one,
     `forward()` (and `value_and_grad()` for a scalar output) evaluate. clip_norm: clip gradients by global
     norm. skip_nonfinite: a step whose gradients contain NaN/Inf leaves params and optimizer state untouched
-    (`prog.last_step_skipped` tells)."""
+    (`prog.last_step_skipped` tells).
+
+    replicas=R > 1: data parallel on R threads of one process. Every batch argument's first axis is cut into
+    R equal shards; each replica (its own arena, traced for one shard) runs forward and backward on its shard
+    on its own thread, then the grads and the loss are averaged and ONE update is applied. That is the step
+    on the whole batch exactly when fn's scalar result is a mean over the first batch axis (the mean losses
+    of btjit.models are); fn may return nothing else."""
     t0 = time.perf_counter()
     try:
         name = np.dtype(dtype).name
@@ -52,6 +59,8 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     fd = {"float32": "f32", "float64": "f64", "f32": "f32", "f64": "f64"}.get(name)
     if fd is None:
         raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be a positive int, got {replicas!r}")
     g = Graph(float_dtype=fd)
     if not isinstance(params, dict):
         raise TypeError("params must be a dict of name -> numpy float array")
@@ -65,7 +74,11 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         x = np.asarray(x)
         if x.dtype.kind not in "iuf":
             raise TypeError(f"batch argument {name!r} has dtype {x.dtype}; use float or integer arrays")
-        g.inputs.append(g.new_var(x.shape, "i32" if x.dtype.kind in "iu" else fd))
+        if replicas > 1 and (x.ndim == 0 or x.shape[0] % replicas):
+            raise ValueError(f"batch argument {name!r} has shape {x.shape}: replicas={replicas} needs a first "
+                             f"axis divisible by {replicas}")
+        shard = (x.shape[0] // replicas,) + x.shape[1:] if replicas > 1 else x.shape
+        g.inputs.append(g.new_var(shard, "i32" if x.dtype.kind in "iu" else fd))
         g.input_names.append(name)
     with T.building(g):
         ptr = {k: T.Tracer(v, g) for k, v in g.params.items()}
@@ -79,6 +92,9 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         if v.graph is not g:
             raise T.TraceError(f"{what} is a traced value from another btjit.trace call (kept in a global or "
                                f"closure); tracers are only valid inside the function being traced")
+    if replicas > 1 and (aux or out.shape != ()):
+        raise T.TraceError(f"replicas={replicas} averages one scalar over the replicas; the traced function "
+                           f"returns {'outputs ' + ', '.join(map(repr, aux)) if aux else f'shape {out.shape}'}")
     g.outputs = {"out": out.var, **{k: v.var for k, v in aux.items()}}
     fuse.fold_embedding_matmul(g)
     fuse.fuse_linear(g)
@@ -99,7 +115,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     autodiff.eliminate_dead_code(g, list(g.outputs.values()) + list(g.grads.values()))
     g.n_backward = len(g.eqns)
     verify(g, TABLE)
-    return Program(g, params, optimizer, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0)
+    return Program(g, params, optimizer, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas)
 
 
 def _pin(g: Graph, grads: dict) -> dict:
@@ -132,12 +148,15 @@ def _pin(g: Graph, grads: dict) -> dict:
 class Program:
     """A compiled program over one arena. Views (`params`, `grads`, `inputs`, `outputs`) alias the arena."""
 
-    def __init__(self, graph, init_params, optimizer, clip_norm, skip_nonfinite, pinned, trace_seconds):
+    def __init__(self, graph, init_params, optimizer, clip_norm, skip_nonfinite, pinned, trace_seconds,
+                 replicas=1):
+        import numba
         t0 = time.perf_counter()
-        self.graph, self.optimizer, self.clip_norm = graph, optimizer, clip_norm
+        self.graph, self.optimizer, self.clip_norm, self.replicas = graph, optimizer, clip_norm, replicas
         n_state = optimizer.n_state if optimizer else 0
         self.plan = p = make_plan(graph, pinned, n_state, len(HYPER))
-        L = Lowering(p, const_base=p.float_size)
+        L = Lowering(p, const_base=p.float_size, threads=numba.get_num_threads() // replicas)
+        self._inv_replicas = L.const(1.0 / replicas)
         self._bounds = _index_bounds(graph)
         self._flag = p.int_state + 1
         checks = [L.row("k_check_index", p.off[graph.inputs[i].id], graph.inputs[i].size, hi, self._flag)
@@ -153,9 +172,11 @@ class Program:
         self.tape = np.array(rows, np.int64).reshape(len(rows), -1)
         fdt = np_dtype(graph.float_dtype)
         self.dtype = np.dtype(fdt)
-        self.a = _aligned(p.float_size + len(L.consts), fdt)
-        self.ia = np.zeros(max(p.int_size, 1), np.int32)
-        self.a[p.float_size:] = L.consts
+        # replica r's arenas are rows r of A / IA (one row, and A[0] is self.a, without replicas)
+        self._A = _aligned_rows(replicas, p.float_size + len(L.consts), fdt)
+        self._IA = np.zeros((replicas, max(p.int_size, 1)), np.int32)
+        self.a, self.ia = self._A[0], self._IA[0]
+        self.a[p.float_size:p.float_size + len(L.consts)] = L.consts
         for v, c in graph.consts.items():
             (self.ia if v.dtype == "i32" else self.a)[p.off[v.id]:p.off[v.id] + v.size] = c.ravel()
         view = lambda v, off=None: (self.ia if v.dtype == "i32" else self.a)[  # noqa: E731
@@ -165,7 +186,8 @@ class Program:
         self.inputs = {k: view(v) for k, v in zip(graph.input_names, graph.inputs)}
         self.outputs = {k: view(v) for k, v in graph.outputs.items()}
         self._in = list(self.inputs.values())
-        self._in_types = [(v.shape, np.dtype(np.int32) if v.dtype == "i32" else self.dtype) for v in graph.inputs]
+        self._in_types = [((v.shape[0] * replicas,) + v.shape[1:] if replicas > 1 else v.shape,
+                           np.dtype(np.int32) if v.dtype == "i32" else self.dtype) for v in graph.inputs]
         for k, v in init_params.items():
             self.params[k][...] = v
         self._hyper = {k: p.hyper_off + i for i, k in enumerate(HYPER)}
@@ -173,13 +195,16 @@ class Program:
         self.a[self._hyper["clip_norm"]] = clip_norm or 0.0
         for k, v in (optimizer.hyper().items() if optimizer else ()):
             self.a[self._hyper[k]] = v
+        self._A[1:], self._IA[1:] = self.a, self.ia            # constants; params are copied every step
+        self._in_shards = [[(self._IA if v.dtype == "i32" else self._A)[r, p.off[v.id]:][:v.size].reshape(v.shape)
+                            for v in graph.inputs] for r in range(replicas)]
         self.trace_seconds = trace_seconds
         self.plan_seconds = time.perf_counter() - t0
         self.executor = executor(graph.float_dtype, tuple(int(k) for k in np.unique(self.tape[:, 0])),
-                                 tuple(sorted(L.attn_shapes)))
+                                 tuple(sorted(L.attn_shapes)), replicas > 1)
         self.compile_seconds = self.executor.seconds
         self._run = self.executor.fn
-        self._out = self.outputs["out"]
+        self._out, self._out_var = self.outputs["out"], graph.outputs["out"]
         self._state_names = [f"opt/state{k}" for k in range(n_state)]
 
     # ------------------------------------------------------------------ running
@@ -189,7 +214,12 @@ class Program:
         for i, (x, dst, (shape, dt)) in enumerate(zip(batch, self._in, self._in_types)):
             if type(x) is not np.ndarray or x.dtype != dt or x.shape != shape:
                 x = self._convert(i, x)
-            dst[...] = x
+            if self.replicas == 1:
+                dst[...] = x
+                continue
+            n = dst.shape[0]
+            for r, shards in enumerate(self._in_shards):
+                shards[i][...] = x[r * n:(r + 1) * n]
 
     def _convert(self, i, x):
         """The slow path of _load: integer arrays of any int dtype are accepted; anything else must match."""
@@ -208,13 +238,21 @@ class Program:
                                  f"{rng}, got min {lo} max {hi}")
         return x
 
-    def _run_checked(self, stop):
-        self._run(self.a, self.ia, self.tape, 0, stop)
+    def _run_checked(self, stop, split=None):
+        """Rows [0, stop); with replicas, [0, split) on every replica and [split, stop) after the average."""
+        if self.replicas == 1:
+            self._run(self.a, self.ia, self.tape, 0, stop)
+        else:
+            p0, npar = self.plan.params_span
+            split = stop if split is None else split
+            self.executor.replicas_fn(self._A, self._IA, self.tape, split, stop, self._flag, p0, npar,
+                                      self.plan.grads_start, npar if split > self.n_fwd else 0,
+                                      self.plan.off[self._out_var.id], self._inv_replicas)
         if self.ia[self._flag]:
             for i, hi in self._bounds.items():
-                x = self._in[i]
+                x = np.concatenate([s[i].ravel() for s in self._in_shards])
                 if x.size and (x.min() < 0 or x.max() >= hi):
-                    self.ia[self._flag] = 0
+                    self._IA[:, self._flag] = 0
                     raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): index values must be "
                                      f"in [0, {hi}), got min {x.min()} max {x.max()}")
 
@@ -223,7 +261,7 @@ class Program:
         if self.optimizer is None:
             raise RuntimeError("this program was traced without an optimizer; use forward() or value_and_grad()")
         self._load(batch)
-        self._run_checked(self.tape.shape[0])
+        self._run_checked(self.tape.shape[0], self.n_bwd)
         return float(self._out)
 
     def value_and_grad(self, *batch) -> float:
@@ -319,12 +357,12 @@ class Program:
 
     @property
     def arena_bytes(self) -> int:
-        return self.a.nbytes + self.ia.nbytes
+        return self._A.nbytes + self._IA.nbytes
 
     @property
     def memory(self) -> dict:
-        return {"planned_bytes": self.arena_bytes, "naive_bytes": self.plan.naive_bytes,
-                "minimum_bytes": self.plan.min_bytes}
+        return {"planned_bytes": self.arena_bytes, "naive_bytes": self.plan.naive_bytes * self.replicas,
+                "minimum_bytes": self.plan.min_bytes * self.replicas}
 
     def __repr__(self):
         return (f"Program({len(self.graph.eqns)} eqns, {self.tape.shape[0]} kernel rows, {self.n_params} params, "
@@ -377,8 +415,12 @@ def _index_bounds(graph) -> dict:
     return bounds
 
 
-def _aligned(n, dtype):
+def _aligned_rows(rows, n, dtype):
+    """A zeroed C-contiguous (rows, n') array, 64-byte aligned, n' = n (one row) or n rounded up to 64 bytes
+    (so every row is aligned)."""
     itemsize = np.dtype(dtype).itemsize
-    buf = np.zeros(n + 64 // itemsize, dtype)
+    per = 64 // itemsize
+    n = n if rows == 1 else -(-n // per) * per
+    buf = np.zeros(rows * n + per, dtype)
     start = (-buf.ctypes.data % 64) // itemsize
-    return buf[start:start + n]
+    return buf[start:start + rows * n].reshape(rows, n)

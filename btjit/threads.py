@@ -59,3 +59,21 @@ def set_num_threads(n: int = 0) -> int:
     numba.set_num_threads(n)
     set_blas_threads(1)
     return n
+
+
+
+MIN_REPLICA_ROWS = 128   # loss rows (targets) per replica from which data parallelism beats threaded kernels
+
+
+def replicas_for(batch: int, rows: int, threads: int = 0) -> int:
+    """Data-parallel replicas for a step whose loss is a mean over `rows` targets in `batch` examples, on
+    `threads` threads (0 = numba's current count): one per thread when they divide the batch and each gets
+    >= MIN_REPLICA_ROWS rows, else 1 (the kernels then split their own work). Every replica re-reads the
+    params and its grads are summed, so it pays only with enough rows per param (measured, 2 threads):
+    E6 batch 64 (512 rows, 46k params) 1.64 -> 1.00 ms per step, E5 (64 rows, 1.08M params) 1.30 -> 2.31 ms.
+    `btjit train` and `btjit bench` use this."""
+    if threads <= 0:
+        import numba
+        threads = numba.get_num_threads()
+    ok = threads > 1 and batch % threads == 0 and rows // threads >= MIN_REPLICA_ROWS
+    return threads if ok else 1

@@ -165,7 +165,8 @@ class Trainer:
         t0 = time.perf_counter()
         self.prog = btjit.trace(self.module.loss_fn(self.mcfg), params, x, y, optimizer=opt,
                                 clip_norm=o.clip_norm or None, dtype=t.dtype,
-                                skip_nonfinite=True)    # a non-finite gradient never updates (stop or skip)
+                                skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
+                                replicas=btjit.replicas_for(len(y), y.size, self.threads))  # losses are means
         self.build_seconds = time.perf_counter() - t0
         self.tokens_per_step = x.size if cfg.model.kind == "gpt" else len(y)
 
@@ -184,8 +185,10 @@ class Trainer:
         plan = getattr(p, "plan_seconds", None)
         times = f"trace {tr:.2f} s + " + (f"plan {plan:.2f} s + " if plan is not None else "") + \
             f"compile {cs:.2f} s (btjit.trace wall time {self.build_seconds:.2f} s)"
+        reps = getattr(p, "replicas", 1)
         self.echo(f"btjit {ver} | numba {numba.__version__} | numpy {np.__version__} | "
-                  f"threads {self.threads} | {t.dtype}")
+                  f"threads {self.threads}" + (f" ({reps} data-parallel replicas)" if reps > 1 else "") +
+                  f" | {t.dtype}")
         self.echo(f"model: {arch} | {p.n_params:,} params | arena {p.arena_bytes / 1e6:.2f} MB")
         self.echo(self.ds.describe())
         self.echo(f"optim: {o.name} lr {o.lr:g}" + (f" momentum {o.momentum:g}" if o.name == "sgd" else

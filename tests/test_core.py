@@ -330,3 +330,80 @@ def test_two_thread_folded_mlp_matches_one_thread():
     assert par.value_and_grad(x, y) == pytest.approx(serial.value_and_grad(x, y), rel=1e-12)
     for k in params:
         np.testing.assert_allclose(par.grads[k], serial.grads[k], rtol=1e-10, atol=1e-13, err_msg=k)
+
+
+# ----------------------------------------------------------------------------- data-parallel replicas
+def _gpt_case(B=6, seed=0):
+    from btjit.models import gpt
+    cfg = gpt.GPTConfig(vocab_size=11, n_layer=2, n_head=2, n_embd=8, block_size=5)
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 11, (B, 5)).astype(np.int32)
+    return gpt.loss_fn(cfg), gpt.init_params(cfg, seed), x, rng.integers(0, 11, (B, 5)).astype(np.int32)
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_replicas_step_equals_the_whole_batch_step(replicas):
+    """R replicas on R threads: the same losses, grads, params and optimizer state as one program on the
+    whole batch (AdamW with a global-norm clip, which must see the averaged grads), step after step."""
+    loss, params, x, y = _gpt_case()
+    params = {k: v.astype(np.float64) for k, v in params.items()}
+    make = lambda r: btjit.trace(loss, params, x, y, optimizer=btjit.optim.AdamW(lr=1e-2), clip_norm=0.5,  # noqa: E731
+                                 dtype="float64", replicas=r)
+    btjit.set_num_threads(2)
+    try:
+        one, rep = make(1), make(replicas)
+        assert rep.replicas == replicas and rep.inputs["idx"].shape == (6 // replicas, 5)
+        for _ in range(3):
+            assert rep.step(x, y) == pytest.approx(one.step(x, y), rel=1e-13)
+        assert rep.value_and_grad(x, y) == pytest.approx(one.value_and_grad(x, y), rel=1e-13)
+        assert rep.forward(x, y) == pytest.approx(one.forward(x, y), rel=1e-13)
+    finally:
+        btjit.set_num_threads(1)
+    for k in params:
+        np.testing.assert_allclose(rep.params[k], one.params[k], rtol=1e-11, atol=1e-14, err_msg=k)
+        np.testing.assert_allclose(rep.grads[k], one.grads[k], rtol=1e-11, atol=1e-14, err_msg=k)
+    ro, rr = one.state_dict(), rep.state_dict()
+    assert int(rr["opt/step"]) == 3 and ro.keys() == rr.keys()
+    for k in ro:
+        np.testing.assert_allclose(rr[k], ro[k], rtol=1e-11, atol=1e-14, err_msg=k)
+    assert rep.memory["planned_bytes"] >= replicas * rep.plan.float_size * 8
+
+
+def test_replicas_take_loaded_params_and_check_every_shard():
+    """Params set through the views (load_state_dict) reach every replica; a bad index in the last shard is
+    an error naming the argument, and that step changes nothing."""
+    loss, params, x, y = _gpt_case()
+    one = btjit.trace(loss, params, x, y, optimizer=btjit.optim.SGD(lr=0.1))
+    rep = btjit.trace(loss, params, x, y, optimizer=btjit.optim.SGD(lr=0.1), replicas=2)
+    one.step(x, y)
+    rep.load_state_dict(one.state_dict())
+    assert rep.forward(x, y) == pytest.approx(one.forward(x, y), rel=1e-6)
+    before = {k: v.copy() for k, v in rep.params.items()}
+    bad = y.copy()
+    bad[-1, -1] = 11
+    with pytest.raises(ValueError, match=r"batch argument 1 \(targets\): index values must be in \[0, 11\)"):
+        rep.step(x, bad)
+    for k, v in rep.params.items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+    assert rep.step(x, y) == pytest.approx(one.step(x, y), rel=1e-5)
+
+
+def test_replicas_bad_input_errors():
+    loss, params, x, y = _gpt_case(B=5)
+    with pytest.raises(ValueError, match=r"batch argument 'idx' has shape \(5, 5\): replicas=2 needs a first axis "
+                                         r"divisible by 2"):
+        btjit.trace(loss, params, x, y, optimizer=btjit.optim.SGD(lr=0.1), replicas=2)
+    with pytest.raises(ValueError, match="replicas must be a positive int"):
+        btjit.trace(loss, params, x, y, optimizer=btjit.optim.SGD(lr=0.1), replicas=0)
+    with pytest.raises(btjit.TraceError, match=r"replicas=2 averages one scalar .* returns outputs 'h'"):
+        btjit.trace(lambda p, x: (btjit.sum(x @ p["w"]), {"h": x @ p["w"]}), {"w": np.ones((3, 2))},
+                    np.ones((4, 3)), replicas=2)
+    rep = btjit.trace(loss, params, x[:4], y[:4], optimizer=btjit.optim.SGD(lr=0.1), replicas=2)
+    with pytest.raises(ValueError, match=r"batch argument 0 \(idx\): expected int array of shape \(4, 5\)"):
+        rep.step(x, y)
+
+
+@pytest.mark.parametrize("batch, rows, threads, want", [(64, 512, 2, 2), (64, 64, 2, 1), (5, 640, 2, 1),
+                                                         (64, 512, 1, 1), (12, 384, 3, 3)])
+def test_replicas_for_needs_a_divisible_batch_and_enough_rows(batch, rows, threads, want):
+    assert btjit.replicas_for(batch, rows, threads) == want

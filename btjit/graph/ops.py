@@ -426,7 +426,6 @@ def split_gemm(nb, M, N, K) -> int:
 
 
 def _lower_matmul(e, L, beta=0, bias=0):
-    import numba
     A, B = e.ins
     C = e.outs[0]
     M, N = C.shape[-2:]
@@ -434,7 +433,7 @@ def _lower_matmul(e, L, beta=0, bias=0):
     K = A.shape[-2] if ta else A.shape[-1]
     batch = C.shape[:-2]
     nb_total = int(np.prod(batch, dtype=np.int64))
-    threads = min(numba.get_num_threads(), MAX_THREADS)
+    threads = min(L.threads, MAX_THREADS)
     par = threads > 1 and M * N * K * nb_total >= PAR_GEMM_MACS
     consts = (L.scratch, L.one_zero)      # int32 BLAS scratch; a[one_zero] == 1.0, a[one_zero + 1] == 0.0
 
@@ -701,7 +700,6 @@ def _attn_lower(e, L):
     """Per-head kernels below BL_MIN_B sequences; from there the sequence-vectorized ("bl") pair, whose
     forward saves the transposed qkv in its scratch W and the probabilities in P in its own layout for the
     backward. With more than one thread the bl blocks are split over the thread pool."""
-    import numba
     B, T_ = e.ins[0].shape[:2]
     C, nh = e.ins[0].shape[2] // 3, e.attrs["n_head"]
     scale = L.const(1.0 / math.sqrt(C // nh))
@@ -712,7 +710,7 @@ def _attn_lower(e, L):
             return [L.row("k_attn_bwd", L.off(qkv), L.off(P), L.off(gy), L.off(dqkv), B, T_, C, nh, scale)]
         (qkv,), (y, P, _) = e.ins, e.outs
         return [L.row("k_attn_fwd", L.off(qkv), L.off(y), L.off(P), B, T_, C, nh, scale)]
-    threads = numba.get_num_threads()
+    threads = L.threads
     par = "_par" if threads > 1 else ""
     nb = attn_blocks(B, threads)
     kind = "bl"
