@@ -306,9 +306,10 @@ def test_attention(dt, B, T, C, NH):
     check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
 
 
-def check_bl_pair(dt, B, T, C, NH, nb, fwd, bwd, seed):
-    """Run a forward/backward pair with the bl rows and layouts (nb lane blocks) against the references; they
-    may write only y, P, W (forward) and dqkv, S (backward)."""
+def check_bl_pair(dt, B, T, C, NH, nb, fwd, bwd, seed, wrote_P=True):
+    """Run a forward/backward pair with the bl rows and layouts (nb lane blocks; the pairs kernels take the
+    same rows without nb) against the references; they may write only y, P (unless not wrote_P), W (forward)
+    and dqkv, S (backward)."""
     rng = np.random.default_rng(seed)
     qkv, dy = rnd(rng, (B * T, 3 * C), dt, 1.5), rnd(rng, (B * T, C), dt)
     scale = float(dt(1.0 / np.sqrt(C // NH)))
@@ -316,14 +317,16 @@ def check_bl_pair(dt, B, T, C, NH, nb, fwd, bwd, seed):
     osc = ar.put("scale", np.array([scale]))
     oq, ody = ar.put("qkv", qkv), ar.put("dy", dy)
     oy, oP = ar.put("y", size=B * T * C), ar.put("P", size=B * NH * T * T)
-    oW, odq = ar.put("W", size=K.attn_scratch_size(B, T, C)), ar.put("dqkv", size=B * T * 3 * C)
-    oS = ar.put("S", size=K.attn_bwd_scratch_size(B, T, C))
+    fd = "f32" if dt == np.float32 else "f64"
+    oW, odq = ar.put("W", size=K.attn_scratch_size(B, T, C, NH, fd)), ar.put("dqkv", size=B * T * 3 * C)
+    oS = ar.put("S", size=K.attn_bwd_scratch_size(B, T, C, NH, fd))
     a = ar.build()
     ia = np.zeros(1, np.int32)
     fwd(a, ia, row(oq, oy, oP, oW, B, T, C, NH, osc, nb))
-    ar.only_wrote("y", "P", "W")
+    P = ("P",) if wrote_P else ()
+    ar.only_wrote("y", *P, "W")
     bwd(a, ia, row(oP, oW, ody, odq, oS, B, T, C, NH, osc, nb))
-    ar.only_wrote("y", "P", "W", "dqkv", "S")
+    ar.only_wrote("y", *P, "W", "dqkv", "S")
     check(ar.get("y", (B * T, C)), attn_ref(qkv, B, T, C, NH, scale)[0], dt)
     check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
 
@@ -347,6 +350,19 @@ def test_attention_generated_lanes(B, T, C, NH, nb, par):
     ns = {}
     exec(attn_lanes.executor_source([(T, C // NH)], ["k_attn_fwd_lanes" + par, "k_attn_bwd_lanes" + par]), ns)
     check_bl_pair(np.float32, B, T, C, NH, nb, ns["k_attn_fwd_lanes" + par], ns["k_attn_bwd_lanes" + par], B * 100 + T)
+
+
+@pytest.mark.parametrize("B,T,C,NH", [(1, 8, 24, 6), (2, 8, 24, 6), (15, 8, 24, 6), (1, 8, 32, 8), (3, 5, 6, 3),
+                                     (1, 1, 4, 1), (5, 3, 8, 2), (4, 8, 24, 6)])
+def test_attention_generated_pairs(B, T, C, NH):
+    """The small-batch generated kernels (lanes over (sequence, head) pairs, 8 wide): padded lanes (B*NH < 8),
+    exactly 8, several chunks with the last overlapping (12, 90), and T = 1. They leave P alone."""
+    from btjit.kernels import attn_lanes
+    assert attn_lanes.pairs_eligible(T, C // NH, "f32") and B < K.BL_MIN_B
+    ns = {}
+    exec(attn_lanes.executor_source([(T, C // NH)], ["k_attn_fwd_pairs", "k_attn_bwd_pairs"]), ns)
+    check_bl_pair(np.float32, B, T, C, NH, 1, ns["k_attn_fwd_pairs"], ns["k_attn_bwd_pairs"], B * 100 + T,
+                  wrote_P=False)
 
 
 def test_attention_generated_lanes_eligibility():

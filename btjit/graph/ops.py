@@ -662,7 +662,11 @@ def _attn_rule(types, attrs, fd):
     if len(s) != 3 or s[2] % 3 or (s[2] // 3) % nh:
         raise ShapeError(f"qkv must be (B, T, 3*C) with C divisible by n_head={nh}")
     B, T_, C3 = s
-    return [((B, T_, C3 // 3), fd), ((B, nh, T_, T_), fd), ((attn_scratch_size(B, T_, C3 // 3),), fd)]
+    return [((B, T_, C3 // 3), fd), ((B, nh, T_, T_), fd), ((attn_scratch_size(B, T_, C3 // 3, nh, fd),), fd)]
+
+
+def _fd(x):
+    return "f32" if x.dtype == np.float32 else "f64"
 
 
 def _attn_ref(xs, a):
@@ -673,12 +677,12 @@ def _attn_ref(xs, a):
     att = q @ k.transpose(0, 1, 3, 2) / math.sqrt(C // nh)
     att = np.where(np.tril(np.ones((T_, T_), bool)), att, -np.inf)
     p = _softmax_ref(att)
-    return ((p @ v).transpose(0, 2, 1, 3).reshape(B, T_, C), p, np.zeros(attn_scratch_size(B, T_, C)))
+    return ((p @ v).transpose(0, 2, 1, 3).reshape(B, T_, C), p, np.zeros(attn_scratch_size(B, T_, C, nh, _fd(qkv))))
 
 
 def _attn_grad_rule(types, attrs, fd):
     (s, _) = types[0]
-    return [(s, fd), ((attn_bwd_scratch_size(s[0], s[1], s[2] // 3),), fd)]
+    return [(s, fd), ((attn_bwd_scratch_size(s[0], s[1], s[2] // 3, attrs["n_head"], fd),), fd)]
 
 
 def _attn_grad_ref(xs, a):
@@ -693,17 +697,26 @@ def _attn_grad_ref(xs, a):
     ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / math.sqrt(hs)
     dq, dk = ds @ k, ds.transpose(0, 1, 3, 2) @ q
     return (np.concatenate([d.transpose(0, 2, 1, 3).reshape(B, T_, C) for d in (dq, dk, dv)], -1),
-            np.zeros(attn_bwd_scratch_size(B, T_, C)))
+            np.zeros(attn_bwd_scratch_size(B, T_, C, nh, _fd(qkv))))
 
 
 def _attn_lower(e, L):
-    """Per-head kernels below BL_MIN_B sequences; from there the sequence-vectorized ("bl") pair, whose
-    forward saves the transposed qkv in its scratch W and the probabilities in P in its own layout for the
-    backward. With more than one thread the bl blocks are split over the thread pool."""
+    """Below BL_MIN_B sequences the generated "pairs" kernels (lanes over (sequence, head) pairs; they keep
+    qkv and the probabilities in their scratch W, and leave P unused) or, where those do not apply, the
+    per-head loops; from BL_MIN_B the sequence-vectorized ("bl") pair or its generated twin ("lanes"), whose
+    forward saves the transposed qkv in W and the probabilities in P in its own layout for the backward. With
+    more than one thread the bl / lanes blocks are split over the thread pool."""
     B, T_ = e.ins[0].shape[:2]
     C, nh = e.ins[0].shape[2] // 3, e.attrs["n_head"]
     scale = L.const(1.0 / math.sqrt(C // nh))
     grad = e.op == "causal_attention_grad"
+    if B < BL_MIN_B and attn_lanes.pairs_eligible(T_, C // nh, e.ins[0].dtype):
+        L.attn_shapes.add((T_, C // nh))
+        if grad:
+            (_, _, W, gy), (dqkv, S) = e.ins, e.outs
+            return [L.row("k_attn_bwd_pairs", 0, L.off(W), L.off(gy), L.off(dqkv), L.off(S), B, T_, C, nh, scale)]
+        (qkv,), (y, _, W) = e.ins, e.outs
+        return [L.row("k_attn_fwd_pairs", L.off(qkv), L.off(y), 0, L.off(W), B, T_, C, nh, scale)]
     if B < BL_MIN_B:
         if grad:
             (qkv, P, _, gy), (dqkv, _) = e.ins, e.outs

@@ -17,31 +17,50 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 LANES = 16
-KERNEL_NAMES = ("k_attn_bwd_lanes", "k_attn_bwd_lanes_par", "k_attn_fwd_lanes", "k_attn_fwd_lanes_par")
+PAIR_LANES = 8        # the small-batch "pairs" kernels: lanes are (sequence, head) pairs (Zen 4 runs 16 as 2 x 8)
+KERNEL_NAMES = ("k_attn_bwd_lanes", "k_attn_bwd_lanes_par", "k_attn_bwd_pairs", "k_attn_fwd_lanes",
+                "k_attn_fwd_lanes_par", "k_attn_fwd_pairs")
 _FLAGS = ("nsz", "arcp", "contract", "afn", "reassoc")   # numba's FM set: no nnan/ninf, NaNs propagate
 _F = ir.FloatType()
-_VF = ir.VectorType(_F, LANES)
-_VI = ir.VectorType(ir.IntType(32), LANES)
+
+
+def _small(T, hs, float_dtype) -> bool:
+    """float32 and a body of bounded size (the GPT's T=8, hs=4 is 144 score terms of 4)."""
+    return float_dtype == "f32" and T * (T + 1) // 2 * hs <= 300
 
 
 def eligible(T, hs, B, nb, float_dtype) -> bool:
-    """Whether rows of this attention use the generated kernels: float32, every one of the nb lane blocks at
-    least LANES wide, and a body of bounded size (the GPT's T=8, hs=4 is 144 score terms of 4)."""
+    """Whether rows of this attention use the generated lanes kernels: every one of the nb lane blocks at
+    least LANES sequences wide, and _small."""
     Lb = -(-B // nb)
-    return (float_dtype == "f32" and min(Lb, B - (nb - 1) * Lb) >= LANES
-            and T * (T + 1) // 2 * hs <= 300)
+    return min(Lb, B - (nb - 1) * Lb) >= LANES and _small(T, hs, float_dtype)
+
+
+def pairs_eligible(T, hs, float_dtype) -> bool:
+    """Whether rows of a small-batch attention use the generated pairs kernels (see pairs_scratch)."""
+    return _small(T, hs, float_dtype)
+
+
+def pairs_scratch(B, T, C, NH) -> tuple:
+    """Floats of the pairs kernels' forward scratch (qkv in the pairs layout, the probabilities, y) and
+    backward scratch (dy, then dqkv, in the pairs layout): Lp = max(B*NH, PAIR_LANES) lanes each."""
+    Lp, hs = max(B * NH, PAIR_LANES), C // NH
+    return T * (3 * hs + T + hs) * Lp, T * 4 * hs * Lp
 
 
 class _Vec:
-    """Emits <16 x float> arithmetic on one llvmlite builder."""
+    """Emits <n x float> arithmetic on one llvmlite builder."""
 
-    def __init__(self, context, builder, arr_type, arr):
+    def __init__(self, context, builder, arr_type, arr, n=LANES):
         self.b = builder
         self.data = context.make_array(arr_type)(context, builder, arr).data
         self.i64 = ir.IntType(64)
+        self.n = n
+        self.vf = ir.VectorType(_F, n)
+        self.vi = ir.VectorType(ir.IntType(32), n)
 
     def const(self, x):
-        return ir.Constant(_VF, [float(x)] * LANES)
+        return ir.Constant(self.vf, [float(x)] * self.n)
 
     def off(self, base, *terms):
         """base + sum(c * v) with Python-int c and i64 values v."""
@@ -52,32 +71,33 @@ class _Vec:
         return o
 
     def load(self, off):
-        return self.b.load(self.b.bitcast(self.b.gep(self.data, [off]), _VF.as_pointer()), align=4)
+        return self.b.load(self.b.bitcast(self.b.gep(self.data, [off]), self.vf.as_pointer()), align=4)
 
     def store(self, v, off):
-        self.b.store(v, self.b.bitcast(self.b.gep(self.data, [off]), _VF.as_pointer()), align=4)
+        self.b.store(v, self.b.bitcast(self.b.gep(self.data, [off]), self.vf.as_pointer()), align=4)
 
     def scatter(self, v, off, stride):
         """Lane l of v to data[off + l * stride] (one llvm.masked.scatter)."""
-        b = self.b
-        vi = ir.VectorType(self.i64, LANES)
-        lanes = b.mul(ir.Constant(vi, list(range(LANES))), self._splat(stride, vi))
+        b, n = self.b, self.n
+        vi = ir.VectorType(self.i64, n)
+        lanes = b.mul(ir.Constant(vi, list(range(n))), self._splat(stride, vi))
         base = b.ptrtoint(b.gep(self.data, [off]), self.i64)
-        addrs = b.add(self._splat(base, vi), b.shl(lanes, ir.Constant(vi, [2] * LANES)))
-        pty = ir.VectorType(self.data.type, LANES)
+        addrs = b.add(self._splat(base, vi), b.shl(lanes, ir.Constant(vi, [2] * n)))
+        pty = ir.VectorType(self.data.type, n)
         ptrs = b.inttoptr(addrs, pty)
+        mask = ir.VectorType(ir.IntType(1), n)
         fn = cgutils.get_or_insert_function(
-            b.module, ir.FunctionType(ir.VoidType(), [_VF, pty, ir.IntType(32), ir.VectorType(ir.IntType(1), LANES)]),
-            "llvm.masked.scatter.v16f32.v16p0")
-        b.call(fn, [v, ptrs, ir.Constant(ir.IntType(32), 4), ir.Constant(ir.VectorType(ir.IntType(1), LANES), [1] * LANES)])
+            b.module, ir.FunctionType(ir.VoidType(), [self.vf, pty, ir.IntType(32), mask]),
+            f"llvm.masked.scatter.v{n}f32.v{n}p0")
+        b.call(fn, [v, ptrs, ir.Constant(ir.IntType(32), 4), ir.Constant(mask, [1] * n)])
 
     def _splat(self, x, vty):
         v = self.b.insert_element(ir.Constant(vty, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
-        return self.b.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_VI, [0] * LANES))
+        return self.b.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(self.vi, [0] * self.n))
 
     def splat(self, off):
         """data[off] in every lane."""
-        return self._splat(self.b.load(self.b.gep(self.data, [off])), _VF)
+        return self._splat(self.b.load(self.b.gep(self.data, [off])), self.vf)
 
     def add(self, x, y):
         return self.b.fadd(x, y, flags=_FLAGS)
@@ -108,27 +128,29 @@ class _Vec:
 
     def exp(self, x):
         """common._fexp32 (Cephes, max rel err ~1.2e-7), lane-wise."""
-        b = self.b
+        b, n = self.b, self.n
         x = self.min(self.max(x, self.const(-87.0)), self.const(88.0))
-        floor = cgutils.get_or_insert_function(b.module, ir.FunctionType(_VF, [_VF]), "llvm.floor.v16f32")
+        floor = cgutils.get_or_insert_function(b.module, ir.FunctionType(self.vf, [self.vf]), f"llvm.floor.v{n}f32")
         fn = b.call(floor, [self.add(self.mul(x, self.const(1.4426950408889634)), self.const(0.5))])
         r = self.add(self.sub(x, self.mul(fn, self.const(0.693359375))), self.mul(fn, self.const(2.12194440e-4)))
         p = self.const(1.9875691500e-4)
         for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
             p = self.add(self.mul(p, r), self.const(c))
         p = self.add(self.add(self.mul(self.mul(p, r), r), r), self.const(1.0))
-        e = b.shl(b.add(b.fptosi(fn, _VI), ir.Constant(_VI, [127] * LANES)), ir.Constant(_VI, [23] * LANES))
-        return self.mul(p, b.bitcast(e, _VF))
+        e = b.shl(b.add(b.fptosi(fn, self.vi), ir.Constant(self.vi, [127] * n)), ir.Constant(self.vi, [23] * n))
+        return self.mul(p, b.bitcast(e, self.vf))
 
 
-def fwd_chunk(T, hs):
-    """Intrinsic: one head x LANES sequences of the forward. Arguments (int64 arena offsets and strides):
-    x0 = X[head's row 0, l0] with rows L apart and a token's q|k|v blocks of C rows CL = C*L apart;
-    p0 = PL[(h*T + 0)*T + 0, l0] (rows L apart); y0 = y[l0, h*hs] (sequences TC = T*C apart); oscale."""
+def fwd_chunk(T, hs, lanes=LANES, y_rows=False):
+    """Intrinsic: `lanes` independent (T x T, hs) problems of the forward -- one head x LANES sequences of the
+    lanes kernels. Arguments (int64 arena offsets and strides): x0 = X[head's row 0, l0] with rows L apart
+    and a token's q|k|v blocks of C rows CL = C*L apart; p0 = PL[(h*T + 0)*T + 0, l0] (rows L apart);
+    y0 = y[l0, h*hs] (sequences TC = T*C apart); oscale. With y_rows (the pairs kernels), y is stored like
+    X instead: row t*hs + d at y0 + (t*hs + d)*L (TC and C unused)."""
     @intrinsic
     def chunk(typingctx, a, x0, L, CL, p0, y0, TC, C, oscale):
         def impl(context, builder, sig, args):
-            v = _Vec(context, builder, sig.args[0], args[0])
+            v = _Vec(context, builder, sig.args[0], args[0], lanes)
             _, x0, L, CL, p0, y0, TC, C, oscale = args
             X = [[[v.load(v.off(x0, (3 * t + p, CL), (d, L))) for d in range(hs)] for p in range(3)]
                  for t in range(T)]
@@ -145,14 +167,17 @@ def fwd_chunk(T, hs):
                     v.store(p[j], v.off(p0, (t * T + j, L)))
                 for d in range(hs):
                     y = v.dot(p, [X[j][2][d] for j in range(t + 1)])
-                    v.scatter(y, builder.add(v.off(y0, (t, C)), ir.Constant(v.i64, d)), TC)
+                    if y_rows:
+                        v.store(y, v.off(y0, (t * hs + d, L)))
+                    else:
+                        v.scatter(y, builder.add(v.off(y0, (t, C)), ir.Constant(v.i64, d)), TC)
             return context.get_dummy_value()
         sig = types.void(a, x0, L, CL, p0, y0, TC, C, oscale)
         return sig, impl
     return chunk
 
 
-def bwd_chunk(T, hs):
+def bwd_chunk(T, hs, lanes=LANES):
     """Intrinsic: one head x LANES sequences of the backward, from X and PL as in fwd_chunk and g0 = G[head's
     row 0, l0] (dy transposed, rows as X's); writes dqkv transposed (D, rows as X's, from d0 = D[head's row
     0, l0]), which the block function then transposes out: 16-lane scatters measured slower (29 against 26
@@ -160,7 +185,7 @@ def bwd_chunk(T, hs):
     @intrinsic
     def chunk(typingctx, a, x0, L, CL, g0, p0, d0, oscale):
         def impl(context, builder, sig, args):
-            v = _Vec(context, builder, sig.args[0], args[0])
+            v = _Vec(context, builder, sig.args[0], args[0], lanes)
             _, x0, L, CL, g0, p0, d0, oscale = args
             X = [[[v.load(v.off(x0, (3 * t + p, CL), (d, L))) for d in range(hs)] for p in range(3)]
                  for t in range(T)]
@@ -227,24 +252,59 @@ def _lanes_bwd_{T}_{hs}(a, r, i):
             _bwd_chunk_{T}_{hs}(a, oW + b0 * n + h * {hs} * L + l0, L, C * L, oS + b0 * {T} * C + h * {hs} * L + l0,
                                oP + (b0 * NH + h * L) * {TT} + l0, oD + b0 * n + h * {hs} * L + l0, r[10])
     bl_out(a, oD, odqkv, b0, L, n)
+
+
+_fwd_pairs_{T}_{hs} = fwd_chunk({T}, {hs}, {P}, True)
+_bwd_pairs_{T}_{hs} = bwd_chunk({T}, {hs}, {P})
+
+
+@njit(**FM)
+def _pairs_fwd_{T}_{hs}(a, r, i):
+    oqkv = r[1]; oy = r[2]; oW = r[4]; B = r[5]; NH = r[8]
+    Lp = max(B * NH, {P})
+    oPL = oW + {T} * 3 * {hs} * Lp
+    oY = oPL + {TT} * Lp
+    pairs_in(a, oqkv, oW, B, {T}, NH, {hs}, 3, Lp)
+    for c in range((Lp + {P1}) // {P}):
+        l0 = min(c * {P}, Lp - {P})
+        _fwd_pairs_{T}_{hs}(a, oW + l0, Lp, {hs} * Lp, oPL + l0, oY + l0, Lp, Lp, r[9])
+    pairs_out(a, oY, oy, B, {T}, NH, {hs}, 1, Lp)
+
+
+@njit(**FM)
+def _pairs_bwd_{T}_{hs}(a, r, i):
+    oW = r[2]; ody = r[3]; odqkv = r[4]; oS = r[5]; B = r[6]; NH = r[9]
+    Lp = max(B * NH, {P})
+    oPL = oW + {T} * 3 * {hs} * Lp
+    oD = oS + {T} * {hs} * Lp
+    pairs_in(a, ody, oS, B, {T}, NH, {hs}, 1, Lp)
+    for c in range((Lp + {P1}) // {P}):
+        l0 = min(c * {P}, Lp - {P})
+        _bwd_pairs_{T}_{hs}(a, oW + l0, Lp, {hs} * Lp, oS + l0, oPL + l0, oD + l0, r[10])
+    pairs_out(a, oD, odqkv, B, {T}, NH, {hs}, 3, Lp)
 """
 
 
 def executor_source(shapes, kernel_names) -> str:
-    """Source of the lanes kernels among `kernel_names` for the (T, hs) pairs `shapes` (every row of those
-    kernels in the tape has one of them), for the executor file."""
+    """Source of the lanes and pairs kernels among `kernel_names` for the (T, hs) pairs `shapes` (every row
+    of those kernels in the tape has one of them), for the executor file. The block functions of a family
+    no kernel uses are never compiled."""
     shapes = sorted(set(shapes))
     out = ["from numba import njit, prange",
            "from btjit.kernels.attn_lanes import bwd_chunk, fwd_chunk",
            "from btjit.kernels.common import FM, FM_PAR",
-           "from btjit.kernels.nn import bl_in, bl_out, bl_span"]
-    out += [_BLOCKS.format(T=T, hs=hs, TT=T * T, V=LANES, V1=LANES - 1) for T, hs in shapes]
-    for kind, iT, iC, iNH, inb in (("fwd", 6, 7, 8, 10), ("bwd", 7, 8, 9, 11)):
-        out.append(f"\n@njit(**FM)\ndef _lanes_{kind}(a, r, i):\n    T = r[{iT}]\n    hs = r[{iC}] // r[{iNH}]")
-        for j, (T, hs) in enumerate(shapes):
-            out.append(f"    {'if' if j == 0 else 'elif'} T == {T} and hs == {hs}:\n        _lanes_{kind}_{T}_{hs}(a, r, i)")
-        for par in ("", "_par"):
-            if f"k_attn_{kind}_lanes{par}" in kernel_names:
-                out.append(f"\n\n@njit(**FM{par.upper()})\ndef k_attn_{kind}_lanes{par}(a, ia, r):\n"
-                           f"    for i in {'prange' if par else 'range'}(r[{inb}]):\n        _lanes_{kind}(a, r, i)")
+           "from btjit.kernels.nn import bl_in, bl_out, bl_span, pairs_in, pairs_out"]
+    out += [_BLOCKS.format(T=T, hs=hs, TT=T * T, V=LANES, V1=LANES - 1, P=PAIR_LANES, P1=PAIR_LANES - 1)
+            for T, hs in shapes]
+    for family, pars in (("lanes", ("", "_par")), ("pairs", ("",))):
+        for kind, iT, iC, iNH, inb in (("fwd", 6, 7, 8, 10), ("bwd", 7, 8, 9, 11)):
+            out.append(f"\n@njit(**FM)\ndef _{family}_{kind}(a, r, i):\n    T = r[{iT}]\n    hs = r[{iC}] // r[{iNH}]")
+            for j, (T, hs) in enumerate(shapes):
+                out.append(f"    {'if' if j == 0 else 'elif'} T == {T} and hs == {hs}:\n"
+                           f"        _{family}_{kind}_{T}_{hs}(a, r, i)")
+            for par in pars:
+                if f"k_attn_{kind}_{family}{par}" in kernel_names:
+                    loop = f"{'prange' if par else 'range'}(r[{inb}])" if family == "lanes" else "range(1)"
+                    out.append(f"\n\n@njit(**FM{par.upper()})\ndef k_attn_{kind}_{family}{par}(a, ia, r):\n"
+                               f"    for i in {loop}:\n        _{family}_{kind}(a, r, i)")
     return "\n".join(out) + "\n"

@@ -8,6 +8,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from btjit.kernels import attn_lanes
 from btjit.kernels.common import FM, FM_PAR, cvt, fexp
 
 f32 = np.float32
@@ -320,6 +321,41 @@ def bl_out(a, osrc, odst, b0, L, n):
 
 
 @njit(**FM)
+def pairs_in(a, osrc, odst, B, T, NH, hs, parts, Lp):
+    """The pairs layout of the generated small-batch attention (attn_lanes.py): lane q = b*NH + h of the
+    (B, T, parts*C) rows at osrc (C = NH*hs; part p, head h, element d at column p*C + h*hs + d) goes to
+    row (t*parts + p)*hs + d, lane q of the (T*parts*hs, Lp) matrix at odst; lanes B*NH .. Lp-1 are zeroed."""
+    C = NH * hs
+    n = parts * C
+    for row in range(T * parts * hs):
+        for q in range(B * NH, Lp):
+            a[odst + row * Lp + q] = 0
+    for b in range(B):
+        for t in range(T):
+            src = a[osrc + (b * T + t) * n:osrc + (b * T + t + 1) * n]
+            for p in range(parts):
+                for h in range(NH):
+                    dst = a[odst + (t * parts + p) * hs * Lp + b * NH + h:]
+                    for d in range(hs):
+                        dst[d * Lp] = src[p * C + h * hs + d]
+
+
+@njit(**FM)
+def pairs_out(a, osrc, odst, B, T, NH, hs, parts, Lp):
+    """The inverse of pairs_in (lanes B*NH .. Lp-1 dropped)."""
+    C = NH * hs
+    n = parts * C
+    for b in range(B):
+        for t in range(T):
+            dst = a[odst + (b * T + t) * n:odst + (b * T + t + 1) * n]
+            for p in range(parts):
+                for h in range(NH):
+                    src = a[osrc + (t * parts + p) * hs * Lp + b * NH + h:]
+                    for d in range(hs):
+                        dst[p * C + h * hs + d] = src[d * Lp]
+
+
+@njit(**FM)
 def _attn_bl_fwd_block(a, r, i):
     """Block i of a k_attn_fwd_bl(_par) row: sequences b0 .. b0+L-1."""
     oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
@@ -474,7 +510,7 @@ def _attn_bl_bwd_block(a, r, i):
 @njit(**FM)
 def k_attn_fwd_bl(a, ia, r):
     """Causal self-attention forward vectorized across sequences (layouts above the helpers).
-    r = [op, oqkv, oy, oP, oW, B, T, C, NH, oscale, nb]; W: attn_scratch_size(B, T, C) floats."""
+    r = [op, oqkv, oy, oP, oW, B, T, C, NH, oscale, nb]; W: attn_scratch_size(B, T, C, ...) floats."""
     for i in range(r[10]):
         _attn_bl_fwd_block(a, r, i)
 
@@ -489,7 +525,7 @@ def k_attn_fwd_bl_par(a, ia, r):
 @njit(**FM)
 def k_attn_bwd_bl(a, ia, r):
     """Backward of k_attn_fwd_bl from its saved X (in W) and PL (in P); writes dqkv (overwrite).
-    r = [op, oP, oW, ody, odqkv, oS, B, T, C, NH, oscale, nb]; S: attn_bwd_scratch_size(B, T, C) floats."""
+    r = [op, oP, oW, ody, odqkv, oS, B, T, C, NH, oscale, nb]; S: attn_bwd_scratch_size(B, T, C, ...) floats."""
     for i in range(r[11]):
         _attn_bl_bwd_block(a, r, i)
 
@@ -506,14 +542,20 @@ def attn_blocks(B, threads):
     return max(-(-B // LMAX), threads if threads > 1 else 1)
 
 
-def attn_scratch_size(B, T, C):
-    """Floats of the forward's scratch output W in bl mode (X, then two (B,) rows); none below BL_MIN_B."""
-    return B * T * 3 * C + 2 * B if B >= BL_MIN_B else 0
+def attn_scratch_size(B, T, C, NH, float_dtype):
+    """Floats of the forward's scratch output W: in bl mode (B >= BL_MIN_B) X, then two (B,) rows; below,
+    the generated pairs kernels' scratch where they apply (attn_lanes.pairs_scratch), else none."""
+    if B >= BL_MIN_B:
+        return B * T * 3 * C + 2 * B
+    return attn_lanes.pairs_scratch(B, T, C, NH)[0] if attn_lanes.pairs_eligible(T, C // NH, float_dtype) else 0
 
 
-def attn_bwd_scratch_size(B, T, C):
-    """Floats of the backward's scratch output S in bl mode (dy^T, dqkv^T, T+1 rows of L); none below BL_MIN_B."""
-    return B * (T * C + T * 3 * C + T + 1) if B >= BL_MIN_B else 0
+def attn_bwd_scratch_size(B, T, C, NH, float_dtype):
+    """Floats of the backward's scratch output S: in bl mode dy^T, dqkv^T, T+1 rows of L; below BL_MIN_B as
+    attn_scratch_size."""
+    if B >= BL_MIN_B:
+        return B * (T * C + T * 3 * C + T + 1)
+    return attn_lanes.pairs_scratch(B, T, C, NH)[1] if attn_lanes.pairs_eligible(T, C // NH, float_dtype) else 0
 
 
 # ---------------------------------------------------------------- softmax cross-entropy
