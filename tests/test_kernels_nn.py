@@ -177,6 +177,46 @@ def test_matmul_with_fused_bias(dt, nb, nparts):
     ar.only_wrote("C")
 
 
+@pytest.mark.parametrize("M,N,Kd,ta,tb,bias", [
+    (8, 72, 24, 0, 0, 1), (8, 24, 96, 0, 0, 1), (8, 65, 24, 0, 0, 0), (13, 30, 5, 0, 0, 1), (8, 8, 1, 0, 0, 0),
+    (96, 24, 8, 1, 0, 0), (24, 65, 8, 1, 0, 0), (9, 100, 7, 1, 0, 0), (17, 50, 3, 1, 0, 0),
+    (8, 96, 24, 0, 1, 0), (8, 24, 24, 0, 1, 0), (13, 30, 5, 0, 1, 0), (16, 9, 3, 0, 1, 0)])
+@pytest.mark.parametrize("nb,bcast", [(1, "none"), (3, "B"), (2, "none")])
+def test_matmul_small_micro_kernels(M, N, Kd, ta, tb, bias, nb, bcast):
+    """k_matmul_small, float32: every column-block width (48, 24, 16, 8) and the blocks moved back to end at
+    M / N (13 x 30, 17 x 50, 9 x 100), plain, A^T and B^T products, bias rows, batched with B broadcast; only
+    C is written, and the lowering picks it exactly for the shapes ops.small_gemm allows."""
+    from btjit.graph.ops import small_gemm
+    from btjit.kernels.linalg import k_matmul_small
+    assert small_gemm(M, N, Kd, ta, tb, 0, bias, "f32") and not small_gemm(M, N, Kd, ta, tb, 0, bias, "f64")
+    assert not small_gemm(M, N, Kd, ta, tb, 1, bias, "f32")                  # accumulation: sgemm
+    dt = np.float32
+    rng = np.random.default_rng(M * N + Kd)
+    A, B, b = rnd(rng, (nb, M, Kd), dt), rnd(rng, (nb, Kd, N), dt), rnd(rng, (N,), dt)
+    B[:] = B[0] if bcast == "B" else B
+    As = A.transpose(0, 2, 1) if ta else A
+    Bs = B.transpose(0, 2, 1) if tb else B
+    ar = Arena(dt)
+    oA, oB = ar.put("A", As), ar.put("B", Bs[0] if bcast == "B" else Bs)
+    ob = ar.put("bias", b) if bias else 0
+    oC = ar.put("C", rnd(rng, (nb, M, N), dt))          # garbage: overwritten
+    a = ar.build()
+    k_matmul_small(a, np.zeros(4, np.int32), row(oA, oB, oC, nb, M, N, Kd, M * Kd, 0 if bcast == "B" else Kd * N,
+                                                 M * N, ta, tb, ob))
+    check(ar.get("C", (nb, M, N)), A @ B + (b if bias else 0), dt)
+    ar.only_wrote("C")
+
+
+def test_small_gemm_choice():
+    """Small products only: >= 8 x 8, <= SMALL_MACS, overwrite, float32; B^T ones where N >= K, no bias, no
+    A^T B^T."""
+    from btjit.graph.ops import small_gemm
+    assert small_gemm(8, 24, 24, 0, 1, 0, 0, "f32") and not small_gemm(8, 24, 96, 0, 1, 0, 0, "f32")
+    assert not small_gemm(7, 24, 24, 0, 0, 0, 0, "f32") and not small_gemm(8, 7, 24, 0, 0, 0, 0, "f32")
+    assert not small_gemm(512, 72, 24, 0, 0, 0, 0, "f32") and not small_gemm(8, 24, 8, 1, 1, 0, 0, "f32")
+    assert not small_gemm(8, 24, 8, 0, 1, 0, 1, "f32")
+
+
 # ---------------------------------------------------------------- LayerNorm
 def ln_ref(x, g, b, eps):
     mu = x.mean(-1)

@@ -16,11 +16,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from btjit.kernels.common import FM_FLAGS as _FLAGS
+
 LANES = 16
 PAIR_LANES = 8        # the small-batch "pairs" kernels: lanes are (sequence, head) pairs (Zen 4 runs 16 as 2 x 8)
 KERNEL_NAMES = ("k_attn_bwd_lanes", "k_attn_bwd_lanes_par", "k_attn_bwd_pairs", "k_attn_fwd_lanes",
                 "k_attn_fwd_lanes_par", "k_attn_fwd_pairs")
-_FLAGS = ("nsz", "arcp", "contract", "afn", "reassoc")   # numba's FM set: no nnan/ninf, NaNs propagate
 _F = ir.FloatType()
 
 

@@ -9,7 +9,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import get_cython_function_address, intrinsic, overload
 
-FM = dict(fastmath={'nsz', 'arcp', 'contract', 'afn', 'reassoc'}, error_model='numpy', boundscheck=False)
+FM_FLAGS = ("nsz", "arcp", "contract", "afn", "reassoc")   # fast-math set: no nnan/ninf, NaNs propagate
+FM = dict(fastmath=set(FM_FLAGS), error_model='numpy', boundscheck=False)
 MAX_THREADS = 8   # threads the parallel kernels' scratch (e.g. 8 int32 BLAS slots each) is sized for
 FM_PAR = dict(FM, parallel=True)   # only for large, race-free work: ~2-4 us per launch (NUMBA_NOTES §7)
 
@@ -125,6 +126,34 @@ def stack_buf(typingctx, arr, n):
             buf = builder.alloca(ir.ArrayType(ety, size))
         return builder.bitcast(buf, ety.as_pointer())
     return types.CPointer(arr.dtype)(arr, n), impl
+
+
+@intrinsic
+def tile16(typingctx, src, osrc, ssrc, dst, odst, sdst):
+    """dst[odst + j*sdst + i] = src[osrc + i*ssrc + j] for i, j < 16 (arrays of one dtype; offsets and strides
+    in elements): 16 row loads, 4 rounds of 16 two-vector interleaves (vpermt2ps), 16 stores."""
+    def impl(context, builder, sig, args):
+        sd = context.make_array(sig.args[0])(context, builder, args[0]).data
+        dd = context.make_array(sig.args[3])(context, builder, args[3]).data
+        _, osrc, ssrc, _, odst, sdst = args
+        vt = ir.VectorType(context.get_data_type(sig.args[0].dtype), 16)
+        i64 = ir.IntType(64)
+
+        def vptr(data, base, stride, k):
+            return builder.bitcast(builder.gep(data, [builder.add(base, builder.mul(stride, ir.Constant(i64, k)))]),
+                                   vt.as_pointer())
+        rows = [builder.load(vptr(sd, osrc, ssrc, k), align=4) for k in range(16)]
+        lo = ir.Constant(ir.VectorType(ir.IntType(32), 16), [x for k in range(8) for x in (k, k + 16)])
+        hi = ir.Constant(ir.VectorType(ir.IntType(32), 16), [x for k in range(8, 16) for x in (k, k + 16)])
+        for _ in range(4):      # after log2(16) perfect shuffles of rows k and k+8 the tile is transposed
+            rows = [builder.shuffle_vector(rows[k // 2], rows[k // 2 + 8], lo if k % 2 == 0 else hi)
+                    for k in range(16)]
+        for k in range(16):
+            builder.store(rows[k], vptr(dd, odst, sdst, k), align=4)
+        return context.get_dummy_value()
+    if src.dtype != dst.dtype:
+        return None
+    return types.void(src, osrc, ssrc, dst, odst, sdst), impl
 
 
 # ---------------------------------------------------------------- direct BLAS gemm

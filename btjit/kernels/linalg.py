@@ -1,11 +1,119 @@
 # Linear-algebra tape kernels: batched (optionally broadcast) row-major matmul through direct BLAS
-# (sgemm for float32 arenas, dgemm for float64) via btjit.kernels.common.gemm.
-from numba import carray, njit, prange
+# (sgemm for float32 arenas, dgemm for float64) via btjit.kernels.common.gemm, and for small products
+# (batch-1 GPT layers: 8 rows) through register micro-kernels generated here, where BLAS's per-call work
+# costs more than the multiply-adds.
+from llvmlite import ir
+from numba import carray, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from btjit.kernels.common import FM, FM_PAR, gemm, stack_buf
+from btjit.kernels.common import FM, FM_FLAGS, FM_PAR, gemm, stack_buf, tile16
 
 WT_MAX = 16384       # floats of the largest B a B^T product copies transposed onto the stack (64 KB)
 COPY_MIN_ROWS = 64   # ... and the fewest rows of C it does that for (at 8 rows the copy costs 2x the GEMM)
+SMALL_MACS = 40_000  # products up to this many multiply-adds (and >= 8 x 8, beta 0) use the micro-kernels
+MR = 8               # rows of C per micro-kernel call
+SMALL_WT = SMALL_MACS // 8   # floats of k_matmul_small's stack buffer: a K x MR block of A (K <= SMALL_MACS / 64)
+
+
+def _micro(widths, transposed=False):
+    """Intrinsic: C[r, c] = init[c] + sum_k A(r, k) * B[k, c] for MR rows r and sum(widths) columns c, held in
+    MR x len(widths) vector registers (`widths` lanes each) over a loop of K steps. A(r, k) is the scalar at
+    a[oA + r*sar + k*sak] (A row-major: sar = lda, sak = 1; A^T: sar = 1, sak = lda); B row k at
+    b[oB + k*ldb]; C row r at a[oC + r*ldc]; init = the row a[obias:] if obias > 0, else 0. transposed
+    (widths (8,) with MR = 8 only): the 8 x 8 result is transposed in registers and C^T stored, row c at
+    a[oC + c*ldc]."""
+    assert not transposed or widths == (MR,) == (8,)
+    offs = [sum(widths[:j]) for j in range(len(widths))]
+
+    @intrinsic
+    def micro(typingctx, a, b, oA, sar, sak, oB, ldb, oC, ldc, K, obias):
+        def impl(context, builder, sig, args):
+            ety = context.get_data_type(sig.args[0].dtype)
+            vts = [ir.VectorType(ety, w) for w in widths]
+            ad = context.make_array(sig.args[0])(context, builder, args[0]).data
+            bd = context.make_array(sig.args[1])(context, builder, args[1]).data
+            _, _, oA, sar, sak, oB, ldb, oC, ldc, K, obias = args
+            i64 = ir.IntType(64)
+            c = lambda x: ir.Constant(i64, x)  # noqa: E731
+            J = range(len(widths))
+
+            def load(data, off, j):
+                return builder.load(builder.bitcast(builder.gep(data, [builder.add(off, c(offs[j]))]),
+                                                    vts[j].as_pointer()), align=4)
+
+            acc = [[cgutils.alloca_once(builder, vts[j]) for j in J] for _ in range(MR)]
+            with builder.if_else(builder.icmp_signed(">", obias, c(0))) as (then, otherwise):
+                with then:
+                    init = [load(ad, obias, j) for j in J]
+                    for r in range(MR):
+                        for j in J:
+                            builder.store(init[j], acc[r][j])
+                with otherwise:
+                    for r in range(MR):
+                        for j in J:
+                            builder.store(ir.Constant(vts[j], None), acc[r][j])
+            with cgutils.for_range(builder, K) as loop:
+                k = loop.index
+                brow = builder.add(oB, builder.mul(k, ldb))
+                bv = [load(bd, brow, j) for j in J]
+                acol = builder.add(oA, builder.mul(k, sak))
+                for r in range(MR):
+                    x = builder.load(builder.gep(ad, [builder.add(acol, builder.mul(c(r), sar))]))
+                    for j in J:
+                        w = widths[j]
+                        xv = builder.shuffle_vector(builder.insert_element(ir.Constant(vts[j], ir.Undefined), x, c(0)),
+                                                    ir.Constant(vts[j], ir.Undefined),
+                                                    ir.Constant(ir.VectorType(ir.IntType(32), w), [0] * w))
+                        builder.store(builder.fadd(builder.load(acc[r][j]), builder.fmul(xv, bv[j], flags=FM_FLAGS),
+                                                   flags=FM_FLAGS), acc[r][j])
+            out = [[builder.load(acc[r][j]) for j in J] for r in range(MR)]
+            if transposed:          # 3 rounds of perfect shuffles of rows k and k+4 transpose an 8 x 8 tile
+                rows = [o[0] for o in out]
+                mask = [ir.Constant(ir.VectorType(ir.IntType(32), 8), [x for k in h for x in (k, k + 8)])
+                        for h in (range(4), range(4, 8))]
+                for _ in range(3):
+                    rows = [builder.shuffle_vector(rows[k // 2], rows[k // 2 + 4], mask[k % 2]) for k in range(8)]
+                out = [[x] for x in rows]
+            for r in range(MR):
+                crow = builder.add(oC, builder.mul(c(r), ldc))
+                for j in J:
+                    builder.store(out[r][j], builder.bitcast(builder.gep(ad, [builder.add(crow, c(offs[j]))]),
+                                                             vts[j].as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.void(a, b, oA, sar, sak, oB, ldb, oC, ldc, K, obias), impl
+    return micro
+
+
+_micro48, _micro24, _micro16, _micro8 = _micro((16, 16, 16)), _micro((16, 8)), _micro((16,)), _micro((8,))
+_micro8t = _micro((8,), True)
+
+
+@njit(**FM)
+def gemm_small(a, b, oA, sar, sak, oB, ldb, oC, ldc, M, N, K, obias):
+    """C (M, N) = [bias +] A @ B by micro-kernels (M, N >= 8; A as in _micro, B (K, N) row-major with row
+    stride ldb in b, C with row stride ldc in a; obias: the bias row's offset, 0 = none). Blocks of MR rows
+    and of the widest of 48 / 24 / 16 / 8 columns that fits; the last block of each is moved back to end at
+    M / N, recomputing a few entries that are stored again unchanged, so there are no edge loops (overwrite
+    only)."""
+    for i in range(0, M, MR):
+        r0 = min(i, M - MR)
+        oa, oc = oA + r0 * sar, oC + r0 * ldc
+        c0 = 0
+        while c0 < N:
+            rem = N - c0
+            w = 48 if rem >= 48 else 24 if rem >= 24 else 16 if rem >= 16 else 8
+            c0 = min(c0, N - w)
+            ob = obias + c0 if obias > 0 else 0
+            if w == 48:
+                _micro48(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob)
+            elif w == 24:
+                _micro24(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob)
+            elif w == 16:
+                _micro16(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob)
+            else:
+                _micro8(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob)
+            c0 += w
 
 
 @njit(**FM)
@@ -30,6 +138,26 @@ def k_matmul(a, ia, r):
         _matmul_part(a, ia, r, j, nparts)
 
 
+@njit(**FM)
+def k_matmul_small(a, ia, r):
+    """Batched matmul of small float32 products by the micro-kernels below (ops.small_gemm says which):
+    C_i (M,N) = op(A_i) @ op(B_i) (+ bias) for i in range(nbatch), overwriting C_i.
+
+    r = [op, oA, oB, oC, nbatch, M, N, K, sA, sB, sC, ta, tb, obias] as in k_matmul (ta and tb never both
+      1; a B^T product has no bias). M, N >= 8.
+    """
+    oA = r[1]; oB = r[2]; oC = r[3]; nbatch = r[4]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
+    sC = r[10]; ta = r[11]; tb = r[12]; obias = r[13]
+    lda = M if ta == 1 else K
+    sar, sak = (1, lda) if ta == 1 else (lda, 1)
+    wt = carray(stack_buf(a, SMALL_WT), (SMALL_WT,))
+    for i in range(nbatch):
+        if tb == 1:
+            gemm_small_nt(a, oA + i * sA, K, oB + i * sB, K, oC + i * sC, N, M, N, K, wt)
+        else:
+            gemm_small(a, a, oA + i * sA, sar, sak, oB + i * sB, N, oC + i * sC, N, M, N, K, obias)
+
+
 @njit(**FM_PAR)
 def k_matmul_par(a, ia, r):
     """k_matmul with the nparts blocks of every product on the thread pool, each a single-threaded GEMM: all
@@ -38,6 +166,39 @@ def k_matmul_par(a, ia, r):
     nparts = r[17]
     for j in prange(nparts):
         _matmul_part(a, ia, r, j, nparts)
+
+
+@njit(**FM)
+def gemm_small_nt(a, oA, lda, oB, ldb, oC, ldc, M, N, K, wt):
+    """C (M, N) = A @ B^T by micro-kernels (M, N >= 8; A (M, K) and B (N, K) row-major in a): per block of MR
+    rows of A, its transpose goes to the stack buffer wt (K x 8) and C^T = B @ that is computed 8 x 8 at a
+    time and stored transposed. Blocks move back to end at M / N as in gemm_small (overwrite only)."""
+    for i in range(0, M, MR):
+        m0 = min(i, M - MR)
+        Ab = a[oA + m0 * lda:oA + m0 * lda + (MR - 1) * lda + K]
+        for k in range(K):
+            for m in range(MR):
+                wt[k * MR + m] = Ab[m * lda + k]
+        for j in range(0, N, 8):
+            n0 = min(j, N - 8)
+            _micro8t(a, wt, oB + n0 * ldb, ldb, 1, 0, MR, oC + m0 * ldc + n0, ldc, K, 0)
+
+
+@njit(**FM)
+def _transposed_copy(a, o, R, C, wt):
+    """wt[:C*R] = the (R, C) matrix at a[o] transposed: 16 x 16 register tiles, the last of each row and
+    column of tiles moved back to end at R / C (overlaps rewrite equal values); element loops below 16."""
+    if R >= 16 and C >= 16:
+        for i0 in range(0, R, 16):
+            i = min(i0, R - 16)
+            for j0 in range(0, C, 16):
+                j = min(j0, C - 16)
+                tile16(a, o + i * C + j, C, wt, j * R + i, R)
+        return
+    src = a[o:o + R * C].reshape(R, C)
+    for k in range(C):
+        for c in range(R):
+            wt[k * R + c] = src[c, k]
 
 
 @njit(**FM)
@@ -71,11 +232,7 @@ def _matmul_part(a, ia, r, j, nparts):
         if copy:                          # B^T products (dX = dY @ W^T): on a transposed stack copy of B's
             nr = cols if split_n else N     # rows in use OpenBLAS runs 15-25% faster (E6b64: 31 -> 24 us)
             if i == 0 or sB != 0:
-                r0 = ob if split_n else oB + i * sB
-                Bs = a[r0:r0 + nr * K].reshape(nr, K)
-                for k in range(K):
-                    for c in range(nr):
-                        wt[k * nr + c] = Bs[c, k]
+                _transposed_copy(a, ob if split_n else oB + i * sB, nr, K, wt)
         if obias > 0:     # row slices, not flat a[i] indexing (its wraparound checks cost 3x)
             bias = a[obias + (lo if split_n else 0):obias + (lo if split_n else 0) + cols]
             for m in range(rows):

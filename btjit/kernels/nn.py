@@ -4,12 +4,10 @@
 import math
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from btjit.kernels import attn_lanes
-from btjit.kernels.common import FM, FM_PAR, cvt, fexp
+from btjit.kernels.common import FM, FM_PAR, cvt, fexp, tile16
 
 f32 = np.float32
 
@@ -265,31 +263,6 @@ def bl_span(B, nb, i):
     return b0, min(Lb, B - b0)
 
 
-@intrinsic
-def _tile16(typingctx, a, osrc, ssrc, odst, sdst):
-    """dst[j*sdst + i] = src[i*ssrc + j] for i, j < 16 (offsets and strides in elements of arena `a`): 16 row
-    loads, 4 rounds of 16 two-vector interleaves (vpermt2ps), 16 stores."""
-    def impl(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        _, osrc, ssrc, odst, sdst = args
-        vt = ir.VectorType(context.get_data_type(sig.args[0].dtype), 16)
-        i64 = ir.IntType(64)
-
-        def vptr(base, stride, k):
-            return builder.bitcast(builder.gep(data, [builder.add(base, builder.mul(stride, ir.Constant(i64, k)))]),
-                                   vt.as_pointer())
-        rows = [builder.load(vptr(osrc, ssrc, k), align=4) for k in range(16)]
-        lo = ir.Constant(ir.VectorType(ir.IntType(32), 16), [x for k in range(8) for x in (k, k + 16)])
-        hi = ir.Constant(ir.VectorType(ir.IntType(32), 16), [x for k in range(8, 16) for x in (k, k + 16)])
-        for _ in range(4):      # after log2(16) perfect shuffles of rows k and k+8 the tile is transposed
-            rows = [builder.shuffle_vector(rows[k // 2], rows[k // 2 + 8], lo if k % 2 == 0 else hi)
-                    for k in range(16)]
-        for k in range(16):
-            builder.store(rows[k], vptr(odst, sdst, k), align=4)
-        return context.get_dummy_value()
-    return types.void(a, osrc, ssrc, odst, sdst), impl
-
-
 @njit(**FM)
 def transpose(a, osrc, odst, R, C):
     """The (R, C) row-major matrix at osrc into (C, R) at odst (no overlap): 16 x 16 register tiles (3x the
@@ -298,7 +271,7 @@ def transpose(a, osrc, odst, R, C):
     C16 = C - C % 16
     for i0 in range(0, R16, 16):
         for j0 in range(0, C16, 16):
-            _tile16(a, osrc + i0 * C + j0, C, odst + j0 * R + i0, R)
+            tile16(a, osrc + i0 * C + j0, C, a, odst + j0 * R + i0, R)
     src = a[osrc:osrc + R * C].reshape(R, C)
     dst = a[odst:odst + R * C].reshape(C, R)
     for j in range(C):
