@@ -185,6 +185,24 @@ def test_resume_is_bit_exact(setup, gpt):
     assert steps == sorted(set(steps)) and steps[-1] == 30
 
 
+def test_two_thread_training_runs_replicas_and_resumes_bit_exact(setup, gpt):
+    """--threads 2 with 64 sequences of 4 tokens: two data-parallel replicas (btjit.replicas_for), which end
+    where one thread ends up to rounding, and resume bit-exact."""
+    cfg, data, tmp = setup
+    two = ("--data", data, "--threads", "2", "--set", "train.batch_size=64")
+    res = run("train", cfg, *two, "--out", tmp / "a")
+    assert res.exit_code == 0 and "threads 2 (2 data-parallel replicas)" in res.output, res.output
+    assert run("train", cfg, *two, "--out", tmp / "b", "--set", "train.steps=13").exit_code == 0
+    res = run("train", cfg, *two, "--out", tmp / "b", "--resume")
+    assert res.exit_code == 0 and "resumed from ckpt_00000013.npz at step 13" in res.output, res.output
+    assert_same_state(final_state(tmp / "a"), final_state(tmp / "b"))
+    res = run("train", cfg, "--data", data, "--threads", "1", "--set", "train.batch_size=64", "--out", tmp / "c")
+    assert res.exit_code == 0 and "replicas" not in res.output
+    a, c = final_state(tmp / "a"), final_state(tmp / "c")
+    for k in a.params:
+        np.testing.assert_allclose(a.params[k], c.params[k], rtol=1e-3, atol=1e-5, err_msg=k)
+
+
 def test_resume_falls_back_past_corrupt_checkpoint(setup, gpt):
     cfg, data, tmp = setup
     assert run("train", cfg, "--data", data, "--out", tmp / "a").exit_code == 0
