@@ -180,16 +180,18 @@ def test_matmul_with_fused_bias(dt, nb, nparts):
 @pytest.mark.parametrize("M,N,Kd,ta,tb,bias", [
     (8, 72, 24, 0, 0, 1), (8, 24, 96, 0, 0, 1), (8, 65, 24, 0, 0, 0), (13, 30, 5, 0, 0, 1), (8, 8, 1, 0, 0, 0),
     (96, 24, 8, 1, 0, 0), (24, 65, 8, 1, 0, 0), (9, 100, 7, 1, 0, 0), (17, 50, 3, 1, 0, 0),
-    (8, 96, 24, 0, 1, 0), (8, 24, 24, 0, 1, 0), (13, 30, 5, 0, 1, 0), (16, 9, 3, 0, 1, 0)])
+    (8, 96, 24, 0, 1, 0), (8, 24, 24, 0, 1, 0), (13, 30, 5, 0, 1, 0), (16, 9, 3, 0, 1, 0),
+    (130, 96, 24, 0, 0, 1), (24, 96, 130, 1, 0, 0), (130, 24, 96, 0, 1, 0), (64, 65, 24, 0, 1, 0)])
 @pytest.mark.parametrize("nb,bcast", [(1, "none"), (3, "B"), (2, "none")])
-def test_matmul_small_micro_kernels(M, N, Kd, ta, tb, bias, nb, bcast):
-    """k_matmul_small, float32: every column-block width (48, 24, 16, 8) and the blocks moved back to end at
-    M / N (13 x 30, 17 x 50, 9 x 100), plain, A^T and B^T products, bias rows, batched with B broadcast; only
-    C is written, and the lowering picks it exactly for the shapes ops.small_gemm allows."""
-    from btjit.graph.ops import small_gemm
-    from btjit.kernels.linalg import k_matmul_small
-    assert small_gemm(M, N, Kd, ta, tb, 0, bias, "f32") and not small_gemm(M, N, Kd, ta, tb, 0, bias, "f64")
-    assert not small_gemm(M, N, Kd, ta, tb, 1, bias, "f32")                  # accumulation: sgemm
+def test_matmul_micro_kernels(M, N, Kd, ta, tb, bias, nb, bcast):
+    """k_matmul_micro, float32: every column-block width (48, 24, 16, 8) and the blocks moved back to end at
+    M / N (13 x 30, 17 x 50, 9 x 100, 130 rows), plain, A^T and B^T products (8-row ones in registers, from
+    64 rows on a transposed copy of B, once for a broadcast B), bias rows, batched; only C is written, and
+    the lowering picks it for these shapes in float32 only, never to accumulate."""
+    from btjit.graph.ops import micro_gemm
+    from btjit.kernels.linalg import k_matmul_micro
+    assert micro_gemm(M, N, Kd, ta, tb, 0, bias, "f32") and not micro_gemm(M, N, Kd, ta, tb, 0, bias, "f64")
+    assert not micro_gemm(M, N, Kd, ta, tb, 1, bias, "f32")                  # accumulation: sgemm
     dt = np.float32
     rng = np.random.default_rng(M * N + Kd)
     A, B, b = rnd(rng, (nb, M, Kd), dt), rnd(rng, (nb, Kd, N), dt), rnd(rng, (N,), dt)
@@ -201,20 +203,22 @@ def test_matmul_small_micro_kernels(M, N, Kd, ta, tb, bias, nb, bcast):
     ob = ar.put("bias", b) if bias else 0
     oC = ar.put("C", rnd(rng, (nb, M, N), dt))          # garbage: overwritten
     a = ar.build()
-    k_matmul_small(a, np.zeros(4, np.int32), row(oA, oB, oC, nb, M, N, Kd, M * Kd, 0 if bcast == "B" else Kd * N,
+    k_matmul_micro(a, np.zeros(4, np.int32), row(oA, oB, oC, nb, M, N, Kd, M * Kd, 0 if bcast == "B" else Kd * N,
                                                  M * N, ta, tb, ob))
     check(ar.get("C", (nb, M, N)), A @ B + (b if bias else 0), dt)
     ar.only_wrote("C")
 
 
-def test_small_gemm_choice():
-    """Small products only: >= 8 x 8, <= SMALL_MACS, overwrite, float32; B^T ones where N >= K, no bias, no
-    A^T B^T."""
-    from btjit.graph.ops import small_gemm
-    assert small_gemm(8, 24, 24, 0, 1, 0, 0, "f32") and not small_gemm(8, 24, 96, 0, 1, 0, 0, "f32")
-    assert not small_gemm(7, 24, 24, 0, 0, 0, 0, "f32") and not small_gemm(8, 7, 24, 0, 0, 0, 0, "f32")
-    assert not small_gemm(512, 72, 24, 0, 0, 0, 0, "f32") and not small_gemm(8, 24, 8, 1, 1, 0, 0, "f32")
-    assert not small_gemm(8, 24, 8, 0, 1, 0, 1, "f32")
+def test_micro_gemm_choice():
+    """Micro-kernels: float32, overwrite, C >= 8 x 8, B <= MICRO_B_MAX floats, not A^T B^T; B^T products
+    from 64 rows (B <= WT_MAX), or on fewer rows where N >= K and <= NT_MACS multiply-adds; no bias on B^T."""
+    from btjit.graph.ops import micro_gemm
+    assert micro_gemm(8, 24, 24, 0, 1, 0, 0, "f32") and not micro_gemm(8, 24, 96, 0, 1, 0, 0, "f32")
+    assert micro_gemm(512, 24, 96, 0, 1, 0, 0, "f32") and micro_gemm(512, 96, 24, 0, 0, 0, 1, "f32")
+    assert micro_gemm(96, 24, 512, 1, 0, 0, 0, "f32") and not micro_gemm(64, 1024, 1024, 0, 0, 0, 0, "f32")
+    assert not micro_gemm(7, 24, 24, 0, 0, 0, 0, "f32") and not micro_gemm(8, 7, 24, 0, 0, 0, 0, "f32")
+    assert not micro_gemm(8, 24, 8, 1, 1, 0, 0, "f32") and not micro_gemm(8, 24, 8, 0, 1, 0, 1, "f32")
+    assert not micro_gemm(64, 200, 100, 0, 1, 0, 0, "f32")                    # B^T copy > WT_MAX
 
 
 # ---------------------------------------------------------------- LayerNorm

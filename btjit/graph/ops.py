@@ -425,13 +425,18 @@ def split_gemm(nb, M, N, K) -> int:
     return 2 if nb * M * N * K >= 1_000_000 else 1
 
 
-def small_gemm(M, N, K, ta, tb, beta, bias, float_dtype) -> bool:
-    """Whether a product runs on k_matmul_small's register micro-kernels instead of sgemm: float32, C
-    overwritten and at least 8 x 8, at most linalg.SMALL_MACS multiply-adds (E6 batch 1: 8-row products,
-    0.1-0.4 us, where sgemm's per-call work is most of its time). B^T products only where N >= K and without
-    bias: the others ran faster in sgemm (8 x 24 x 96: 0.43 against 0.87 us)."""
-    return (float_dtype == "f32" and not beta and M >= linalg.MR and N >= 8 and M * N * K <= linalg.SMALL_MACS
-            and not (ta and tb) and (not tb or (N >= K and not bias)))
+def micro_gemm(M, N, K, ta, tb, beta, bias, float_dtype) -> bool:
+    """Whether a product runs on k_matmul_micro's register micro-kernels instead of sgemm: float32, C
+    overwritten and at least 8 x 8, B (K x N) at most linalg.MICRO_B_MAX floats. They won every E6 product
+    (512 rows: 50-58 against sgemm's 32-52 G multiply-adds/s; 8 rows: no per-call work) but the B^T ones
+    on 8 rows with N < K (8 x 24 x 96: 0.87 against 0.43 us); a B^T product never has a bias (fuse_linear)."""
+    if float_dtype != "f32" or beta or M < linalg.MR or N < 8 or K * N > linalg.MICRO_B_MAX or (ta and tb):
+        return False
+    if not tb:
+        return True
+    if M >= linalg.COPY_MIN_ROWS:
+        return N * K <= linalg.WT_MAX and not bias
+    return N >= K and not bias and M * N * K <= linalg.NT_MACS
 
 
 def _lower_matmul(e, L, beta=0, bias=0):
@@ -447,8 +452,8 @@ def _lower_matmul(e, L, beta=0, bias=0):
     consts = (L.scratch, L.one_zero)      # int32 BLAS scratch; a[one_zero] == 1.0, a[one_zero + 1] == 0.0
 
     def row(oa, ob, oc, nb, m, sa_, sb_, sc_):
-        if not par and small_gemm(m, N, K, ta, tb, beta, bias, C.dtype):
-            return L.row("k_matmul_small", oa, ob, oc, nb, m, N, K, sa_, sb_, sc_, ta, tb, bias)
+        if not par and micro_gemm(m, N, K, ta, tb, beta, bias, C.dtype):
+            return L.row("k_matmul_micro", oa, ob, oc, nb, m, N, K, sa_, sb_, sc_, ta, tb, bias)
         kernel, parts = ("k_matmul_par", threads) if par else ("k_matmul", split_gemm(nb, m, N, K))
         return L.row(kernel, oa, ob, oc, nb, m, N, K, sa_, sb_, sc_, ta, tb, beta, *consts, bias, parts)
     if len(B.shape) == 2 and not ta:      # fold A's batch dims into M: one GEMM

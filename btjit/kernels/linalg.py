@@ -1,7 +1,8 @@
 # Linear-algebra tape kernels: batched (optionally broadcast) row-major matmul through direct BLAS
-# (sgemm for float32 arenas, dgemm for float64) via btjit.kernels.common.gemm, and for small products
-# (batch-1 GPT layers: 8 rows) through register micro-kernels generated here, where BLAS's per-call work
-# costs more than the multiply-adds.
+# (sgemm for float32 arenas, dgemm for float64) via btjit.kernels.common.gemm, and float32 products with a
+# small B (the GPT's 24-96 wide layers) through register micro-kernels generated here: 8 rows x 48 columns
+# of C in registers over a loop on K. They run at 50-58 G multiply-adds/s on 512-row products (sgemm: 32-52)
+# and avoid sgemm's per-call work on 8-row ones (E6 batch 1: 0.1-0.4 us each).
 from llvmlite import ir
 from numba import carray, njit, prange, types
 from numba.core import cgutils
@@ -11,9 +12,9 @@ from btjit.kernels.common import FM, FM_FLAGS, FM_PAR, gemm, stack_buf, tile16
 
 WT_MAX = 16384       # floats of the largest B a B^T product copies transposed onto the stack (64 KB)
 COPY_MIN_ROWS = 64   # ... and the fewest rows of C it does that for (at 8 rows the copy costs 2x the GEMM)
-SMALL_MACS = 40_000  # products up to this many multiply-adds (and >= 8 x 8, beta 0) use the micro-kernels
 MR = 8               # rows of C per micro-kernel call
-SMALL_WT = SMALL_MACS // 8   # floats of k_matmul_small's stack buffer: a K x MR block of A (K <= SMALL_MACS / 64)
+MICRO_B_MAX = 65536  # floats of B (K x N) a micro-kernel product may read: it is re-read per MR rows (L2)
+NT_MACS = 40_000     # B^T products on fewer rows than COPY_MIN_ROWS: micro-kernels up to this size
 
 
 def _micro(widths, transposed=False):
@@ -90,7 +91,7 @@ _micro8t = _micro((8,), True)
 
 
 @njit(**FM)
-def gemm_small(a, b, oA, sar, sak, oB, ldb, oC, ldc, M, N, K, obias):
+def gemm_micro(a, b, oA, sar, sak, oB, ldb, oC, ldc, M, N, K, obias):
     """C (M, N) = [bias +] A @ B by micro-kernels (M, N >= 8; A as in _micro, B (K, N) row-major with row
     stride ldb in b, C with row stride ldc in a; obias: the bias row's offset, 0 = none). Blocks of MR rows
     and of the widest of 48 / 24 / 16 / 8 columns that fits; the last block of each is moved back to end at
@@ -139,23 +140,29 @@ def k_matmul(a, ia, r):
 
 
 @njit(**FM)
-def k_matmul_small(a, ia, r):
-    """Batched matmul of small float32 products by the micro-kernels below (ops.small_gemm says which):
+def k_matmul_micro(a, ia, r):
+    """Batched float32 matmul by the micro-kernels below (ops.micro_gemm says which products):
     C_i (M,N) = op(A_i) @ op(B_i) (+ bias) for i in range(nbatch), overwriting C_i.
 
     r = [op, oA, oB, oC, nbatch, M, N, K, sA, sB, sC, ta, tb, obias] as in k_matmul (ta and tb never both
-      1; a B^T product has no bias). M, N >= 8.
+      1; a B^T product has no bias). M, N >= 8. B^T products from COPY_MIN_ROWS rows run on a transposed
+      stack copy of B (N*K <= WT_MAX), below on gemm_micro_nt.
     """
     oA = r[1]; oB = r[2]; oC = r[3]; nbatch = r[4]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
     sC = r[10]; ta = r[11]; tb = r[12]; obias = r[13]
     lda = M if ta == 1 else K
     sar, sak = (1, lda) if ta == 1 else (lda, 1)
-    wt = carray(stack_buf(a, SMALL_WT), (SMALL_WT,))
+    wt = carray(stack_buf(a, WT_MAX), (WT_MAX,))
     for i in range(nbatch):
-        if tb == 1:
-            gemm_small_nt(a, oA + i * sA, K, oB + i * sB, K, oC + i * sC, N, M, N, K, wt)
+        oa, ob, oc = oA + i * sA, oB + i * sB, oC + i * sC
+        if tb == 0:
+            gemm_micro(a, a, oa, sar, sak, ob, N, oc, N, M, N, K, obias)
+        elif M < COPY_MIN_ROWS:
+            gemm_micro_nt(a, oa, K, ob, K, oc, N, M, N, K, wt)
         else:
-            gemm_small(a, a, oA + i * sA, sar, sak, oB + i * sB, N, oC + i * sC, N, M, N, K, obias)
+            if i == 0 or sB != 0:
+                _transposed_copy(a, ob, N, K, wt)
+            gemm_micro(a, wt, oa, K, 1, 0, N, oc, N, M, N, K, 0)
 
 
 @njit(**FM_PAR)
@@ -169,10 +176,10 @@ def k_matmul_par(a, ia, r):
 
 
 @njit(**FM)
-def gemm_small_nt(a, oA, lda, oB, ldb, oC, ldc, M, N, K, wt):
+def gemm_micro_nt(a, oA, lda, oB, ldb, oC, ldc, M, N, K, wt):
     """C (M, N) = A @ B^T by micro-kernels (M, N >= 8; A (M, K) and B (N, K) row-major in a): per block of MR
     rows of A, its transpose goes to the stack buffer wt (K x 8) and C^T = B @ that is computed 8 x 8 at a
-    time and stored transposed. Blocks move back to end at M / N as in gemm_small (overwrite only)."""
+    time and stored transposed. Blocks move back to end at M / N as in gemm_micro (overwrite only)."""
     for i in range(0, M, MR):
         m0 = min(i, M - MR)
         Ab = a[oA + m0 * lda:oA + m0 * lda + (MR - 1) * lda + K]
