@@ -22,12 +22,12 @@ from .optim import HYPER, update_rows
 _EXECUTORS: dict = {}
 
 
-def executor(float_dtype, kernels: tuple, attn_shapes: tuple = (), replicas: bool = False) -> Executor:
-    """The executor for this float dtype, kernel set (sorted opcodes), generated attention shapes and
-    data-parallel driver (or not), shared by the programs using it."""
-    key = (float_dtype, kernels, attn_shapes, replicas)
+def executor(float_dtype, kernels: tuple, attn_shapes: tuple = ()) -> Executor:
+    """The executor for this float dtype, kernel set (sorted opcodes) and generated attention shapes, shared
+    by the programs using it."""
+    key = (float_dtype, kernels, attn_shapes)
     if key not in _EXECUTORS:
-        _EXECUTORS[key] = Executor(float_dtype, kernels, attn_shapes, replicas)
+        _EXECUTORS[key] = Executor(float_dtype, kernels, attn_shapes)
     return _EXECUTORS[key]
 
 
@@ -201,10 +201,16 @@ class Program:
         self.trace_seconds = trace_seconds
         self.plan_seconds = time.perf_counter() - t0
         self.executor = executor(graph.float_dtype, tuple(int(k) for k in np.unique(self.tape[:, 0])),
-                                 tuple(sorted(L.attn_shapes)), replicas > 1)
-        self.compile_seconds = self.executor.seconds
+                                 tuple(sorted(L.attn_shapes)))
         self._run = self.executor.fn
         self._out, self._out_var = self.outputs["out"], graph.outputs["out"]
+        t1 = time.perf_counter()
+        if replicas > 1:
+            from . import replicas as rep
+            self._entry = rep.entry_address(self._run, self.a, self.ia, self.tape)
+            self._replicas_step = rep.step
+            self._run_replicas(0, 0)                 # compile (or load) the driver now: runs no rows
+        self.compile_seconds = self.executor.seconds + time.perf_counter() - t1
         self._state_names = [f"opt/state{k}" for k in range(n_state)]
 
     # ------------------------------------------------------------------ running
@@ -243,11 +249,7 @@ class Program:
         if self.replicas == 1:
             self._run(self.a, self.ia, self.tape, 0, stop)
         else:
-            p0, npar = self.plan.params_span
-            split = stop if split is None else split
-            self.executor.replicas_fn(self._A, self._IA, self.tape, split, stop, self._flag, p0, npar,
-                                      self.plan.grads_start, npar if split > self.n_fwd else 0,
-                                      self.plan.off[self._out_var.id], self._inv_replicas)
+            self._run_replicas(stop if split is None else split, stop)
         if self.ia[self._flag]:
             for i, hi in self._bounds.items():
                 x = np.concatenate([s[i].ravel() for s in self._in_shards])
@@ -255,6 +257,12 @@ class Program:
                     self._IA[:, self._flag] = 0
                     raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): index values must be "
                                      f"in [0, {hi}), got min {x.min()} max {x.max()}")
+
+    def _run_replicas(self, split, stop):
+        p0, npar = self.plan.params_span
+        self._replicas_step(self._entry, self._A, self._IA, self.tape, split, stop, self._flag, p0, npar,
+                            self.plan.grads_start, npar if split > self.n_fwd else 0,
+                            self.plan.off[self._out_var.id], self._inv_replicas)
 
     def step(self, *batch) -> float:
         """Forward, backward and optimizer update in one native call; returns the loss."""
