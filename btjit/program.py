@@ -217,15 +217,17 @@ class Program:
     def _load(self, batch):
         if len(batch) != len(self._in):
             raise TypeError(f"expected {len(self._in)} batch arguments ({', '.join(self.inputs)}), got {len(batch)}")
-        for i, (x, dst, (shape, dt)) in enumerate(zip(batch, self._in, self._in_types)):
-            if type(x) is not np.ndarray or x.dtype != dt or x.shape != shape:
+        i = 0
+        for x, dst, (shape, dt) in zip(batch, self._in, self._in_types):    # (the per-step path: kept lean)
+            if x.__class__ is not np.ndarray or x.dtype is not dt or x.shape != shape:
                 x = self._convert(i, x)
             if self.replicas == 1:
                 dst[...] = x
-                continue
-            n = dst.shape[0]
-            for r, shards in enumerate(self._in_shards):
-                shards[i][...] = x[r * n:(r + 1) * n]
+            else:
+                n = dst.shape[0]
+                for r, shards in enumerate(self._in_shards):
+                    shards[i][...] = x[r * n:(r + 1) * n]
+            i += 1
 
     def _convert(self, i, x):
         """The slow path of _load: integer arrays of any int dtype are accepted; anything else must match."""

@@ -407,3 +407,22 @@ def test_replicas_bad_input_errors():
                                                          (64, 512, 1, 1), (12, 384, 3, 3)])
 def test_replicas_for_needs_a_divisible_batch_and_enough_rows(batch, rows, threads, want):
     assert btjit.replicas_for(batch, rows, threads) == want
+
+
+@pytest.mark.parametrize("rows", [8, 130])
+def test_linear_grads_on_micro_kernels_with_fused_bias_grad(rows):
+    """float32 `x @ W + b` with >= 8 rows: the lowering runs dW = X^T dY and db = dY.sum(0) as one
+    micro-kernel row (no separate sum), and every gradient matches numpy in float64."""
+    from btjit.graph.lower import OPCODE
+    rng = np.random.default_rng(rows)
+    x = rng.normal(size=(rows, 24)).astype(np.float32)
+    w = rng.normal(size=(rows, 30))
+    p = {"W": rng.normal(0, 0.3, (24, 30)).astype(np.float32), "b": rng.normal(size=30).astype(np.float32)}
+    prog = btjit.trace(lambda p, x: btjit.sum(btjit.tanh(x @ p["W"] + p["b"]) * w), p, x, grad=True)
+    colsum = [r for r in prog.tape if r[0] == OPCODE["k_matmul_micro"] and r[14] > 0]
+    assert len(colsum) == 1 and "sum (bwd)" not in prog.row_labels
+    prog.value_and_grad(x)
+    x64, W64, b64 = x.astype(np.float64), p["W"].astype(np.float64), p["b"].astype(np.float64)
+    g = (1 - np.tanh(x64 @ W64 + b64) ** 2) * w
+    np.testing.assert_allclose(prog.grads["W"], x64.T @ g, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(prog.grads["b"], g.sum(0), rtol=1e-4, atol=1e-4)

@@ -185,9 +185,10 @@ def test_matmul_with_fused_bias(dt, nb, nparts):
 @pytest.mark.parametrize("nb,bcast", [(1, "none"), (3, "B"), (2, "none")])
 def test_matmul_micro_kernels(M, N, Kd, ta, tb, bias, nb, bcast):
     """k_matmul_micro, float32: every column-block width (48, 24, 16, 8) and the blocks moved back to end at
-    M / N (13 x 30, 17 x 50, 9 x 100, 130 rows), plain, A^T and B^T products (8-row ones in registers, from
-    64 rows on a transposed copy of B, once for a broadcast B), bias rows, batched; only C is written, and
-    the lowering picks it for these shapes in float32 only, never to accumulate."""
+    M / N (13 x 30, 17 x 50, 9 x 100, 130 rows), plain, A^T (with B's column sums alongside) and B^T
+    products (8-row ones in registers, from 64 rows on a transposed copy of B, once for a broadcast B), bias
+    rows, batched; only C (and the sums) are written, and the lowering picks it for these shapes in float32
+    only, never to accumulate."""
     from btjit.graph.ops import micro_gemm
     from btjit.kernels.linalg import k_matmul_micro
     assert micro_gemm(M, N, Kd, ta, tb, 0, bias, "f32") and not micro_gemm(M, N, Kd, ta, tb, 0, bias, "f64")
@@ -202,11 +203,15 @@ def test_matmul_micro_kernels(M, N, Kd, ta, tb, bias, nb, bcast):
     oA, oB = ar.put("A", As), ar.put("B", Bs[0] if bcast == "B" else Bs)
     ob = ar.put("bias", b) if bias else 0
     oC = ar.put("C", rnd(rng, (nb, M, N), dt))          # garbage: overwritten
+    colsum = ta == 1 and nb == 1                         # dW = X^T dY with db = dY.sum(0) (matmul_colsum)
+    osum = ar.put("sum", size=N) if colsum else 0
     a = ar.build()
     k_matmul_micro(a, np.zeros(4, np.int32), row(oA, oB, oC, nb, M, N, Kd, M * Kd, 0 if bcast == "B" else Kd * N,
-                                                 M * N, ta, tb, ob))
+                                                 M * N, ta, tb, ob, osum))
     check(ar.get("C", (nb, M, N)), A @ B + (b if bias else 0), dt)
-    ar.only_wrote("C")
+    if colsum:
+        check(ar.get("sum", (N,)), B[0].sum(0), dt)
+    ar.only_wrote("C", *(("sum",) if colsum else ()))
 
 
 def test_micro_gemm_choice():

@@ -439,7 +439,7 @@ def micro_gemm(M, N, K, ta, tb, beta, bias, float_dtype) -> bool:
     return N >= K and not bias and M * N * K <= linalg.NT_MACS
 
 
-def _lower_matmul(e, L, beta=0, bias=0):
+def _lower_matmul(e, L, beta=0, bias=0, osum=0):
     A, B = e.ins
     C = e.outs[0]
     M, N = C.shape[-2:]
@@ -453,7 +453,7 @@ def _lower_matmul(e, L, beta=0, bias=0):
 
     def row(oa, ob, oc, nb, m, sa_, sb_, sc_):
         if not par and micro_gemm(m, N, K, ta, tb, beta, bias, C.dtype):
-            return L.row("k_matmul_micro", oa, ob, oc, nb, m, N, K, sa_, sb_, sc_, ta, tb, bias)
+            return L.row("k_matmul_micro", oa, ob, oc, nb, m, N, K, sa_, sb_, sc_, ta, tb, bias, osum)
         kernel, parts = ("k_matmul_par", threads) if par else ("k_matmul", split_gemm(nb, m, N, K))
         return L.row(kernel, oa, ob, oc, nb, m, N, K, sa_, sb_, sc_, ta, tb, beta, *consts, bias, parts)
     if len(B.shape) == 2 and not ta:      # fold A's batch dims into M: one GEMM
@@ -776,10 +776,24 @@ def _linear_vjp(g, x, o, a):
     g = g[0]
     X2, g2 = T.reshape(X, (-1, X.shape[-1])), T.reshape(g, (-1, g.shape[-1]))
     dX = T.emit("matmul", (g, W), ta=False, tb=True)
-    dW = T.emit("matmul", (X2, g2), ta=True, tb=False)
-    return [dX, dW, T.emit("sum", (g2,), lo=0, hi=1)]
+    dW, db = T.emit("matmul_colsum", (X2, g2))
+    return [dX, dW, db]
 
 
+def _lower_matmul_colsum(e, L):
+    """dW = X^T dY and db = dY.sum(0): one micro-kernel row where the product takes them (the column sums
+    ride along the loop over dY's rows), else the matmul and sum rows."""
+    (X, G), (dW, db) = e.ins, e.outs
+    mm = type(e)("matmul", (X, G), (dW,), {"ta": True, "tb": False})
+    if micro_gemm(X.shape[1], G.shape[1], X.shape[0], 1, 0, 0, 0, X.dtype):
+        return _lower_matmul(mm, L, osum=L.off(db))
+    return _lower_matmul(mm, L) + TABLE["sum"].lower(type(e)("sum", (G,), (db,), {"lo": 0, "hi": 1}), L)
+
+
+op("matmul_colsum", internal=True, lower=_lower_matmul_colsum,
+   infer=lambda t, a, fd: [((t[0][0][1], t[1][0][1]), fd), ((t[1][0][1],), fd)],
+   ref=lambda xs, a: (xs[0].T @ xs[1], xs[1].sum(0)),
+   cases=[Case((F(8, 24), F(8, 72))), Case((F(5, 3), F(5, 4))), Case((F(130, 9), F(130, 50)))])
 op("linear", infer=_linear_rule, ref=lambda xs, a: (xs[0] @ xs[1] + xs[2],), vjp=_linear_vjp,
    lower=lambda e, L: _lower_matmul(type(e)("matmul", e.ins[:2], e.outs, {"ta": False, "tb": False}), L,
                                     bias=L.off(e.ins[2])),

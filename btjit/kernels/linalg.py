@@ -21,20 +21,21 @@ def _micro(widths, transposed=False):
     """Intrinsic: C[r, c] = init[c] + sum_k A(r, k) * B[k, c] for MR rows r and sum(widths) columns c, held in
     MR x len(widths) vector registers (`widths` lanes each) over a loop of K steps. A(r, k) is the scalar at
     a[oA + r*sar + k*sak] (A row-major: sar = lda, sak = 1; A^T: sar = 1, sak = lda); B row k at
-    b[oB + k*ldb]; C row r at a[oC + r*ldc]; init = the row a[obias:] if obias > 0, else 0. transposed
-    (widths (8,) with MR = 8 only): the 8 x 8 result is transposed in registers and C^T stored, row c at
-    a[oC + c*ldc]."""
+    b[oB + k*ldb]; C row r at a[oC + r*ldc]; init = the row a[obias:] if obias > 0, else 0. With osum > 0
+    the same loop also sums B's rows (sum_k B[k, c], the bias gradient of a dW = X^T dY product) into
+    a[osum:]. transposed (widths (8,) with MR = 8 only): the 8 x 8 result is transposed in registers and C^T
+    stored, row c at a[oC + c*ldc]."""
     assert not transposed or widths == (MR,) == (8,)
     offs = [sum(widths[:j]) for j in range(len(widths))]
 
     @intrinsic
-    def micro(typingctx, a, b, oA, sar, sak, oB, ldb, oC, ldc, K, obias):
+    def micro(typingctx, a, b, oA, sar, sak, oB, ldb, oC, ldc, K, obias, osum):
         def impl(context, builder, sig, args):
             ety = context.get_data_type(sig.args[0].dtype)
             vts = [ir.VectorType(ety, w) for w in widths]
             ad = context.make_array(sig.args[0])(context, builder, args[0]).data
             bd = context.make_array(sig.args[1])(context, builder, args[1]).data
-            _, _, oA, sar, sak, oB, ldb, oC, ldc, K, obias = args
+            _, _, oA, sar, sak, oB, ldb, oC, ldc, K, obias, osum = args
             i64 = ir.IntType(64)
             c = lambda x: ir.Constant(i64, x)  # noqa: E731
             J = range(len(widths))
@@ -54,20 +55,35 @@ def _micro(widths, transposed=False):
                     for r in range(MR):
                         for j in J:
                             builder.store(ir.Constant(vts[j], None), acc[r][j])
-            with cgutils.for_range(builder, K) as loop:
-                k = loop.index
-                brow = builder.add(oB, builder.mul(k, ldb))
-                bv = [load(bd, brow, j) for j in J]
-                acol = builder.add(oA, builder.mul(k, sak))
-                for r in range(MR):
-                    x = builder.load(builder.gep(ad, [builder.add(acol, builder.mul(c(r), sar))]))
+            def k_loop(sums):
+                with cgutils.for_range(builder, K) as loop:
+                    k = loop.index
+                    brow = builder.add(oB, builder.mul(k, ldb))
+                    bv = [load(bd, brow, j) for j in J]
+                    acol = builder.add(oA, builder.mul(k, sak))
+                    for r in range(MR):
+                        x = builder.load(builder.gep(ad, [builder.add(acol, builder.mul(c(r), sar))]))
+                        for j in J:
+                            w = widths[j]
+                            xv = builder.shuffle_vector(
+                                builder.insert_element(ir.Constant(vts[j], ir.Undefined), x, c(0)),
+                                ir.Constant(vts[j], ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), w), [0] * w))
+                            builder.store(builder.fadd(builder.load(acc[r][j]), builder.fmul(xv, bv[j], flags=FM_FLAGS),
+                                                       flags=FM_FLAGS), acc[r][j])
+                    for j in J if sums else ():
+                        builder.store(builder.fadd(builder.load(sums[j]), bv[j], flags=FM_FLAGS), sums[j])
+
+            sums = [cgutils.alloca_once(builder, vts[j]) for j in J]
+            with builder.if_else(builder.icmp_signed(">", osum, c(0))) as (then, otherwise):
+                with then:
                     for j in J:
-                        w = widths[j]
-                        xv = builder.shuffle_vector(builder.insert_element(ir.Constant(vts[j], ir.Undefined), x, c(0)),
-                                                    ir.Constant(vts[j], ir.Undefined),
-                                                    ir.Constant(ir.VectorType(ir.IntType(32), w), [0] * w))
-                        builder.store(builder.fadd(builder.load(acc[r][j]), builder.fmul(xv, bv[j], flags=FM_FLAGS),
-                                                   flags=FM_FLAGS), acc[r][j])
+                        builder.store(ir.Constant(vts[j], None), sums[j])
+                    k_loop(sums)
+                    for j in J:
+                        builder.store(builder.load(sums[j]), builder.bitcast(
+                            builder.gep(ad, [builder.add(osum, c(offs[j]))]), vts[j].as_pointer()), align=4)
+                with otherwise:
+                    k_loop(None)
             out = [[builder.load(acc[r][j]) for j in J] for r in range(MR)]
             if transposed:          # 3 rounds of perfect shuffles of rows k and k+4 transpose an 8 x 8 tile
                 rows = [o[0] for o in out]
@@ -82,7 +98,7 @@ def _micro(widths, transposed=False):
                     builder.store(out[r][j], builder.bitcast(builder.gep(ad, [builder.add(crow, c(offs[j]))]),
                                                              vts[j].as_pointer()), align=4)
             return context.get_dummy_value()
-        return types.void(a, b, oA, sar, sak, oB, ldb, oC, ldc, K, obias), impl
+        return types.void(a, b, oA, sar, sak, oB, ldb, oC, ldc, K, obias, osum), impl
     return micro
 
 
@@ -91,12 +107,12 @@ _micro8t = _micro((8,), True)
 
 
 @njit(**FM)
-def gemm_micro(a, b, oA, sar, sak, oB, ldb, oC, ldc, M, N, K, obias):
+def gemm_micro(a, b, oA, sar, sak, oB, ldb, oC, ldc, M, N, K, obias, osum):
     """C (M, N) = [bias +] A @ B by micro-kernels (M, N >= 8; A as in _micro, B (K, N) row-major with row
-    stride ldb in b, C with row stride ldc in a; obias: the bias row's offset, 0 = none). Blocks of MR rows
-    and of the widest of 48 / 24 / 16 / 8 columns that fits; the last block of each is moved back to end at
-    M / N, recomputing a few entries that are stored again unchanged, so there are no edge loops (overwrite
-    only)."""
+    stride ldb in b, C with row stride ldc in a; obias: the bias row's offset, 0 = none; osum > 0: also
+    a[osum:osum+N] = B's column sums, in the first row block). Blocks of MR rows and of the widest of 48 / 24
+    / 16 / 8 columns that fits; the last block of each is moved back to end at M / N, recomputing a few
+    entries that are stored again unchanged, so there are no edge loops (overwrite only)."""
     for i in range(0, M, MR):
         r0 = min(i, M - MR)
         oa, oc = oA + r0 * sar, oC + r0 * ldc
@@ -106,14 +122,15 @@ def gemm_micro(a, b, oA, sar, sak, oB, ldb, oC, ldc, M, N, K, obias):
             w = 48 if rem >= 48 else 24 if rem >= 24 else 16 if rem >= 16 else 8
             c0 = min(c0, N - w)
             ob = obias + c0 if obias > 0 else 0
+            os = osum + c0 if osum > 0 and i == 0 else 0
             if w == 48:
-                _micro48(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob)
+                _micro48(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob, os)
             elif w == 24:
-                _micro24(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob)
+                _micro24(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob, os)
             elif w == 16:
-                _micro16(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob)
+                _micro16(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob, os)
             else:
-                _micro8(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob)
+                _micro8(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob, os)
             c0 += w
 
 
@@ -144,25 +161,26 @@ def k_matmul_micro(a, ia, r):
     """Batched float32 matmul by the micro-kernels below (ops.micro_gemm says which products):
     C_i (M,N) = op(A_i) @ op(B_i) (+ bias) for i in range(nbatch), overwriting C_i.
 
-    r = [op, oA, oB, oC, nbatch, M, N, K, sA, sB, sC, ta, tb, obias] as in k_matmul (ta and tb never both
-      1; a B^T product has no bias). M, N >= 8. B^T products from COPY_MIN_ROWS rows run on a transposed
-      stack copy of B (N*K <= WT_MAX), below on gemm_micro_nt.
+    r = [op, oA, oB, oC, nbatch, M, N, K, sA, sB, sC, ta, tb, obias, osum] as in k_matmul (ta and tb never
+      both 1; a B^T product has no bias). M, N >= 8. B^T products from COPY_MIN_ROWS rows run on a
+      transposed stack copy of B (N*K <= WT_MAX), below on gemm_micro_nt. osum > 0 (nbatch 1, tb 0): also
+      a[osum:osum+N] = the column sums of B (ops' matmul_colsum: dW = X^T dY and db together).
     """
     oA = r[1]; oB = r[2]; oC = r[3]; nbatch = r[4]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
-    sC = r[10]; ta = r[11]; tb = r[12]; obias = r[13]
+    sC = r[10]; ta = r[11]; tb = r[12]; obias = r[13]; osum = r[14]
     lda = M if ta == 1 else K
     sar, sak = (1, lda) if ta == 1 else (lda, 1)
     wt = carray(stack_buf(a, WT_MAX), (WT_MAX,))
     for i in range(nbatch):
         oa, ob, oc = oA + i * sA, oB + i * sB, oC + i * sC
         if tb == 0:
-            gemm_micro(a, a, oa, sar, sak, ob, N, oc, N, M, N, K, obias)
+            gemm_micro(a, a, oa, sar, sak, ob, N, oc, N, M, N, K, obias, osum)
         elif M < COPY_MIN_ROWS:
             gemm_micro_nt(a, oa, K, ob, K, oc, N, M, N, K, wt)
         else:
             if i == 0 or sB != 0:
                 _transposed_copy(a, ob, N, K, wt)
-            gemm_micro(a, wt, oa, K, 1, 0, N, oc, N, M, N, K, 0)
+            gemm_micro(a, wt, oa, K, 1, 0, N, oc, N, M, N, K, 0, 0)
 
 
 @njit(**FM_PAR)
@@ -188,7 +206,7 @@ def gemm_micro_nt(a, oA, lda, oB, ldb, oC, ldc, M, N, K, wt):
                 wt[k * MR + m] = Ab[m * lda + k]
         for j in range(0, N, 8):
             n0 = min(j, N - 8)
-            _micro8t(a, wt, oB + n0 * ldb, ldb, 1, 0, MR, oC + m0 * ldc + n0, ldc, K, 0)
+            _micro8t(a, wt, oB + n0 * ldb, ldb, 1, 0, MR, oC + m0 * ldc + n0, ldc, K, 0, 0)
 
 
 @njit(**FM)
