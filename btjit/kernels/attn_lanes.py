@@ -265,11 +265,11 @@ def _pairs_fwd_{T}_{hs}(a, r, i):
     Lp = max(B * NH, {P})
     oPL = oW + {T} * 3 * {hs} * Lp
     oY = oPL + {TT} * Lp
-    pairs_in(a, oqkv, oW, B, {T}, NH, {hs}, 3, Lp)
+    pairs_copy(a, oqkv, oW, B, {T}, NH, {hs}, 3, Lp, True)
     for c in range((Lp + {P1}) // {P}):
         l0 = min(c * {P}, Lp - {P})
         _fwd_pairs_{T}_{hs}(a, oW + l0, Lp, {hs} * Lp, oPL + l0, oY + l0, Lp, Lp, r[9])
-    pairs_out(a, oY, oy, B, {T}, NH, {hs}, 1, Lp)
+    pairs_copy(a, oy, oY, B, {T}, NH, {hs}, 1, Lp, False)
 
 
 @njit(**FM)
@@ -278,11 +278,11 @@ def _pairs_bwd_{T}_{hs}(a, r, i):
     Lp = max(B * NH, {P})
     oPL = oW + {T} * 3 * {hs} * Lp
     oD = oS + {T} * {hs} * Lp
-    pairs_in(a, ody, oS, B, {T}, NH, {hs}, 1, Lp)
+    pairs_copy(a, ody, oS, B, {T}, NH, {hs}, 1, Lp, True)
     for c in range((Lp + {P1}) // {P}):
         l0 = min(c * {P}, Lp - {P})
         _bwd_pairs_{T}_{hs}(a, oW + l0, Lp, {hs} * Lp, oS + l0, oPL + l0, oD + l0, r[10])
-    pairs_out(a, oD, odqkv, B, {T}, NH, {hs}, 3, Lp)
+    pairs_copy(a, odqkv, oD, B, {T}, NH, {hs}, 3, Lp, False)
 """
 
 
@@ -294,7 +294,7 @@ def executor_source(shapes, kernel_names) -> str:
     out = ["from numba import njit, prange",
            "from btjit.kernels.attn_lanes import bwd_chunk, fwd_chunk",
            "from btjit.kernels.common import FM, FM_PAR",
-           "from btjit.kernels.nn import bl_in, bl_out, bl_span, pairs_in, pairs_out"]
+           "from btjit.kernels.nn import bl_in, bl_out, bl_span, pairs_copy"]
     out += [_BLOCKS.format(T=T, hs=hs, TT=T * T, V=LANES, V1=LANES - 1, P=PAIR_LANES, P1=PAIR_LANES - 1)
             for T, hs in shapes]
     for family, pars in (("lanes", ("", "_par")), ("pairs", ("",))):

@@ -294,38 +294,28 @@ def bl_out(a, osrc, odst, b0, L, n):
 
 
 @njit(**FM)
-def pairs_in(a, osrc, odst, B, T, NH, hs, parts, Lp):
-    """The pairs layout of the generated small-batch attention (attn_lanes.py): lane q = b*NH + h of the
-    (B, T, parts*C) rows at osrc (C = NH*hs; part p, head h, element d at column p*C + h*hs + d) goes to
-    row (t*parts + p)*hs + d, lane q of the (T*parts*hs, Lp) matrix at odst; lanes B*NH .. Lp-1 are zeroed."""
+def pairs_copy(a, orows, opairs, B, T, NH, hs, parts, Lp, to_pairs):
+    """Between the (B, T, parts*C) rows at orows (C = NH*hs; part p, head h, element d at column
+    p*C + h*hs + d) and the pairs layout of the generated small-batch attention (attn_lanes.py) at opairs:
+    row (t*parts + p)*hs + d, lane q = b*NH + h of a (T*parts*hs, Lp) matrix. to_pairs: rows -> pairs, with
+    lanes B*NH .. Lp-1 zeroed; else pairs -> rows."""
     C = NH * hs
     n = parts * C
-    for row in range(T * parts * hs):
-        for q in range(B * NH, Lp):
-            a[odst + row * Lp + q] = 0
+    if to_pairs:
+        for row in range(T * parts * hs):
+            for q in range(B * NH, Lp):
+                a[opairs + row * Lp + q] = 0
     for b in range(B):
         for t in range(T):
-            src = a[osrc + (b * T + t) * n:osrc + (b * T + t + 1) * n]
+            rows = a[orows + (b * T + t) * n:orows + (b * T + t + 1) * n]
             for p in range(parts):
                 for h in range(NH):
-                    dst = a[odst + (t * parts + p) * hs * Lp + b * NH + h:]
+                    lanes = a[opairs + (t * parts + p) * hs * Lp + b * NH + h:]
                     for d in range(hs):
-                        dst[d * Lp] = src[p * C + h * hs + d]
-
-
-@njit(**FM)
-def pairs_out(a, osrc, odst, B, T, NH, hs, parts, Lp):
-    """The inverse of pairs_in (lanes B*NH .. Lp-1 dropped)."""
-    C = NH * hs
-    n = parts * C
-    for b in range(B):
-        for t in range(T):
-            dst = a[odst + (b * T + t) * n:odst + (b * T + t + 1) * n]
-            for p in range(parts):
-                for h in range(NH):
-                    src = a[osrc + (t * parts + p) * hs * Lp + b * NH + h:]
-                    for d in range(hs):
-                        dst[p * C + h * hs + d] = src[d * Lp]
+                        if to_pairs:
+                            lanes[d * Lp] = rows[p * C + h * hs + d]
+                        else:
+                            rows[p * C + h * hs + d] = lanes[d * Lp]
 
 
 @njit(**FM)
