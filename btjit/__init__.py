@@ -13,7 +13,8 @@ from .threads import replicas_for, set_num_threads
 
 __version__ = "0.1.0"
 threads.set_num_threads(threads.default_threads())
-__all__ = ["trace", "trace_scalar", "Program", "set_num_threads", "replicas_for", "optim", "TraceError", "abs", "broadcast_to", "causal_attention", "concatenate",
+__all__ = ["trace", "trace_scalar", "Program", "set_num_threads", "replicas_for", "optim", "TraceError",
+           "abs", "broadcast_to", "causal_attention", "concatenate",
            "copy", "cross_entropy", "equal", "exp", "gelu", "layer_norm", "log", "log_softmax", "matmul", "max",
            "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "split", "sqrt", "sum", "swapaxes",
            "take", "tanh", "transpose", "where"]

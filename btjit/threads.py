@@ -61,7 +61,6 @@ def set_num_threads(n: int = 0) -> int:
     return n
 
 
-
 MIN_REPLICA_ROWS = 128   # loss rows (targets) per replica from which data parallelism beats threaded kernels
 
 

@@ -28,7 +28,8 @@ class TrainRunner(Runner):
                                 replicas=replicas)
         self.compile_seconds = time.perf_counter() - t0
         m = self.prog.memory
-        self.note = (f"{replicas} replicas; " if replicas > 1 else "") + (f"arena {m['planned_bytes'] / 1e6:.2f} MB (naive {m['naive_bytes'] / 1e6:.2f}); "
+        self.note = ((f"{replicas} replicas; " if replicas > 1 else "") +
+                     f"arena {m['planned_bytes'] / 1e6:.2f} MB (naive {m['naive_bytes'] / 1e6:.2f}); "
                      f"executor {'cached' if self.prog.executor.cache_hit else 'compiled'} "
                      f"{self.prog.compile_seconds:.2f}s")
 

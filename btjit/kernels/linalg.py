@@ -65,9 +65,9 @@ def _micro(widths, transposed=False):
                         x = builder.load(builder.gep(ad, [builder.add(acol, builder.mul(c(r), sar))]))
                         for j in J:
                             w = widths[j]
-                            xv = builder.shuffle_vector(
-                                builder.insert_element(ir.Constant(vts[j], ir.Undefined), x, c(0)),
-                                ir.Constant(vts[j], ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), w), [0] * w))
+                            undef = ir.Constant(vts[j], ir.Undefined)
+                            xv = builder.shuffle_vector(builder.insert_element(undef, x, c(0)), undef,
+                                                        ir.Constant(ir.VectorType(ir.IntType(32), w), [0] * w))
                             builder.store(builder.fadd(builder.load(acc[r][j]), builder.fmul(xv, bv[j], flags=FM_FLAGS),
                                                        flags=FM_FLAGS), acc[r][j])
                     for j in J if sums else ():
