@@ -146,7 +146,9 @@ def _pin(g: Graph, grads: dict) -> dict:
 
 
 class Program:
-    """A compiled program over one arena. Views (`params`, `grads`, `inputs`, `outputs`) alias the arena."""
+    """A compiled program over one arena (one per replica with replicas > 1: rows of `_A`, and views,
+    optimizer state and updates are replica 0's). Views (`params`, `grads`, `inputs`, `outputs`) alias the
+    arena."""
 
     def __init__(self, graph, init_params, optimizer, clip_norm, skip_nonfinite, pinned, trace_seconds,
                  replicas=1):
