@@ -17,6 +17,7 @@ from .graph.ir import Graph, np_dtype, verify
 from .graph.lower import Executor, Lowering, lower_eqns
 from .graph.memory import plan as make_plan, storage_roots
 from .graph.ops import TABLE
+from . import replicas as _replicas
 from .optim import HYPER, update_rows
 
 _EXECUTORS: dict = {}
@@ -181,13 +182,14 @@ class Program:
         self.a[p.float_size:p.float_size + len(L.consts)] = L.consts
         for v, c in graph.consts.items():
             (self.ia if v.dtype == "i32" else self.a)[p.off[v.id]:p.off[v.id] + v.size] = c.ravel()
-        view = lambda v, off=None: (self.ia if v.dtype == "i32" else self.a)[  # noqa: E731
+        view = lambda v, off=None, r=0: (self._IA if v.dtype == "i32" else self._A)[r,  # noqa: E731
             (p.off[v.id] if off is None else off):][:v.size].reshape(v.shape)
         self.params = {k: view(v) for k, v in graph.params.items()}
         self.grads = {k: view(v, p.param_off[k] + p.params_span[1]) for k, v in graph.params.items()}
-        self.inputs = {k: view(v) for k, v in zip(graph.input_names, graph.inputs)}
+        self._in_shards = [[view(v, r=r) for v in graph.inputs] for r in range(replicas)]   # batch slots
+        self._in = self._in_shards[0]
+        self.inputs = dict(zip(graph.input_names, self._in))
         self.outputs = {k: view(v) for k, v in graph.outputs.items()}
-        self._in = list(self.inputs.values())
         self._in_types = [((v.shape[0] * replicas,) + v.shape[1:] if replicas > 1 else v.shape,
                            np.dtype(np.int32) if v.dtype == "i32" else self.dtype) for v in graph.inputs]
         for k, v in init_params.items():
@@ -198,8 +200,6 @@ class Program:
         for k, v in (optimizer.hyper().items() if optimizer else ()):
             self.a[self._hyper[k]] = v
         self._A[1:], self._IA[1:] = self.a, self.ia            # constants; params are copied every step
-        self._in_shards = [[(self._IA if v.dtype == "i32" else self._A)[r, p.off[v.id]:][:v.size].reshape(v.shape)
-                            for v in graph.inputs] for r in range(replicas)]
         self.trace_seconds = trace_seconds
         self.plan_seconds = time.perf_counter() - t0
         self.executor = executor(graph.float_dtype, tuple(int(k) for k in np.unique(self.tape[:, 0])),
@@ -208,9 +208,7 @@ class Program:
         self._out, self._out_var = self.outputs["out"], graph.outputs["out"]
         t1 = time.perf_counter()
         if replicas > 1:
-            from . import replicas as rep
-            self._entry = rep.entry_address(self._run, self.a, self.ia, self.tape)
-            self._replicas_step = rep.step
+            self._entry = _replicas.entry_address(self._run, self.a, self.ia, self.tape)
             self._run_replicas(0, 0)                 # compile (or load) the driver now: runs no rows
         self.compile_seconds = self.executor.seconds + time.perf_counter() - t1
         self._state_names = [f"opt/state{k}" for k in range(n_state)]
@@ -264,9 +262,9 @@ class Program:
 
     def _run_replicas(self, split, stop):
         p0, npar = self.plan.params_span
-        self._replicas_step(self._entry, self._A, self._IA, self.tape, split, stop, self._flag, p0, npar,
-                            self.plan.grads_start, npar if split > self.n_fwd else 0,
-                            self.plan.off[self._out_var.id], self._inv_replicas)
+        _replicas.step(self._entry, self._A, self._IA, self.tape, split, stop, self._flag, p0, npar,
+                       self.plan.grads_start, npar if split > self.n_fwd else 0,
+                       self.plan.off[self._out_var.id], self._inv_replicas)
 
     def step(self, *batch) -> float:
         """Forward, backward and optimizer update in one native call; returns the loss."""
@@ -428,11 +426,11 @@ def _index_bounds(graph) -> dict:
 
 
 def _aligned_rows(rows, n, dtype):
-    """A zeroed C-contiguous (rows, n') array, 64-byte aligned, n' = n (one row) or n rounded up to 64 bytes
-    (so every row is aligned)."""
+    """A zeroed C-contiguous (rows, n') array, 64-byte aligned, n' = n rounded up to 64 bytes (so every row
+    is aligned)."""
     itemsize = np.dtype(dtype).itemsize
     per = 64 // itemsize
-    n = n if rows == 1 else -(-n // per) * per
+    n = -(-n // per) * per
     buf = np.zeros(rows * n + per, dtype)
     start = (-buf.ctypes.data % 64) // itemsize
     return buf[start:start + rows * n].reshape(rows, n)

@@ -156,6 +156,27 @@ def tile16(typingctx, src, osrc, ssrc, dst, odst, sdst):
     return types.void(src, osrc, ssrc, dst, odst, sdst), impl
 
 
+@njit(**FM)
+def transpose(src, osrc, dst, odst, R, C):
+    """The (R, C) row-major matrix at src[osrc:] into (C, R) at dst[odst:] (arrays of one dtype; the two
+    must not overlap): 16 x 16 register tiles (3x the speed of element loops), the last tile of each row
+    and column moved back to end at R / C (overlapping tiles rewrite equal values); element loops when a
+    side is below 16."""
+    if R >= 16 and C >= 16:
+        for i0 in range(0, R, 16):
+            i = min(i0, R - 16)
+            for j0 in range(0, C, 16):
+                j = min(j0, C - 16)
+                tile16(src, osrc + i * C + j, C, dst, odst + j * R + i, R)
+        return
+    s = src[osrc:osrc + R * C].reshape(R, C)
+    d = dst[odst:odst + R * C].reshape(C, R)
+    for j in range(C):
+        dj = d[j]
+        for i in range(R):
+            dj[i] = s[i, j]
+
+
 # ---------------------------------------------------------------- direct BLAS gemm
 # The BLAS entry points are bound as named external symbols (llvmlite.add_symbol), not ctypes pointers:
 # a ctypes pointer is a "dynamic global" that stops numba from caching every caller on disk, and a

@@ -8,7 +8,7 @@ from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from btjit.kernels.common import FM, FM_FLAGS, FM_PAR, gemm, stack_buf, tile16
+from btjit.kernels.common import FM, FM_FLAGS, FM_PAR, gemm, stack_buf, transpose
 
 WT_MAX = 16384       # floats of the largest B a B^T product copies transposed onto the stack (64 KB)
 COPY_MIN_ROWS = 64   # ... and the fewest rows of C it does that for (at 8 rows the copy costs 2x the GEMM)
@@ -55,6 +55,7 @@ def _micro(widths, transposed=False):
                     for r in range(MR):
                         for j in J:
                             builder.store(ir.Constant(vts[j], None), acc[r][j])
+
             def k_loop(sums):
                 with cgutils.for_range(builder, K) as loop:
                     k = loop.index
@@ -179,7 +180,7 @@ def k_matmul_micro(a, ia, r):
             gemm_micro_nt(a, oa, K, ob, K, oc, N, M, N, K, wt)
         else:
             if i == 0 or sB != 0:
-                _transposed_copy(a, ob, N, K, wt)
+                transpose(a, ob, wt, 0, N, K)
             gemm_micro(a, wt, oa, K, 1, 0, N, oc, N, M, N, K, 0, 0)
 
 
@@ -207,23 +208,6 @@ def gemm_micro_nt(a, oA, lda, oB, ldb, oC, ldc, M, N, K, wt):
         for j in range(0, N, 8):
             n0 = min(j, N - 8)
             _micro8t(a, wt, oB + n0 * ldb, ldb, 1, 0, MR, oC + m0 * ldc + n0, ldc, K, 0, 0)
-
-
-@njit(**FM)
-def _transposed_copy(a, o, R, C, wt):
-    """wt[:C*R] = the (R, C) matrix at a[o] transposed: 16 x 16 register tiles, the last of each row and
-    column of tiles moved back to end at R / C (overlaps rewrite equal values); element loops below 16."""
-    if R >= 16 and C >= 16:
-        for i0 in range(0, R, 16):
-            i = min(i0, R - 16)
-            for j0 in range(0, C, 16):
-                j = min(j0, C - 16)
-                tile16(a, o + i * C + j, C, wt, j * R + i, R)
-        return
-    src = a[o:o + R * C].reshape(R, C)
-    for k in range(C):
-        for c in range(R):
-            wt[k * R + c] = src[c, k]
 
 
 @njit(**FM)
@@ -257,7 +241,7 @@ def _matmul_part(a, ia, r, j, nparts):
         if copy:                          # B^T products (dX = dY @ W^T): on a transposed stack copy of B's
             nr = cols if split_n else N     # rows in use OpenBLAS runs 15-25% faster (E6b64: 31 -> 24 us)
             if i == 0 or sB != 0:
-                _transposed_copy(a, ob if split_n else oB + i * sB, nr, K, wt)
+                transpose(a, ob if split_n else oB + i * sB, wt, 0, nr, K)
         if obias > 0:     # row slices, not flat a[i] indexing (its wraparound checks cost 3x)
             bias = a[obias + (lo if split_n else 0):obias + (lo if split_n else 0) + cols]
             for m in range(rows):

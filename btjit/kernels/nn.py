@@ -7,7 +7,7 @@ import numpy as np
 from numba import njit, prange
 
 from btjit.kernels import attn_lanes
-from btjit.kernels.common import FM, FM_PAR, cvt, fexp, tile16
+from btjit.kernels.common import FM, FM_PAR, cvt, fexp, transpose
 
 f32 = np.float32
 
@@ -264,33 +264,16 @@ def bl_span(B, nb, i):
 
 
 @njit(**FM)
-def transpose(a, osrc, odst, R, C):
-    """The (R, C) row-major matrix at osrc into (C, R) at odst (no overlap): 16 x 16 register tiles (3x the
-    speed of lane loops), element loops on the edges."""
-    R16 = R - R % 16
-    C16 = C - C % 16
-    for i0 in range(0, R16, 16):
-        for j0 in range(0, C16, 16):
-            tile16(a, osrc + i0 * C + j0, C, a, odst + j0 * R + i0, R)
-    src = a[osrc:osrc + R * C].reshape(R, C)
-    dst = a[odst:odst + R * C].reshape(C, R)
-    for j in range(C):
-        d = dst[j]
-        for i in range(R16 if j < C16 else 0, R):
-            d[i] = src[i, j]
-
-
-@njit(**FM)
 def bl_in(a, osrc, odst, b0, L, n):
     """Rows b0 .. b0+L-1 of the (B, n) matrix at osrc, transposed to (n, L) at odst + b0*n."""
-    transpose(a, osrc + b0 * n, odst + b0 * n, L, n)
+    transpose(a, osrc + b0 * n, a, odst + b0 * n, L, n)
 
 
 @njit(**FM)
 def bl_out(a, osrc, odst, b0, L, n):
     """The inverse of bl_in: the (n, L) matrix at osrc + b0*n into rows b0 .. b0+L-1 of the (B, n) matrix at
     odst."""
-    transpose(a, osrc + b0 * n, odst + b0 * n, n, L)
+    transpose(a, osrc + b0 * n, a, odst + b0 * n, n, L)
 
 
 @njit(**FM)
