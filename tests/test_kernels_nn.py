@@ -181,6 +181,7 @@ def test_matmul_with_fused_bias(dt, nb, nparts):
     (8, 72, 24, 0, 0, 1), (8, 24, 96, 0, 0, 1), (8, 65, 24, 0, 0, 0), (13, 30, 5, 0, 0, 1), (8, 8, 1, 0, 0, 0),
     (96, 24, 8, 1, 0, 0), (24, 65, 8, 1, 0, 0), (9, 100, 7, 1, 0, 0), (17, 50, 3, 1, 0, 0),
     (8, 96, 24, 0, 1, 0), (8, 24, 24, 0, 1, 0), (13, 30, 5, 0, 1, 0), (16, 9, 3, 0, 1, 0),
+    (8, 24, 96, 0, 1, 0), (8, 24, 65, 0, 1, 0), (10, 40, 30, 0, 1, 0), (8, 9, 50, 0, 1, 0),
     (130, 96, 24, 0, 0, 1), (24, 96, 130, 1, 0, 0), (130, 24, 96, 0, 1, 0), (64, 65, 24, 0, 1, 0)])
 @pytest.mark.parametrize("nb,bcast", [(1, "none"), (3, "B"), (2, "none")])
 def test_matmul_micro_kernels(M, N, Kd, ta, tb, bias, nb, bcast):
@@ -216,9 +217,10 @@ def test_matmul_micro_kernels(M, N, Kd, ta, tb, bias, nb, bcast):
 
 def test_micro_gemm_choice():
     """Micro-kernels: float32, overwrite, C >= 8 x 8, B <= MICRO_B_MAX floats, not A^T B^T; B^T products
-    from 64 rows (B <= WT_MAX), or on fewer rows where N >= K and <= NT_MACS multiply-adds; no bias on B^T."""
+    from 64 rows (B <= WT_MAX), or on fewer rows up to NT_MACS multiply-adds; no bias on B^T."""
     from btjit.graph.ops import micro_gemm
-    assert micro_gemm(8, 24, 24, 0, 1, 0, 0, "f32") and not micro_gemm(8, 24, 96, 0, 1, 0, 0, "f32")
+    assert micro_gemm(8, 24, 24, 0, 1, 0, 0, "f32") and micro_gemm(8, 24, 96, 0, 1, 0, 0, "f32")
+    assert not micro_gemm(8, 100, 100, 0, 1, 0, 0, "f32")                    # > NT_MACS on 8 rows: sgemm
     assert micro_gemm(512, 24, 96, 0, 1, 0, 0, "f32") and micro_gemm(512, 96, 24, 0, 0, 0, 1, "f32")
     assert micro_gemm(96, 24, 512, 1, 0, 0, 0, "f32") and not micro_gemm(64, 1024, 1024, 0, 0, 0, 0, "f32")
     assert not micro_gemm(7, 24, 24, 0, 0, 0, 0, "f32") and not micro_gemm(8, 7, 24, 0, 0, 0, 0, "f32")

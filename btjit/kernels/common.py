@@ -128,32 +128,39 @@ def stack_buf(typingctx, arr, n):
     return types.CPointer(arr.dtype)(arr, n), impl
 
 
-@intrinsic
-def tile16(typingctx, src, osrc, ssrc, dst, odst, sdst):
-    """dst[odst + j*sdst + i] = src[osrc + i*ssrc + j] for i, j < 16 (arrays of one dtype; offsets and strides
-    in elements): 16 row loads, 4 rounds of 16 two-vector interleaves (vpermt2ps), 16 stores."""
-    def impl(context, builder, sig, args):
-        sd = context.make_array(sig.args[0])(context, builder, args[0]).data
-        dd = context.make_array(sig.args[3])(context, builder, args[3]).data
-        _, osrc, ssrc, _, odst, sdst = args
-        vt = ir.VectorType(context.get_data_type(sig.args[0].dtype), 16)
-        i64 = ir.IntType(64)
+def _tile(w):
+    """Intrinsic tile(src, osrc, ssrc, dst, odst, sdst): dst[odst + j*sdst + i] = src[osrc + i*ssrc + j] for
+    i, j < w (arrays of one dtype; offsets and strides in elements): w row loads, log2(w) rounds of w
+    two-vector interleaves (vpermt2ps), w stores."""
+    @intrinsic
+    def tile(typingctx, src, osrc, ssrc, dst, odst, sdst):
+        def impl(context, builder, sig, args):
+            sd = context.make_array(sig.args[0])(context, builder, args[0]).data
+            dd = context.make_array(sig.args[3])(context, builder, args[3]).data
+            _, osrc, ssrc, _, odst, sdst = args
+            vt = ir.VectorType(context.get_data_type(sig.args[0].dtype), w)
+            i64 = ir.IntType(64)
 
-        def vptr(data, base, stride, k):
-            return builder.bitcast(builder.gep(data, [builder.add(base, builder.mul(stride, ir.Constant(i64, k)))]),
-                                   vt.as_pointer())
-        rows = [builder.load(vptr(sd, osrc, ssrc, k), align=4) for k in range(16)]
-        lo = ir.Constant(ir.VectorType(ir.IntType(32), 16), [x for k in range(8) for x in (k, k + 16)])
-        hi = ir.Constant(ir.VectorType(ir.IntType(32), 16), [x for k in range(8, 16) for x in (k, k + 16)])
-        for _ in range(4):      # after log2(16) perfect shuffles of rows k and k+8 the tile is transposed
-            rows = [builder.shuffle_vector(rows[k // 2], rows[k // 2 + 8], lo if k % 2 == 0 else hi)
-                    for k in range(16)]
-        for k in range(16):
-            builder.store(rows[k], vptr(dd, odst, sdst, k), align=4)
-        return context.get_dummy_value()
-    if src.dtype != dst.dtype:
-        return None
-    return types.void(src, osrc, ssrc, dst, odst, sdst), impl
+            def vptr(data, base, stride, k):
+                return builder.bitcast(builder.gep(data, [builder.add(base, builder.mul(stride, ir.Constant(i64, k)))]),
+                                       vt.as_pointer())
+            rows = [builder.load(vptr(sd, osrc, ssrc, k), align=4) for k in range(w)]
+            h = w // 2
+            lo = ir.Constant(ir.VectorType(ir.IntType(32), w), [x for k in range(h) for x in (k, k + w)])
+            hi = ir.Constant(ir.VectorType(ir.IntType(32), w), [x for k in range(h, w) for x in (k, k + w)])
+            for _ in range(w.bit_length() - 1):   # after log2(w) perfect shuffles of rows k and k+w/2: transposed
+                rows = [builder.shuffle_vector(rows[k // 2], rows[k // 2 + h], lo if k % 2 == 0 else hi)
+                        for k in range(w)]
+            for k in range(w):
+                builder.store(rows[k], vptr(dd, odst, sdst, k), align=4)
+            return context.get_dummy_value()
+        if src.dtype != dst.dtype:
+            return None
+        return types.void(src, osrc, ssrc, dst, odst, sdst), impl
+    return tile
+
+
+tile8, tile16 = _tile(8), _tile(16)
 
 
 @njit(**FM)

@@ -8,7 +8,7 @@ from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from btjit.kernels.common import FM, FM_FLAGS, FM_PAR, gemm, stack_buf, transpose
+from btjit.kernels.common import FM, FM_FLAGS, FM_PAR, gemm, stack_buf, tile8, transpose
 
 WT_MAX = 16384       # floats of the largest B a B^T product copies transposed onto the stack (64 KB)
 COPY_MIN_ROWS = 64   # ... and the fewest rows of C it does that for (at 8 rows the copy costs 2x the GEMM)
@@ -17,15 +17,16 @@ MICRO_B_MAX = 65536  # floats of B (K x N) a micro-kernel product may read: it i
 NT_MACS = 40_000     # B^T products on fewer rows than COPY_MIN_ROWS: micro-kernels up to this size
 
 
-def _micro(widths, transposed=False):
-    """Intrinsic: C[r, c] = init[c] + sum_k A(r, k) * B[k, c] for MR rows r and sum(widths) columns c, held in
-    MR x len(widths) vector registers (`widths` lanes each) over a loop of K steps. A(r, k) is the scalar at
+def _micro(widths, transposed=False, rows=MR):
+    """Intrinsic: C[r, c] = init[c] + sum_k A(r, k) * B[k, c] for `rows` rows r and sum(widths) columns c, held
+    in rows x len(widths) vector registers (`widths` lanes each) over a loop of K steps. A(r, k) is the scalar at
     a[oA + r*sar + k*sak] (A row-major: sar = lda, sak = 1; A^T: sar = 1, sak = lda); B row k at
     b[oB + k*ldb]; C row r at a[oC + r*ldc]; init = the row a[obias:] if obias > 0, else 0. With osum > 0
     the same loop also sums B's rows (sum_k B[k, c], the bias gradient of a dW = X^T dY product) into
-    a[osum:]. transposed (widths (8,) with MR = 8 only): the 8 x 8 result is transposed in registers and C^T
-    stored, row c at a[oC + c*ldc]."""
-    assert not transposed or widths == (MR,) == (8,)
+    a[osum:]. transposed (widths (8,), rows 8 or 16): each 8 x 8 tile of the result is transposed in
+    registers and C^T stored: C^T row c at a[oC + c*ldc], C^T column r at r (so `rows` rows of B give as many
+    columns of an 8-row product)."""
+    assert not transposed or (widths == (8,) and rows % 8 == 0)
     offs = [sum(widths[:j]) for j in range(len(widths))]
 
     @intrinsic
@@ -44,15 +45,15 @@ def _micro(widths, transposed=False):
                 return builder.load(builder.bitcast(builder.gep(data, [builder.add(off, c(offs[j]))]),
                                                     vts[j].as_pointer()), align=4)
 
-            acc = [[cgutils.alloca_once(builder, vts[j]) for j in J] for _ in range(MR)]
+            acc = [[cgutils.alloca_once(builder, vts[j]) for j in J] for _ in range(rows)]
             with builder.if_else(builder.icmp_signed(">", obias, c(0))) as (then, otherwise):
                 with then:
                     init = [load(ad, obias, j) for j in J]
-                    for r in range(MR):
+                    for r in range(rows):
                         for j in J:
                             builder.store(init[j], acc[r][j])
                 with otherwise:
-                    for r in range(MR):
+                    for r in range(rows):
                         for j in J:
                             builder.store(ir.Constant(vts[j], None), acc[r][j])
 
@@ -62,7 +63,7 @@ def _micro(widths, transposed=False):
                     brow = builder.add(oB, builder.mul(k, ldb))
                     bv = [load(bd, brow, j) for j in J]
                     acol = builder.add(oA, builder.mul(k, sak))
-                    for r in range(MR):
+                    for r in range(rows):
                         x = builder.load(builder.gep(ad, [builder.add(acol, builder.mul(c(r), sar))]))
                         for j in J:
                             w = widths[j]
@@ -85,26 +86,30 @@ def _micro(widths, transposed=False):
                             builder.gep(ad, [builder.add(osum, c(offs[j]))]), vts[j].as_pointer()), align=4)
                 with otherwise:
                     k_loop(None)
-            out = [[builder.load(acc[r][j]) for j in J] for r in range(MR)]
+            out = [[builder.load(acc[r][j]) for j in J] for r in range(rows)]
             if transposed:          # 3 rounds of perfect shuffles of rows k and k+4 transpose an 8 x 8 tile
-                rows = [o[0] for o in out]
                 mask = [ir.Constant(ir.VectorType(ir.IntType(32), 8), [x for k in h for x in (k, k + 8)])
                         for h in (range(4), range(4, 8))]
-                for _ in range(3):
-                    rows = [builder.shuffle_vector(rows[k // 2], rows[k // 2 + 4], mask[k % 2]) for k in range(8)]
-                out = [[x] for x in rows]
-            for r in range(MR):
-                crow = builder.add(oC, builder.mul(c(r), ldc))
-                for j in J:
-                    builder.store(out[r][j], builder.bitcast(builder.gep(ad, [builder.add(crow, c(offs[j]))]),
-                                                             vts[j].as_pointer()), align=4)
+                for g in range(0, rows, 8):     # rows g..g+7 become columns g..g+7 of C's 8 rows
+                    tile = [o[0] for o in out[g:g + 8]]
+                    for _ in range(3):
+                        tile = [builder.shuffle_vector(tile[k // 2], tile[k // 2 + 4], mask[k % 2]) for k in range(8)]
+                    for r in range(8):
+                        crow = builder.add(builder.add(oC, c(g)), builder.mul(c(r), ldc))
+                        builder.store(tile[r], builder.bitcast(builder.gep(ad, [crow]), vts[0].as_pointer()), align=4)
+            else:
+                for r in range(rows):
+                    crow = builder.add(oC, builder.mul(c(r), ldc))
+                    for j in J:
+                        builder.store(out[r][j], builder.bitcast(builder.gep(ad, [builder.add(crow, c(offs[j]))]),
+                                                                 vts[j].as_pointer()), align=4)
             return context.get_dummy_value()
         return types.void(a, b, oA, sar, sak, oB, ldb, oC, ldc, K, obias, osum), impl
     return micro
 
 
 _micro48, _micro24, _micro16, _micro8 = _micro((16, 16, 16)), _micro((16, 8)), _micro((16,)), _micro((8,))
-_micro8t = _micro((8,), True)
+_micro8t, _micro16t = _micro((8,), True), _micro((8,), True, 16)
 
 
 @njit(**FM)
@@ -197,17 +202,29 @@ def k_matmul_par(a, ia, r):
 @njit(**FM)
 def gemm_micro_nt(a, oA, lda, oB, ldb, oC, ldc, M, N, K, wt):
     """C (M, N) = A @ B^T by micro-kernels (M, N >= 8; A (M, K) and B (N, K) row-major in a): per block of MR
-    rows of A, its transpose goes to the stack buffer wt (K x 8) and C^T = B @ that is computed 8 x 8 at a
-    time and stored transposed. Blocks move back to end at M / N as in gemm_micro (overwrite only)."""
+    rows of A, its transpose goes to the stack buffer wt (K x 8, by 8 x 8 register tiles) and C^T = B @ that
+    is computed 8 x 8 at a time and stored transposed. Blocks move back to end at M / N as in gemm_micro
+    (overwrite only)."""
     for i in range(0, M, MR):
         m0 = min(i, M - MR)
-        Ab = a[oA + m0 * lda:oA + m0 * lda + (MR - 1) * lda + K]
-        for k in range(K):
-            for m in range(MR):
-                wt[k * MR + m] = Ab[m * lda + k]
-        for j in range(0, N, 8):
-            n0 = min(j, N - 8)
-            _micro8t(a, wt, oB + n0 * ldb, ldb, 1, 0, MR, oC + m0 * ldc + n0, ldc, K, 0, 0)
+        oa = oA + m0 * lda
+        if K >= 8:                      # the last tile moved back to end at K
+            for k in range(0, K, 8):
+                k0 = min(k, K - 8)
+                tile8(a, oa + k0, lda, wt, k0 * MR, MR)
+        else:
+            for k in range(K):
+                for m in range(MR):
+                    wt[k * MR + m] = a[oa + m * lda + k]
+        j = 0
+        while j < N:                    # 16 rows of B at a time, then 8 (the last moved back to end at N)
+            if N - j >= 16:
+                _micro16t(a, wt, oB + j * ldb, ldb, 1, 0, MR, oC + m0 * ldc + j, ldc, K, 0, 0)
+                j += 16
+            else:
+                n0 = min(j, N - 8)
+                _micro8t(a, wt, oB + n0 * ldb, ldb, 1, 0, MR, oC + m0 * ldc + n0, ldc, K, 0, 0)
+                j += 8
 
 
 @njit(**FM)
