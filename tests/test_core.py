@@ -332,6 +332,31 @@ def test_two_thread_folded_mlp_matches_one_thread():
         np.testing.assert_allclose(par.grads[k], serial.grads[k], rtol=1e-10, atol=1e-13, err_msg=k)
 
 
+def test_two_thread_float32_linear_grads():
+    """float32 `x @ W + b` on 2 threads, dW = X^T dY big enough to be split over them (k_matmul_par): db then
+    comes from its own sum row, and both gradients equal the one-thread program's and numpy's."""
+    from btjit.graph.lower import OPCODE
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(600, 24)).astype(np.float32)
+    p = {"W": rng.normal(0, 0.3, (24, 30)).astype(np.float32), "b": rng.normal(size=30).astype(np.float32)}
+    w = rng.normal(size=(600, 30))
+
+    def f(p, x):
+        return btjit.sum(btjit.tanh(x @ p["W"] + p["b"]) * w)
+    serial = btjit.trace(f, p, x, grad=True)
+    btjit.set_num_threads(2)
+    try:
+        par = btjit.trace(f, p, x, grad=True)
+    finally:
+        btjit.set_num_threads(1)
+    assert OPCODE["k_matmul_par"] in {int(r[0]) for r in par.tape}
+    g = (1 - np.tanh(x.astype(np.float64) @ p["W"] + p["b"]) ** 2) * w
+    for prog in (serial, par):
+        prog.value_and_grad(x)
+        np.testing.assert_allclose(prog.grads["W"], x.T.astype(np.float64) @ g, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(prog.grads["b"], g.sum(0), rtol=1e-4, atol=1e-4)
+
+
 # ----------------------------------------------------------------------------- data-parallel replicas
 def _gpt_case(B=6, seed=0):
     from btjit.models import gpt

@@ -440,6 +440,11 @@ def micro_gemm(M, N, K, ta, tb, beta, bias, float_dtype) -> bool:
     return not bias and M * N * K <= linalg.NT_MACS
 
 
+def par_gemm(macs, threads) -> bool:
+    """Whether a product of `macs` multiply-adds in all runs split over the thread pool (k_matmul_par)."""
+    return min(threads, MAX_THREADS) > 1 and macs >= PAR_GEMM_MACS
+
+
 def _lower_matmul(e, L, beta=0, bias=0, osum=0):
     A, B = e.ins
     C = e.outs[0]
@@ -449,7 +454,7 @@ def _lower_matmul(e, L, beta=0, bias=0, osum=0):
     batch = C.shape[:-2]
     nb_total = int(np.prod(batch, dtype=np.int64))
     threads = min(L.threads, MAX_THREADS)
-    par = threads > 1 and M * N * K * nb_total >= PAR_GEMM_MACS
+    par = par_gemm(M * N * K * nb_total, threads)
     consts = (L.scratch, L.one_zero)      # int32 BLAS scratch; a[one_zero] == 1.0, a[one_zero + 1] == 0.0
 
     def row(oa, ob, oc, nb, m, sa_, sb_, sc_):
@@ -786,7 +791,8 @@ def _lower_matmul_colsum(e, L):
     ride along the loop over dY's rows), else the matmul and sum rows."""
     (X, G), (dW, db) = e.ins, e.outs
     mm = type(e)("matmul", (X, G), (dW,), {"ta": True, "tb": False})
-    if micro_gemm(X.shape[1], G.shape[1], X.shape[0], 1, 0, 0, 0, X.dtype):
+    M, N, K = X.shape[1], G.shape[1], X.shape[0]
+    if micro_gemm(M, N, K, 1, 0, 0, 0, X.dtype) and not par_gemm(M * N * K, L.threads):
         return _lower_matmul(mm, L, osum=L.off(db))
     return _lower_matmul(mm, L) + TABLE["sum"].lower(type(e)("sum", (G,), (db,), {"lo": 0, "hi": 1}), L)
 
