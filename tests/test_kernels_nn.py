@@ -405,7 +405,7 @@ def test_attention_generated_lanes(B, T, C, NH, nb, par):
 
 
 @pytest.mark.parametrize("B,T,C,NH", [(1, 8, 24, 6), (2, 8, 24, 6), (15, 8, 24, 6), (1, 8, 32, 8), (3, 5, 6, 3),
-                                     (1, 1, 4, 1), (5, 3, 8, 2), (4, 8, 24, 6)])
+                                     (1, 1, 4, 1), (5, 3, 8, 2), (4, 8, 24, 6), (1, 4, 9, 3), (1, 3, 20, 2)])
 def test_attention_generated_pairs(B, T, C, NH):
     """The small-batch generated kernels (lanes over (sequence, head) pairs, 8 wide): padded lanes (B*NH < 8),
     exactly 8, several chunks with the last overlapping (12, 90), and T = 1. They leave P alone."""
@@ -415,6 +415,32 @@ def test_attention_generated_pairs(B, T, C, NH):
     exec(attn_lanes.executor_source([(T, C // NH)], ["k_attn_fwd_pairs", "k_attn_bwd_pairs"]), ns)
     check_bl_pair(np.float32, B, T, C, NH, 1, ns["k_attn_fwd_pairs"], ns["k_attn_bwd_pairs"], B * 100 + T,
                   wrote_P=False)
+
+
+@pytest.mark.parametrize("hs", [1, 2, 3, 4, 5, 8])
+def test_pairs_block_moves_what_pairs_copy_moves(hs):
+    """attn_lanes.pairs_block (the one-sequence layout change by masked vector loads / stores and shuffles)
+    writes exactly what nn.pairs_copy writes, both ways, for every head count up to 8, and nothing else."""
+    from numba import njit
+    from btjit.kernels import attn_lanes
+    to, back = attn_lanes.pairs_block(hs, True), attn_lanes.pairs_block(hs, False)
+
+    @njit
+    def convert(a, orows, opairs, NH, T, parts, to_pairs):
+        for tp in range(T * parts):
+            if to_pairs:
+                to(a, orows + tp * NH * hs, opairs + tp * hs * 8, NH)
+            else:
+                back(a, orows + tp * NH * hs, opairs + tp * hs * 8, NH)
+    rng = np.random.default_rng(hs)
+    for NH in range(1, 9):
+        for parts in (1, 3):
+            for to_pairs in (True, False):
+                a = rng.normal(size=3000).astype(np.float32)
+                want = a.copy()
+                K.pairs_copy(want, 7, 1500, 1, 5, NH, hs, parts, 8, to_pairs)
+                convert(a, 7, 1500, NH, 5, parts, to_pairs)
+                np.testing.assert_array_equal(a, want)
 
 
 def test_attention_generated_lanes_eligibility():

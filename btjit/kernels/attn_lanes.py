@@ -257,6 +257,19 @@ def _lanes_bwd_{T}_{hs}(a, r, i):
 
 _fwd_pairs_{T}_{hs} = fwd_chunk({T}, {hs}, {P}, True)
 _bwd_pairs_{T}_{hs} = bwd_chunk({T}, {hs}, {P})
+_to_pairs_{T}_{hs}, _from_pairs_{T}_{hs} = ({FAST} and pairs_block({hs}, True), {FAST} and pairs_block({hs}, False))
+
+
+@njit(**FM)
+def _pairs_copy_{T}_{hs}(a, orows, opairs, B, NH, parts, Lp, to_pairs):    # nn.pairs_copy; B = 1 by pairs_block
+    if {FAST} and B == 1 and Lp == {P}:
+        for tp in range({T} * parts):
+            if to_pairs:
+                _to_pairs_{T}_{hs}(a, orows + tp * NH * {hs}, opairs + tp * {hs} * {P}, NH)
+            else:
+                _from_pairs_{T}_{hs}(a, orows + tp * NH * {hs}, opairs + tp * {hs} * {P}, NH)
+    else:
+        pairs_copy(a, orows, opairs, B, {T}, NH, {hs}, parts, Lp, to_pairs)
 
 
 @njit(**FM)
@@ -265,11 +278,11 @@ def _pairs_fwd_{T}_{hs}(a, r, i):
     Lp = max(B * NH, {P})
     oPL = oW + {T} * 3 * {hs} * Lp
     oY = oPL + {TT} * Lp
-    pairs_copy(a, oqkv, oW, B, {T}, NH, {hs}, 3, Lp, True)
+    _pairs_copy_{T}_{hs}(a, oqkv, oW, B, NH, 3, Lp, True)
     for c in range((Lp + {P1}) // {P}):
         l0 = min(c * {P}, Lp - {P})
         _fwd_pairs_{T}_{hs}(a, oW + l0, Lp, {hs} * Lp, oPL + l0, oY + l0, Lp, Lp, r[9])
-    pairs_copy(a, oy, oY, B, {T}, NH, {hs}, 1, Lp, False)
+    _pairs_copy_{T}_{hs}(a, oy, oY, B, NH, 1, Lp, False)
 
 
 @njit(**FM)
@@ -278,12 +291,61 @@ def _pairs_bwd_{T}_{hs}(a, r, i):
     Lp = max(B * NH, {P})
     oPL = oW + {T} * 3 * {hs} * Lp
     oD = oS + {T} * {hs} * Lp
-    pairs_copy(a, ody, oS, B, {T}, NH, {hs}, 1, Lp, True)
+    _pairs_copy_{T}_{hs}(a, ody, oS, B, NH, 1, Lp, True)
     for c in range((Lp + {P1}) // {P}):
         l0 = min(c * {P}, Lp - {P})
         _bwd_pairs_{T}_{hs}(a, oW + l0, Lp, {hs} * Lp, oS + l0, oPL + l0, oD + l0, r[10])
-    pairs_copy(a, odqkv, oD, B, {T}, NH, {hs}, 3, Lp, False)
+    _pairs_copy_{T}_{hs}(a, odqkv, oD, B, NH, 3, Lp, False)
 """
+
+
+def pairs_block(hs, to_pairs):
+    """Intrinsic f(a, orow, opair, NH) for one sequence (B = 1, NH <= PAIR_LANES) and one (t, part): between
+    the NH*hs floats of a row, head h element d at a[orow + h*hs + d], and the pairs layout's hs rows of 8
+    lanes, lane h at a[opair + d*8 + h] (lanes NH.. zero). One masked vector load, hs shuffles and hs stores
+    (or hs loads, one shuffle and a masked store) in place of 8*hs scalar moves (nn.pairs_copy)."""
+    n = PAIR_LANES * hs
+
+    @intrinsic
+    def f(typingctx, a, orow, opair, NH):
+        def impl(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            _, orow, opair, NH = args
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            vn, v8 = ir.VectorType(_F, n), ir.VectorType(_F, PAIR_LANES)
+            vmask = ir.VectorType(ir.IntType(1), n)
+            lim = builder.insert_element(ir.Constant(ir.VectorType(i64, n), ir.Undefined),
+                                         builder.mul(NH, ir.Constant(i64, hs)), ir.Constant(i32, 0))
+            lim = builder.shuffle_vector(lim, lim, ir.Constant(ir.VectorType(i32, n), [0] * n))
+            mask = builder.icmp_unsigned("<", ir.Constant(ir.VectorType(i64, n), list(range(n))), lim)
+            rowp = builder.bitcast(builder.gep(data, [orow]), vn.as_pointer())
+            pair = [builder.bitcast(builder.gep(data, [builder.add(opair, ir.Constant(i64, d * PAIR_LANES))]),
+                                    v8.as_pointer()) for d in range(hs)]
+            if to_pairs:
+                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                    vn, [vn.as_pointer(), i32, vmask, vn]), f"llvm.masked.load.v{n}f32.p0")
+                v = builder.call(fn, [rowp, ir.Constant(i32, 4), mask, ir.Constant(vn, None)])
+                for d in range(hs):
+                    builder.store(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, PAIR_LANES), [
+                        h * hs + d for h in range(PAIR_LANES)])), pair[d], align=4)
+            else:
+                vs = [builder.load(pair[d], align=4) for d in range(hs)]
+                vs += [ir.Constant(v8, ir.Undefined)] * ((1 << (hs - 1).bit_length()) - hs)
+                while len(vs) > 1:          # concatenate: d-th 8 lanes at d*8
+                    w = vs[0].type.count
+                    vs = [builder.shuffle_vector(vs[k], vs[k + 1], ir.Constant(ir.VectorType(i32, 2 * w),
+                                                                                 list(range(2 * w))))
+                          for k in range(0, len(vs), 2)]
+                v = builder.shuffle_vector(vs[0], vs[0], ir.Constant(ir.VectorType(i32, n), [
+                    (j % hs) * PAIR_LANES + j // hs for j in range(n)]))
+                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                    ir.VoidType(), [vn, vn.as_pointer(), i32, vmask]), f"llvm.masked.store.v{n}f32.p0")
+                builder.call(fn, [v, rowp, ir.Constant(i32, 4), mask])
+            return context.get_dummy_value()
+        if a.dtype != types.float32:
+            return None
+        return types.void(a, orow, opair, NH), impl
+    return f
 
 
 def executor_source(shapes, kernel_names) -> str:
@@ -292,11 +354,11 @@ def executor_source(shapes, kernel_names) -> str:
     no kernel uses are never compiled."""
     shapes = sorted(set(shapes))
     out = ["from numba import njit, prange",
-           "from btjit.kernels.attn_lanes import bwd_chunk, fwd_chunk",
+           "from btjit.kernels.attn_lanes import bwd_chunk, fwd_chunk, pairs_block",
            "from btjit.kernels.common import FM, FM_PAR",
            "from btjit.kernels.nn import bl_in, bl_out, bl_span, pairs_copy"]
-    out += [_BLOCKS.format(T=T, hs=hs, TT=T * T, V=LANES, V1=LANES - 1, P=PAIR_LANES, P1=PAIR_LANES - 1)
-            for T, hs in shapes]
+    out += [_BLOCKS.format(T=T, hs=hs, TT=T * T, V=LANES, V1=LANES - 1, P=PAIR_LANES, P1=PAIR_LANES - 1,
+                           FAST=hs <= PAIR_LANES) for T, hs in shapes]
     for family, pars in (("lanes", ("", "_par")), ("pairs", ("",))):
         for kind, iT, iC, iNH, inb in (("fwd", 6, 7, 8, 10), ("bwd", 7, 8, 9, 11)):
             out.append(f"\n@njit(**FM)\ndef _{family}_{kind}(a, r, i):\n    T = r[{iT}]\n    hs = r[{iC}] // r[{iNH}]")
