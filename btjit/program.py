@@ -99,6 +99,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     g.outputs = {"out": out.var, **{k: v.var for k, v in aux.items()}}
     fuse.fold_embedding_matmul(g)
     fuse.fuse_linear(g)
+    fuse.fuse_residual(g)
     g.n_forward = len(g.eqns)
     grad = (optimizer is not None) if grad is None else grad
     if grad:
@@ -106,6 +107,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
             raise T.TraceError(f"the loss must be a float scalar to differentiate, got shape {out.shape}")
         g.loss = out.var
         grads = autodiff.differentiate(g)
+        fuse.fuse_grad_accumulation(g)
         for name in g.params:
             if name not in grads:
                 warnings.warn(f"btjit: parameter {name!r} does not reach the loss; its gradient is always zero",

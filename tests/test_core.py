@@ -434,6 +434,63 @@ def test_replicas_for_needs_a_divisible_batch_and_enough_rows(batch, rows, threa
     assert btjit.replicas_for(batch, rows, threads) == want
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_first_param_as_bias_or_residual(dtype):
+    """The first param sits at the start of the arena; kernel rows take offset 0 for "no bias / residual",
+    so the arena keeps offset 0 unused: a bias or residual that is the first param is still added."""
+    rng = np.random.default_rng(0)
+    p = {"b": rng.normal(size=16), "r": rng.normal(size=(12, 16)), "W": rng.normal(size=(8, 16))}
+    x = rng.normal(size=(12, 8))
+    w = rng.normal(size=(12, 16))
+    for first in ("b", "r"):
+        order = {first: p[first], **{k: v for k, v in p.items() if k != first}}
+        prog = btjit.trace(lambda p, x: btjit.sum(btjit.tanh(p["r"] + (x @ p["W"] + p["b"])) * w),
+                           {k: v.astype(dtype) for k, v in order.items()}, x.astype(dtype), grad=True, dtype=dtype)
+        h = np.tanh(p["r"] + x @ p["W"] + p["b"])
+        tol = 1e-4 if dtype == "float32" else 1e-10
+        assert prog.value_and_grad(x.astype(dtype)) == pytest.approx(float(np.sum(h * w)), rel=tol)
+        np.testing.assert_allclose(prog.grads["b"], ((1 - h ** 2) * w).sum(0), rtol=tol, atol=tol)
+        assert prog.plan.param_off[first] > 0
+
+
+def _pre_ln_block(p):
+    """A pre-LayerNorm residual MLP block, twice, then a LayerNorm: the GPT's residual pattern."""
+    x = p["x"]
+    for k in ("1", "2"):
+        h = btjit.layer_norm(x, p["g" + k], p["b" + k])
+        x = x + (btjit.relu(h @ p["W" + k] + p["c" + k]) @ p["V" + k] + p["d" + k])
+    return btjit.sum(btjit.tanh(btjit.layer_norm(x, p["g3"], p["b3"])) * p["w"])
+
+
+def _pre_ln_params(rng, T, C, dtype):
+    p = {"x": rng.normal(size=(T, C)), "w": rng.normal(size=(T, C)), "g3": 1 + 0.1 * rng.normal(size=C), "b3": 0.1 * rng.normal(size=C)}
+    for k in ("1", "2"):
+        p.update({"g" + k: 1 + 0.1 * rng.normal(size=C), "b" + k: 0.1 * rng.normal(size=C),
+                  "W" + k: rng.normal(0, 0.3, (C, 2 * C)), "c" + k: 0.1 * rng.normal(size=2 * C),
+                  "V" + k: rng.normal(0, 0.3, (2 * C, C)), "d" + k: 0.1 * rng.normal(size=C)})
+    return {k: v.astype(dtype) for k, v in p.items()}
+
+
+@pytest.mark.parametrize("T", [3, 16])
+def test_residual_adds_fused_into_linear_and_layernorm_grad(T):
+    """x + (h @ V + d) becomes one linear with the residual added as the GEMM stores (micro-kernel rows in
+    float32 from 8 rows, an add row below), and the LayerNorm backward adds x's residual gradient as it
+    stores: no add is left in the blocks or their backward. Gradients: finite differences in float64, and
+    float32 (the micro-kernel path) against float64."""
+    rng = np.random.default_rng(T)
+    p64 = _pre_ln_params(rng, T, 8, np.float64)
+    prog = btjit.trace(_pre_ln_block, p64, grad=True, dtype="float64")
+    ops = [(e.op, len(e.ins)) for e in prog.graph.eqns]
+    assert ops.count(("linear", 4)) == 2 and ops.count(("layernorm_grad", 6)) == 2 and ("add", 2) not in ops
+    check_grads(_pre_ln_block, p64)
+    p32 = {k: v.astype(np.float32) for k, v in p64.items()}
+    prog32 = btjit.trace(_pre_ln_block, p32, grad=True)
+    loss32, loss64 = prog32.value_and_grad(), prog.value_and_grad()
+    assert loss32 == pytest.approx(loss64, rel=1e-5, abs=1e-5)
+    for k in p64:
+        np.testing.assert_allclose(prog32.grads[k], prog.grads[k], rtol=1e-3, atol=1e-4, err_msg=k)
+
+
 @pytest.mark.parametrize("rows", [8, 130])
 def test_linear_grads_on_micro_kernels_with_fused_bias_grad(rows):
     """float32 `x @ W + b` with >= 8 rows: the lowering runs dW = X^T dY and db = dY.sum(0) as one

@@ -66,7 +66,9 @@ class Arena:
 
 
 def row(*args):
-    return np.array([0, *args], np.int64)
+    """A tape row as the lowering makes them: opcode slot, args, zero-padded to ROW."""
+    from btjit.graph.lower import ROW
+    return np.array([0, *args] + [0] * (ROW - 1 - len(args)), np.int64)
 
 
 def fd_grad(f, x, eps=1e-6):

@@ -1,10 +1,15 @@
-"""Forward-graph fusions, run after tracing and before autodiff (so the backward comes from the fused op's
-own VJP rule). Each rewrite keeps the graph in SSA form and replaces a pattern whose intermediate value is
-used nowhere else.
+"""Graph fusions. The forward ones run after tracing and before autodiff (so the backward comes from the
+fused op's own VJP rule); fuse_grad_accumulation runs on the backward that autodiff appended. Each rewrite
+keeps the graph in SSA form and replaces a pattern whose intermediate value is used nowhere else.
 
   matmul(x, W) then add(., b)  ->  linear(x, W, b)     (W 2-D, b of shape (N,): bias pre-filled in the GEMM)
+  linear(x, W, b) then add(., r)  ->  linear(x, W, b, r)  (r of the output's shape: a residual connection,
+                                                          added by the GEMM as it stores)
   take(table, idx) -> reshape -> matmul(., W)  ->  take_sum(matmul(table, W as (P, E, N)), idx)
                                                   (an embedding table with fewer rows than the batch)
+  backward: layernorm_grad(...) -> dx, then add(dx, acc)  ->  layernorm_grad(..., acc)
+                                                  (x's other gradient, e.g. from its residual connection,
+                                                   added by the LayerNorm backward kernel as it stores)
 """
 from __future__ import annotations
 
@@ -40,6 +45,23 @@ def fuse_linear(graph: Graph) -> None:
     graph.eqns = [e for e in out if id(e) not in drop]
 
 
+def fuse_residual(graph: Graph) -> None:
+    uses = _uses(graph)
+    producer = {e.outs[0].id: e for e in graph.eqns}
+    drop, out = set(), []
+    for e in graph.eqns:
+        if e.op == "add":
+            for t, r in (e.ins, e.ins[::-1]):
+                lin = producer.get(t.id)
+                if (lin is not None and lin.op == "linear" and len(lin.ins) == 3 and uses[t.id] == 1
+                        and r.shape == t.shape == e.outs[0].shape and r.dtype == t.dtype and id(lin) not in drop):
+                    drop.add(id(lin))
+                    e = Eqn("linear", (*lin.ins, r), e.outs, {}, e.src)
+                    break
+        out.append(e)
+    graph.eqns = [e for e in out if id(e) not in drop]
+
+
 def fold_embedding_matmul(graph: Graph) -> None:
     """x = take(table (V, E), idx (B, P)) reshaped to (B, P*E), then x @ W with W (P*E, N): when V < B, compute
     the P products table @ W[p*E:(p+1)*E] once per table row and gather-sum them per sample instead,
@@ -66,3 +88,21 @@ def fold_embedding_matmul(graph: Graph) -> None:
                 continue
         out.append(e)
     graph.eqns = [e for e in out if id(e) not in drop]
+
+
+def fuse_grad_accumulation(graph: Graph) -> None:
+    uses = _uses(graph)
+    pos = {o.id: i for i, e in enumerate(graph.eqns) for o in e.outs}
+    fused, drop = {}, set()
+    for i, e in enumerate(graph.eqns):
+        if e.op != "add" or i < graph.n_forward:
+            continue
+        for t, acc in (e.ins, e.ins[::-1]):
+            ln = graph.eqns[pos[t.id]] if t.id in pos else None
+            if (ln is not None and ln.op == "layernorm_grad" and len(ln.ins) == 5 and ln.outs[0] is t
+                    and uses[t.id] == 1 and acc.shape == t.shape and pos.get(acc.id, -1) < pos[t.id]
+                    and id(ln) not in fused):
+                fused[id(ln)] = Eqn("layernorm_grad", (*ln.ins, acc), (e.outs[0], *ln.outs[1:]), ln.attrs, ln.src)
+                drop.add(id(e))
+                break
+    graph.eqns = [fused.get(id(e), e) for e in graph.eqns if id(e) not in drop]

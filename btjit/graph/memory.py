@@ -1,8 +1,9 @@
 """Memory planner: every value at a fixed offset in ONE float arena (plus one int32 arena).
 
 Float arena layout (llm.c style):
-  [params | grads (same layout) | optimizer state (k copies of that layout) | constants and hyper-parameters |
-   float inputs | outputs (loss, named outputs) | planned intermediates]
+  [16 unused | params | grads (same layout) | optimizer state (k copies of that layout) | constants and
+   hyper-parameters | float inputs | outputs (loss, named outputs) | planned intermediates]
+(no float value at offset 0: kernel rows use offset 0 for "no bias / residual / ...")
 Views (reshape) share their input's storage. Intermediates get offsets by a greedy best-fit over their
 lifetimes on the whole forward+backward schedule: two storages share bytes only if their lifetimes
 [defining eqn, last use] are disjoint. The update kernels run after the schedule and touch only the fixed
@@ -97,13 +98,13 @@ def plan(graph: Graph, pinned: dict, n_state: int, n_hyper: int) -> Plan:
     life = lifetimes(graph, root)
     var = var_index(graph)
     off, ioff = {}, {}
-    pos = 0
+    pos = p0 = ALIGN        # offset 0 stays unused: kernel rows take an offset of 0 to mean "no such operand"
     param_off = {}
     for name, v in graph.params.items():
         param_off[name] = off[v.id] = pos
         pos += _al(v.size)
-    plen = pos
-    pos = plen * (2 + n_state)
+    plen = pos - p0
+    pos = p0 + plen * (2 + n_state)
     hyper_off = pos
     pos += _al(n_hyper)
     ipos = 0
@@ -136,7 +137,7 @@ def plan(graph: Graph, pinned: dict, n_state: int, n_hyper: int) -> Plan:
     for vid, r in root.items():   # views
         if vid != r:
             (ioff if r in ioff else off)[vid] = (ioff if r in ioff else off)[r]
-    p = Plan({**off, **ioff}, param_off, (0, plen), n_state, hyper_off, n_hyper, fsize, ipos, scratch, int_state,
+    p = Plan({**off, **ioff}, param_off, (p0, plen), n_state, hyper_off, n_hyper, fsize, ipos, scratch, int_state,
              intervals)
     p.naive_bytes = (pos + sum(sizes.values())) * _itemsize(graph) + ipos * 4
     p.min_bytes = plen * (2 + n_state) * _itemsize(graph)

@@ -445,7 +445,10 @@ def par_gemm(macs, threads) -> bool:
     return min(threads, MAX_THREADS) > 1 and macs >= PAR_GEMM_MACS
 
 
-def _lower_matmul(e, L, beta=0, bias=0, osum=0):
+def _lower_matmul(e, L, beta=0, bias=0, osum=0, res=None):
+    """Rows of a matmul (C = op(A) @ op(B), + bias row, and the column sums osum of B for matmul_colsum);
+    res: a var of C's shape added to it (a linear's residual connection): by the micro-kernels as they
+    store C, else by an add row after the product."""
     A, B = e.ins
     C = e.outs[0]
     M, N = C.shape[-2:]
@@ -457,13 +460,21 @@ def _lower_matmul(e, L, beta=0, bias=0, osum=0):
     par = par_gemm(M * N * K * nb_total, threads)
     consts = (L.scratch, L.one_zero)      # int32 BLAS scratch; a[one_zero] == 1.0, a[one_zero + 1] == 0.0
 
+    def micro(m):
+        return not par and micro_gemm(m, N, K, ta, tb, beta, bias, C.dtype)
+
     def row(oa, ob, oc, nb, m, sa_, sb_, sc_):
-        if not par and micro_gemm(m, N, K, ta, tb, beta, bias, C.dtype):
-            return L.row("k_matmul_micro", oa, ob, oc, nb, m, N, K, sa_, sb_, sc_, ta, tb, bias, osum)
+        if micro(m):
+            return L.row("k_matmul_micro", oa, ob, oc, nb, m, N, K, sa_, sb_, sc_, ta, tb, bias, osum,
+                         L.off(res) + oc - L.off(C) if res is not None else 0)
         kernel, parts = ("k_matmul_par", threads) if par else ("k_matmul", split_gemm(nb, m, N, K))
         return L.row(kernel, oa, ob, oc, nb, m, N, K, sa_, sb_, sc_, ta, tb, beta, *consts, bias, parts)
     if len(B.shape) == 2 and not ta:      # fold A's batch dims into M: one GEMM
-        return [row(L.off(A), L.off(B), L.off(C), 1, nb_total * M, 0, 0, 0)]
+        rows = [row(L.off(A), L.off(B), L.off(C), 1, nb_total * M, 0, 0, 0)]
+        if res is not None and not micro(nb_total * M):
+            rows += TABLE["add"].lower(type(e)("add", (C, res), (C,), {}), L)
+        return rows
+    assert res is None, "a residual needs B 2-D and A untransposed (fuse.fuse_residual)"
     sa = bstrides(A.shape[:-2] or (1,), batch or (1,))
     sb = bstrides(B.shape[:-2] or (1,), batch or (1,))
     ma, mb = A.shape[-2] * A.shape[-1], B.shape[-2] * B.shape[-1]
@@ -654,16 +665,20 @@ def _ln_ref(xs, a):
 
 
 def _ln_grad_ref(xs, a):
-    x, w, mu, rs, gy = xs
+    x, w, mu, rs, gy = xs[:5]
     C = x.shape[-1]
     x2, g2 = x.reshape(-1, C), gy.reshape(-1, C)
     xh = (x2 - mu[:, None]) * rs[:, None]
     gx = g2 * w
     dx = rs[:, None] * (gx - gx.mean(-1, keepdims=True) - xh * (gx * xh).mean(-1, keepdims=True))
-    return (dx.reshape(x.shape), (g2 * xh).sum(0), g2.sum(0))
+    return (dx.reshape(x.shape) + (xs[5] if len(xs) > 5 else 0), (g2 * xh).sum(0), g2.sum(0))
 
 
 def _ln_grad_rule(types, attrs, fd):
+    """(x, w, mean, rstd, dy[, acc]) -> (dx [+ acc], dw, db): acc, of x's shape, is another gradient of x
+    (fuse.fuse_grad_accumulation)."""
+    if len(types) > 5 and tuple(types[5][0]) != tuple(types[0][0]):
+        raise ShapeError(f"layernorm_grad: acc must have x's shape {types[0][0]}, got {types[5][0]}")
     return [(types[0][0], fd), (types[1][0], fd), (types[1][0], fd)]
 
 
@@ -673,8 +688,10 @@ op("layernorm", infer=_ln_rule, ref=_ln_ref,
    vjp=lambda g, x, o, a: list(T.emit("layernorm_grad", (x[0], x[1], o[1], o[2], g[0]), **a)),
    cases=[Case((F(3, 6), F(6), F(6)), {"eps": 1e-5}), Case((F(2, 3, 5), F(5), F(5)), {"eps": 1e-5})])
 op("layernorm_grad", infer=_ln_grad_rule, ref=_ln_grad_ref, internal=True,
-   lower=lambda e, L: [L.row("k_layernorm_bwd", *[L.off(v) for v in e.ins + e.outs], *_rows(e.ins[0]))],
-   cases=[Case((F(3, 6), F(6), F(3), F(3, dom="pos"), F(3, 6)), {"eps": 1e-5})])
+   lower=lambda e, L: [L.row("k_layernorm_bwd", *[L.off(v) for v in e.ins[:5] + e.outs], *_rows(e.ins[0]),
+                             L.off(e.ins[5]) if len(e.ins) > 5 else 0)],
+   cases=[Case((F(3, 6), F(6), F(3), F(3, dom="pos"), F(3, 6)), {"eps": 1e-5}),
+          Case((F(3, 6), F(6), F(3), F(3, dom="pos"), F(3, 6), F(3, 6)), {"eps": 1e-5})])
 
 
 def _attn_rule(types, attrs, fd):
@@ -771,19 +788,21 @@ op("causal_attention_grad", infer=_attn_grad_rule, ref=_attn_grad_ref, internal=
 # ----------------------------------------------------------------------------- fused linear (graph/fuse.py)
 def _linear_rule(types, attrs, fd):
     _float(types, "")
-    (sx, _), (sw, _), (sb, _) = types
-    if len(sw) != 2 or not sx or sx[-1] != sw[0] or tuple(sb) != (sw[1],):
-        raise ShapeError(f"linear needs x (..., K), w (K, N), b (N,); got {sx}, {sw}, {sb}")
-    return [(tuple(sx[:-1]) + (sw[1],), fd)]
+    (sx, _), (sw, _), (sb, _) = types[:3]
+    out = tuple(sx[:-1]) + (sw[1],) if len(sw) == 2 and sx else None
+    if out is None or sx[-1] != sw[0] or tuple(sb) != (sw[1],) or (len(types) == 4 and tuple(types[3][0]) != out):
+        raise ShapeError(f"linear needs x (..., K), w (K, N), b (N,) [, r (..., N)]; got "
+                         f"{', '.join(str(t[0]) for t in types)}")
+    return [(out, fd)]
 
 
 def _linear_vjp(g, x, o, a):
-    X, W, _ = x
+    X, W = x[:2]
     g = g[0]
     X2, g2 = T.reshape(X, (-1, X.shape[-1])), T.reshape(g, (-1, g.shape[-1]))
     dX = T.emit("matmul", (g, W), ta=False, tb=True)
     dW, db = T.emit("matmul_colsum", (X2, g2))
-    return [dX, dW, db]
+    return [dX, dW, db, g][:len(x)]
 
 
 def _lower_matmul_colsum(e, L):
@@ -801,7 +820,9 @@ op("matmul_colsum", internal=True, lower=_lower_matmul_colsum,
    infer=lambda t, a, fd: [((t[0][0][1], t[1][0][1]), fd), ((t[1][0][1],), fd)],
    ref=lambda xs, a: (xs[0].T @ xs[1], xs[1].sum(0)),
    cases=[Case((F(8, 24), F(8, 72))), Case((F(5, 3), F(5, 4))), Case((F(130, 9), F(130, 50)))])
-op("linear", infer=_linear_rule, ref=lambda xs, a: (xs[0] @ xs[1] + xs[2],), vjp=_linear_vjp,
+op("linear", infer=_linear_rule, ref=lambda xs, a: (xs[0] @ xs[1] + xs[2] + (xs[3] if len(xs) > 3 else 0),),
+   vjp=_linear_vjp,
    lower=lambda e, L: _lower_matmul(type(e)("matmul", e.ins[:2], e.outs, {"ta": False, "tb": False}), L,
-                                    bias=L.off(e.ins[2])),
-   cases=[Case((F(5, 3), F(3, 4), F(4))), Case((F(2, 3, 4), F(4, 6), F(6)))])
+                                    bias=L.off(e.ins[2]), res=e.ins[3] if len(e.ins) > 3 else None),
+   cases=[Case((F(5, 3), F(3, 4), F(4))), Case((F(2, 3, 4), F(4, 6), F(6))),
+          Case((F(5, 3), F(3, 4), F(4), F(5, 4))), Case((F(2, 8, 24), F(24, 30), F(30), F(2, 8, 30)))])

@@ -51,11 +51,12 @@ def k_layernorm_fwd(a, ia, r):
 def k_layernorm_bwd(a, ia, r):
     """LayerNorm backward from the saved mean/rstd.
 
-    r = [op, ox, og, omean, orstd, ody, odx, odg, odb, M, C]
-      x, dy, dx: (M, C); g, dg, db: (C,); mean, rstd: (M,). Writes dx, dg, db (overwrite).
+    r = [op, ox, og, omean, orstd, ody, odx, odg, odb, M, C, oacc]
+      x, dy, dx: (M, C); g, dg, db: (C,); mean, rstd: (M,). Writes dx, dg, db (overwrite). oacc > 0: dx =
+      acc + the gradient, acc (M, C) at a[oacc:] (another gradient of x: fuse.fuse_grad_accumulation).
     """
     ox = r[1]; og = r[2]; omean = r[3]; orstd = r[4]; ody = r[5]; odx = r[6]; odg = r[7]; odb = r[8]
-    M = r[9]; C = r[10]
+    M = r[9]; C = r[10]; oacc = r[11]
     zero = cvt(a, 0.0)
     invC = cvt(a, 1.0) / cvt(a, C)
     g = a[og:og + C]
@@ -78,11 +79,19 @@ def k_layernorm_bwd(a, ia, r):
             s2 += gy * (x[c] - mu)
         m1 = s1 * invC
         m2 = s2 * rs * invC
-        for c in range(C):
-            xh = (x[c] - mu) * rs
-            dx[c] = (dy[c] * g[c] - m1 - xh * m2) * rs
-            dg[c] += dy[c] * xh
-            db[c] += dy[c]
+        if oacc > 0:
+            acc = a[oacc + i * C:oacc + i * C + C]
+            for c in range(C):
+                xh = (x[c] - mu) * rs
+                dx[c] = acc[c] + (dy[c] * g[c] - m1 - xh * m2) * rs
+                dg[c] += dy[c] * xh
+                db[c] += dy[c]
+        else:
+            for c in range(C):
+                xh = (x[c] - mu) * rs
+                dx[c] = (dy[c] * g[c] - m1 - xh * m2) * rs
+                dg[c] += dy[c] * xh
+                db[c] += dy[c]
 
 
 # ---------------------------------------------------------------- causal multi-head self-attention
