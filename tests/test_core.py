@@ -491,6 +491,23 @@ def test_residual_adds_fused_into_linear_and_layernorm_grad(T):
         np.testing.assert_allclose(prog32.grads[k], prog.grads[k], rtol=1e-3, atol=1e-4, err_msg=k)
 
 
+def test_relu_input_is_not_kept_for_the_backward():
+    """relu's gradient reads relu's output, so its input (a (rows, 4C) activation in a GPT) dies at the relu:
+    the planned arena holds one such buffer less per layer. Gradients: finite differences."""
+    rng = np.random.default_rng(0)
+    p = {"W": rng.normal(size=(6, 32)), "V": rng.normal(size=(32, 6))}
+    x = rng.normal(size=(16, 6))
+
+    def f(p, x):
+        return btjit.sum(btjit.tanh(btjit.relu(x @ p["W"]) @ p["V"]))
+    prog = btjit.trace(f, p, x, grad=True, dtype="float64")
+    relu = next(e for e in prog.graph.eqns if e.op == "relu")
+    grad = next(e for e in prog.graph.eqns if e.op == "relu_grad")
+    assert grad.ins[0] is relu.outs[0]
+    assert not any(v is relu.ins[0] for e in prog.graph.eqns[prog.graph.n_forward:] for v in e.ins)
+    check_grads(f, p, x)
+
+
 @pytest.mark.parametrize("rows", [8, 130])
 def test_linear_grads_on_micro_kernels_with_fused_bias_grad(rows):
     """float32 `x @ W + b` with >= 8 rows: the lowering runs dW = X^T dY and db = dY.sum(0) as one

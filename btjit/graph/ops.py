@@ -188,7 +188,9 @@ _unary("neg", EW.U_NEG, lambda x, a: -x, lambda g, x, o, a: [-g[0]])
 _unary("exp", EW.U_EXP, lambda x, a: np.exp(x), lambda g, x, o, a: [g[0] * o[0]])
 _unary("log", EW.U_LOG, lambda x, a: np.log(x), lambda g, x, o, a: [g[0] / x[0]], dom="pos")
 _unary("tanh", EW.U_TANH, lambda x, a: np.tanh(x), lambda g, x, o, a: [T.emit("tanh_grad", (o[0], g[0]))])
-_unary("relu", EW.U_RELU, lambda x, a: np.maximum(x, 0), lambda g, x, o, a: [T.emit("relu_grad", (x[0], g[0]))],
+# relu's gradient reads its output (> 0 exactly where the input is), so the input need not live until the
+# backward: E6 batch 64 keeps one (512, 96) activation less per layer (arena 7.0 -> 5.9 MB)
+_unary("relu", EW.U_RELU, lambda x, a: np.maximum(x, 0), lambda g, x, o, a: [T.emit("relu_grad", (o[0], g[0]))],
        dom="away")
 _unary("sigmoid", EW.U_SIGMOID, lambda x, a: _sig(x), lambda g, x, o, a: [T.emit("sigmoid_grad", (o[0], g[0]))])
 _unary("sqrt", EW.U_SQRT, lambda x, a: np.sqrt(x), lambda g, x, o, a: [g[0] * 0.5 / o[0]], dom="pos")

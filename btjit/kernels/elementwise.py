@@ -81,7 +81,7 @@ def _binary(sub, x, y):
         return _one if x != y else _z
     elif sub == B_TANH_GRAD:          # x = tanh output, y = upstream grad
         return y * (_one - x * x)
-    elif sub == B_RELU_GRAD:          # x = relu input, y = upstream grad
+    elif sub == B_RELU_GRAD:          # x = relu input or output (> 0 at the same places), y = upstream grad
         return y if x > _z else y * _z
     elif sub == B_SIGMOID_GRAD:       # x = sigmoid output, y = upstream grad
         return y * x * (_one - x)
