@@ -27,39 +27,41 @@ def _uses(graph: Graph) -> Counter:
     return n
 
 
-def fuse_linear(graph: Graph) -> None:
-    uses = _uses(graph)
-    producer = {e.outs[0].id: e for e in graph.eqns}
-    drop, out = set(), []
-    for e in graph.eqns:
-        if e.op == "add":
-            for t, b in (e.ins, e.ins[::-1]):
-                mm = producer.get(t.id)
-                if (mm is not None and mm.op == "matmul" and not mm.attrs["ta"] and not mm.attrs["tb"]
-                        and len(mm.ins[1].shape) == 2 and b.shape == (mm.ins[1].shape[1],)
-                        and uses[t.id] == 1 and t.shape == e.outs[0].shape and id(mm) not in drop):
-                    drop.add(id(mm))
-                    e = Eqn("linear", (mm.ins[0], mm.ins[1], b), e.outs, {}, e.src)
-                    break
-        out.append(e)
-    graph.eqns = [e for e in out if id(e) not in drop]
-
-
-def fuse_residual(graph: Graph) -> None:
+def _into_add(graph: Graph, rewrite) -> None:
+    """For each add(t, r) (either order) whose t is made by an eqn p and used only there, rewrite(p, r, add)
+    may return the one eqn that replaces both (at the add's place), or None to leave them."""
     uses = _uses(graph)
     producer = {e.outs[0].id: e for e in graph.eqns}
     drop, out = set(), []
     for e in graph.eqns:
         if e.op == "add":
             for t, r in (e.ins, e.ins[::-1]):
-                lin = producer.get(t.id)
-                if (lin is not None and lin.op == "linear" and len(lin.ins) == 3 and uses[t.id] == 1
-                        and r.shape == t.shape == e.outs[0].shape and r.dtype == t.dtype and id(lin) not in drop):
-                    drop.add(id(lin))
-                    e = Eqn("linear", (*lin.ins, r), e.outs, {}, e.src)
+                p = producer.get(t.id)
+                new = rewrite(p, r, e) if p is not None and uses[t.id] == 1 and id(p) not in drop else None
+                if new is not None:
+                    drop.add(id(p))
+                    e = new
                     break
         out.append(e)
     graph.eqns = [e for e in out if id(e) not in drop]
+
+
+def fuse_linear(graph: Graph) -> None:
+    def rewrite(mm, b, add):
+        if mm.op != "matmul" or mm.attrs["ta"] or mm.attrs["tb"]:
+            return None
+        W = mm.ins[1]
+        if len(W.shape) == 2 and b.shape == (W.shape[1],) and mm.outs[0].shape == add.outs[0].shape:
+            return Eqn("linear", (mm.ins[0], W, b), add.outs, {}, add.src)
+    _into_add(graph, rewrite)
+
+
+def fuse_residual(graph: Graph) -> None:
+    def rewrite(lin, r, add):
+        if lin.op == "linear" and len(lin.ins) == 3 and r.shape == add.outs[0].shape == lin.outs[0].shape \
+                and r.dtype == lin.outs[0].dtype:
+            return Eqn("linear", (*lin.ins, r), add.outs, {}, add.src)
+    _into_add(graph, rewrite)
 
 
 def fold_embedding_matmul(graph: Graph) -> None:
