@@ -463,7 +463,8 @@ def _pre_ln_block(p):
 
 
 def _pre_ln_params(rng, T, C, dtype):
-    p = {"x": rng.normal(size=(T, C)), "w": rng.normal(size=(T, C)), "g3": 1 + 0.1 * rng.normal(size=C), "b3": 0.1 * rng.normal(size=C)}
+    p = {"x": rng.normal(size=(T, C)), "w": rng.normal(size=(T, C)),
+         "g3": 1 + 0.1 * rng.normal(size=C), "b3": 0.1 * rng.normal(size=C)}
     for k in ("1", "2"):
         p.update({"g" + k: 1 + 0.1 * rng.normal(size=C), "b" + k: 0.1 * rng.normal(size=C),
                   "W" + k: rng.normal(0, 0.3, (C, 2 * C)), "c" + k: 0.1 * rng.normal(size=2 * C),

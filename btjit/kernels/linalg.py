@@ -24,9 +24,9 @@ def _micro(widths, transposed=False, rows=MR):
     b[oB + k*ldb]; C row r at a[oC + r*ldc]; init = the row a[obias:] if obias > 0, else 0. With osum > 0
     the same loop also sums B's rows (sum_k B[k, c], the bias gradient of a dW = X^T dY product) into
     a[osum:]. With ores > 0 the rows of R at a[ores + r*ldc] are added to the result as it is stored (a
-    residual connection, (init + A@B) + R). transposed (widths (8,), rows 8 or 16): each 8 x 8 tile of the result is transposed in
-    registers and C^T stored: C^T row c at a[oC + c*ldc], C^T column r at r (so `rows` rows of B give as many
-    columns of an 8-row product)."""
+    residual connection, (init + A@B) + R). transposed (widths (8,), rows 8 or 16): each 8 x 8 tile of the
+    result is transposed in registers and C^T stored: C^T row c at a[oC + c*ldc], C^T column r at r (so
+    `rows` rows of B give as many columns of an 8-row product)."""
     assert not transposed or (widths == (8,) and rows % 8 == 0)
     offs = [sum(widths[:j]) for j in range(len(widths))]
 
@@ -125,9 +125,9 @@ def gemm_micro(a, b, oA, sar, sak, oB, ldb, oC, ldc, M, N, K, obias, osum, ores)
     """C (M, N) = [bias +] A @ B by micro-kernels (M, N >= 8; A as in _micro, B (K, N) row-major with row
     stride ldb in b, C with row stride ldc in a; obias: the bias row's offset, 0 = none; osum > 0: also
     a[osum:osum+N] = B's column sums, in the first row block; ores > 0: plus R (M, N) at a[ores:], row stride
-    ldc). Blocks of MR rows and of the widest of 48 / 24
-    / 16 / 8 columns that fits; the last block of each is moved back to end at M / N, recomputing a few
-    entries that are stored again unchanged, so there are no edge loops (overwrite only)."""
+    ldc). Blocks of MR rows and of the widest of 48 / 24 / 16 / 8 columns that fits; the last block of each
+    is moved back to end at M / N, recomputing a few entries that are stored again unchanged, so there are
+    no edge loops (overwrite only)."""
     for i in range(0, M, MR):
         r0 = min(i, M - MR)
         oa, oc, orr = oA + r0 * sar, oC + r0 * ldc, ores + r0 * ldc
@@ -179,9 +179,10 @@ def k_matmul_micro(a, ia, r):
 
     r = [op, oA, oB, oC, nbatch, M, N, K, sA, sB, sC, ta, tb, obias, osum, ores] as in k_matmul (ta and tb
       never both 1; a B^T product has no bias and no residual; ores > 0: R_i (M, N) at a[ores + i*sC] is
-      added, C_i = (bias + A_i @ B_i) + R_i, a linear with its residual connection). M, N >= 8. B^T products from COPY_MIN_ROWS rows run on a
-      transposed stack copy of B (N*K <= WT_MAX), below on gemm_micro_nt. osum > 0 (nbatch 1, tb 0): also
-      a[osum:osum+N] = the column sums of B (ops' matmul_colsum: dW = X^T dY and db together).
+      added, C_i = (bias + A_i @ B_i) + R_i, a linear with its residual connection). M, N >= 8. B^T products
+      from COPY_MIN_ROWS rows run on a transposed stack copy of B (N*K <= WT_MAX), below on gemm_micro_nt.
+      osum > 0 (nbatch 1, tb 0): also a[osum:osum+N] = the column sums of B (ops' matmul_colsum: dW = X^T dY
+      and db together).
     """
     oA = r[1]; oB = r[2]; oC = r[3]; nbatch = r[4]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
     sC = r[10]; ta = r[11]; tb = r[12]; obias = r[13]; osum = r[14]; ores = r[15]
@@ -214,8 +215,8 @@ def k_matmul_par(a, ia, r):
 def gemm_micro_nt(a, oA, lda, oB, ldb, oC, ldc, M, N, K, wt):
     """C (M, N) = A @ B^T by micro-kernels (M, N >= 8; A (M, K) and B (N, K) row-major in a): per block of MR
     rows of A, its transpose goes to the stack buffer wt (K x 8, by 8 x 8 register tiles) and C^T = B @ that
-    is computed 8 x 8 at a time and stored transposed. Blocks move back to end at M / N as in gemm_micro
-    (overwrite only)."""
+    is computed for 16 (then 8) rows of B at a time and stored transposed. Blocks move back to end at M / N
+    as in gemm_micro (overwrite only)."""
     for i in range(0, M, MR):
         m0 = min(i, M - MR)
         oa = oA + m0 * lda
