@@ -79,7 +79,7 @@ def k_layernorm_bwd(a, ia, r):
             s2 += gy * (x[c] - mu)
         m1 = s1 * invC
         m2 = s2 * rs * invC
-        if oacc > 0:
+        if oacc > 0:      # two loops: one with `acc[c] + v if oacc > 0 else v` inside ran 114 vs 92 us (E6b64)
             acc = a[oacc + i * C:oacc + i * C + C]
             for c in range(C):
                 xh = (x[c] - mu) * rs
