@@ -126,17 +126,22 @@ def test_torch_and_jax_agree(small_text):
     assert np.allclose(lt, lj, atol=1e-4) and lj[0] == pytest.approx(loss0, abs=1e-5), (lt, lj)
 
 
-def test_torch_per_head_peer_is_the_same_model(small_text):
-    """torch.perhead (one q/k/v projection per head) computes the fused peer's function: same loss and, after
-    3 SGD steps, the same params (its per-head weights joined back into attn.qkv.w)."""
+def test_torch_paper_peer_is_the_same_model(small_text):
+    """torch.paper (the paper's nn.Module GPT: a Linear per head for q, k, v) computes the SDPA peer's
+    function: same loss and, after 3 SGD steps, the same params (its per-head weights joined back into
+    attn.qkv.w, every Linear weight transposed back to (in, out))."""
     fused = peer("torch").make("E6b64", text=small_text)
-    perhead = peer("torch").make("E6b64", text=small_text, perhead=True)
-    assert perhead.check()["loss"] == pytest.approx(fused.check()["loss"], abs=1e-6)
+    paper = peer("torch").make("E6b64", text=small_text, paper=True)
+    p0 = paper.params()
+    for k, v in W.setup_batch("E6b64", 0, small_text)[0].items():        # load and export are inverses
+        np.testing.assert_array_equal(p0[k], v, err_msg=k)
+    assert paper.check()["loss"] == pytest.approx(fused.check()["loss"], abs=1e-6)
     for _ in range(3):
-        assert perhead.step() == pytest.approx(fused.step(), abs=1e-5)
-    pf, pp = fused.params(), perhead.params()
+        assert paper.step() == pytest.approx(fused.step(), abs=1e-5)
+    pf, pp = fused.params(), paper.params()
     assert set(pf) == set(pp)
     for k in pf:
+        assert np.abs(pp[k] - p0[k]).max() > 0, k                          # every param was trained
         np.testing.assert_allclose(pp[k], pf[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 

@@ -23,14 +23,14 @@ IMPLS = {
     "btjit.many": ("btjit.bench.btjit_scalar", None, {"E1": True, "E2": True}, {"many": True}),
     "torch": ("btjit.bench.peers.torch_peer", "torch", {w: True for w in ALL}, {}),
     "torch.compile": ("btjit.bench.peers.torch_peer", "torch", {w: True for w in TRAIN}, {"compile": True}),
-    "torch.perhead": ("btjit.bench.peers.torch_peer", "torch", {"E6b1": True, "E6b64": True}, {"perhead": True}),
+    "torch.paper": ("btjit.bench.peers.torch_peer", "torch", {"E6b1": True, "E6b64": True}, {"paper": True}),
     "jax": ("btjit.bench.peers.jax_peer", "jax",
             {"E1": True, "E2": True, "E3": NA_IO, "E4": NA_IO, **{w: True for w in TRAIN}}, {}),
     "micrograd": ("btjit.bench.peers.micrograd_peer", "micrograd", {w: True for w in ALL[:4]}, {}),
     "autograd": ("btjit.bench.peers.autograd_peer", "autograd",
                  {"E1": True, "E2": True, "E3": NA_IO, "E4": NA_IO}, {}),
 }
-DEFAULT_PEERS = ("torch", "torch.perhead", "jax", "micrograd", "autograd")
+DEFAULT_PEERS = ("torch", "torch.paper", "jax", "micrograd", "autograd")
 
 
 class NotApplicable(Exception):
