@@ -208,9 +208,12 @@ class TrainRunner(Runner):
             self.loss_fn = torch.compile(self.loss_fn)
             self._step()                                  # first call compiles forward and backward
             self.compile_seconds = time.perf_counter() - t0
-            with torch.no_grad():                         # back to the init params after that step
-                for k, v in params.items():
-                    self.P[k].copy_(torch.from_numpy(v))
+            if self.model is not None:                    # back to the init params after that step
+                self.model.load(params)
+            else:
+                with torch.no_grad():
+                    for k, v in params.items():
+                        self.P[k].copy_(torch.from_numpy(v))
             self.note = "torch.compile (default mode); compile_s includes one step"
 
     def _step(self):
