@@ -2,7 +2,7 @@
 # give one readable error line and a non-zero exit; a short training on generated text (tiny GPT) where
 # the loss falls; resume bit-exact against an uninterrupted run (also past a corrupt checkpoint);
 # Ctrl+C (a real SIGINT to a child process) saves and exits 0; NaN stop/skip; a failed checkpoint
-# write; `sample` and `plot`. Training tests skip until btjit.models.gpt exists.
+# write; `sample` and `plot`.
 import json
 import os
 import signal
@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from btjit import checkpoint as K
+from btjit.models import gpt as gpt_model
 from btjit.cli import cli
 from textdata import corpus, tiny_config, write_run_files
 
@@ -128,7 +129,7 @@ def test_debug_shows_traceback(tmp_path):
 # ---- training: needs the models ---------------------------------------------------------------------
 @pytest.fixture
 def gpt():
-    return pytest.importorskip("btjit.models.gpt")
+    return gpt_model
 
 
 def final_state(run_dir):
@@ -323,7 +324,6 @@ def test_ctrl_c_finishes_step_saves_and_exits_zero(setup, gpt):
 
 
 def test_mlp_on_lines_trains_and_samples_names(tmp_path):
-    pytest.importorskip("btjit.models.mlp")
     rng = np.random.default_rng(0)
     names = ["".join(rng.choice(list("aeiou")) + rng.choice(list("lmnrst")) for _ in range(rng.integers(1, 4)))
              for _ in range(300)]

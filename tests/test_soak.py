@@ -8,13 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def soak(tmp_path, *args):
-    pytest.importorskip("btjit.models.gpt")
     out = tmp_path / "soak.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--steps", "3000", "--every", "500",
