@@ -100,6 +100,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     fuse.fold_embedding_matmul(g)
     fuse.fuse_linear(g)
     fuse.fuse_residual(g)
+    fuse.fuse_relu(g)
     g.n_forward = len(g.eqns)
     grad = (optimizer is not None) if grad is None else grad
     if grad:

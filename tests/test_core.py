@@ -473,16 +473,18 @@ def _pre_ln_params(rng, T, C, dtype):
 
 
 @pytest.mark.parametrize("T", [3, 16])
-def test_residual_adds_fused_into_linear_and_layernorm_grad(T):
-    """x + (h @ V + d) becomes one linear with the residual added as the GEMM stores (micro-kernel rows in
-    float32 from 8 rows, an add row below), and the LayerNorm backward adds x's residual gradient as it
-    stores: no add is left in the blocks or their backward. Gradients: finite differences in float64, and
-    float32 (the micro-kernel path) against float64."""
+def test_residual_adds_and_relu_fused_into_linear_and_layernorm_grad(T):
+    """x + (h @ V + d) becomes one linear with the residual added as the GEMM stores, relu(h @ W + c) one
+    linear with the relu applied as it stores (micro-kernel rows in float32 from 8 rows, add / relu rows
+    below), and the LayerNorm backward adds x's residual gradient as it stores: no add or relu is left in
+    the blocks or their backward. Gradients: finite differences in float64, and float32 (the micro-kernel
+    path) against float64."""
     rng = np.random.default_rng(T)
     p64 = _pre_ln_params(rng, T, 8, np.float64)
     prog = btjit.trace(_pre_ln_block, p64, grad=True, dtype="float64")
-    ops = [(e.op, len(e.ins)) for e in prog.graph.eqns]
-    assert ops.count(("linear", 4)) == 2 and ops.count(("layernorm_grad", 6)) == 2 and ("add", 2) not in ops
+    ops = [(e.op, len(e.ins), e.attrs.get("relu", False)) for e in prog.graph.eqns]
+    assert ops.count(("linear", 4, False)) == 2 and ops.count(("linear", 3, True)) == 2
+    assert ops.count(("layernorm_grad", 6, False)) == 2 and not {"add", "relu"} & {op for op, _, _ in ops}
     check_grads(_pre_ln_block, p64)
     p32 = {k: v.astype(np.float32) for k, v in p64.items()}
     prog32 = btjit.trace(_pre_ln_block, p32, grad=True)

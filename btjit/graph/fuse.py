@@ -5,6 +5,8 @@ keeps the graph in SSA form and replaces a pattern whose intermediate value is u
   matmul(x, W) then add(., b)  ->  linear(x, W, b)     (W 2-D, b of shape (N,): bias pre-filled in the GEMM)
   linear(x, W, b) then add(., r)  ->  linear(x, W, b, r)  (r of the output's shape: a residual connection,
                                                           added by the GEMM as it stores)
+  linear(...) then relu(.)  ->  linear(..., relu=True)  (the activation, applied by the GEMM as it stores;
+                                                       its gradient reads the output, as relu's does)
   take(table, idx) -> reshape -> matmul(., W)  ->  take_sum(matmul(table, W as (P, E, N)), idx)
                                                   (an embedding table with fewer rows than the batch)
   backward: layernorm_grad(...) -> dx, then add(dx, acc)  ->  layernorm_grad(..., acc)
@@ -27,17 +29,18 @@ def _uses(graph: Graph) -> Counter:
     return n
 
 
-def _into_add(graph: Graph, rewrite) -> None:
-    """For each add(t, r) (either order) whose t is made by an eqn p and used only there, rewrite(p, r, add)
-    may return the one eqn that replaces both (at the add's place), or None to leave them."""
+def _into(graph: Graph, op: str, rewrite) -> None:
+    """For each eqn e of `op` with an input t made by an eqn p and used only there, rewrite(p, the other
+    inputs of e, e) may return the one eqn that replaces both (at e's place), or None to leave them."""
     uses = _uses(graph)
     producer = {e.outs[0].id: e for e in graph.eqns}
     drop, out = set(), []
     for e in graph.eqns:
-        if e.op == "add":
-            for t, r in (e.ins, e.ins[::-1]):
+        if e.op == op:
+            for j, t in enumerate(e.ins):
                 p = producer.get(t.id)
-                new = rewrite(p, r, e) if p is not None and uses[t.id] == 1 and id(p) not in drop else None
+                rest = e.ins[:j] + e.ins[j + 1:]
+                new = rewrite(p, rest, e) if p is not None and uses[t.id] == 1 and id(p) not in drop else None
                 if new is not None:
                     drop.add(id(p))
                     e = new
@@ -47,21 +50,29 @@ def _into_add(graph: Graph, rewrite) -> None:
 
 
 def fuse_linear(graph: Graph) -> None:
-    def rewrite(mm, b, add):
+    def rewrite(mm, rest, add):
         if mm.op != "matmul" or mm.attrs["ta"] or mm.attrs["tb"]:
             return None
-        W = mm.ins[1]
+        W, (b,) = mm.ins[1], rest
         if len(W.shape) == 2 and b.shape == (W.shape[1],) and mm.outs[0].shape == add.outs[0].shape:
             return Eqn("linear", (mm.ins[0], W, b), add.outs, {}, add.src)
-    _into_add(graph, rewrite)
+    _into(graph, "add", rewrite)
 
 
 def fuse_residual(graph: Graph) -> None:
-    def rewrite(lin, r, add):
-        if lin.op == "linear" and len(lin.ins) == 3 and r.shape == add.outs[0].shape == lin.outs[0].shape \
-                and r.dtype == lin.outs[0].dtype:
+    def rewrite(lin, rest, add):
+        (r,) = rest
+        if lin.op == "linear" and len(lin.ins) == 3 and not lin.attrs.get("relu") \
+                and r.shape == add.outs[0].shape == lin.outs[0].shape and r.dtype == lin.outs[0].dtype:
             return Eqn("linear", (*lin.ins, r), add.outs, {}, add.src)
-    _into_add(graph, rewrite)
+    _into(graph, "add", rewrite)
+
+
+def fuse_relu(graph: Graph) -> None:
+    def rewrite(lin, rest, relu):
+        if lin.op == "linear" and not lin.attrs.get("relu"):
+            return Eqn("linear", lin.ins, relu.outs, {"relu": True}, relu.src)
+    _into(graph, "relu", rewrite)
 
 
 def fold_embedding_matmul(graph: Graph) -> None:

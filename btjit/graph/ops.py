@@ -447,10 +447,10 @@ def par_gemm(macs, threads) -> bool:
     return min(threads, MAX_THREADS) > 1 and macs >= PAR_GEMM_MACS
 
 
-def _lower_matmul(e, L, beta=0, bias=0, osum=0, res=None):
+def _lower_matmul(e, L, beta=0, bias=0, osum=0, res=None, relu=False):
     """Rows of a matmul (C = op(A) @ op(B), + bias row, and the column sums osum of B for matmul_colsum);
-    res: a var of C's shape added to it (a linear's residual connection): by the micro-kernels as they
-    store C, else by an add row after the product."""
+    res: a var of C's shape added to it (a linear's residual connection); relu: C = relu(all that) (a linear's
+    activation). Both by the micro-kernels as they store C, else by add / relu rows after the product."""
     A, B = e.ins
     C = e.outs[0]
     M, N = C.shape[-2:]
@@ -468,15 +468,16 @@ def _lower_matmul(e, L, beta=0, bias=0, osum=0, res=None):
     def row(oa, ob, oc, nb, m, sa_, sb_, sc_):
         if micro(m):
             return L.row("k_matmul_micro", oa, ob, oc, nb, m, N, K, sa_, sb_, sc_, ta, tb, bias, osum,
-                         L.off(res) + oc - L.off(C) if res is not None else 0)
+                         L.off(res) + oc - L.off(C) if res is not None else 0, int(relu))
         kernel, parts = ("k_matmul_par", threads) if par else ("k_matmul", split_gemm(nb, m, N, K))
         return L.row(kernel, oa, ob, oc, nb, m, N, K, sa_, sb_, sc_, ta, tb, beta, *consts, bias, parts)
     if len(B.shape) == 2 and not ta:      # fold A's batch dims into M: one GEMM
         rows = [row(L.off(A), L.off(B), L.off(C), 1, nb_total * M, 0, 0, 0)]
-        if res is not None and not micro(nb_total * M):
-            rows += TABLE["add"].lower(type(e)("add", (C, res), (C,), {}), L)
+        if not micro(nb_total * M):
+            rows += TABLE["add"].lower(type(e)("add", (C, res), (C,), {}), L) if res is not None else []
+            rows += TABLE["relu"].lower(type(e)("relu", (C,), (C,), {}), L) if relu else []
         return rows
-    assert res is None, "a residual needs B 2-D and A untransposed (fuse.fuse_residual)"
+    assert res is None and not relu, "a residual or relu needs B 2-D and A untransposed (graph/fuse.py)"
     sa = bstrides(A.shape[:-2] or (1,), batch or (1,))
     sb = bstrides(B.shape[:-2] or (1,), batch or (1,))
     ma, mb = A.shape[-2] * A.shape[-1], B.shape[-2] * B.shape[-1]
@@ -800,7 +801,7 @@ def _linear_rule(types, attrs, fd):
 
 def _linear_vjp(g, x, o, a):
     X, W = x[:2]
-    g = g[0]
+    g = T.emit("relu_grad", (o[0], g[0])) if a.get("relu") else g[0]
     X2, g2 = T.reshape(X, (-1, X.shape[-1])), T.reshape(g, (-1, g.shape[-1]))
     dX = T.emit("matmul", (g, W), ta=False, tb=True)
     dW, db = T.emit("matmul_colsum", (X2, g2))
@@ -822,9 +823,17 @@ op("matmul_colsum", internal=True, lower=_lower_matmul_colsum,
    infer=lambda t, a, fd: [((t[0][0][1], t[1][0][1]), fd), ((t[1][0][1],), fd)],
    ref=lambda xs, a: (xs[0].T @ xs[1], xs[1].sum(0)),
    cases=[Case((F(8, 24), F(8, 72))), Case((F(5, 3), F(5, 4))), Case((F(130, 9), F(130, 50)))])
-op("linear", infer=_linear_rule, ref=lambda xs, a: (xs[0] @ xs[1] + xs[2] + (xs[3] if len(xs) > 3 else 0),),
-   vjp=_linear_vjp,
+def _linear_ref(xs, a):
+    y = xs[0] @ xs[1] + xs[2] + (xs[3] if len(xs) > 3 else 0)
+    return (np.where(y > 0, y, 0.0) if a.get("relu") else y,)
+
+
+op("linear", infer=_linear_rule, ref=_linear_ref, vjp=_linear_vjp,
    lower=lambda e, L: _lower_matmul(type(e)("matmul", e.ins[:2], e.outs, {"ta": False, "tb": False}), L,
-                                    bias=L.off(e.ins[2]), res=e.ins[3] if len(e.ins) > 3 else None),
+                                    bias=L.off(e.ins[2]), res=e.ins[3] if len(e.ins) > 3 else None,
+                                    relu=e.attrs.get("relu", False)),
    cases=[Case((F(5, 3), F(3, 4), F(4))), Case((F(2, 3, 4), F(4, 6), F(6))),
-          Case((F(5, 3), F(3, 4), F(4), F(5, 4))), Case((F(2, 8, 24), F(24, 30), F(30), F(2, 8, 30)))])
+          Case((F(5, 3), F(3, 4), F(4), F(5, 4))), Case((F(2, 8, 24), F(24, 30), F(30), F(2, 8, 30))),
+          Case((F(5, 3), F(3, 4), F(4)), {"relu": True}), Case((F(2, 8, 24), F(24, 30), F(30)), {"relu": True}),
+          Case((F(2, 8, 24), F(24, 30), F(30), F(2, 8, 30)), {"relu": True}),
+          Case((F(9, 5), F(5, 8), F(8), F(9, 8)), {"relu": True})])

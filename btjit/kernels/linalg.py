@@ -24,20 +24,21 @@ def _micro(widths, transposed=False, rows=MR):
     b[oB + k*ldb]; C row r at a[oC + r*ldc]; init = the row a[obias:] if obias > 0, else 0. With osum > 0
     the same loop also sums B's rows (sum_k B[k, c], the bias gradient of a dW = X^T dY product) into
     a[osum:]. With ores > 0 the rows of R at a[ores + r*ldc] are added to the result as it is stored (a
-    residual connection, (init + A@B) + R). transposed (widths (8,), rows 8 or 16): each 8 x 8 tile of the
+    residual connection, (init + A@B) + R); with relu > 0 the result stored is relu of that (x > 0 ? x : 0,
+    as elementwise relu). transposed (widths (8,), rows 8 or 16): each 8 x 8 tile of the
     result is transposed in registers and C^T stored: C^T row c at a[oC + c*ldc], C^T column r at r (so
     `rows` rows of B give as many columns of an 8-row product)."""
     assert not transposed or (widths == (8,) and rows % 8 == 0)
     offs = [sum(widths[:j]) for j in range(len(widths))]
 
     @intrinsic
-    def micro(typingctx, a, b, oA, sar, sak, oB, ldb, oC, ldc, K, obias, osum, ores):
+    def micro(typingctx, a, b, oA, sar, sak, oB, ldb, oC, ldc, K, obias, osum, ores, relu):
         def impl(context, builder, sig, args):
             ety = context.get_data_type(sig.args[0].dtype)
             vts = [ir.VectorType(ety, w) for w in widths]
             ad = context.make_array(sig.args[0])(context, builder, args[0]).data
             bd = context.make_array(sig.args[1])(context, builder, args[1]).data
-            _, _, oA, sar, sak, oB, ldb, oC, ldc, K, obias, osum, ores = args
+            _, _, oA, sar, sak, oB, ldb, oC, ldc, K, obias, osum, ores, relu = args
             i64 = ir.IntType(64)
             c = lambda x: ir.Constant(i64, x)  # noqa: E731
             J = range(len(widths))
@@ -94,6 +95,11 @@ def _micro(widths, transposed=False, rows=MR):
                         for j in J:
                             builder.store(builder.fadd(builder.load(acc[r][j]), load(ad, rrow, j), flags=FM_FLAGS),
                                           acc[r][j])
+                with builder.if_then(builder.icmp_signed(">", relu, c(0))):
+                    for r in range(rows):
+                        for j in J:
+                            x, zero = builder.load(acc[r][j]), ir.Constant(vts[j], None)
+                            builder.store(builder.select(builder.fcmp_ordered(">", x, zero), x, zero), acc[r][j])
             out = [[builder.load(acc[r][j]) for j in J] for r in range(rows)]
             if transposed:          # 3 rounds of perfect shuffles of rows k and k+4 transpose an 8 x 8 tile
                 mask = [ir.Constant(ir.VectorType(ir.IntType(32), 8), [x for k in h for x in (k, k + 8)])
@@ -112,7 +118,7 @@ def _micro(widths, transposed=False, rows=MR):
                         builder.store(out[r][j], builder.bitcast(builder.gep(ad, [builder.add(crow, c(offs[j]))]),
                                                                  vts[j].as_pointer()), align=4)
             return context.get_dummy_value()
-        return types.void(a, b, oA, sar, sak, oB, ldb, oC, ldc, K, obias, osum, ores), impl
+        return types.void(a, b, oA, sar, sak, oB, ldb, oC, ldc, K, obias, osum, ores, relu), impl
     return micro
 
 
@@ -121,11 +127,11 @@ _micro8t, _micro16t = _micro((8,), True), _micro((8,), True, 16)
 
 
 @njit(**FM)
-def gemm_micro(a, b, oA, sar, sak, oB, ldb, oC, ldc, M, N, K, obias, osum, ores):
+def gemm_micro(a, b, oA, sar, sak, oB, ldb, oC, ldc, M, N, K, obias, osum, ores, relu):
     """C (M, N) = [bias +] A @ B by micro-kernels (M, N >= 8; A as in _micro, B (K, N) row-major with row
     stride ldb in b, C with row stride ldc in a; obias: the bias row's offset, 0 = none; osum > 0: also
     a[osum:osum+N] = B's column sums, in the first row block; ores > 0: plus R (M, N) at a[ores:], row stride
-    ldc). Blocks of MR rows and of the widest of 48 / 24 / 16 / 8 columns that fits; the last block of each
+    ldc; relu > 0: relu of all that). Blocks of MR rows and of the widest of 48 / 24 / 16 / 8 columns that fits; the last block of each
     is moved back to end at M / N, recomputing a few entries that are stored again unchanged, so there are
     no edge loops (overwrite only)."""
     for i in range(0, M, MR):
@@ -140,13 +146,13 @@ def gemm_micro(a, b, oA, sar, sak, oB, ldb, oC, ldc, M, N, K, obias, osum, ores)
             os = osum + c0 if osum > 0 and i == 0 else 0
             orc = orr + c0 if ores > 0 else 0
             if w == 48:
-                _micro48(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob, os, orc)
+                _micro48(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob, os, orc, relu)
             elif w == 24:
-                _micro24(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob, os, orc)
+                _micro24(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob, os, orc, relu)
             elif w == 16:
-                _micro16(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob, os, orc)
+                _micro16(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob, os, orc, relu)
             else:
-                _micro8(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob, os, orc)
+                _micro8(a, b, oa, sar, sak, oB + c0, ldb, oc + c0, ldc, K, ob, os, orc, relu)
             c0 += w
 
 
@@ -177,28 +183,30 @@ def k_matmul_micro(a, ia, r):
     """Batched float32 matmul by the micro-kernels below (ops.micro_gemm says which products):
     C_i (M,N) = op(A_i) @ op(B_i) (+ bias) for i in range(nbatch), overwriting C_i.
 
-    r = [op, oA, oB, oC, nbatch, M, N, K, sA, sB, sC, ta, tb, obias, osum, ores] as in k_matmul (ta and tb
-      never both 1; a B^T product has no bias and no residual; ores > 0: R_i (M, N) at a[ores + i*sC] is
-      added, C_i = (bias + A_i @ B_i) + R_i, a linear with its residual connection). M, N >= 8. B^T products
+    r = [op, oA, oB, oC, nbatch, M, N, K, sA, sB, sC, ta, tb, obias, osum, ores, relu] as in k_matmul (ta and
+      tb never both 1; a B^T product has no bias, residual or relu; ores > 0: R_i (M, N) at a[ores + i*sC] is
+      added, C_i = (bias + A_i @ B_i) + R_i, a linear with its residual connection; relu > 0: C_i = relu(...),
+      a linear with its activation). M, N >= 8. B^T products
       from COPY_MIN_ROWS rows run on a transposed stack copy of B (N*K <= WT_MAX), below on gemm_micro_nt.
       osum > 0 (nbatch 1, tb 0): also a[osum:osum+N] = the column sums of B (ops' matmul_colsum: dW = X^T dY
       and db together).
     """
     oA = r[1]; oB = r[2]; oC = r[3]; nbatch = r[4]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
-    sC = r[10]; ta = r[11]; tb = r[12]; obias = r[13]; osum = r[14]; ores = r[15]
+    sC = r[10]; ta = r[11]; tb = r[12]; obias = r[13]; osum = r[14]; ores = r[15]; relu = r[16]
     lda = M if ta == 1 else K
     sar, sak = (1, lda) if ta == 1 else (lda, 1)
     wt = carray(stack_buf(a, WT_MAX), (WT_MAX,))
     for i in range(nbatch):
         oa, ob, oc = oA + i * sA, oB + i * sB, oC + i * sC
         if tb == 0:
-            gemm_micro(a, a, oa, sar, sak, ob, N, oc, N, M, N, K, obias, osum, ores + i * sC if ores > 0 else 0)
+            gemm_micro(a, a, oa, sar, sak, ob, N, oc, N, M, N, K, obias, osum, ores + i * sC if ores > 0 else 0,
+                       relu)
         elif M < COPY_MIN_ROWS:
             gemm_micro_nt(a, oa, K, ob, K, oc, N, M, N, K, wt)
         else:
             if i == 0 or sB != 0:
                 transpose(a, ob, wt, 0, N, K)
-            gemm_micro(a, wt, oa, K, 1, 0, N, oc, N, M, N, K, 0, 0, 0)
+            gemm_micro(a, wt, oa, K, 1, 0, N, oc, N, M, N, K, 0, 0, 0, 0)
 
 
 @njit(**FM_PAR)
@@ -231,11 +239,11 @@ def gemm_micro_nt(a, oA, lda, oB, ldb, oC, ldc, M, N, K, wt):
         j = 0
         while j < N:                    # 16 rows of B at a time, then 8 (the last moved back to end at N)
             if N - j >= 16:
-                _micro16t(a, wt, oB + j * ldb, ldb, 1, 0, MR, oC + m0 * ldc + j, ldc, K, 0, 0, 0)
+                _micro16t(a, wt, oB + j * ldb, ldb, 1, 0, MR, oC + m0 * ldc + j, ldc, K, 0, 0, 0, 0)
                 j += 16
             else:
                 n0 = min(j, N - 8)
-                _micro8t(a, wt, oB + n0 * ldb, ldb, 1, 0, MR, oC + m0 * ldc + n0, ldc, K, 0, 0, 0)
+                _micro8t(a, wt, oB + n0 * ldb, ldb, 1, 0, MR, oC + m0 * ldc + n0, ldc, K, 0, 0, 0, 0)
                 j += 8
 
 
