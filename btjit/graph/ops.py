@@ -823,6 +823,8 @@ op("matmul_colsum", internal=True, lower=_lower_matmul_colsum,
    infer=lambda t, a, fd: [((t[0][0][1], t[1][0][1]), fd), ((t[1][0][1],), fd)],
    ref=lambda xs, a: (xs[0].T @ xs[1], xs[1].sum(0)),
    cases=[Case((F(8, 24), F(8, 72))), Case((F(5, 3), F(5, 4))), Case((F(130, 9), F(130, 50)))])
+
+
 def _linear_ref(xs, a):
     y = xs[0] @ xs[1] + xs[2] + (xs[3] if len(xs) > 3 else 0)
     return (np.where(y > 0, y, 0.0) if a.get("relu") else y,)
