@@ -25,8 +25,8 @@ def _micro(widths, transposed=False, rows=MR):
     the same loop also sums B's rows (sum_k B[k, c], the bias gradient of a dW = X^T dY product) into
     a[osum:]. With ores > 0 the rows of R at a[ores + r*ldc] are added to the result as it is stored (a
     residual connection, (init + A@B) + R); with relu > 0 the result stored is relu of that (x > 0 ? x : 0,
-    as elementwise relu). transposed (widths (8,), rows 8 or 16): each 8 x 8 tile of the
-    result is transposed in registers and C^T stored: C^T row c at a[oC + c*ldc], C^T column r at r (so
+    as elementwise relu). transposed (widths (8,), rows 8 or 16; no residual, no relu): each 8 x 8 tile of
+    the result is transposed in registers and C^T stored: C^T row c at a[oC + c*ldc], C^T column r at r (so
     `rows` rows of B give as many columns of an 8-row product)."""
     assert not transposed or (widths == (8,) and rows % 8 == 0)
     offs = [sum(widths[:j]) for j in range(len(widths))]
@@ -131,9 +131,9 @@ def gemm_micro(a, b, oA, sar, sak, oB, ldb, oC, ldc, M, N, K, obias, osum, ores,
     """C (M, N) = [bias +] A @ B by micro-kernels (M, N >= 8; A as in _micro, B (K, N) row-major with row
     stride ldb in b, C with row stride ldc in a; obias: the bias row's offset, 0 = none; osum > 0: also
     a[osum:osum+N] = B's column sums, in the first row block; ores > 0: plus R (M, N) at a[ores:], row stride
-    ldc; relu > 0: relu of all that). Blocks of MR rows and of the widest of 48 / 24 / 16 / 8 columns that fits; the last block of each
-    is moved back to end at M / N, recomputing a few entries that are stored again unchanged, so there are
-    no edge loops (overwrite only)."""
+    ldc; relu > 0: relu of all that). Blocks of MR rows and of the widest of 48 / 24 / 16 / 8 columns that
+    fits; the last block of each is moved back to end at M / N, recomputing a few entries that are stored
+    again unchanged, so there are no edge loops (overwrite only)."""
     for i in range(0, M, MR):
         r0 = min(i, M - MR)
         oa, oc, orr = oA + r0 * sar, oC + r0 * ldc, ores + r0 * ldc
