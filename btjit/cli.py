@@ -1,5 +1,5 @@
-# btjit/cli.py -- the `btjit` command line (click): `train`, `sample`, `plot`. The group turns every
-# known error into one line on stderr and a non-zero exit (a traceback only with --debug). Other
+# btjit/cli.py -- the `btjit` command line (click): `train`, `sample`, `plot`, `precompile`, `cache`. The
+# group turns every known error into one line on stderr and a non-zero exit (a traceback only with --debug). Other
 # commands (e.g. `bench`) register on the same group with @cli.command() / cli.add_command().
 # The work itself lives in btjit.train, btjit.sampling, btjit.checkpoint; nothing heavy at import.
 from __future__ import annotations
@@ -251,6 +251,35 @@ def bench(suite, only, peers, threads, reps, json_path, use_compile, profile, de
                              progress=lambda r: click.echo(f"  {r['workload']:<6s} {r['impl']:<14s} {r['status']}",
                                                            err=True))
     click.echo(harness.format_table(rows))
+
+
+@cli.command()
+@debug_option
+def precompile(debug):
+    """Compile the whole kernel library (float32 and float64) in parallel processes; nothing requires it."""
+    from btjit.kernels import library
+    seconds = library.precompile(click.echo)
+    click.echo(f"done in {seconds:.1f} s; {len(library.cache_entries())} files in {library.cache_dir()}")
+
+
+@cli.group(invoke_without_command=True)
+@click.pass_context
+def cache(ctx):
+    """Print the compile cache: its dir, entries and size (`btjit cache clear` empties it)."""
+    if ctx.invoked_subcommand is None:
+        from btjit.kernels import library
+        files = library.cache_entries()
+        kernels = [f for f, _ in files if f.suffix == ".py" and f.parent.name.startswith("lib-")]
+        click.echo(f"cache dir: {library.cache_dir()}\n"
+                   f"library: {len(kernels)} kernel entries ({', '.join(sorted(f.stem for f in kernels)) or 'none'})\n"
+                   f"files: {len(files)}, {sum(n for _, n in files) / 1e6:.2f} MB")
+
+
+@cache.command("clear")
+def cache_clear():
+    """Remove everything in the cache dir."""
+    from btjit.kernels import library
+    click.echo(f"removed {library.clear_cache()} files from {library.cache_dir()}")
 
 
 def main(argv=None):

@@ -25,8 +25,8 @@ class SGD:
 
     def rows(self, L, plan, h):
         p0, n = plan.params_span
-        return [L.row("k_sgd", p0, plan.grads_start, plan.state_start(0), n, h["lr"], h["momentum"],
-                      h["weight_decay"], h["clip_scale"], self.n_state)]
+        return [L.row("k_sgd", op_=p0, og=plan.grads_start, obuf=plan.state_start(0), n=n, olr=h["lr"],
+                      omom=h["momentum"], owd=h["weight_decay"], oscale=h["clip_scale"], has_buf=self.n_state)]
 
 
 @dataclass
@@ -44,8 +44,9 @@ class AdamW:
 
     def rows(self, L, plan, h):
         p0, n = plan.params_span
-        return [L.row("k_adamw", p0, plan.grads_start, plan.state_start(0), plan.state_start(1), n, h["lr"],
-                      h["beta1"], h["beta2"], h["eps"], h["weight_decay"], plan.int_state, h["clip_scale"])]
+        return [L.row("k_adamw", op_=p0, og=plan.grads_start, om=plan.state_start(0), ov=plan.state_start(1), n=n,
+                      olr=h["lr"], ob1=h["beta1"], ob2=h["beta2"], oeps=h["eps"], owd=h["weight_decay"],
+                      ostep=plan.int_state, oscale=h["clip_scale"])]
 
 
 def update_rows(opt, clip_norm, skip_nonfinite, L, plan):
@@ -54,5 +55,6 @@ def update_rows(opt, clip_norm, skip_nonfinite, L, plan):
     h = {k: plan.hyper_off + i for i, k in enumerate(HYPER)}
     rows = []
     if clip_norm or skip_nonfinite:
-        rows.append(L.row("k_clip_scale", plan.grads_start, plan.params_span[1], h["clip_norm"], h["clip_scale"]))
+        rows.append(L.row("k_clip_scale", og=plan.grads_start, n=plan.params_span[1], omax=h["clip_norm"],
+                          oscale=h["clip_scale"]))
     return rows + opt.rows(L, plan, h)

@@ -1,8 +1,8 @@
 """`trace()` and `Program`: from a Python loss function to a native training step.
 
 trace: record fn into a Graph -> autodiff -> pin loss/outputs/grads -> dead-code elimination -> verify ->
-plan the arena -> lower to a kernel tape -> load the executor. Program owns the arena and the tape;
-`step()` is one native call (forward, backward, update).
+plan the arena -> lower to a kernel tape -> load the tape's kernels from the library. Program owns the arena
+and the tape; `step()` is one native call of the fixed executor (forward, backward, update).
 """
 from __future__ import annotations
 
@@ -14,22 +14,12 @@ import numpy as np
 
 from .graph import autodiff, fuse, trace as T
 from .graph.ir import Graph, np_dtype, verify
-from .graph.lower import Executor, Lowering, lower_eqns
+from .graph.lower import Lowering, lower_eqns
 from .graph.memory import plan as make_plan, storage_roots
 from .graph.ops import TABLE
-from . import replicas as _replicas
+from . import executor as X
+from .kernels.library import LIBRARY
 from .optim import HYPER, update_rows
-
-_EXECUTORS: dict = {}
-
-
-def executor(float_dtype, kernels: tuple, attn_shapes: tuple = ()) -> Executor:
-    """The executor for this float dtype, kernel set (sorted opcodes) and generated attention shapes, shared
-    by the programs using it."""
-    key = (float_dtype, kernels, attn_shapes)
-    if key not in _EXECUTORS:
-        _EXECUTORS[key] = Executor(float_dtype, kernels, attn_shapes)
-    return _EXECUTORS[key]
 
 
 def _arg_names(fn, n):
@@ -165,8 +155,8 @@ class Program:
         self._inv_replicas = L.const(1.0 / replicas)
         self._bounds = _index_bounds(graph)
         self._flag = p.int_state + 1
-        checks = [L.row("k_check_index", p.off[graph.inputs[i].id], graph.inputs[i].size, hi, self._flag)
-                  for i, hi in sorted(self._bounds.items())]
+        checks = [L.row("k_check_index", oidx=p.off[graph.inputs[i].id], n=graph.inputs[i].size, hi=hi,
+                        oflag=self._flag) for i, hi in sorted(self._bounds.items())]
         fwd, fwd_labels = lower_eqns(graph.eqns[:graph.n_forward], L)
         fwd, fwd_labels = checks + fwd, ["check_index"] * len(checks) + fwd_labels
         bwd, bwd_labels = lower_eqns(graph.eqns[graph.n_forward:], L)
@@ -205,15 +195,14 @@ class Program:
         self._A[1:], self._IA[1:] = self.a, self.ia            # constants; params are copied every step
         self.trace_seconds = trace_seconds
         self.plan_seconds = time.perf_counter() - t0
-        self.executor = executor(graph.float_dtype, tuple(int(k) for k in np.unique(self.tape[:, 0])),
-                                 tuple(sorted(L.attn_shapes)))
-        self._run = self.executor.fn
+        self.kernels = LIBRARY.ensure(graph.float_dtype, self.tape[:, 0])    # the library entries it runs
+        self._table = LIBRARY.tables[graph.float_dtype]
         self._out, self._out_var = self.outputs["out"], graph.outputs["out"]
         t1 = time.perf_counter()
+        self._run(self.a, self.ia, self.tape[:0], 0, 0)   # compile (or load) the executor now: runs no rows
         if replicas > 1:
-            self._entry = _replicas.entry_address(self._run, self.a, self.ia, self.tape)
-            self._run_replicas(0, 0)                 # compile (or load) the driver now: runs no rows
-        self.compile_seconds = self.executor.seconds + time.perf_counter() - t1
+            self._run_replicas(0, 0)                 # and the replicas' driver
+        self.compile_seconds = self.kernels.seconds + time.perf_counter() - t1
         self._state_names = [f"opt/state{k}" for k in range(n_state)]
 
     # ------------------------------------------------------------------ running
@@ -249,10 +238,13 @@ class Program:
                                  f"{rng}, got min {lo} max {hi}")
         return x
 
+    def _run(self, a, ia, tape, start, stop):
+        X.run(a, ia, tape, self._table, start, stop)
+
     def _run_checked(self, stop, split=None):
         """Rows [0, stop); with replicas, [0, split) on every replica and [split, stop) after the average."""
         if self.replicas == 1:
-            self._run(self.a, self.ia, self.tape, 0, stop)
+            X.run(self.a, self.ia, self.tape, self._table, 0, stop)
         else:
             self._run_replicas(stop if split is None else split, stop)
         if self.ia[self._flag]:
@@ -265,7 +257,7 @@ class Program:
 
     def _run_replicas(self, split, stop):
         p0, npar = self.plan.params_span
-        _replicas.step(self._entry, self._A, self._IA, self.tape, split, stop, self._flag, p0, npar,
+        X.step(self._A, self._IA, self.tape, self._table, split, stop, self._flag, p0, npar,
                        self.plan.grads_start, npar if split > self.n_fwd else 0,
                        self.plan.off[self._out_var.id], self._inv_replicas)
 

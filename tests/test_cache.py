@@ -1,45 +1,66 @@
-"""The executor's on-disk cache: a second process loads it (asserted through numba's cache-hit counter, not a
-time); a corrupted cache file or an unwritable cache dir degrades to compiling, with a warning and the same
-result."""
+"""The kernel library on disk (btjit/kernels/library.py): a second process loads every entry (asserted through
+numba's cache-hit counters, not a time); a program with another kernel set or new shapes compiles nothing
+that is in the library; a corrupted entry or an unwritable cache dir degrades to compiling, with a warning and
+the same result; the cache holds one entry per kernel and dtype, however many programs; rows are built by
+name from each kernel's one declaration, which agrees with the kernel's source."""
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = textwrap.dedent("""
-    import json, warnings
+    import json, sys, warnings
     import numpy as np, btjit
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         p = {"w": np.arange(6.0).reshape(2, 3)}
-        prog = btjit.trace(lambda p, x: btjit.sum(btjit.tanh(x @ p["w"])), p, np.ones((4, 2)), dtype="float64",
+        prog = btjit.trace(lambda p, x: btjit.sum(btjit.tanh(x @ p["w"])), p, np.ones((n, 2)), dtype="float64",
                            grad=True)
-        v = prog.value_and_grad(np.ones((4, 2)))
-    print(json.dumps({"value": v, "grad": prog.grads["w"].tolist(), "hit": prog.executor.cache_hit,
+        v = prog.value_and_grad(np.ones((n, 2)))
+    print(json.dumps({"value": v, "grad": prog.grads["w"].tolist(), "hit": prog.kernels.cache_hit,
+                      "compiled": prog.kernels.compiled, "entries": prog.kernels.entries,
                       "warnings": [str(x.message) for x in w if "btjit" in str(x.message)]}))
 """)
 
 
-def _run(cache_dir):
-    env = dict(os.environ, BTJIT_CACHE_DIR=str(cache_dir))
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+def _run(cache_dir, *args):
+    env = dict(os.environ, BTJIT_CACHE_DIR=str(cache_dir),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", SCRIPT, *map(str, args)], env=env, capture_output=True, text=True,
+                         timeout=900)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_second_process_loads_from_disk_cache_and_survives_corruption(tmp_path):
+def _lib(cache_dir):
+    (d,) = Path(cache_dir).glob("lib-*")
+    return d
+
+
+def test_second_process_loads_from_disk_new_shapes_compile_nothing_and_corruption_heals(tmp_path):
     first = _run(tmp_path)
-    assert not first["hit"] and not first["warnings"]
-    assert any(f.name.endswith(".nbi") for f in (tmp_path / "__pycache__").iterdir())
+    assert not first["hit"] and not first["warnings"] and set(first["compiled"]) == set(first["entries"])
+    assert first["entries"] and all(e.endswith("_f64") for e in first["entries"])
     second = _run(tmp_path)
     assert second["hit"] and second["value"] == first["value"] and second["grad"] == first["grad"]
-    for f in (tmp_path / "__pycache__").iterdir():          # corrupt every cache file
+    bigger = _run(tmp_path, 9)                                # new shapes: the same entries, nothing compiled
+    assert bigger["compiled"] == [] and abs(bigger["value"] - 9 / 4 * first["value"]) < 1e-9
+    n_py = len(list(_lib(tmp_path).glob("*.py")))
+    assert n_py == len(first["entries"])                     # one file per kernel and dtype, not per program
+    for f in (_lib(tmp_path) / "__pycache__").iterdir():     # corrupt every cache file
         f.write_bytes(b"\x00garbage" * 7)
     third = _run(tmp_path)
     assert third["value"] == first["value"] and third["grad"] == first["grad"]
     assert any("unusable" in w for w in third["warnings"])
-    fourth = _run(tmp_path)                                  # the corrupt entry was replaced
+    fourth = _run(tmp_path)                                  # the corrupt entries were replaced
     assert fourth["hit"] and fourth["value"] == first["value"]
 
 
@@ -49,3 +70,83 @@ def test_unwritable_cache_dir_compiles_in_memory(tmp_path):
     res = _run(blocker / "cache")
     assert not res["hit"] and any("not writable" in w for w in res["warnings"])
     assert abs(res["value"] - 11.9798491796) < 1e-9
+
+
+def test_an_older_library_is_removed_when_a_new_one_is_made(tmp_path, monkeypatch):
+    from btjit.kernels import library
+    old = tmp_path / "lib-0123456789abcdef"
+    (old / "__pycache__").mkdir(parents=True)
+    (old / "k_unary_f32.py").write_text("# from an older btjit\n")
+    monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))
+    d = library.Library().dir()
+    assert d == tmp_path / f"lib-{library.library_key()}" and d.is_dir() and not old.exists()
+
+
+def test_precompiled_entries_are_what_a_new_program_loads(tmp_path, monkeypatch):
+    """Entries compiled by worker processes (as `btjit precompile` runs them) are loaded by a program traced
+    later in another process, which compiles nothing; `btjit cache` lists them and `cache clear` empties."""
+    from click.testing import CliRunner
+    from btjit.cli import cli
+    from btjit.kernels import library
+    monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    entries = [("k_binary", "f64", None), ("k_unary", "f64", None), ("k_matmul", "f64", None),
+               ("k_reduce", "f64", None), ("k_strided", "f64", None)]
+    lib = library.Library()
+    for p in [library.compile_in_process(share) for share in library.shares(entries, 2)]:
+        assert p.wait() == 0
+    assert all(lib.cached(*e) for e in entries)
+    res = _run(tmp_path, 5)
+    assert res["compiled"] == [] and res["hit"] and set(res["entries"]) <= {library.entry_name(*e) for e in entries}
+    out = CliRunner().invoke(cli, ["cache"])
+    assert out.exit_code == 0 and str(tmp_path) in out.output and "k_matmul_f64" in out.output, out.output
+    out = CliRunner().invoke(cli, ["cache", "clear"])
+    assert out.exit_code == 0 and "removed" in out.output and not list(tmp_path.iterdir())
+
+
+def test_rows_are_built_by_name_and_checked():
+    from btjit.graph.lower import RowError, make_row
+    from btjit.kernels.common import ROWS
+    from btjit.kernels.library import OPCODE
+    r = make_row("k_fill", oout=16, n=3, oc=20)
+    assert r[:4] == [OPCODE["k_fill"], 16, 3, 20] and len(r) == 32 and not any(r[4:])
+    assert ROWS["k_fill"].args == ("oout", "n", "oc")
+    with pytest.raises(RowError, match=r"row of k_fill: missing argument oc"):
+        make_row("k_fill", oout=16, n=3)
+    with pytest.raises(RowError, match=r"row of k_fill: unknown argument bias"):
+        make_row("k_fill", oout=16, n=3, oc=20, bias=4)
+    with pytest.raises(RowError, match="no kernel 'k_nope'"):
+        make_row("k_nope")
+
+
+def test_every_kernel_reads_its_row_as_declared(monkeypatch):
+    from btjit.kernels import library
+    from btjit.kernels.common import ROWS, RowDecl
+    assert library.check_rows() == []
+    assert set(library.KERNELS) == set(ROWS)
+    monkeypatch.setitem(ROWS, "k_gather_rows", RowDecl(("oidx", "otable", "oout", "n", "C"), None))
+    assert library.check_rows(["k_gather_rows"]) == [
+        "k_gather_rows: k_gather_rows names r[1] 'otable', its row declares 'oidx'",
+        "k_gather_rows: k_gather_rows names r[2] 'oidx', its row declares 'otable'"]
+    monkeypatch.setitem(ROWS, "k_attn_fwd_bl", RowDecl(ROWS["k_attn_fwd_bl"].args[:-1], None))
+    assert any("reads r[10], beyond its row" in p for p in library.check_rows(["k_attn_fwd_bl"]))
+
+
+def test_the_executor_runs_library_entries_through_the_table(tmp_path, monkeypatch):
+    """The fixed executor calls entries by address; a failed index check stops the tape after its row."""
+    from btjit import executor
+    from btjit.graph.lower import make_row
+    from btjit.kernels import library
+    monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))
+    lib = library.Library()
+    lib.ensure("f64", [library.OPCODE["k_fill"], library.OPCODE["k_check_index"]])
+    a, ia = np.zeros(64), np.array([0, 1, 7, 0, 0, 0], np.int32)
+    a[20] = 2.5
+    tape = np.array([make_row("k_fill", oout=16, n=3, oc=20),
+                     make_row("k_check_index", oidx=1, n=2, hi=5, oflag=4),
+                     make_row("k_fill", oout=30, n=2, oc=20)], np.int64)
+    executor.run(a, ia, tape, lib.tables["f64"], 0, 3)
+    assert list(a[16:19]) == [2.5] * 3 and ia[4] == 2 and not a[30:32].any()   # stopped: 7 is not in [0, 5)
+    ia[2] = 3
+    executor.run(a, ia, tape, lib.tables["f64"], 0, 3)
+    assert ia[4] == 0 and list(a[30:32]) == [2.5, 2.5]

@@ -289,7 +289,7 @@ def test_two_thread_attention_kernels_match_the_serial_ones(B):
     serial, par = _serial_and_two_thread(f, {"qkv": qkv})
     assert any(lbl.startswith("causal_attention") for lbl in par.row_labels)
     kernels = {int(r[0]) for r in par.tape}
-    from btjit.graph.lower import OPCODE
+    from btjit.kernels.library import OPCODE
     assert OPCODE["k_attn_fwd_bl_par"] in kernels and OPCODE["k_attn_bwd_bl_par"] in kernels
     assert par.value_and_grad() == pytest.approx(serial.value_and_grad(), rel=1e-12)
     np.testing.assert_allclose(par.grads["qkv"], serial.grads["qkv"], rtol=1e-12, atol=1e-14)
@@ -299,7 +299,7 @@ def test_two_thread_attention_kernels_match_the_serial_ones(B):
 
 def test_two_thread_gpt_step_matches_one_thread():
     """The parallel kernels (GEMMs split over threads, attention over sequences) give the same gradients."""
-    from btjit.graph.lower import OPCODE
+    from btjit.kernels.library import OPCODE
     from btjit.models import gpt
     cfg = gpt.GPTConfig(vocab_size=11, n_layer=2, n_head=2, n_embd=16, block_size=8)
     params = {k: v.astype(np.float64) for k, v in gpt.init_params(cfg, 0).items()}
@@ -316,7 +316,7 @@ def test_two_thread_gpt_step_matches_one_thread():
 def test_two_thread_folded_mlp_matches_one_thread():
     """The embedding fold's batched, broadcast GEMMs split over threads (and in halves on one thread,
     split_gemm) give the gradients of the serial program."""
-    from btjit.graph.lower import OPCODE
+    from btjit.kernels.library import OPCODE
     from btjit.models import mlp
     cfg = mlp.MLPConfig(vocab_size=11, context=8, n_emb=16, n_hidden=1024)
     params = {k: v.astype(np.float64) for k, v in mlp.init_params(cfg, 0).items()}
@@ -335,7 +335,7 @@ def test_two_thread_folded_mlp_matches_one_thread():
 def test_two_thread_float32_linear_grads():
     """float32 `x @ W + b` on 2 threads, dW = X^T dY big enough to be split over them (k_matmul_par): db then
     comes from its own sum row, and both gradients equal the one-thread program's and numpy's."""
-    from btjit.graph.lower import OPCODE
+    from btjit.kernels.library import OPCODE
     rng = np.random.default_rng(3)
     x = rng.normal(size=(600, 24)).astype(np.float32)
     p = {"W": rng.normal(0, 0.3, (24, 30)).astype(np.float32), "b": rng.normal(size=30).astype(np.float32)}
@@ -515,7 +515,7 @@ def test_relu_input_is_not_kept_for_the_backward():
 def test_linear_grads_on_micro_kernels_with_fused_bias_grad(rows):
     """float32 `x @ W + b` with >= 8 rows: the lowering runs dW = X^T dY and db = dY.sum(0) as one
     micro-kernel row (no separate sum), and every gradient matches numpy in float64."""
-    from btjit.graph.lower import OPCODE
+    from btjit.kernels.library import OPCODE
     rng = np.random.default_rng(rows)
     x = rng.normal(size=(rows, 24)).astype(np.float32)
     w = rng.normal(size=(rows, 30))

@@ -1,8 +1,8 @@
 """Faults lose nothing (issue 5), the cases test_cache / test_checkpoint / test_cli leave open:
 
-- the compile cache written by two processes at once, into a fresh cache dir that already holds a STALE
-  executor (a different executor .py under the current name, with its compiled index): both processes get
-  the right numbers, and a third loads the cache (numba's cache-hit counter, not a time);
+- the kernel library written by two processes at once, into a fresh cache dir that already holds a STALE
+  entry (a different entry .py under the current name, with its compiled index): both processes get the
+  right numbers, and a third loads the cache (numba's cache-hit counters, not a time);
 - a NaN/Inf *gradient* with a finite loss: "stop" stops at that step, before the update, naming the step and
   the parameter (it used to apply the NaN update and stop one step later blaming the first parameter);
   "skip" skips just that step;
@@ -38,7 +38,7 @@ CHILD = textwrap.dedent("""
         x = np.linspace(0.5, 2.0, 8).reshape(4, 2)
         prog = btjit.trace(lambda p, x: btjit.sum(btjit.tanh(x @ p["w"])), p, x, dtype="float64", grad=True)
         v = prog.value_and_grad(x)
-    print(json.dumps({"value": v, "grad": prog.grads["w"].tolist(), "hit": prog.executor.cache_hit,
+    print(json.dumps({"value": v, "grad": prog.grads["w"].tolist(), "hit": prog.kernels.cache_hit,
                       "warnings": [str(m.message) for m in w if "btjit" in str(m.message)]}))
 """)
 
@@ -48,14 +48,6 @@ def _expected():
     x = np.linspace(0.5, 2.0, 8).reshape(4, 2)
     t = np.tanh(x @ w)
     return float(t.sum()), x.T @ (1 - t * t)
-
-
-def _child_kernels():
-    """The kernel set of CHILD's program, which names its executor file."""
-    import btjit
-    p = {"w": np.zeros((2, 3))}
-    prog = btjit.trace(lambda p, x: btjit.sum(btjit.tanh(x @ p["w"])), p, np.ones((4, 2)), dtype="float64", grad=True)
-    return prog.executor.kernels
 
 
 def _spawn(cache_dir, go):
@@ -73,52 +65,50 @@ def _result(p):
     return json.loads(out.strip().splitlines()[-1])
 
 
-STALE_EXECUTOR = """# a stale executor: same module name and `run` line as the real one, different code
-from numba import njit
-{pad}
-def run(a, ia, tape, start, stop):
-    for i in range(a.shape[0]):
+STALE_ENTRY = """# a stale library entry: same module layout as the real one, different code
+from numba import carray, cfunc, types
+SIG = types.int32(types.CPointer(types.float64), types.int64, types.CPointer(types.int32), types.int64,
+                  types.CPointer(types.int64))
+
+
+@cfunc(SIG, cache=True)
+def entry(ap, na, iap, nia, rp):
+    a = carray(ap, (na,))
+    for i in range(na):
         a[i] = 42.0
-
-
-run_cached = njit(cache=True, boundscheck=False)(run)
-run_nocache = njit(cache=False, boundscheck=False)(run)
+    return 0
 """
 
 
-def _plant_stale_executor(cache_dir):
-    """Write a wrong executor under the current cache name and compile it into the cache (its index entry is
-    for the very signature btjit calls), as an older btjit or a hand edit would have left it."""
-    from btjit.graph import lower
-    kernels = _child_kernels()
-    key, src = lower.source_key(kernels), lower._source(kernels)
-    run_line = src.splitlines().index("def run(a, ia, tape, start, stop):") + 1
-    stale = STALE_EXECUTOR.format(pad="\n" * (run_line - 4))
-    assert stale.splitlines().index("def run(a, ia, tape, start, stop):") + 1 == run_line
-    path = Path(cache_dir) / f"btjit_exec_{key}.py"
-    path.write_text(stale)
+def _plant_stale_entry(cache_dir):
+    """Write a wrong k_unary entry under the current library's name and compile it into the cache (an index
+    for the very signature btjit uses), as an older btjit or a hand edit would have left it."""
+    from btjit.kernels import library
+    path = Path(cache_dir) / f"lib-{library.library_key()}" / "k_unary_f64.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(STALE_ENTRY)
     code = textwrap.dedent(f"""
-        import importlib.util, sys, numpy as np
-        spec = importlib.util.spec_from_file_location("btjit_exec_{key}", {str(path)!r})
+        import ctypes, importlib.util, sys, numpy as np
+        spec = importlib.util.spec_from_file_location("stale_entry", {str(path)!r})
         mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
-        a = np.zeros(4); mod.run_cached(a, np.zeros(4, np.int32), np.zeros((0, {lower.ROW}), np.int64), 0, 0)
+        a = np.zeros(4); ia = np.zeros(4, np.int32); r = np.zeros(32, np.int64)
+        mod.entry.ctypes(a.ctypes.data_as(ctypes.POINTER(ctypes.c_double)), 4,
+                         ia.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), 4,
+                         r.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
         assert a[0] == 42.0
     """)
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
-    assert any(f.suffix == ".nbi" for f in (Path(cache_dir) / "__pycache__").iterdir())
-    return path, stale
+    assert any(f.suffix == ".nbi" for f in (path.parent / "__pycache__").iterdir())
+    return path
 
 
 @pytest.mark.parametrize("start", ["fresh", "stale"])
 def test_concurrent_compile_gives_right_results_then_a_third_process_hits(tmp_path, start):
-    """Two processes compile at once into a fresh cache dir (or one holding a stale executor); both are right;
-    a third loads from the cache. Before the executor .py got a content-derived mtime, two writers racing
-    (1 run in 5) left an index whose stamp did not match the final file, so the third process recompiled."""
-    from btjit.graph import lower
-    if start == "stale":
-        path, stale = _plant_stale_executor(tmp_path)
-    else:
-        path, stale = tmp_path / f"btjit_exec_{lower.source_key(_child_kernels())}.py", None
+    """Two processes compile the library entries of one program at once into a fresh cache dir (or one holding
+    a stale entry); both are right; a third loads every entry from the cache. Before entry files got a
+    content-derived mtime, two writers racing left an index whose stamp did not match the final file, so the
+    third process recompiled."""
+    stale = _plant_stale_entry(tmp_path) if start == "stale" else None
     want_v, want_g = _expected()
     go = tmp_path / "go"
     a, b = _spawn(tmp_path, go), _spawn(tmp_path, go)       # both imported and waiting
@@ -127,33 +117,28 @@ def test_concurrent_compile_gives_right_results_then_a_third_process_hits(tmp_pa
     for r in (ra, rb):
         assert abs(r["value"] - want_v) < 1e-12, r
         np.testing.assert_allclose(r["grad"], want_g, rtol=1e-12, atol=1e-14)
-        assert not r["hit"]                                  # the stale entry was not used
-    assert path.read_text() != stale                         # the stale .py was replaced
-    assert not list(tmp_path.glob("*.tmp*"))                 # no temp file left behind
+    if stale is not None:
+        assert stale.read_text() != STALE_ENTRY              # the stale entry was replaced
+    assert not list(tmp_path.rglob("*.tmp*"))                # no temp file left behind
     third = _result(_spawn(tmp_path, go))
     assert third["hit"] and third["value"] == ra["value"] and third["grad"] == ra["grad"], third
     assert not third["warnings"]
 
 
-def test_every_writer_gives_the_executor_file_the_same_numba_stamp(tmp_path, monkeypatch):
-    """The race above, made deterministic: however many processes (re)write the executor .py, the file ends up
+def test_every_writer_gives_an_entry_file_the_same_numba_stamp(tmp_path, monkeypatch):
+    """The race above, made deterministic: however many processes (re)write an entry's .py, the file ends up
     with the same (mtime, size) -- numba's cache-index stamp -- so an index saved by any of them is valid."""
-    from btjit.graph import lower
-    kernels = _child_kernels()
-    name = f"btjit_exec_{lower.source_key(kernels)}"
+    from btjit.kernels import library
     monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(lower.Executor, "_modules", {})
-    monkeypatch.delitem(sys.modules, name, raising=False)         # restored afterwards
-    ex = object.__new__(lower.Executor)
-    ex.kernels = kernels
-    first = ex._module().path
+    src = library.entry_source("k_unary", "f64")
+    lib = library.Library()
+    first = lib._write(lib.dir(), "k_unary_f64", src)
     st1 = os.stat(first)
     time.sleep(0.02)
-    first.write_text("# stale\n" + lower._source(kernels)[8:])          # same size, different content, new mtime
-    lower.Executor._modules.clear()
-    second = ex._module().path
+    first.write_text("# stale\n" + src[8:])                   # same size, different content, new mtime
+    second = library.Library()._write(lib.dir(), "k_unary_f64", src)
     st2 = os.stat(second)
-    assert second == first and second.read_text() == lower._source(kernels)
+    assert second == first and second.read_text() == src
     assert (st2.st_mtime_ns, st2.st_size) == (st1.st_mtime_ns, st1.st_size)
 
 

@@ -67,7 +67,7 @@ class Arena:
 
 def row(*args):
     """A tape row as the lowering makes them: opcode slot, args, zero-padded to ROW."""
-    from btjit.graph.lower import ROW
+    from btjit.kernels.common import ROW
     return np.array([0, *args] + [0] * (ROW - 1 - len(args)), np.int64)
 
 
@@ -385,6 +385,14 @@ def check_bl_pair(dt, B, T, C, NH, nb, fwd, bwd, seed, wrote_P=True):
     check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
 
 
+def _generated(name, T, hs):
+    """The generated kernel `name` for (T, hs) as its library entry's source defines it (callable here)."""
+    from btjit.kernels import attn_lanes
+    ns = {}
+    exec(attn_lanes.kernel_source(name, T, hs), ns)
+    return ns[name]
+
+
 @pytest.mark.parametrize("dt", DTS)
 @pytest.mark.parametrize("B,T,C,NH,nb", [(16, 8, 24, 6, 1), (17, 8, 24, 6, 3), (20, 5, 6, 3, 2), (16, 1, 4, 1, 4)])
 def test_attention_sequence_vectorized_pair(dt, B, T, C, NH, nb):
@@ -396,14 +404,13 @@ def test_attention_sequence_vectorized_pair(dt, B, T, C, NH, nb):
                                          (40, 3, 4, 2, 2), (33, 1, 4, 1, 1), (16, 2, 40, 4, 1)])
 @pytest.mark.parametrize("par", ["", "_par"])
 def test_attention_generated_lanes(B, T, C, NH, nb, par):
-    """The vector kernels generated for (T, hs) (kernels/attn_lanes.py), as the executor file defines them, in
+    """The vector kernels generated for (T, hs) (kernels/attn_lanes.py), as their library entries define them, in
     the bl pair's rows and layouts: blocks of 16 lanes exactly, of 34/33 (the last chunk overlapping the one
     before), and of 20 and 33 (one overlap each)."""
     from btjit.kernels import attn_lanes
     assert attn_lanes.eligible(T, C // NH, B, nb, "f32")
-    ns = {}
-    exec(attn_lanes.executor_source([(T, C // NH)], ["k_attn_fwd_lanes" + par, "k_attn_bwd_lanes" + par]), ns)
-    check_bl_pair(np.float32, B, T, C, NH, nb, ns["k_attn_fwd_lanes" + par], ns["k_attn_bwd_lanes" + par], B * 100 + T)
+    fwd, bwd = (_generated(f"k_attn_{k}_lanes{par}", T, C // NH) for k in ("fwd", "bwd"))
+    check_bl_pair(np.float32, B, T, C, NH, nb, fwd, bwd, B * 100 + T)
 
 
 @pytest.mark.parametrize("B,T,C,NH", [(1, 8, 24, 6), (2, 8, 24, 6), (15, 8, 24, 6), (1, 8, 32, 8), (3, 5, 6, 3),
@@ -413,10 +420,8 @@ def test_attention_generated_pairs(B, T, C, NH):
     exactly 8, several chunks with the last overlapping (12, 90), and T = 1. They leave P alone."""
     from btjit.kernels import attn_lanes
     assert attn_lanes.pairs_eligible(T, C // NH, "f32") and B < K.BL_MIN_B
-    ns = {}
-    exec(attn_lanes.executor_source([(T, C // NH)], ["k_attn_fwd_pairs", "k_attn_bwd_pairs"]), ns)
-    check_bl_pair(np.float32, B, T, C, NH, 1, ns["k_attn_fwd_pairs"], ns["k_attn_bwd_pairs"], B * 100 + T,
-                  wrote_P=False)
+    fwd, bwd = (_generated(f"k_attn_{k}_pairs", T, C // NH) for k in ("fwd", "bwd"))
+    check_bl_pair(np.float32, B, T, C, NH, 1, fwd, bwd, B * 100 + T, wrote_P=False)
 
 
 @pytest.mark.parametrize("hs", [1, 2, 3, 4, 5, 8])

@@ -30,7 +30,7 @@ class TrainRunner(Runner):
         m = self.prog.memory
         self.note = ((f"{replicas} replicas; " if replicas > 1 else "") +
                      f"arena {m['planned_bytes'] / 1e6:.2f} MB (naive {m['naive_bytes'] / 1e6:.2f}); "
-                     f"executor {'cached' if self.prog.executor.cache_hit else 'compiled'} "
+                     f"kernels {'cached' if self.prog.kernels.cache_hit else 'compiled'} "
                      f"{self.prog.compile_seconds:.2f}s")
 
     def step(self):

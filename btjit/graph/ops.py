@@ -3,7 +3,8 @@ emits IR), numpy reference, lowering to kernel rows, and gradient-check cases. T
 TABLE; adding an op = adding an entry.
 
 Lowering uses a context `L` (graph/lower.py): L.off(var) arena offset, L.const(x) offset of a float
-constant, L.scratch int32 scratch offset, L.row(kernel_name, *args) builds one tape row.
+constant, L.scratch int32 scratch offset, L.row(kernel_name, name=value...) builds one tape row from the
+kernel's row declaration (`@row` in btjit/kernels).
 """
 from __future__ import annotations
 
@@ -126,8 +127,13 @@ def loop_nest(shape, operands, depth):
 def strided_rows(L, sub, shape, out, ins):
     """Rows of k_strided: out = (off, strides); ins = up to three (off, strides); 4-D loops per row."""
     ops_ = [out] + list(ins) + [(out[0], (0,) * len(shape))] * (3 - len(ins))
-    return [L.row("k_strided", sub, *offs, *[n for n, _ in inner], *[st[k] for k in range(4) for _, st in inner])
-            for offs, inner in loop_nest(shape, ops_, 4)]
+    rows = []
+    for offs, inner in loop_nest(shape, ops_, 4):
+        args = dict(zip(("oo", "o1", "o2", "o3"), offs))
+        for d, (n, st) in enumerate(inner):
+            args.update({f"n{d}": n, **{f"{p}{d}": st[k] for k, p in enumerate(("so", "p", "q", "t"))}})
+        rows.append(L.row("k_strided", sub=sub, **args))
+    return rows
 
 
 def lower_elementwise(sub, eqn, L):
@@ -137,7 +143,7 @@ def lower_elementwise(sub, eqn, L):
     if len(eqn.ins) == 2 and all(v.size in (n, 1) for v in eqn.ins):
         x, y = eqn.ins
         mode = 0 if x.size == n and y.size == n else (1 if x.size == n else 2)
-        return [L.row("k_binary", sub, L.off(out), L.off(x), L.off(y), n, mode)]
+        return [L.row("k_binary", sub=sub, oout=L.off(out), o1=L.off(x), o2=L.off(y), n=n, mode=mode)]
     return strided_rows(L, sub, out.shape, (L.off(out), cstrides(out.shape)),
                         [(L.off(v), bstrides(v.shape, out.shape)) for v in eqn.ins])
 
@@ -177,8 +183,8 @@ _binary("sigmoid_grad", EW.B_SIGMOID_GRAD, lambda y, g: g * y * (1 - y), interna
 
 def _unary(name, sub, fn, vjp, dom="normal", tol=1e-6):
     op(name, infer=same_as_input, ref=lambda xs, at, fn=fn: (fn(xs[0], at),),
-       lower=lambda e, L, sub=sub: [L.row("k_unary", sub, L.off(e.outs[0]), L.off(e.ins[0]), e.outs[0].size,
-                                          L.const(e.attrs.get("p", 0.0)))],
+       lower=lambda e, L, sub=sub: [L.row("k_unary", sub=sub, oout=L.off(e.outs[0]), oin=L.off(e.ins[0]),
+                                          n=e.outs[0].size, oc=L.const(e.attrs.get("p", 0.0)))],
        vjp=vjp, cases=[Case((F(3, 5, dom=dom),), tol=tol), Case((F(dom=dom),), tol=tol)])
 
 
@@ -213,10 +219,11 @@ def _gelu_grad_ref(x, g):
 
 
 op("gelu", infer=same_as_input, ref=lambda xs, a: (_gelu_ref(xs[0], a),),
-   lower=lambda e, L: [L.row("k_gelu_fwd", L.off(e.ins[0]), L.off(e.outs[0]), e.outs[0].size)],
+   lower=lambda e, L: [L.row("k_gelu_fwd", ox=L.off(e.ins[0]), oy=L.off(e.outs[0]), n=e.outs[0].size)],
    vjp=lambda g, x, o, a: [T.emit("gelu_grad", (x[0], g[0]))], cases=[Case((F(3, 5),))])
 op("gelu_grad", infer=same_as_input, ref=lambda xs, a: (_gelu_grad_ref(*xs),), internal=True,
-   lower=lambda e, L: [L.row("k_gelu_bwd", L.off(e.ins[0]), L.off(e.ins[1]), L.off(e.outs[0]), e.outs[0].size)],
+   lower=lambda e, L: [L.row("k_gelu_bwd", ox=L.off(e.ins[0]), ody=L.off(e.ins[1]), odx=L.off(e.outs[0]),
+                             n=e.outs[0].size)],
    cases=[Case((F(3, 5), F(3, 5)))])
 
 
@@ -244,7 +251,7 @@ def _lower_reduce(sub):
     def lower(e, L):
         s, lo, hi = e.ins[0].shape, e.attrs["lo"], e.attrs["hi"]
         n0, n1, n2 = (int(np.prod(s[:lo])), int(np.prod(s[lo:hi])), int(np.prod(s[hi:])))
-        return [L.row("k_reduce", sub, L.off(e.outs[0]), L.off(e.ins[0]), n0, n1, n2)]
+        return [L.row("k_reduce", sub=sub, oout=L.off(e.outs[0]), oin=L.off(e.ins[0]), n0=n0, n1=n1, n2=n2)]
     return lower
 
 
@@ -355,7 +362,7 @@ def _slice_scatter_ref(xs, a):
 
 def _lower_slice_scatter(e, L):
     off, st = _slice_view(e.outs[0].shape, e.attrs)
-    return [L.row("k_fill", L.off(e.outs[0]), e.outs[0].size, L.const(0.0))] + strided_rows(
+    return [L.row("k_fill", oout=L.off(e.outs[0]), n=e.outs[0].size, oc=L.const(0.0))] + strided_rows(
         L, EW.B_COPY, e.ins[0].shape, (L.off(e.outs[0]) + off, st), [(L.off(e.ins[0]), cstrides(e.ins[0].shape))])
 
 
@@ -460,17 +467,17 @@ def _lower_matmul(e, L, beta=0, bias=0, osum=0, res=None, relu=False):
     nb_total = int(np.prod(batch, dtype=np.int64))
     threads = min(L.threads, MAX_THREADS)
     par = par_gemm(M * N * K * nb_total, threads)
-    consts = (L.scratch, L.one_zero)      # int32 BLAS scratch; a[one_zero] == 1.0, a[one_zero + 1] == 0.0
 
     def micro(m):
         return not par and micro_gemm(m, N, K, ta, tb, beta, bias, C.dtype)
 
     def row(oa, ob, oc, nb, m, sa_, sb_, sc_):
+        args = dict(oA=oa, oB=ob, oC=oc, nbatch=nb, M=m, N=N, K=K, sA=sa_, sB=sb_, sC=sc_, ta=ta, tb=tb)
         if micro(m):
-            return L.row("k_matmul_micro", oa, ob, oc, nb, m, N, K, sa_, sb_, sc_, ta, tb, bias, osum,
-                         L.off(res) + oc - L.off(C) if res is not None else 0, int(relu))
+            return L.row("k_matmul_micro", **args, obias=bias, osum=osum, relu=int(relu),
+                         ores=L.off(res) + oc - L.off(C) if res is not None else 0)
         kernel, parts = ("k_matmul_par", threads) if par else ("k_matmul", split_gemm(nb, m, N, K))
-        return L.row(kernel, oa, ob, oc, nb, m, N, K, sa_, sb_, sc_, ta, tb, beta, *consts, bias, parts)
+        return L.row(kernel, **args, beta=beta, osc=L.scratch, oconst=L.one_zero, obias=bias, nparts=parts)
     if len(B.shape) == 2 and not ta:      # fold A's batch dims into M: one GEMM
         rows = [row(L.off(A), L.off(B), L.off(C), 1, nb_total * M, 0, 0, 0)]
         if not micro(nb_total * M):
@@ -533,8 +540,8 @@ def _row_len(shape):
 
 
 op("take", infer=_take_rule, ref=lambda xs, a: (xs[0][xs[1]],),
-   lower=lambda e, L: [L.row("k_gather_rows", L.off(e.ins[0]), L.off(e.ins[1]), L.off(e.outs[0]), e.ins[1].size,
-                             _row_len(e.ins[0].shape))],
+   lower=lambda e, L: [L.row("k_gather_rows", otable=L.off(e.ins[0]), oidx=L.off(e.ins[1]), oout=L.off(e.outs[0]),
+                             n=e.ins[1].size, C=_row_len(e.ins[0].shape))],
    vjp=lambda g, x, o, a: [T.emit("take_grad", (g[0], x[1]), rows=x[0].shape[0]), None],
    cases=[Case((F(5, 3), ("i", (4, 2), 5))), Case((F(6), ("i", (7,), 6)))])
 
@@ -548,8 +555,8 @@ def _take_grad_ref(xs, a):
 
 op("take_grad", infer=lambda t, a, fd: [((a["rows"],) + tuple(t[0][0][len(t[1][0]):]), fd)], ref=_take_grad_ref,
    internal=True, cases=[Case((F(4, 2, 3), ("i", (4, 2), 5)), {"rows": 5})],
-   lower=lambda e, L: [L.row("k_scatter_add_rows", L.off(e.ins[0]), L.off(e.ins[1]), L.off(e.outs[0]), e.ins[1].size,
-                             e.attrs["rows"], _row_len(e.outs[0].shape))])
+   lower=lambda e, L: [L.row("k_scatter_add_rows", og=L.off(e.ins[0]), oidx=L.off(e.ins[1]), odt=L.off(e.outs[0]),
+                             n=e.ins[1].size, V=e.attrs["rows"], C=_row_len(e.outs[0].shape))])
 
 
 def _take_sum_rule(types, attrs, fd):
@@ -576,7 +583,9 @@ def _take_sum_lower(kernel):
     def lower(e, L):
         B, P = e.ins[1].shape
         P_, V, N = (e.ins[0] if kernel == "k_take_sum" else e.outs[0]).shape
-        return [L.row(kernel, L.off(e.ins[0]), L.off(e.ins[1]), L.off(e.outs[0]), B, P, V, N)]
+        table, out = ("ot", "oout") if kernel == "k_take_sum" else ("og", "odt")
+        return [L.row(kernel, **{table: L.off(e.ins[0]), out: L.off(e.outs[0])}, oidx=L.off(e.ins[1]), B=B, P=P,
+                      V=V, N=N)]
     return lower
 
 
@@ -591,8 +600,14 @@ op("take_sum_grad", infer=lambda t, a, fd: [((t[1][0][1], a["rows"], t[0][0][1])
 
 
 # ----------------------------------------------------------------------------- softmax family
-def _rows(v):
-    return v.size // v.shape[-1], v.shape[-1]
+def _offs(L, names, vs):
+    """{name: offset} for the space-separated names and vars vs, in order."""
+    return {n: L.off(v) for n, v in zip(names.split(), vs, strict=True)}
+
+
+def _rows(v, names="MN"):
+    """A value as rows: {M: rows, N: row length} (other names for other kernels' rows)."""
+    return {names[0]: v.size // v.shape[-1], names[1]: v.shape[-1]}
 
 
 def _softmax_ref(x):
@@ -607,11 +622,12 @@ def _logsoftmax_ref(x):
 
 def _softmax_op(name, sub, ref, gref):
     op(name, infer=same_as_input, ref=lambda xs, a: (ref(xs[0]),),
-       lower=lambda e, L: [L.row("k_softmax", sub, L.off(e.outs[0]), L.off(e.ins[0]), *_rows(e.ins[0]))],
+       lower=lambda e, L: [L.row("k_softmax", sub=sub, oout=L.off(e.outs[0]), oin=L.off(e.ins[0]),
+                                 **_rows(e.ins[0]))],
        vjp=lambda g, x, o, a: [T.emit(name + "_grad", (o[0], g[0]))], cases=[Case((F(3, 5),)), Case((F(2, 3, 4),))])
     op(name + "_grad", infer=same_as_input, ref=lambda xs, a: (gref(*xs),), internal=True,
-       lower=lambda e, L: [L.row("k_softmax_bwd", sub, L.off(e.outs[0]), L.off(e.ins[0]), L.off(e.ins[1]),
-                                 *_rows(e.ins[0]))], cases=[Case((F(3, 5), F(3, 5)))])
+       lower=lambda e, L: [L.row("k_softmax_bwd", sub=sub, odx=L.off(e.outs[0]), oout=L.off(e.ins[0]),
+                                 og=L.off(e.ins[1]), **_rows(e.ins[0]))], cases=[Case((F(3, 5), F(3, 5)))])
 
 
 _softmax_op("softmax", 0, _softmax_ref, lambda y, g: y * (g - (g * y).sum(-1, keepdims=True)))
@@ -641,13 +657,13 @@ def _ce_grad_ref(xs, a):
 
 
 op("cross_entropy", infer=_ce_rule, ref=_ce_ref,
-   lower=lambda e, L: [L.row("k_ce_fwd", L.off(e.ins[0]), L.off(e.ins[1]), L.off(e.outs[0]), L.off(e.outs[1]),
-                             *_rows(e.ins[0]))],
+   lower=lambda e, L: [L.row("k_ce_fwd", ol=L.off(e.ins[0]), ot=L.off(e.ins[1]), oloss=L.off(e.outs[0]),
+                             op_=L.off(e.outs[1]), **_rows(e.ins[0], "MV"))],
    vjp=lambda g, x, o, a: [T.emit("cross_entropy_grad", (o[1], x[1], g[0])), None],
    cases=[Case((F(4, 5), ("i", (4,), 5))), Case((F(2, 3, 7), ("i", (2, 3), 7)))])
 op("cross_entropy_grad", infer=lambda t, a, fd: [(t[0][0], fd)], ref=_ce_grad_ref, internal=True,
-   lower=lambda e, L: [L.row("k_ce_bwd", L.off(e.ins[0]), L.off(e.ins[1]), L.off(e.ins[2]), L.off(e.outs[0]),
-                             *_rows(e.ins[0]))], cases=[Case((F(4, 5), ("i", (4,), 5), F()))])
+   lower=lambda e, L: [L.row("k_ce_bwd", op_=L.off(e.ins[0]), ot=L.off(e.ins[1]), og=L.off(e.ins[2]),
+                             od=L.off(e.outs[0]), **_rows(e.ins[0], "MV"))], cases=[Case((F(4, 5), ("i", (4,), 5), F()))])
 
 
 # ----------------------------------------------------------------------------- fused transformer ops
@@ -686,13 +702,14 @@ def _ln_grad_rule(types, attrs, fd):
 
 
 op("layernorm", infer=_ln_rule, ref=_ln_ref,
-   lower=lambda e, L: [L.row("k_layernorm_fwd", *[L.off(v) for v in e.ins + e.outs], *_rows(e.ins[0]),
-                             L.const(e.attrs["eps"]))],
+   lower=lambda e, L: [L.row("k_layernorm_fwd", **_offs(L, "ox og ob", e.ins), **_offs(L, "oy omean orstd", e.outs),
+                             **_rows(e.ins[0], "MC"), oeps=L.const(e.attrs["eps"]))],
    vjp=lambda g, x, o, a: list(T.emit("layernorm_grad", (x[0], x[1], o[1], o[2], g[0]), **a)),
    cases=[Case((F(3, 6), F(6), F(6)), {"eps": 1e-5}), Case((F(2, 3, 5), F(5), F(5)), {"eps": 1e-5})])
 op("layernorm_grad", infer=_ln_grad_rule, ref=_ln_grad_ref, internal=True,
-   lower=lambda e, L: [L.row("k_layernorm_bwd", *[L.off(v) for v in e.ins[:5] + e.outs], *_rows(e.ins[0]),
-                             L.off(e.ins[5]) if len(e.ins) > 5 else 0)],
+   lower=lambda e, L: [L.row("k_layernorm_bwd", **_offs(L, "ox og omean orstd ody", e.ins[:5]),
+                             **_offs(L, "odx odg odb", e.outs), **_rows(e.ins[0], "MC"),
+                             oacc=L.off(e.ins[5]) if len(e.ins) > 5 else 0)],
    cases=[Case((F(3, 6), F(6), F(3), F(3, dom="pos"), F(3, 6)), {"eps": 1e-5}),
           Case((F(3, 6), F(6), F(3), F(3, dom="pos"), F(3, 6), F(3, 6)), {"eps": 1e-5})])
 
@@ -750,34 +767,26 @@ def _attn_lower(e, L):
     more than one thread the bl / lanes blocks are split over the thread pool."""
     B, T_ = e.ins[0].shape[:2]
     C, nh = e.ins[0].shape[2] // 3, e.attrs["n_head"]
-    scale = L.const(1.0 / math.sqrt(C // nh))
+    dims = dict(B=B, T=T_, C=C, NH=nh, oscale=L.const(1.0 / math.sqrt(C // nh)))
     grad = e.op == "causal_attention_grad"
-    if B < BL_MIN_B and attn_lanes.pairs_eligible(T_, C // nh, e.ins[0].dtype):
-        L.attn_shapes.add((T_, C // nh))
-        if grad:
-            (_, _, W, gy), (dqkv, S) = e.ins, e.outs
-            return [L.row("k_attn_bwd_pairs", 0, L.off(W), L.off(gy), L.off(dqkv), L.off(S), B, T_, C, nh, scale)]
-        (qkv,), (y, _, W) = e.ins, e.outs
-        return [L.row("k_attn_fwd_pairs", L.off(qkv), L.off(y), 0, L.off(W), B, T_, C, nh, scale)]
-    if B < BL_MIN_B:
-        if grad:
-            (qkv, P, _, gy), (dqkv, _) = e.ins, e.outs
-            return [L.row("k_attn_bwd", L.off(qkv), L.off(P), L.off(gy), L.off(dqkv), B, T_, C, nh, scale)]
-        (qkv,), (y, P, _) = e.ins, e.outs
-        return [L.row("k_attn_fwd", L.off(qkv), L.off(y), L.off(P), B, T_, C, nh, scale)]
-    threads = L.threads
-    par = "_par" if threads > 1 else ""
-    nb = attn_blocks(B, threads)
-    kind = "bl"
-    if attn_lanes.eligible(T_, C // nh, B, nb, e.ins[0].dtype):
-        kind = "lanes"                      # same rows and layouts, generated per (T, hs): attn_lanes.py
-        L.attn_shapes.add((T_, C // nh))
+    kind = "fwd" if not grad else "bwd"
     if grad:
-        (_, P, W, gy), (dqkv, S) = e.ins, e.outs
-        return [L.row(f"k_attn_bwd_{kind}{par}", L.off(P), L.off(W), L.off(gy), L.off(dqkv), L.off(S),
-                      B, T_, C, nh, scale, nb)]
-    (qkv,), (y, P, W) = e.ins, e.outs
-    return [L.row(f"k_attn_fwd_{kind}{par}", L.off(qkv), L.off(y), L.off(P), L.off(W), B, T_, C, nh, scale, nb)]
+        (qkv, P, W, gy), (dqkv, S) = e.ins, e.outs
+        offs = dict(oP=L.off(P), oW=L.off(W), ody=L.off(gy), odqkv=L.off(dqkv), oS=L.off(S))
+    else:
+        (qkv,), (y, P, W) = e.ins, e.outs
+        offs = dict(oqkv=L.off(qkv), oy=L.off(y), oP=L.off(P), oW=L.off(W))
+    if B < BL_MIN_B and attn_lanes.pairs_eligible(T_, C // nh, qkv.dtype):
+        return [L.row(f"k_attn_{kind}_pairs", shape=(T_, C // nh), **{**offs, "oP": 0}, **dims)]   # P unused
+    if B < BL_MIN_B:
+        offs = dict(oqkv=L.off(qkv), oP=L.off(P), ody=L.off(gy), odqkv=L.off(dqkv)) if grad else \
+            dict(oqkv=L.off(qkv), oy=L.off(y), oP=L.off(P))
+        return [L.row(f"k_attn_{kind}", **offs, **dims)]
+    par = "_par" if L.threads > 1 else ""
+    nb = attn_blocks(B, L.threads)
+    if attn_lanes.eligible(T_, C // nh, B, nb, qkv.dtype):    # same rows and layouts, generated per (T, hs)
+        return [L.row(f"k_attn_{kind}_lanes{par}", shape=(T_, C // nh), **offs, **dims, nb=nb)]
+    return [L.row(f"k_attn_{kind}_bl{par}", **offs, **dims, nb=nb)]
 
 
 op("causal_attention", infer=_attn_rule, ref=_attn_ref, lower=_attn_lower,

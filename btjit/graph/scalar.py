@@ -53,7 +53,7 @@ import numba
 import numpy as np
 from numba import njit, types as nt
 
-from .lower import _import_file, cache_dir
+from btjit.kernels.library import _import_file, cache_dir
 from .ops import TABLE
 
 STRAIGHT_LINE_MAX = 600      # instructions; see the module docstring for the measurement

@@ -7,8 +7,8 @@
 # vectorizer or alias checks. Per GPT layer at batch 64 (T=8, hs=4, one thread, with the transposes in and
 # out): forward 44 -> 18.5 us, backward 57 -> 19.6 us against the loop kernels; ~1.5 s compile each.
 #
-# The executor file (btjit/graph/lower.py) gets, for each (T, hs) a program uses, the block functions below
-# (source text) and the kernels k_attn_fwd_lanes(_par) / k_attn_bwd_lanes(_par). ops.py picks them for a row
+# The kernel library (btjit/kernels/library.py) gets, for each (T, hs) a program uses, the block functions
+# below (source text) and a kernel k_attn_{fwd,bwd}_lanes(_par) / _pairs as one entry each. ops.py picks them for a row
 # only when every lane block holds >= LANES sequences; the last chunk of a block then starts at L - LANES
 # and may redo lanes of the chunk before it, which is harmless: every store is an overwrite.
 from llvmlite import ir
@@ -16,13 +16,18 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from btjit.kernels.common import FM_FLAGS as _FLAGS
+from btjit.kernels.common import FM_FLAGS as _FLAGS, ROWS, declare
 
 LANES = 16
 PAIR_LANES = 8        # the small-batch "pairs" kernels: lanes are (sequence, head) pairs (Zen 4 runs 16 as 2 x 8)
 KERNEL_NAMES = ("k_attn_bwd_lanes", "k_attn_bwd_lanes_par", "k_attn_bwd_pairs", "k_attn_fwd_lanes",
                 "k_attn_fwd_lanes_par", "k_attn_fwd_pairs")
 _F = ir.FloatType()
+for _p in ("", "_par"):                 # the rows of the bl pair in btjit/kernels/nn.py
+    declare(f"k_attn_fwd_lanes{_p}", "oqkv oy oP oW B T C NH oscale nb")
+    declare(f"k_attn_bwd_lanes{_p}", "oP oW ody odqkv oS B T C NH oscale nb")
+declare("k_attn_fwd_pairs", "oqkv oy oP oW B T C NH oscale")
+declare("k_attn_bwd_pairs", "oP oW ody odqkv oS B T C NH oscale")
 
 
 def _small(T, hs, float_dtype) -> bool:
@@ -348,26 +353,22 @@ def pairs_block(hs, to_pairs):
     return f
 
 
-def executor_source(shapes, kernel_names) -> str:
-    """Source of the lanes and pairs kernels among `kernel_names` for the (T, hs) pairs `shapes` (every row
-    of those kernels in the tape has one of them), for the executor file. The block functions of a family
-    no kernel uses are never compiled."""
-    shapes = sorted(set(shapes))
+def kernel_source(name, T, hs) -> str:
+    """Source of the generated kernel `name` (one of KERNEL_NAMES) for one (T, hs): the block functions above,
+    then `name(a, ia, r)` (btjit/kernels/library.py wraps it as a library entry). Block functions no kernel
+    of the file calls are never compiled."""
+    kind, family = name.split("_")[2:4]
+    par = "_par" if name.endswith("_par") else ""
     out = ["from numba import njit, prange",
            "from btjit.kernels.attn_lanes import bwd_chunk, fwd_chunk, pairs_block",
            "from btjit.kernels.common import FM, FM_PAR",
-           "from btjit.kernels.nn import bl_in, bl_out, bl_span, pairs_copy"]
-    out += [_BLOCKS.format(T=T, hs=hs, TT=T * T, V=LANES, V1=LANES - 1, P=PAIR_LANES, P1=PAIR_LANES - 1,
-                           FAST=hs <= PAIR_LANES) for T, hs in shapes]
-    for family, pars in (("lanes", ("", "_par")), ("pairs", ("",))):
-        for kind, iT, iC, iNH, inb in (("fwd", 6, 7, 8, 10), ("bwd", 7, 8, 9, 11)):
-            out.append(f"\n@njit(**FM)\ndef _{family}_{kind}(a, r, i):\n    T = r[{iT}]\n    hs = r[{iC}] // r[{iNH}]")
-            for j, (T, hs) in enumerate(shapes):
-                out.append(f"    {'if' if j == 0 else 'elif'} T == {T} and hs == {hs}:\n"
-                           f"        _{family}_{kind}_{T}_{hs}(a, r, i)")
-            for par in pars:
-                if f"k_attn_{kind}_{family}{par}" in kernel_names:
-                    loop = f"{'prange' if par else 'range'}(r[{inb}])" if family == "lanes" else "range(1)"
-                    out.append(f"\n\n@njit(**FM{par.upper()})\ndef k_attn_{kind}_{family}{par}(a, ia, r):\n"
-                               f"    for i in {loop}:\n        _{family}_{kind}(a, r, i)")
-    return "\n".join(out) + "\n"
+           "from btjit.kernels.nn import bl_in, bl_out, bl_span, pairs_copy",
+           _BLOCKS.format(T=T, hs=hs, TT=T * T, V=LANES, V1=LANES - 1, P=PAIR_LANES, P1=PAIR_LANES - 1,
+                          FAST=hs <= PAIR_LANES)]
+    if family == "lanes":
+        body = (f"for i in {'prange' if par else 'range'}(r[{ROWS[name].args.index('nb') + 1}]):\n"
+                f"        _lanes_{kind}_{T}_{hs}(a, r, i)")
+    else:
+        body = f"_pairs_{kind}_{T}_{hs}(a, r, 0)"
+    out.append(f"\n@njit(**FM{par.upper()})\ndef {name}(a, ia, r):\n    {body}\n")
+    return "\n".join(out)

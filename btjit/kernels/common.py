@@ -1,7 +1,10 @@
 # Shared kernel machinery: the FM njit options, dtype-generic scalar helpers usable inside njit
 # (`cvt` cast-to-arena-dtype, `fexp` vectorizable exp, `ftanh` vectorizable tanh) and `gemm`, a row-major
 # GEMM that calls OpenBLAS sgemm/dgemm directly through scipy.linalg.cython_blas (KERNEL_NOTES §7).
+from __future__ import annotations
+
 import math
+from typing import NamedTuple
 
 import numpy as np
 import llvmlite.binding as llvm
@@ -15,6 +18,33 @@ MAX_THREADS = 8   # threads the parallel kernels' scratch (e.g. 8 int32 BLAS slo
 FM_PAR = dict(FM, parallel=True)   # only for large, race-free work: ~2-4 us per launch (NUMBA_NOTES §7)
 
 f32 = np.float32
+
+
+# ---------------------------------------------------------------- the one declaration of each kernel's row
+ROW = 32   # int64s per tape row: the opcode, then the kernel's arguments, zero-padded
+
+
+class RowDecl(NamedTuple):
+    args: tuple            # the names of r[1], r[2], ... in order
+    stop: str | None       # an argument naming an ia slot: the tape stops after the row if it is nonzero
+
+
+ROWS: dict = {}            # kernel name -> RowDecl (btjit.graph.lower builds rows from it by name)
+
+
+def row(args: str, stop: str | None = None):
+    """Decorator declaring a tape kernel's row: `@row("ox og M C")` above `@njit` says r = [op, ox, og, M, C].
+    btjit.kernels.library checks each kernel's source reads r with these names (check_rows)."""
+    def deco(k):
+        declare(getattr(k, "py_func", k).__name__, args, stop)
+        return k
+    return deco
+
+
+def declare(name, args: str, stop=None):
+    names = tuple(args.split())
+    assert len(names) < ROW and (stop is None or stop in names), (name, names)
+    ROWS[name] = RowDecl(names, stop)
 
 
 # ---------------------------------------------------------------- scalar helpers (dtype dispatch via overload)

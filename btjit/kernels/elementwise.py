@@ -14,7 +14,7 @@ import math
 import numpy as np
 from numba import njit
 
-from .common import FM, fexp, ftanh
+from .common import FM, fexp, ftanh, row
 
 # unary sub-ops
 U_COPY, U_NEG, U_EXP, U_LOG, U_TANH, U_RELU, U_SIGMOID, U_SQRT, U_POW, U_ABS = range(10)
@@ -171,12 +171,14 @@ def _binary_loop(sub, out, x, y, mode):
             out[i] = _binary(sub, x[i * sx], y[i * sy])
 
 
+@row("sub oout oin n oc")
 @njit(**FM)
 def k_unary(a, ia, r):
     n = r[4]
     _unary_loop(r[1], a[r[2]:r[2] + n], a[r[3]:r[3] + n], a[r[5]])
 
 
+@row("sub oout o1 o2 n mode")
 @njit(**FM)
 def k_binary(a, ia, r):
     n, mode = r[5], r[6]
@@ -184,6 +186,7 @@ def k_binary(a, ia, r):
                  a[r[4]:r[4] + (1 if mode == 1 else n)], mode)
 
 
+@row("sub oo o1 o2 o3 n0 n1 n2 n3 so0 so1 so2 so3 p0 p1 p2 p3 q0 q1 q2 q3 t0 t1 t2 t3")
 @njit(**FM)
 def k_strided(a, ia, r):
     sub = r[1]
@@ -215,6 +218,7 @@ def k_strided(a, ia, r):
                         a[bo + i3 * so3] = _binary(sub, a[b1 + i3 * p3], a[b2 + i3 * q3])
 
 
+@row("oout n oc")
 @njit(**FM)
 def k_fill(a, ia, r):
     n = r[2]
@@ -224,6 +228,7 @@ def k_fill(a, ia, r):
         out[i] = v
 
 
+@row("oidx n hi oflag", stop="oflag")
 @njit(**FM)
 def k_check_index(a, ia, r):
     """r = [op, oidx, n, hi, oflag]: ia[oflag] = 1 + (first i with ia[oidx+i] outside [0, hi)), else 0.

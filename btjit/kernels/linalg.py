@@ -8,7 +8,7 @@ from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from btjit.kernels.common import FM, FM_FLAGS, FM_PAR, gemm, stack_buf, tile8, transpose
+from btjit.kernels.common import FM, FM_FLAGS, FM_PAR, gemm, row, stack_buf, tile8, transpose
 
 WT_MAX = 16384       # floats of the largest B a B^T product copies transposed onto the stack (64 KB)
 COPY_MIN_ROWS = 64   # ... and the fewest rows of C it does that for (at 8 rows the copy costs 2x the GEMM)
@@ -156,6 +156,7 @@ def gemm_micro(a, b, oA, sar, sak, oB, ldb, oC, ldc, M, N, K, obias, osum, ores,
             c0 += w
 
 
+@row("oA oB oC nbatch M N K sA sB sC ta tb beta osc oconst obias nparts")
 @njit(**FM)
 def k_matmul(a, ia, r):
     """Batched matmul: C_i (M,N) = op(A_i) @ op(B_i)  (+ C_i if beta == 1)  for i in range(nbatch).
@@ -178,6 +179,7 @@ def k_matmul(a, ia, r):
         _matmul_part(a, ia, r, j, nparts)
 
 
+@row("oA oB oC nbatch M N K sA sB sC ta tb obias osum ores relu")
 @njit(**FM)
 def k_matmul_micro(a, ia, r):
     """Batched float32 matmul by the micro-kernels below (ops.micro_gemm says which products):
@@ -209,6 +211,7 @@ def k_matmul_micro(a, ia, r):
             gemm_micro(a, wt, oa, K, 1, 0, N, oc, N, M, N, K, 0, 0, 0, 0)
 
 
+@row("oA oB oC nbatch M N K sA sB sC ta tb beta osc oconst obias nparts")
 @njit(**FM_PAR)
 def k_matmul_par(a, ia, r):
     """k_matmul with the nparts blocks of every product on the thread pool, each a single-threaded GEMM: all

@@ -7,12 +7,13 @@ import numpy as np
 from numba import njit, prange
 
 from btjit.kernels import attn_lanes
-from btjit.kernels.common import FM, FM_PAR, cvt, fexp, transpose
+from btjit.kernels.common import FM, FM_PAR, cvt, fexp, row, transpose
 
 f32 = np.float32
 
 
 # ---------------------------------------------------------------- LayerNorm
+@row("ox og ob oy omean orstd M C oeps")
 @njit(**FM)
 def k_layernorm_fwd(a, ia, r):
     """y = (x - mean) * rstd * g + b over the last dim C (biased variance, like torch).
@@ -47,6 +48,7 @@ def k_layernorm_fwd(a, ia, r):
             y[c] = (x[c] - mu) * rs * g[c] + b[c]
 
 
+@row("ox og omean orstd ody odx odg odb M C oacc")
 @njit(**FM)
 def k_layernorm_bwd(a, ia, r):
     """LayerNorm backward from the saved mean/rstd.
@@ -95,6 +97,7 @@ def k_layernorm_bwd(a, ia, r):
 
 
 # ---------------------------------------------------------------- causal multi-head self-attention
+@row("oqkv oy oP B T C NH oscale")
 @njit(**FM)
 def k_attn_fwd(a, ia, r):
     """Causal multi-head self-attention forward, one (sequence, head, query) row at a time: one pass for
@@ -172,6 +175,7 @@ def k_attn_fwd(a, ia, r):
                     p[s] = zero
 
 
+@row("oqkv oP ody odqkv B T C NH oscale")
 @njit(**FM)
 def k_attn_bwd(a, ia, r):
     """Causal multi-head self-attention backward from the saved probabilities P (hs == 4 unrolled).
@@ -462,6 +466,7 @@ def _attn_bl_bwd_block(a, r, i):
     bl_out(a, o2, odqkv, b0, L, T * C3)     # dqkv transposed out
 
 
+@row("oqkv oy oP oW B T C NH oscale nb")
 @njit(**FM)
 def k_attn_fwd_bl(a, ia, r):
     """Causal self-attention forward vectorized across sequences (layouts above the helpers).
@@ -470,6 +475,7 @@ def k_attn_fwd_bl(a, ia, r):
         _attn_bl_fwd_block(a, r, i)
 
 
+@row("oqkv oy oP oW B T C NH oscale nb")
 @njit(**FM_PAR)
 def k_attn_fwd_bl_par(a, ia, r):
     """k_attn_fwd_bl with one block per thread-pool task (same row)."""
@@ -477,6 +483,7 @@ def k_attn_fwd_bl_par(a, ia, r):
         _attn_bl_fwd_block(a, r, i)
 
 
+@row("oP oW ody odqkv oS B T C NH oscale nb")
 @njit(**FM)
 def k_attn_bwd_bl(a, ia, r):
     """Backward of k_attn_fwd_bl from its saved X (in W) and PL (in P); writes dqkv (overwrite).
@@ -485,6 +492,7 @@ def k_attn_bwd_bl(a, ia, r):
         _attn_bl_bwd_block(a, r, i)
 
 
+@row("oP oW ody odqkv oS B T C NH oscale nb")
 @njit(**FM_PAR)
 def k_attn_bwd_bl_par(a, ia, r):
     """k_attn_bwd_bl with one block per thread-pool task (same row)."""
@@ -514,6 +522,7 @@ def attn_bwd_scratch_size(B, T, C, NH, float_dtype):
 
 
 # ---------------------------------------------------------------- softmax cross-entropy
+@row("ol ot oloss op_ M V")
 @njit(**FM)
 def k_ce_fwd(a, ia, r):
     """Mean softmax cross-entropy (max-subtracted, fexp).
@@ -556,6 +565,7 @@ def k_ce_fwd(a, ia, r):
     a[oloss] = tot / M
 
 
+@row("op_ ot og od M V")
 @njit(**FM)
 def k_ce_bwd(a, ia, r):
     """Cross-entropy backward: dlogits = (probs - onehot(target)) * a[og] / M  (overwrite).
@@ -579,6 +589,7 @@ def k_ce_bwd(a, ia, r):
 # accuracy in the tails (1 - tanh^2 from an approximate float32 tanh cancels: abs err ~3e-5 at |x| ~ 8) and
 # no intermediate can overflow, whatever order fastmath reassociation picks. x is clamped to [-10, 10]
 # inside sig and gelu' (at |x| = 10, sig is 1 or ~1e-38: exact far below float64 resolution).
+@row("ox oy n")
 @njit(**FM)
 def k_gelu_fwd(a, ia, r):
     """y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))  (torch gelu(approximate='tanh')).
@@ -602,6 +613,7 @@ def k_gelu_fwd(a, ia, r):
         y[i] = v * (inv if t >= zero else e * inv)
 
 
+@row("ox ody odx n")
 @njit(**FM)
 def k_gelu_bwd(a, ia, r):
     """dx = gelu'(x) * dy  (overwrite), gelu as in k_gelu_fwd.
@@ -630,6 +642,7 @@ def k_gelu_bwd(a, ia, r):
 
 
 # ---------------------------------------------------------------- embedding gather / scatter-add
+@row("otable oidx oout n C")
 @njit(**FM)
 def k_gather_rows(a, ia, r):
     """out[i, :] = table[ia[oidx + i], :] for i < n.
@@ -645,6 +658,7 @@ def k_gather_rows(a, ia, r):
             dst[c] = src[c]
 
 
+@row("og oidx odt n V C")
 @njit(**FM)
 def k_scatter_add_rows(a, ia, r):
     """dtable = 0; dtable[ia[oidx + i], :] += g[i, :] for i < n  (repeated indices accumulate).
@@ -664,6 +678,7 @@ def k_scatter_add_rows(a, ia, r):
             dst[c] += src[c]
 
 
+@row("ot oidx oout B P V N")
 @njit(**FM)
 def k_take_sum(a, ia, r):
     """out[b, :] = sum_p table[p, idx[b, p], :]: a gather from P stacked tables summed over p (the folded
@@ -685,6 +700,7 @@ def k_take_sum(a, ia, r):
                 dst[c] += src[c]
 
 
+@row("og oidx odt B P V N")
 @njit(**FM)
 def k_take_sum_grad(a, ia, r):
     """dtable = 0; dtable[p, idx[b, p], :] += g[b, :]  (the backward of k_take_sum).

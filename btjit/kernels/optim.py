@@ -12,9 +12,10 @@ import math
 import numpy as np
 from numba import njit
 
-from .common import FM
+from .common import FM, row
 
 
+@row("og n omax oscale")
 @njit(**FM)
 def k_clip_scale(a, ia, r):
     n = r[2]
@@ -33,6 +34,7 @@ def k_clip_scale(a, ia, r):
         a[r[4]] = sc if sc < 1.0 else 1.0
 
 
+@row("op_ og obuf n olr omom owd oscale has_buf")
 @njit(**FM)
 def k_sgd(a, ia, r):
     n = r[4]
@@ -53,6 +55,7 @@ def k_sgd(a, ia, r):
             p[i] -= lr * (g[i] * sc + wd * p[i])
 
 
+@row("op_ og om ov n olr ob1 ob2 oeps owd ostep oscale")
 @njit(**FM)
 def k_adamw(a, ia, r):
     n = r[5]

@@ -11,11 +11,12 @@ import math
 import numpy as np
 from numba import carray, njit
 
-from .common import FM, cvt, fexp, stack_buf
+from .common import FM, cvt, fexp, row, stack_buf
 
 R_SUM, R_MAX = 0, 1
 
 
+@row("sub oout oin n0 n1 n2")
 @njit(**FM)
 def k_reduce(a, ia, r):
     sub = r[1]
@@ -76,6 +77,7 @@ def k_reduce(a, ia, r):
                     o[k0 + k] = acc[k]
 
 
+@row("sub oout oin M N")
 @njit(**FM)
 def k_softmax(a, ia, r):
     sub = r[1]
@@ -104,6 +106,7 @@ def k_softmax(a, ia, r):
                 yi[j] = xi[j] - lse
 
 
+@row("sub odx oout og M N")
 @njit(**FM)
 def k_softmax_bwd(a, ia, r):
     sub = r[1]

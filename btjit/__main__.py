@@ -1,0 +1,4 @@
+"""`python -m btjit ...` is the `btjit` command."""
+from btjit.cli import main
+
+main()

@@ -1,0 +1,64 @@
+"""The one executor: it runs rows of a kernel tape by calling each row's library entry through a table of
+addresses (btjit/kernels/library.py), so it never changes with the program and compiles once per arena
+dtype (cached on disk like any `cache=True` function). Per row: one indirect call, `entry(a, len(a), ia,
+len(ia), &tape[i, 0])`; a nonzero return (a failed index check) stops the tape.
+
+`step` is the data-parallel step of `trace(..., replicas=R)`: R replica arenas (rows of one 2-D array, one
+plan) run the forward and backward rows on the thread pool, one replica per thread, then replica 0 averages
+the grads and the loss and runs the update rows alone -- all in one native call.
+"""
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+
+@intrinsic
+def _ccall(typingctx, addr, a, ia, tape, i):
+    """int32 (*addr)(a.data, a.size, ia.data, ia.size, &tape[i, 0]) for the entry at address addr."""
+    def codegen(context, builder, sig, args):
+        addr, a, ia, tape, i = args
+        A, IA, TP = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[1:4], (a, ia, tape)))
+        row = builder.gep(TP.data, [builder.mul(i, builder.extract_value(TP.shape, 1))])
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(ir.IntType(32), [A.data.type, i64, IA.data.type, i64, row.type])
+        fn = builder.inttoptr(addr, fnty.as_pointer())
+        return builder.call(fn, [A.data, A.nitems, IA.data, IA.nitems, row])
+    return types.int32(types.int64, a, ia, tape, types.int64), codegen
+
+
+@njit(cache=True, boundscheck=False)
+def run(a, ia, tape, table, start, stop):
+    """Rows [start, stop) of `tape` on the arenas a (float) and ia (int32); table[opcode] = entry address."""
+    for i in range(start, stop):
+        if _ccall(table[tape[i, 0]], a, ia, tape, i) != 0:
+            return
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def step(A, IA, tape, table, nsplit, stop, flag, p0, npar, g0, ngrad, oout, oinv):
+    """Replica r takes replica 0's params (npar floats at p0) and runs tape rows [0, nsplit) on its own
+    arena A[r], IA[r]; then replica 0 averages the grads (ngrad floats at g0) and the loss (at oout) with
+    a[oinv] == 1/R and runs rows [nsplit, stop) (the update) alone. A failed index check in any replica
+    (IA[r, flag] != 0) is copied to replica 0 and skips the rest."""
+    R = A.shape[0]
+    for r in prange(R):
+        if r > 0:
+            A[r, p0:p0 + npar] = A[0, p0:p0 + npar]
+        run(A[r], IA[r], tape, table, 0, nsplit)
+    for r in range(1, R):
+        if IA[r, flag] != 0:
+            IA[0, flag] = IA[r, flag]
+    if IA[0, flag] != 0:
+        return
+    inv = A[0, oinv]
+    g = A[0, g0:g0 + ngrad]
+    loss = A[0, oout]
+    for r in range(1, R):
+        gr = A[r, g0:g0 + ngrad]
+        for i in range(ngrad):
+            g[i] += gr[i]
+        loss += A[r, oout]
+    for i in range(ngrad):
+        g[i] *= inv
+    A[0, oout] = loss * inv
+    run(A[0], IA[0], tape, table, nsplit, stop)
