@@ -1,13 +1,12 @@
 """Elementwise kernels: unary maps, same-shape / scalar-operand binary maps, a general strided kernel
 (broadcasting, transposes, slices, select) and fills. Sub-op codes below are shared with graph/ops.py.
 
-Rows (see notes/CONVENTIONS.md):
-  k_unary   r = [op, sub, oout, oin, n, oc]              out = f(in) (a[oc] = exponent for POW)
-  k_binary  r = [op, sub, oout, o1, o2, n, mode]          mode 0: both length n; 1: in2 scalar; 2: in1 scalar
-  k_strided r = [op, sub, oout, o1, o2, o3, n0..n3, so0..so3, s1_0..s1_3, s2_0..s2_3, s3_0..s3_3]
-            4-D loop nest with element strides for the output and up to three inputs (stride 0 = broadcast).
+What the rows mean (each kernel's row is its @row declaration; see notes/CONVENTIONS.md):
+  k_unary   out = f(in) (a[oc] = exponent for POW)
+  k_binary  mode 0: both length n; 1: in2 scalar; 2: in1 scalar
+  k_strided 4-D loop nest with element strides for the output and up to three inputs (stride 0 = broadcast).
             sub < 32: binary op of in1, in2 (COPY uses in1 only); SELECT: out = in2 if in1 != 0 else in3.
-  k_fill    r = [op, oout, n, oc]                          out[:n] = a[oc]
+  k_fill    out[:n] = a[oc]
 """
 import math
 
@@ -231,7 +230,7 @@ def k_fill(a, ia, r):
 @row("oidx n hi oflag", stop="oflag")
 @njit(**FM)
 def k_check_index(a, ia, r):
-    """r = [op, oidx, n, hi, oflag]: ia[oflag] = 1 + (first i with ia[oidx+i] outside [0, hi)), else 0.
+    """ia[oflag] = 1 + (first i with ia[oidx+i] outside [0, hi)), else 0.
     The executor stops the tape right after a failed check, so no kernel ever reads outside the arena."""
     idx = ia[r[1]:r[1] + r[2]]
     hi = r[3]

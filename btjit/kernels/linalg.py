@@ -161,12 +161,11 @@ def gemm_micro(a, b, oA, sar, sak, oB, ldb, oC, ldc, M, N, K, obias, osum, ores,
 def k_matmul(a, ia, r):
     """Batched matmul: C_i (M,N) = op(A_i) @ op(B_i)  (+ C_i if beta == 1)  for i in range(nbatch).
 
-    r = [op, oA, oB, oC, nbatch, M, N, K, sA, sB, sC, ta, tb, beta, oscratch, oconst, obias, nparts]
       A_i at a[oA + i*sA]: stored row-major (M,K) if ta == 0, else stored (K,M) and used transposed.
       B_i at a[oB + i*sB]: stored row-major (K,N) if tb == 0, else stored (N,K) and used transposed.
       C_i at a[oC + i*sC], row-major (M,N). sA / sB may be 0 (operand broadcast over the batch).
       beta: 0 -> overwrite C, 1 -> accumulate into C.
-      oscratch: offset in ia of 8 * nparts free int32 slots (BLAS int/char arguments).
+      osc: offset in ia of 8 * nparts free int32 slots (BLAS int/char arguments).
       oconst: offset in a with a[oconst] == 1.0 and a[oconst+1] == 0.0 (alpha / beta values).
       obias: if > 0, offset of a bias (N,): every row of C_i is first set to it, then accumulated into
              (a fused `x @ W + b`); 0 = no bias.
@@ -185,13 +184,12 @@ def k_matmul_micro(a, ia, r):
     """Batched float32 matmul by the micro-kernels below (ops.micro_gemm says which products):
     C_i (M,N) = op(A_i) @ op(B_i) (+ bias) for i in range(nbatch), overwriting C_i.
 
-    r = [op, oA, oB, oC, nbatch, M, N, K, sA, sB, sC, ta, tb, obias, osum, ores, relu] as in k_matmul (ta and
-      tb never both 1; a B^T product has no bias, residual or relu; ores > 0: R_i (M, N) at a[ores + i*sC] is
-      added, C_i = (bias + A_i @ B_i) + R_i, a linear with its residual connection; relu > 0: C_i = relu(...),
-      a linear with its activation). M, N >= 8. B^T products
-      from COPY_MIN_ROWS rows run on a transposed stack copy of B (N*K <= WT_MAX), below on gemm_micro_nt.
-      osum > 0 (nbatch 1, tb 0): also a[osum:osum+N] = the column sums of B (ops' matmul_colsum: dW = X^T dY
-      and db together).
+    Arguments as in k_matmul (ta and tb never both 1; a B^T product has no bias, residual or relu); ores > 0:
+    R_i (M, N) at a[ores + i*sC] is added, C_i = (bias + A_i @ B_i) + R_i, a linear with its residual
+    connection; relu > 0: C_i = relu(...), a linear with its activation. M, N >= 8. B^T products from
+    COPY_MIN_ROWS rows run on a transposed stack copy of B (N*K <= WT_MAX), below on gemm_micro_nt. osum > 0
+    (nbatch 1, tb 0): also a[osum:osum+N] = the column sums of B (ops' matmul_colsum: dW = X^T dY and db
+    together).
     """
     oA = r[1]; oB = r[2]; oC = r[3]; nbatch = r[4]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
     sC = r[10]; ta = r[11]; tb = r[12]; obias = r[13]; osum = r[14]; ores = r[15]; relu = r[16]

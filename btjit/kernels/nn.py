@@ -18,7 +18,6 @@ f32 = np.float32
 def k_layernorm_fwd(a, ia, r):
     """y = (x - mean) * rstd * g + b over the last dim C (biased variance, like torch).
 
-    r = [op, ox, og, ob, oy, omean, orstd, M, C, oeps]
       x, y: (M, C); g, b: (C,); mean, rstd: (M,) saved for the backward; eps = a[oeps].
     """
     ox = r[1]; og = r[2]; ob = r[3]; oy = r[4]; omean = r[5]; orstd = r[6]; M = r[7]; C = r[8]
@@ -53,7 +52,6 @@ def k_layernorm_fwd(a, ia, r):
 def k_layernorm_bwd(a, ia, r):
     """LayerNorm backward from the saved mean/rstd.
 
-    r = [op, ox, og, omean, orstd, ody, odx, odg, odb, M, C, oacc]
       x, dy, dx: (M, C); g, dg, db: (C,); mean, rstd: (M,). Writes dx, dg, db (overwrite). oacc > 0: dx =
       acc + the gradient, acc (M, C) at a[oacc:] (another gradient of x: fuse.fuse_grad_accumulation).
     """
@@ -103,7 +101,6 @@ def k_attn_fwd(a, ia, r):
     """Causal multi-head self-attention forward, one (sequence, head, query) row at a time: one pass for
     the scores and their max, one for exp, the sum and the weighted sum of v (hs == 4 fully unrolled).
 
-    r = [op, oqkv, oy, oP, B, T, C, NH, oscale]
       qkv: (B*T, 3C), q cols [0,C), k [C,2C), v [2C,3C); head h uses cols h*hs..h*hs+hs-1 of each block,
       hs = C // NH. y: (B*T, C), y[b*T+t, h*hs+d]. P: (B*NH*T, T) saved softmax probabilities, row
       (b*NH+h)*T+t, zeros above the diagonal. scale = a[oscale] (the caller stores 1/sqrt(hs)).
@@ -180,7 +177,6 @@ def k_attn_fwd(a, ia, r):
 def k_attn_bwd(a, ia, r):
     """Causal multi-head self-attention backward from the saved probabilities P (hs == 4 unrolled).
 
-    r = [op, oqkv, oP, ody, odqkv, B, T, C, NH, oscale]
       layouts as in k_attn_fwd; dy: (B*T, C). Writes dqkv (B*T, 3C) (overwrite).
     """
     oqkv = r[1]; oP = r[2]; ody = r[3]; odqkv = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
@@ -470,7 +466,7 @@ def _attn_bl_bwd_block(a, r, i):
 @njit(**FM)
 def k_attn_fwd_bl(a, ia, r):
     """Causal self-attention forward vectorized across sequences (layouts above the helpers).
-    r = [op, oqkv, oy, oP, oW, B, T, C, NH, oscale, nb]; W: attn_scratch_size(B, T, C, ...) floats."""
+    W: attn_scratch_size(B, T, C, ...) floats."""
     for i in range(r[10]):
         _attn_bl_fwd_block(a, r, i)
 
@@ -487,7 +483,7 @@ def k_attn_fwd_bl_par(a, ia, r):
 @njit(**FM)
 def k_attn_bwd_bl(a, ia, r):
     """Backward of k_attn_fwd_bl from its saved X (in W) and PL (in P); writes dqkv (overwrite).
-    r = [op, oP, oW, ody, odqkv, oS, B, T, C, NH, oscale, nb]; S: attn_bwd_scratch_size(B, T, C, ...) floats."""
+    S: attn_bwd_scratch_size(B, T, C, ...) floats."""
     for i in range(r[11]):
         _attn_bl_bwd_block(a, r, i)
 
@@ -527,8 +523,7 @@ def attn_bwd_scratch_size(B, T, C, NH, float_dtype):
 def k_ce_fwd(a, ia, r):
     """Mean softmax cross-entropy (max-subtracted, fexp).
 
-    r = [op, ologits, otarget, oloss, oprobs, M, V]
-      logits, probs: (M, V) in a; targets: int32 ia[otarget:otarget+M], each in [0, V) (not checked).
+      logits, probs: (M, V) in a; targets: int32 ia[ot:ot+M], each in [0, V) (not checked).
       Writes a[oloss] (mean loss) and probs.
     """
     ol = r[1]; ot = r[2]; oloss = r[3]; op_ = r[4]; M = r[5]; V = r[6]
@@ -570,7 +565,6 @@ def k_ce_fwd(a, ia, r):
 def k_ce_bwd(a, ia, r):
     """Cross-entropy backward: dlogits = (probs - onehot(target)) * a[og] / M  (overwrite).
 
-    r = [op, oprobs, otarget, og, odlogits, M, V]
       probs, dlogits: (M, V); targets int32 ia[otarget:otarget+M]; a[og]: upstream grad of the mean loss.
     """
     op_ = r[1]; ot = r[2]; og = r[3]; od = r[4]; M = r[5]; V = r[6]
@@ -594,7 +588,7 @@ def k_ce_bwd(a, ia, r):
 def k_gelu_fwd(a, ia, r):
     """y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))  (torch gelu(approximate='tanh')).
 
-    r = [op, ox, oy, n]    x, y: (n,)
+    x, y: (n,)
     """
     ox = r[1]; oy = r[2]; n = r[3]
     k0 = cvt(a, 1.5957691216057308)                # 2 * sqrt(2/pi)
@@ -618,7 +612,7 @@ def k_gelu_fwd(a, ia, r):
 def k_gelu_bwd(a, ia, r):
     """dx = gelu'(x) * dy  (overwrite), gelu as in k_gelu_fwd.
 
-    r = [op, ox, ody, odx, n]    x, dy, dx: (n,)
+    x, dy, dx: (n,)
     """
     ox = r[1]; ody = r[2]; odx = r[3]; n = r[4]
     k0 = cvt(a, 1.5957691216057308)                # 2 * sqrt(2/pi)
@@ -647,7 +641,7 @@ def k_gelu_bwd(a, ia, r):
 def k_gather_rows(a, ia, r):
     """out[i, :] = table[ia[oidx + i], :] for i < n.
 
-    r = [op, otable, oidx, oout, n, C]    table: (V, C); idx: int32 ia[oidx:oidx+n]; out: (n, C)
+    table: (V, C); idx: int32 ia[oidx:oidx+n]; out: (n, C)
     """
     otable = r[1]; oidx = r[2]; oout = r[3]; n = r[4]; C = r[5]
     for i in range(n):
@@ -663,7 +657,7 @@ def k_gather_rows(a, ia, r):
 def k_scatter_add_rows(a, ia, r):
     """dtable = 0; dtable[ia[oidx + i], :] += g[i, :] for i < n  (repeated indices accumulate).
 
-    r = [op, og, oidx, odtable, n, V, C]    g: (n, C); idx: int32 ia[oidx:oidx+n]; dtable: (V, C)
+    g: (n, C); idx: int32 ia[oidx:oidx+n]; dtable: (V, C)
     """
     og = r[1]; oidx = r[2]; odt = r[3]; n = r[4]; V = r[5]; C = r[6]
     zero = cvt(a, 0.0)
@@ -684,7 +678,7 @@ def k_take_sum(a, ia, r):
     """out[b, :] = sum_p table[p, idx[b, p], :]: a gather from P stacked tables summed over p (the folded
     embedding -> concat -> matmul of graph/fuse.py).
 
-    r = [op, otable, oidx, oout, B, P, V, N]    table: (P, V, N); idx: int32 (B, P); out: (B, N)
+    table: (P, V, N); idx: int32 (B, P); out: (B, N)
     """
     ot = r[1]; oidx = r[2]; oout = r[3]; B = r[4]; P = r[5]; V = r[6]; N = r[7]
     for b in range(B):
@@ -705,7 +699,7 @@ def k_take_sum(a, ia, r):
 def k_take_sum_grad(a, ia, r):
     """dtable = 0; dtable[p, idx[b, p], :] += g[b, :]  (the backward of k_take_sum).
 
-    r = [op, og, oidx, odtable, B, P, V, N]    g: (B, N); idx: int32 (B, P); dtable: (P, V, N)
+    g: (B, N); idx: int32 (B, P); dtable: (P, V, N)
     """
     og = r[1]; oidx = r[2]; odt = r[3]; B = r[4]; P = r[5]; V = r[6]; N = r[7]
     zero = cvt(a, 0.0)

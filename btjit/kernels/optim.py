@@ -1,11 +1,10 @@
 """Optimizer kernels: one pass over the contiguous param / grad / state slices of the arena.
 
-  k_clip_scale r = [op, og, n, omax, oscale]  a[oscale] = min(1, a[omax] / (||g||_2 + 1e-6)), or 1 if a[omax] <= 0;
+Each kernel's row is its @row declaration.
+  k_clip_scale a[oscale] = min(1, a[omax] / (||g||_2 + 1e-6)), or 1 if a[omax] <= 0;
                NaN if any gradient is NaN/Inf: the optimizer kernels then skip the whole update
-  k_sgd        r = [op, op_, og, obuf, n, olr, omom, owd, oscale, has_buf]
-               g' = scale*g + wd*p; buf = mom*buf + g' (if has_buf, torch semantics); p -= lr * (buf or g')
-  k_adamw      r = [op, op_, og, om, ov, n, olr, ob1, ob2, oeps, owd, ostep, oscale]
-               torch.optim.AdamW; the step counter t lives in ia[ostep] and is incremented here.
+  k_sgd        g' = scale*g + wd*p; buf = mom*buf + g' (if has_buf, torch semantics); p -= lr * (buf or g')
+  k_adamw      torch.optim.AdamW; the step counter t lives in ia[ostep] and is incremented here.
 """
 import math
 

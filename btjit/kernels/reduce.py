@@ -1,9 +1,9 @@
-"""Reductions and row-wise softmax kernels.
+"""Reductions and row-wise softmax kernels (each kernel's row is its @row declaration).
 
-  k_reduce      r = [op, sub, oout, oin, n0, n1, n2]   in viewed as (n0, n1, n2) -> out (n0, n2), over n1
+  k_reduce      in viewed as (n0, n1, n2) -> out (n0, n2), over n1
                 sub 0: sum, 1: max
-  k_softmax     r = [op, sub, oout, oin, M, N]          row-wise over N; sub 0: softmax, 1: log_softmax
-  k_softmax_bwd r = [op, sub, odx, oout, og, M, N]      from the saved output y and upstream g:
+  k_softmax     row-wise over N; sub 0: softmax, 1: log_softmax
+  k_softmax_bwd from the saved output y and upstream g:
                 sub 0: dx = y * (g - sum(g*y));  sub 1: dx = g - exp(y) * sum(g)
 """
 import math
