@@ -219,7 +219,8 @@ def plot(run_dir, out, debug):
 
 @cli.command()
 @click.option("--suite", default="paper", show_default=True,
-              help="Workload suite: paper, or mpi (E6 data-parallel at 1 and 2 MPI ranks; needs btjit[mpi]).")
+              help="Workload suite: paper, mpi (E6 data-parallel at 1 and 2 MPI ranks; needs btjit[mpi]), "
+                   "or compile (start -> first step of new programs, P1-P6: --only P1,P6).")
 @click.option("--only", default=None, metavar="E1,E6b1,...", help="Only these workloads.")
 @click.option("--peers", default=None, metavar="torch,jax,micrograd,autograd|none",
               help="Peers to run beside btjit (default: every installed one).")
@@ -241,6 +242,11 @@ def bench(suite, only, peers, threads, reps, json_path, use_compile, profile, de
         if json_path:
             json_path.write_text(json.dumps(rows, indent=1))
         click.echo(mpi_bench.format_table(rows))
+        return
+    if suite == "compile":              # fresh process -> first step: cold / cached / warm library, JAX jit
+        from btjit.bench import compile_suite
+        rows = compile_suite.run(json_path=json_path, progress=lambda s: click.echo(s, err=True), only=only)
+        click.echo(compile_suite.format_table(rows))
         return
     if profile:
         from btjit.bench.btjit_impl import profile as run_profile

@@ -156,7 +156,7 @@ class Program:
         self._bounds = _index_bounds(graph)
         self._flag = p.int_state + 1
         checks = [L.row("k_check_index", oidx=p.off[graph.inputs[i].id], n=graph.inputs[i].size, hi=hi,
-                        oflag=self._flag) for i, hi in sorted(self._bounds.items())]
+                        oflag=self._flag, ok=ok or 0) for i, (hi, ok) in sorted(self._bounds.items())]
         fwd, fwd_labels = lower_eqns(graph.eqns[:graph.n_forward], L)
         fwd, fwd_labels = checks + fwd, ["check_index"] * len(checks) + fwd_labels
         bwd, bwd_labels = lower_eqns(graph.eqns[graph.n_forward:], L)
@@ -232,8 +232,7 @@ class Program:
         if dt.kind == "i" and x.dtype != dt and x.size:      # would wrap around in the int32 copy
             lo, hi = int(x.min()), int(x.max())
             if lo < np.iinfo(np.int32).min or hi > np.iinfo(np.int32).max:
-                bound = self._bounds.get(i)
-                rng = f"[0, {bound})" if bound is not None else "the int32 range"
+                rng = _allowed(*self._bounds[i]) if i in self._bounds else "the int32 range"
                 raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): index values must be in "
                                  f"{rng}, got min {lo} max {hi}")
         return x
@@ -248,12 +247,13 @@ class Program:
         else:
             self._run_replicas(stop if split is None else split, stop)
         if self.ia[self._flag]:
-            for i, hi in self._bounds.items():
+            for i, (hi, ok) in self._bounds.items():
                 x = np.concatenate([s[i].ravel() for s in self._in_shards])
+                x = x[x != ok] if ok is not None else x
                 if x.size and (x.min() < 0 or x.max() >= hi):
                     self._IA[:, self._flag] = 0
                     raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): index values must be "
-                                     f"in [0, {hi}), got min {x.min()} max {x.max()}")
+                                     f"{_allowed(hi, ok)}, got min {x.min()} max {x.max()}")
 
     def _run_replicas(self, split, stop):
         p0, npar = self.plan.params_span
@@ -393,27 +393,34 @@ class Program:
         self._run(self.a, self.ia, self.tape, self.n_bwd, self.tape.shape[0])
 
 
+def _allowed(hi, ok) -> str:
+    return f"in [0, {hi})" + (f" or {ok} (the ignore_index)" if ok is not None else "")
+
+
 def _index_bounds(graph) -> dict:
-    """For integer batch inputs used as indices: input position -> exclusive upper bound. Integer constants
-    used as indices (also through a reshape) are checked here, once: a TraceError naming the op and line."""
+    """For integer batch inputs used as indices: input position -> (exclusive upper bound, a value allowed
+    besides or None: an ignore_index every use of the input ignores). Integer constants used as indices (also
+    through a reshape) are checked here, once: a TraceError naming the op and line."""
     pos = {v.id: i for i, v in enumerate(graph.inputs)}
     consts = {v.id: c for v, c in graph.consts.items() if v.dtype == "i32"}
     root = storage_roots(graph)
     bounds = {}
     for e in graph.eqns:
-        hi, idx = None, None
+        hi, idx, ok = None, None, None
         if e.op == "take":
             hi, idx = e.ins[0].shape[0], e.ins[1]
         elif e.op == "take_sum":
             hi, idx = e.ins[0].shape[1], e.ins[1]
         elif e.op == "cross_entropy":
-            hi, idx = e.ins[0].shape[-1], e.ins[1]
+            hi, idx, ok = e.ins[0].shape[-1], e.ins[1], e.attrs.get("ignore_index")
         if idx is not None:
             r = root.get(idx.id, idx.id)
             i = pos.get(r)
             if i is not None:
-                bounds[i] = min(bounds.get(i, hi), hi)
+                h, o = bounds.get(i, (hi, ok))
+                bounds[i] = (min(h, hi), o if o == ok else None)
             c = consts.get(r)
+            c = c[c != ok] if c is not None and ok is not None else c
             if c is not None and c.size and (c.min() < 0 or c.max() >= hi):
                 raise T.TraceError(f"{e.op}: constant index values must be in [0, {hi}), got min {c.min()} "
                                    f"max {c.max()} — {e.src}")

@@ -643,27 +643,52 @@ def _ce_rule(types, attrs, fd):
     return [((), fd), (tuple(sl), fd)]
 
 
+IGNORE_NONE = -2 ** 40     # the row's ignore value when nothing is ignored: no int32 target equals it
+
+
+def ce_ignore(a) -> int:
+    return IGNORE_NONE if a.get("ignore_index") is None else int(a["ignore_index"])
+
+
+def _ce_kept(t, a):
+    keep = t.ravel() != ce_ignore(a)
+    return keep, (1.0 if a.get("reduction") == "sum" else (1.0 / keep.sum() if keep.any() else np.nan))
+
+
 def _ce_ref(xs, a):
     logits, t = xs
     lp = _logsoftmax_ref(logits).reshape(-1, logits.shape[-1])
-    return (np.asarray(-lp[np.arange(lp.shape[0]), t.ravel()].mean()), np.exp(lp).reshape(logits.shape))
+    keep, scale = _ce_kept(t, a)
+    rows = np.flatnonzero(keep)
+    return (np.asarray(-lp[rows, t.ravel()[rows]].sum() * scale), np.exp(lp).reshape(logits.shape))
 
 
 def _ce_grad_ref(xs, a):
     p, t, g = xs
+    keep, scale = _ce_kept(t, a)
     p2 = p.reshape(-1, p.shape[-1]).copy()
-    p2[np.arange(p2.shape[0]), t.ravel()] -= 1
-    return ((p2 * g / p2.shape[0]).reshape(p.shape),)
+    rows = np.flatnonzero(keep)
+    p2[rows, t.ravel()[rows]] -= 1
+    p2[~keep] = 0
+    return ((p2 * g * (scale if keep.any() else 0.0)).reshape(p.shape),)
 
 
-op("cross_entropy", infer=_ce_rule, ref=_ce_ref,
-   lower=lambda e, L: [L.row("k_ce_fwd", ol=L.off(e.ins[0]), ot=L.off(e.ins[1]), oloss=L.off(e.outs[0]),
-                             op_=L.off(e.outs[1]), **_rows(e.ins[0], "MV"))],
-   vjp=lambda g, x, o, a: [T.emit("cross_entropy_grad", (o[1], x[1], g[0])), None],
-   cases=[Case((F(4, 5), ("i", (4,), 5))), Case((F(2, 3, 7), ("i", (2, 3), 7)))])
+def _lower_ce(e, L):
+    ign, red = ce_ignore(e.attrs), int(e.attrs.get("reduction") == "sum")
+    if e.op == "cross_entropy":
+        return [L.row("k_ce_fwd", ol=L.off(e.ins[0]), ot=L.off(e.ins[1]), oloss=L.off(e.outs[0]),
+                      op_=L.off(e.outs[1]), **_rows(e.ins[0], "MV"), ign=ign, red=red)]
+    return [L.row("k_ce_bwd", op_=L.off(e.ins[0]), ot=L.off(e.ins[1]), og=L.off(e.ins[2]), od=L.off(e.outs[0]),
+                  **_rows(e.ins[0], "MV"), ign=ign, red=red)]
+
+
+_ce_cases = [{}, {"ignore_index": 2}, {"ignore_index": 2, "reduction": "sum"}, {"reduction": "sum"}]
+op("cross_entropy", infer=_ce_rule, ref=_ce_ref, lower=_lower_ce,
+   vjp=lambda g, x, o, a: [T.emit("cross_entropy_grad", (o[1], x[1], g[0]), **a), None],
+   cases=[Case((F(4, 5), ("i", (4,), 5))), Case((F(2, 3, 7), ("i", (2, 3), 7)))] +
+   [Case((F(9, 5), ("i", (9,), 5)), at) for at in _ce_cases[1:]])
 op("cross_entropy_grad", infer=lambda t, a, fd: [(t[0][0], fd)], ref=_ce_grad_ref, internal=True,
-   lower=lambda e, L: [L.row("k_ce_bwd", op_=L.off(e.ins[0]), ot=L.off(e.ins[1]), og=L.off(e.ins[2]),
-                             od=L.off(e.outs[0]), **_rows(e.ins[0], "MV"))], cases=[Case((F(4, 5), ("i", (4,), 5), F()))])
+   lower=_lower_ce, cases=[Case((F(4, 5), ("i", (4,), 5), F()), at) for at in _ce_cases])
 
 
 # ----------------------------------------------------------------------------- fused transformer ops

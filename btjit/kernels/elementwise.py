@@ -227,16 +227,18 @@ def k_fill(a, ia, r):
         out[i] = v
 
 
-@row("oidx n hi oflag", stop="oflag")
+@row("oidx n hi oflag ok", stop="oflag")
 @njit(**FM)
 def k_check_index(a, ia, r):
-    """ia[oflag] = 1 + (first i with ia[oidx+i] outside [0, hi)), else 0.
+    """ia[oflag] = 1 + (first i with ia[oidx+i] outside [0, hi) and != ok), else 0 (ok: a value allowed
+    besides, e.g. cross_entropy's ignore_index; 0 allows nothing more).
     The executor stops the tape right after a failed check, so no kernel ever reads outside the arena."""
     idx = ia[r[1]:r[1] + r[2]]
     hi = r[3]
+    ok = r[5]
     ia[r[4]] = 0
     for i in range(r[2]):
         v = idx[i]
-        if v < 0 or v >= hi:
+        if (v < 0 or v >= hi) and v != ok:
             ia[r[4]] = i + 1
             return

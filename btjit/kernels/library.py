@@ -39,6 +39,7 @@ MODULES = (elementwise, reduce, linalg, nn, optim)
 STATIC = [(m.__name__, n) for m in MODULES for n in sorted(vars(m)) if n in ROWS]
 GENERATED = attn_lanes.KERNEL_NAMES             # entries per (T, hs), float32 only
 KERNELS = [n for _, n in STATIC] + list(GENERATED)
+MODULE_OF = {n: m for m, n in STATIC}
 OPCODE = {n: i for i, n in enumerate(KERNELS)}  # a variant (T, hs) of a generated kernel gets its own opcode
 DTYPES = {"f32": "float32", "f64": "float64"}
 PAPER_SHAPES = ((8, 4),)                         # the (T, hs) `btjit precompile` builds variants for (E6)
@@ -85,7 +86,7 @@ def entry_source(name, fd, shape=None, cache=True) -> str:
     if name in GENERATED:
         imports = attn_lanes.kernel_source(name, *shape)
     else:
-        imports = f"from {dict((n, m) for m, n in STATIC)[name]} import {name}"
+        imports = f"from {MODULE_OF[name]} import {name}"
     stop = ROWS[name].stop
     ret = f"ia[r[{ROWS[name].args.index(stop) + 1}]]" if stop else "0"
     return _ENTRY.format(name=name, variant=f" (T {shape[0]}, hs {shape[1]})" if shape else "", dtype=DTYPES[fd],
@@ -148,6 +149,7 @@ class Library:
         return self._dir or None
 
     def _write(self, d, stem, src):
+        d.mkdir(parents=True, exist_ok=True)         # again: a newer btjit may have removed this library meanwhile
         path = d / f"{stem}.py"
         if not path.exists() or path.read_text() != src:
             tmp = d / f"{stem}.py.tmp{os.getpid()}"
@@ -175,14 +177,14 @@ class Library:
         d = self.dir()
         fn = None
         if d:
-            path = self._write(d, stem, entry_source(name, fd, shape))
             for attempt in range(2):
                 try:
+                    path = self._write(d, stem, entry_source(name, fd, shape))
                     fn = _import_file(modname, path).entry
                     break
                 except Exception as e:  # noqa: BLE001 -- a broken cache entry must never stop training
                     if attempt:
-                        warnings.warn(f"btjit: kernel {stem} does not compile from {path} ({type(e).__name__}: "
+                        warnings.warn(f"btjit: kernel {stem} does not compile in {d} ({type(e).__name__}: "
                                       f"{e}); compiling it in memory")
                         break
                     warnings.warn(f"btjit: kernel cache entry {stem} in {d} unusable ({type(e).__name__}: {e}); "
@@ -255,13 +257,18 @@ HEAVY = {"k_binary": 5, "k_unary": 4, "k_matmul_micro": 5, "k_matmul": 3, "k_mat
 
 
 def shares(entries, n) -> list:
-    """entries split into n lists of about equal compile cost (largest first onto the lightest list)."""
+    """entries split into n lists of about equal compile cost, each kernel module's entries of one dtype kept
+    together (they compile shared helpers, which a process compiles once): largest group first onto the
+    lightest list."""
+    groups: dict = {}
+    for e in entries:
+        groups.setdefault((MODULE_OF.get(e[0], "generated"), e[1], e[2]), []).append(e)
     out = [[] for _ in range(max(1, n))]
     cost = [0.0] * len(out)
-    for e in sorted(entries, key=lambda e: -HEAVY.get(e[0], 1)):
+    for g in sorted(groups.values(), key=lambda g: -sum(HEAVY.get(e[0], 1) for e in g)):
         i = cost.index(min(cost))
-        out[i].append(e)
-        cost[i] += HEAVY.get(e[0], 1)
+        out[i] += g
+        cost[i] += sum(HEAVY.get(e[0], 1) for e in g)
     return out
 
 
@@ -335,7 +342,7 @@ def check_rows(names=None) -> list:
         if name in GENERATED:
             src = attn_lanes.kernel_source(name, *PAPER_SHAPES[0])
         else:
-            src = inspect.getsource(sys.modules[dict((n, m) for m, n in STATIC)[name]])
+            src = inspect.getsource(sys.modules[MODULE_OF[name]])
         defs = {f.name: f for f in ast.walk(ast.parse(src)) if isinstance(f, ast.FunctionDef)}
         problems += _check_fn(name, defs, name, "r", ROWS[name].args, set())
     return problems

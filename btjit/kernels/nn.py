@@ -518,15 +518,17 @@ def attn_bwd_scratch_size(B, T, C, NH, float_dtype):
 
 
 # ---------------------------------------------------------------- softmax cross-entropy
-@row("ol ot oloss op_ M V")
+@row("ol ot oloss op_ M V ign red")
 @njit(**FM)
 def k_ce_fwd(a, ia, r):
-    """Mean softmax cross-entropy (max-subtracted, fexp).
+    """Softmax cross-entropy (max-subtracted, fexp), torch's semantics.
 
-      logits, probs: (M, V) in a; targets: int32 ia[ot:ot+M], each in [0, V) (not checked).
-      Writes a[oloss] (mean loss) and probs.
+      logits, probs: (M, V) in a; targets: int32 ia[ot:ot+M], each in [0, V) or == ign (not checked). Rows
+      whose target is ign (use ign = -2**40 for none: no int32 target equals it) add nothing. red 0: a[oloss]
+      = the mean over the other rows (NaN if there are none, as torch), 1: their sum. Writes probs (all rows).
     """
-    ol = r[1]; ot = r[2]; oloss = r[3]; op_ = r[4]; M = r[5]; V = r[6]
+    ol = r[1]; ot = r[2]; oloss = r[3]; op_ = r[4]; M = r[5]; V = r[6]; ign = r[7]; red = r[8]
+    kept = 0
     zero = cvt(a, 0.0)
     one = cvt(a, 1.0)
     V4 = V - V % 4
@@ -556,25 +558,36 @@ def k_ce_fwd(a, ia, r):
         for j in range(V):
             d[j] *= inv
         t = ia[ot + i]
-        tot += math.log(s) + (mx - l[t])
-    a[oloss] = tot / M
+        if t != ign:
+            tot += math.log(s) + (mx - l[t])
+            kept += 1
+    a[oloss] = tot if red == 1 else (tot / kept if kept > 0 else np.nan)
 
 
-@row("op_ ot og od M V")
+@row("op_ ot og od M V ign red")
 @njit(**FM)
 def k_ce_bwd(a, ia, r):
-    """Cross-entropy backward: dlogits = (probs - onehot(target)) * a[og] / M  (overwrite).
-
-      probs, dlogits: (M, V); targets int32 ia[otarget:otarget+M]; a[og]: upstream grad of the mean loss.
-    """
-    op_ = r[1]; ot = r[2]; og = r[3]; od = r[4]; M = r[5]; V = r[6]
-    sc = a[og] / cvt(a, M)
+    """Cross-entropy backward: dlogits = (probs - onehot(target)) * a[og] / kept (red 0: the mean over the
+    kept rows) or * a[og] (red 1: sum), and 0 in rows whose target is ign (overwrite). probs, dlogits: (M, V);
+    targets int32 ia[ot:ot+M]; a[og]: the upstream grad of the loss. No kept row: all zero."""
+    op_ = r[1]; ot = r[2]; og = r[3]; od = r[4]; M = r[5]; V = r[6]; ign = r[7]; red = r[8]
+    kept = 0
     for i in range(M):
-        p = a[op_ + i * V:op_ + i * V + V]
+        if ia[ot + i] != ign:
+            kept += 1
+    sc = a[og] if red == 1 else a[og] / cvt(a, max(kept, 1))
+    zero = cvt(a, 0.0)
+    for i in range(M):
         d = a[od + i * V:od + i * V + V]
+        t = ia[ot + i]
+        if t == ign:
+            for j in range(V):
+                d[j] = zero
+            continue
+        p = a[op_ + i * V:op_ + i * V + V]
         for j in range(V):
             d[j] = p[j] * sc
-        d[ia[ot + i]] -= sc
+        d[t] -= sc
 
 
 # ---------------------------------------------------------------- GELU (tanh approximation)
