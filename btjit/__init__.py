@@ -4,9 +4,10 @@
     loss = prog.step(x, y)
 """
 from . import optim, threads
-from .graph.trace import (TraceError, abs, broadcast_to, causal_attention, concatenate, copy, cross_entropy,
+from .graph.trace import (TraceError, abs, arange, broadcast_to, causal_attention, concatenate, copy, cross_entropy,
                           equal, exp, gelu, layer_norm, log, log_softmax, matmul, max, maximum, mean, minimum,
-                          relu, reshape, sigmoid, softmax, split, sqrt, sum, swapaxes, take, tanh, transpose, where)
+                          relu, reshape, roll, setitem, sigmoid, softmax, split, sqrt, stack, sum, swapaxes, take,
+                          tanh, transpose, where)
 from .program import Program, trace
 from .scalar import trace_scalar
 from .threads import replicas_for, set_num_threads
@@ -14,7 +15,7 @@ from .threads import replicas_for, set_num_threads
 __version__ = "0.1.0"
 threads.set_num_threads(threads.default_threads())
 __all__ = ["trace", "trace_scalar", "Program", "set_num_threads", "replicas_for", "optim", "TraceError",
-           "abs", "broadcast_to", "causal_attention", "concatenate",
+           "abs", "arange", "broadcast_to", "causal_attention", "concatenate", "roll", "setitem", "stack",
            "copy", "cross_entropy", "equal", "exp", "gelu", "layer_norm", "log", "log_softmax", "matmul", "max",
            "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "split", "sqrt", "sum", "swapaxes",
            "take", "tanh", "transpose", "where"]

@@ -151,15 +151,18 @@ class Program:
         self.graph, self.optimizer, self.clip_norm, self.replicas = graph, optimizer, clip_norm, replicas
         n_state = optimizer.n_state if optimizer else 0
         self.plan = p = make_plan(graph, pinned, n_state, len(HYPER))
-        L = Lowering(p, const_base=p.float_size, threads=numba.get_num_threads() // replicas)
-        self._inv_replicas = L.const(1.0 / replicas)
         self._bounds = _index_bounds(graph)
         self._flag = p.int_state + 1
+        L = Lowering(p, const_base=p.float_size, threads=numba.get_num_threads() // replicas,
+                     checked={v.id for v in graph.inputs} | {v.id for v in graph.consts}, root=storage_roots(graph),
+                     flag=self._flag)
+        self._inv_replicas = L.const(1.0 / replicas)
         checks = [L.row("k_check_index", oidx=p.off[graph.inputs[i].id], n=graph.inputs[i].size, hi=hi,
                         oflag=self._flag, ok=ok or 0) for i, (hi, ok) in sorted(self._bounds.items())]
         fwd, fwd_labels = lower_eqns(graph.eqns[:graph.n_forward], L)
         fwd, fwd_labels = checks + fwd, ["check_index"] * len(checks) + fwd_labels
         bwd, bwd_labels = lower_eqns(graph.eqns[graph.n_forward:], L)
+        self._computed_checks = L.computed_checks
         upd = update_rows(optimizer, clip_norm, skip_nonfinite, L, p) if optimizer else []
         self.row_labels = fwd_labels + [f"{op} (bwd)" for op in bwd_labels] + \
             [f"update:{type(optimizer).__name__}"] * len(upd)
@@ -254,6 +257,9 @@ class Program:
                     self._IA[:, self._flag] = 0
                     raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): index values must be "
                                      f"{_allowed(hi, ok)}, got min {x.min()} max {x.max()}")
+            self._IA[:, self._flag] = 0
+            raise ValueError("an integer index computed in the traced function is out of range: " +
+                             "; ".join(self._computed_checks))
 
     def _run_replicas(self, split, stop):
         p0, npar = self.plan.params_span

@@ -36,8 +36,10 @@ def make_row(kernel, shape=None, **args) -> list:
 class Lowering:
     """What an op's lower() sees: offsets of vars, a pool of float constants, the int scratch."""
 
-    def __init__(self, plan, const_base, threads=1):
+    def __init__(self, plan, const_base, threads=1, checked=(), root=None, flag=0):
         self.threads = max(1, threads)      # numba pool threads one run of the tape may use (par kernels if > 1)
+        self.checked, self.root, self.flag = set(checked), root or {}, flag
+        self.computed_checks: list = []     # what each check row of a computed index guards, for the error
         self.plan = plan
         self.const_base = const_base
         self.consts: list = [1.0, 0.0]
@@ -56,6 +58,16 @@ class Lowering:
         return self.const_base + len(self.consts) - 1
 
     row = staticmethod(make_row)
+
+    def index_check(self, e, idx, hi, ok=None) -> list:
+        """A check row for an integer index computed inside the program (sliced, rolled, assigned...): the
+        batch inputs and constants are checked once, before the tape, but a computed one before its use."""
+        if self.root.get(idx.id, idx.id) in self.checked:
+            return []
+        self.computed_checks.append(f"{e.op} at {e.src} needs indices in [0, {hi})" +
+                                    (f" or {ok}" if ok is not None else ""))
+        return [make_row("k_check_index", oidx=self.off(idx), n=idx.size, hi=hi, oflag=self.flag,
+                         ok=0 if ok is None else ok)]
 
 
 def lower_eqns(eqns, L: Lowering) -> tuple[list, list]:

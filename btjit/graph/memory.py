@@ -1,4 +1,5 @@
-"""Memory planner: every value at a fixed offset in ONE float arena (plus one int32 arena).
+"""Memory planner: every value at a fixed offset in ONE float arena (plus one int32 arena, planned the same way:
+[integer consts | integer inputs | BLAS scratch | step counter | planned integer intermediates]).
 
 Float arena layout (llm.c style):
   [16 unused | params | grads (same layout) | optimizer state (k copies of that layout) | constants and
@@ -123,23 +124,29 @@ def plan(graph: Graph, pinned: dict, n_state: int, n_hyper: int) -> Plan:
     for r, (kind, name) in pinned.items():
         if kind == "grad":
             off[r] = param_off[name] + plen
+        elif var[r].dtype == "i32":                 # an integer output of the traced function
+            ioff[r], ipos = ipos, ipos + _al(var[r].size)
         else:
             off[r], pos = pos, pos + _al(var[r].size)
     fixed = set(off) | set(ioff)
-    sizes = {r: _al(var[r].size) for r in life if r not in fixed}
-    if any(var[r].dtype == "i32" for r in sizes):
-        raise NotImplementedError("integer intermediates are not supported")
+    sizes = {r: _al(var[r].size) for r in life if r not in fixed and var[r].dtype != "i32"}
+    isizes = {r: _al(var[r].size) for r in life if r not in fixed and var[r].dtype == "i32"}
     rel, top = place(sizes, life)
     for r, o in rel.items():
         off[r] = pos + o
+    irel, itop = place(isizes, life)            # integer intermediates: the int arena, by liveness too
+    for r, o in irel.items():
+        ioff[r] = ipos + o
     intervals = {r: (life[r][0], life[r][1], pos + rel[r], sizes[r]) for r in rel}
     fsize = pos + top
+    naive_ints = ipos + sum(isizes.values())
+    ipos += itop
     for vid, r in root.items():   # views
         if vid != r:
             (ioff if r in ioff else off)[vid] = (ioff if r in ioff else off)[r]
     p = Plan({**off, **ioff}, param_off, (p0, plen), n_state, hyper_off, n_hyper, fsize, ipos, scratch, int_state,
              intervals)
-    p.naive_bytes = (pos + sum(sizes.values())) * _itemsize(graph) + ipos * 4
+    p.naive_bytes = (pos + sum(sizes.values())) * _itemsize(graph) + naive_ints * 4
     p.min_bytes = plen * (2 + n_state) * _itemsize(graph)
     return p
 

@@ -84,6 +84,16 @@ def elementwise_rule(types, attrs, fd):
     return [(_bcast_shape(*(s for s, _ in types)), fd)]
 
 
+def _int_rule(out_int):
+    """Elementwise over integers too: all-integer operands give an integer (out_int: add, sub, mul, maximum,
+    minimum) or a 0/1 float mask (the comparisons); float operands as elementwise_rule; no mixing."""
+    def rule(types, attrs, fd):
+        if not all(d == "i32" for _, d in types):
+            return elementwise_rule(types, attrs, fd)
+        return [(_bcast_shape(*(s for s, _ in types)), "i32" if out_int else fd)]
+    return rule
+
+
 def cstrides(shape):
     st, acc = [], 1
     for d in reversed(shape):
@@ -124,22 +134,33 @@ def loop_nest(shape, operands, depth):
         yield offs, inner
 
 
-def strided_rows(L, sub, shape, out, ins):
-    """Rows of k_strided: out = (off, strides); ins = up to three (off, strides); 4-D loops per row."""
-    ops_ = [out] + list(ins) + [(out[0], (0,) * len(shape))] * (3 - len(ins))
+def strided_rows(L, sub, shape, out, ins, ints=False):
+    """Rows of k_strided (k_int_strided for integer operands: ints): out = (off, strides); ins = up to three
+    (two with ints) (off, strides); 4-D loops per row."""
+    kernel, k = ("k_int_strided", 2) if ints else ("k_strided", 3)
+    ops_ = [out] + list(ins) + [(out[0], (0,) * len(shape))] * (k - len(ins))
     rows = []
     for offs, inner in loop_nest(shape, ops_, 4):
         args = dict(zip(("oo", "o1", "o2", "o3"), offs))
         for d, (n, st) in enumerate(inner):
-            args.update({f"n{d}": n, **{f"{p}{d}": st[k] for k, p in enumerate(("so", "p", "q", "t"))}})
-        rows.append(L.row("k_strided", sub=sub, **args))
+            args.update({f"n{d}": n, **{f"{p}{d}": st[j] for j, p in enumerate(("so", "p", "q", "t")[:k + 1])}})
+        rows.append(L.row(kernel, sub=sub, **args))
     return rows
 
 
+def copy_rows(L, e, out_off, out_strides, in_off, in_strides, shape=None):
+    """Rows copying e.ins[0]'s elements (at in_off with in_strides) to out_off / out_strides, in its arena."""
+    return strided_rows(L, EW.B_COPY, shape or e.outs[0].shape, (out_off, out_strides), [(in_off, in_strides)],
+                        ints=e.ins[0].dtype == "i32")
+
+
 def lower_elementwise(sub, eqn, L):
-    """Same-size or scalar operands -> one flat k_binary loop; anything else -> k_strided."""
+    """Same-size or scalar operands -> one flat k_binary loop; anything else (and integers) -> k_strided."""
     out = eqn.outs[0]
     n = out.size
+    if eqn.ins[0].dtype == "i32":
+        return strided_rows(L, sub, out.shape, (L.off(out), cstrides(out.shape)),
+                            [(L.off(v), bstrides(v.shape, out.shape)) for v in eqn.ins], ints=True)
     if len(eqn.ins) == 2 and all(v.size in (n, 1) for v in eqn.ins):
         x, y = eqn.ins
         mode = 0 if x.size == n and y.size == n else (1 if x.size == n else 2)
@@ -149,32 +170,33 @@ def lower_elementwise(sub, eqn, L):
 
 
 # ----------------------------------------------------------------------------- elementwise ops
-def _binary(name, sub, fn, vjp=None, cases=(), nondiff=False, internal=False):
-    rule = same_as_input if internal else elementwise_rule
+def _binary(name, sub, fn, vjp=None, cases=(), nondiff=False, internal=False, ints=None):
+    rule = same_as_input if internal else elementwise_rule if ints is None else _int_rule(ints)
     op(name, infer=rule, ref=lambda xs, at, fn=fn: (fn(*xs),),
        lower=lambda e, L, sub=sub: lower_elementwise(sub, e, L), vjp=vjp, cases=list(cases),
        nondiff=nondiff, internal=internal)
 
 
 _bc = [F(3, 4), F(4)], [F(2, 1, 3), F(4, 1)], [F(), F(3, 2)]
-_binary("add", EW.B_ADD, np.add, lambda g, x, o, a: [g[0], g[0]], [Case(c) for c in _bc])
-_binary("sub", EW.B_SUB, np.subtract, lambda g, x, o, a: [g[0], -g[0]], [Case(c) for c in _bc])
-_binary("mul", EW.B_MUL, np.multiply, lambda g, x, o, a: [g[0] * x[1], g[0] * x[0]], [Case(c) for c in _bc])
+_binary("add", EW.B_ADD, np.add, lambda g, x, o, a: [g[0], g[0]], [Case(c) for c in _bc], ints=True)
+_binary("sub", EW.B_SUB, np.subtract, lambda g, x, o, a: [g[0], -g[0]], [Case(c) for c in _bc], ints=True)
+_binary("mul", EW.B_MUL, np.multiply, lambda g, x, o, a: [g[0] * x[1], g[0] * x[0]], [Case(c) for c in _bc],
+        ints=True)
 _binary("div", EW.B_DIV, np.divide, lambda g, x, o, a: [g[0] / x[1], -g[0] * o[0] / x[1]],
         [Case((F(3, 4), F(4, dom="pos"))), Case((F(2, 1, 3), F(4, 1, dom="pos"))), Case((F(), F(3, 2, dom="pos")))])
 _binary("maximum", EW.B_MAX, np.maximum,
         lambda g, x, o, a: [g[0] * T.emit("ge", (x[0], x[1])), g[0] * T.emit("lt", (x[0], x[1]))],
-        [Case((F(3, 4), F(3, 4))), Case((F(3, 4), F(4)))])
+        [Case((F(3, 4), F(3, 4))), Case((F(3, 4), F(4)))], ints=True)
 _binary("minimum", EW.B_MIN, np.minimum,
         lambda g, x, o, a: [g[0] * T.emit("le", (x[0], x[1])), g[0] * T.emit("gt", (x[0], x[1]))],
-        [Case((F(3, 4), F(3, 4)))])
+        [Case((F(3, 4), F(3, 4)))], ints=True)
 _binary("pow2", EW.B_POW, np.power,
         lambda g, x, o, a: [g[0] * x[1] * x[0] ** (x[1] - 1.0), g[0] * o[0] * T.log(x[0])],
         [Case((F(3, 4, dom="pos"), F(3, 4))), Case((F(3, 4, dom="pos"), F()))])
 for _n, _s, _f in [("eq", EW.B_EQ, np.equal), ("gt", EW.B_GT, np.greater), ("ge", EW.B_GE, np.greater_equal),
                    ("lt", EW.B_LT, np.less), ("le", EW.B_LE, np.less_equal), ("ne", EW.B_NE, np.not_equal)]:
-    _binary(_n, _s, lambda x, y, f=_f: f(x, y).astype(np.result_type(x, y)), nondiff=True,
-            cases=[Case((F(3, 4), F(4)))])
+    _binary(_n, _s, lambda x, y, f=_f: f(x, y).astype(np.result_type(x, y, np.float32)), nondiff=True,
+            cases=[Case((F(3, 4), F(4))), Case((("i", (3, 4), 3), ("i", (4,), 3)))], ints=False)
 _binary("tanh_grad", EW.B_TANH_GRAD, lambda y, g: g * (1 - y * y), internal=True, cases=[Case((F(3, 4), F(3, 4)))])
 _binary("relu_grad", EW.B_RELU_GRAD, lambda x, g: g * (x > 0), internal=True, cases=[Case((F(3, 4), F(3, 4)))])
 _binary("sigmoid_grad", EW.B_SIGMOID_GRAD, lambda y, g: g * y * (1 - y), internal=True,
@@ -291,32 +313,26 @@ op("reshape", infer=_reshape_rule, ref=lambda xs, a: (xs[0].reshape(a["shape"]),
    view=True, vjp=lambda g, x, o, a: [T.reshape(g[0], x[0].shape)], cases=[Case((F(3, 4),), {"shape": (2, 6)})])
 
 
-def _no_int_copy(d):
-    """Integer values live in the int arena and may only be reshaped (a view) or used as indices: a copying
-    layout op (slice, transpose, broadcast_to) on one is not supported."""
-    if d == "i32":
-        raise ShapeError("integer arrays can only be reshaped or used as indices (take, cross_entropy) in a "
-                         "traced function; slice or transpose them before passing them in")
-
-
 def _bcast_to_rule(types, attrs, fd):
     (s, d), = types
-    _no_int_copy(d)
-    if _bcast_shape(s, attrs["shape"]) != tuple(attrs["shape"]):
-        raise ShapeError(f"cannot broadcast {s} to {attrs['shape']}")
+    try:
+        ok = np.broadcast_shapes(s, attrs["shape"]) == tuple(attrs["shape"])
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ShapeError(f"cannot broadcast {tuple(s)} to {tuple(attrs['shape'])}")
     return [(tuple(attrs["shape"]), d)]
 
 
 op("broadcast_to", infer=_bcast_to_rule, ref=lambda xs, a: (np.broadcast_to(xs[0], a["shape"]).copy(),),
-   lower=lambda e, L: strided_rows(L, EW.B_COPY, e.outs[0].shape, (L.off(e.outs[0]), cstrides(e.outs[0].shape)),
-                                   [(L.off(e.ins[0]), bstrides(e.ins[0].shape, e.outs[0].shape))]),
+   lower=lambda e, L: copy_rows(L, e, L.off(e.outs[0]), cstrides(e.outs[0].shape), L.off(e.ins[0]),
+                                bstrides(e.ins[0].shape, e.outs[0].shape)),
    vjp=lambda g, x, o, a: [g[0]],   # autodiff's unbroadcast sums it back to the input shape
    cases=[Case((F(3, 1),), {"shape": (2, 3, 4)})])
 
 
 def _transpose_rule(types, attrs, fd):
     (s, d), = types
-    _no_int_copy(d)
     if sorted(attrs["perm"]) != list(range(len(s))):
         raise ShapeError(f"bad axes {attrs['perm']} for a {len(s)}-d input")
     return [(tuple(s[p] for p in attrs["perm"]), d)]
@@ -324,8 +340,8 @@ def _transpose_rule(types, attrs, fd):
 
 def _lower_transpose(e, L):
     st = cstrides(e.ins[0].shape)
-    return strided_rows(L, EW.B_COPY, e.outs[0].shape, (L.off(e.outs[0]), cstrides(e.outs[0].shape)),
-                        [(L.off(e.ins[0]), tuple(st[p] for p in e.attrs["perm"]))])
+    return copy_rows(L, e, L.off(e.outs[0]), cstrides(e.outs[0].shape), L.off(e.ins[0]),
+                     tuple(st[p] for p in e.attrs["perm"]))
 
 
 op("transpose", infer=_transpose_rule, ref=lambda xs, a: (np.transpose(xs[0], a["perm"]).copy(),),
@@ -335,7 +351,6 @@ op("transpose", infer=_transpose_rule, ref=lambda xs, a: (np.transpose(xs[0], a[
 
 def _slice_rule(types, attrs, fd):
     (s, d), = types
-    _no_int_copy(d)
     return [(tuple(len(range(a, b, c)) for a, b, c in zip(attrs["starts"], attrs["stops"], attrs["steps"])), d)]
 
 
@@ -350,8 +365,7 @@ def _slices(a):
 
 def _lower_slice(e, L):
     off, st = _slice_view(e.ins[0].shape, e.attrs)
-    return strided_rows(L, EW.B_COPY, e.outs[0].shape, (L.off(e.outs[0]), cstrides(e.outs[0].shape)),
-                        [(L.off(e.ins[0]) + off, st)])
+    return copy_rows(L, e, L.off(e.outs[0]), cstrides(e.outs[0].shape), L.off(e.ins[0]) + off, st)
 
 
 def _slice_scatter_ref(xs, a):
@@ -374,14 +388,54 @@ op("slice_scatter", infer=lambda t, a, fd: [(tuple(a["shape"]), fd)], ref=_slice
    lower=_lower_slice_scatter, internal=True, cases=[Case((F(2, 3),), dict(_sl, shape=(4, 5)))])
 
 
+def _slice_set_rule(types, attrs, fd):
+    """x with x[slices] = v (v broadcast to the region): Tracer.__setitem__, for floats and integers."""
+    (s, d), (sv, dv) = types
+    if d != dv:
+        raise ShapeError("the assigned value must have the array's kind (both float or both integer)")
+    region = _slice_rule([(s, d)], attrs, fd)[0][0]
+    if _bcast_shape(sv, region) != region:
+        raise ShapeError(f"a value of shape {sv} cannot be assigned to a region of shape {region}")
+    return [(tuple(s), d)]
+
+
+def _slice_set_ref(xs, a):
+    out = xs[0].copy()
+    out[_slices(a)] = xs[1]
+    return (out,)
+
+
+def _lower_slice_set(e, L):
+    (x, v), out = e.ins, e.outs[0]
+    off, st = _slice_view(x.shape, e.attrs)
+    region = _slice_rule([(x.shape, x.dtype)], e.attrs, None)[0][0]
+    return copy_rows(L, e, L.off(out), cstrides(x.shape), L.off(x), cstrides(x.shape), x.shape) + strided_rows(L, EW.B_COPY, region, (L.off(out) + off, st), [(L.off(v), bstrides(v.shape, region))],
+                               ints=x.dtype == "i32")
+
+
+def _slice_set_vjp(g, x, o, a):
+    region = T.emit("slice", (g[0],), **a)
+    return [T.emit("slice_set", (g[0], T.lift(0.0)), **a), region]      # v's share is unbroadcast by autodiff
+
+
+op("slice_set", infer=_slice_set_rule, ref=_slice_set_ref, lower=_lower_slice_set, vjp=_slice_set_vjp,
+   cases=[Case((F(4, 5), F(2, 3)), _sl), Case((F(4, 5), F(3)), _sl), Case((F(3, 4), F()), {"starts": (0, 1),
+                                                                                        "stops": (3, 2), "steps": (1, 1)})])
+op("to_float", infer=lambda t, a, fd: [(t[0][0], fd)], ref=lambda xs, a: (xs[0].astype(np.float64),), nondiff=True,
+   lower=lambda e, L: strided_rows(L, EW.S_TO_FLOAT, e.outs[0].shape, (L.off(e.outs[0]), cstrides(e.outs[0].shape)),
+                                   [(L.off(e.ins[0]), cstrides(e.ins[0].shape))], ints=True),
+   cases=[Case((("i", (3, 4), 5),))])
+
+
 def _concat_rule(types, attrs, fd):
-    _float(types, "")
     ax = attrs["axis"]
-    s0 = types[0][0]
-    for s, _ in types:
+    s0, d0 = types[0]
+    for s, d in types:
+        if d != d0:
+            raise ShapeError("cannot concatenate integer and float arrays")
         if len(s) != len(s0) or s[:ax] + s[ax + 1:] != s0[:ax] + s0[ax + 1:]:
             raise ShapeError(f"all inputs must agree except along axis {ax}")
-    return [(s0[:ax] + (sum(s[ax] for s, _ in types),) + s0[ax + 1:], fd)]
+    return [(s0[:ax] + (sum(s[ax] for s, _ in types),) + s0[ax + 1:], d0 if d0 == "i32" else fd)]
 
 
 def _lower_concat(e, L):
@@ -389,7 +443,7 @@ def _lower_concat(e, L):
     ost = cstrides(out.shape)
     for v in e.ins:
         rows += strided_rows(L, EW.B_COPY, v.shape, (L.off(out) + pos * ost[ax], ost),
-                             [(L.off(v), cstrides(v.shape))])
+                             [(L.off(v), cstrides(v.shape))], ints=v.dtype == "i32")
         pos += v.shape[ax]
     return rows
 
@@ -540,8 +594,9 @@ def _row_len(shape):
 
 
 op("take", infer=_take_rule, ref=lambda xs, a: (xs[0][xs[1]],),
-   lower=lambda e, L: [L.row("k_gather_rows", otable=L.off(e.ins[0]), oidx=L.off(e.ins[1]), oout=L.off(e.outs[0]),
-                             n=e.ins[1].size, C=_row_len(e.ins[0].shape))],
+   lower=lambda e, L: L.index_check(e, e.ins[1], e.ins[0].shape[0]) + [
+       L.row("k_gather_rows", otable=L.off(e.ins[0]), oidx=L.off(e.ins[1]), oout=L.off(e.outs[0]), n=e.ins[1].size,
+             C=_row_len(e.ins[0].shape))],
    vjp=lambda g, x, o, a: [T.emit("take_grad", (g[0], x[1]), rows=x[0].shape[0]), None],
    cases=[Case((F(5, 3), ("i", (4, 2), 5))), Case((F(6), ("i", (7,), 6)))])
 
@@ -584,7 +639,7 @@ def _take_sum_lower(kernel):
         B, P = e.ins[1].shape
         P_, V, N = (e.ins[0] if kernel == "k_take_sum" else e.outs[0]).shape
         table, out = ("ot", "oout") if kernel == "k_take_sum" else ("og", "odt")
-        return [L.row(kernel, **{table: L.off(e.ins[0]), out: L.off(e.outs[0])}, oidx=L.off(e.ins[1]), B=B, P=P,
+        return L.index_check(e, e.ins[1], V) + [L.row(kernel, **{table: L.off(e.ins[0]), out: L.off(e.outs[0])}, oidx=L.off(e.ins[1]), B=B, P=P,
                       V=V, N=N)]
     return lower
 
@@ -676,7 +731,7 @@ def _ce_grad_ref(xs, a):
 def _lower_ce(e, L):
     ign, red = ce_ignore(e.attrs), int(e.attrs.get("reduction") == "sum")
     if e.op == "cross_entropy":
-        return [L.row("k_ce_fwd", ol=L.off(e.ins[0]), ot=L.off(e.ins[1]), oloss=L.off(e.outs[0]),
+        return L.index_check(e, e.ins[1], e.ins[0].shape[-1], e.attrs.get("ignore_index")) + [L.row("k_ce_fwd", ol=L.off(e.ins[0]), ot=L.off(e.ins[1]), oloss=L.off(e.outs[0]),
                       op_=L.off(e.outs[1]), **_rows(e.ins[0], "MV"), ign=ign, red=red)]
     return [L.row("k_ce_bwd", op_=L.off(e.ins[0]), ot=L.off(e.ins[1]), og=L.off(e.ins[2]), od=L.off(e.outs[0]),
                   **_rows(e.ins[0], "MV"), ign=ign, red=red)]

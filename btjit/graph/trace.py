@@ -99,7 +99,7 @@ def lift(x, like=None) -> "Tracer":
     g = current_graph()
     if isinstance(x, (bool, int, float, np.number, np.ndarray, list)):
         arr = np.asarray(x)
-        if arr.dtype.kind in "iu" and (like is None or like.var.dtype == "i32") and arr.ndim > 0:
+        if arr.dtype.kind in "iu" and (like.var.dtype == "i32" if like is not None else arr.ndim > 0):
             return Tracer(g.const(arr, "i32"), g)
         if arr.dtype.kind not in "iubf":
             raise TraceError(f"cannot use a {arr.dtype} array in a traced function — {user_src()}")
@@ -161,6 +161,9 @@ class Tracer:
     __neg__ = lambda s: emit("neg", (s,))
     __pos__ = lambda s: s
     __abs__ = lambda s: emit("abs", (s,))
+    __eq__ = lambda s, o: _binop("eq", s, o)      # a 0/1 mask, as numpy's bool array (for btjit.where)
+    __ne__ = lambda s, o: _binop("ne", s, o)
+    __hash__ = object.__hash__
     __gt__ = lambda s, o: _binop("gt", s, o)
     __ge__ = lambda s, o: _binop("ge", s, o)
     __lt__ = lambda s, o: _binop("lt", s, o)
@@ -243,6 +246,27 @@ class Tracer:
 
     def __getitem__(self, idx):
         return getitem(self, idx)
+
+    def __setitem__(self, idx, value):
+        """x[idx] = value, as torch and numpy write it: this tracer then holds the new value (functionally:
+        a slice_set equation; other tracers of the old value keep it)."""
+        self.var = setitem(self, idx, value).var
+
+    def astype(self, dtype):
+        """Integer -> the program's float dtype (float32 / float64 / float); float -> float is a no-op."""
+        if np.dtype(dtype).kind != "f":
+            raise TraceError(f"astype: only conversion to float is supported, got {dtype} — {user_src()}")
+        return emit("to_float", (self,)) if self.var.dtype == "i32" else self
+
+    def float(self):
+        return self.astype(float)
+
+    def expand(self, *shape):
+        """torch's expand: broadcast to shape, -1 keeping a dimension."""
+        shape = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        lead = len(shape) - self.ndim
+        return broadcast_to(self, tuple(self.shape[i - lead] if n == -1 and i >= lead else n
+                                        for i, n in enumerate(shape)))
 
 
 # ----------------------------------------------------------------------------- public tensor functions
@@ -377,6 +401,24 @@ def getitem(x, idx):
     if isinstance(idx, Tracer) or isinstance(idx, np.ndarray) and idx.dtype.kind in "iu" or \
             isinstance(idx, list):
         return take(x, idx)
+    starts, stops, steps, out_shape = _region(x, idx)
+    out = x
+    if (starts, stops, steps) != ([0] * x.ndim, list(x.shape), [1] * x.ndim):
+        out = emit("slice", (x,), starts=tuple(starts), stops=tuple(stops), steps=tuple(steps))
+    return reshape(out, tuple(out_shape))
+
+
+def setitem(x, idx, value):
+    """The value of x with x[idx] = value (basic indexing: ints, slices, None, Ellipsis)."""
+    x = lift(x)
+    if isinstance(idx, Tracer) or isinstance(idx, (np.ndarray, list)):
+        raise TraceError(f"setitem: only ints and slices can index an assignment — {user_src()}")
+    starts, stops, steps, _ = _region(x, idx)
+    return emit("slice_set", (x, lift(value, x)), starts=tuple(starts), stops=tuple(stops), steps=tuple(steps))
+
+
+def _region(x, idx):
+    """(starts, stops, steps) per axis of x and the result's shape for a basic index."""
     idx = idx if isinstance(idx, tuple) else (idx,)
     if any(i is Ellipsis for i in idx):
         k = idx.index(Ellipsis)
@@ -408,10 +450,37 @@ def getitem(x, idx):
     for n in x.shape[d:]:
         starts.append(0); stops.append(n); steps.append(1)
         out_shape.append(n)
-    out = x
-    if (starts, stops, steps) != ([0] * x.ndim, list(x.shape), [1] * x.ndim):
-        out = emit("slice", (x,), starts=tuple(starts), stops=tuple(stops), steps=tuple(steps))
-    return reshape(out, tuple(out_shape))
+    return starts, stops, steps, out_shape
+
+
+def stack(xs, axis=0):
+    """numpy/torch stack: the inputs (one shape) along a new axis."""
+    xs = [lift(x) for x in xs]
+    if not xs:
+        raise TraceError(f"stack: no inputs — {user_src()}")
+    axis = int(axis) % (xs[0].ndim + 1)
+    return concatenate([reshape(x, x.shape[:axis] + (1,) + x.shape[axis:]) for x in xs], axis)
+
+
+def roll(x, shift, axis):
+    """numpy/torch roll along one axis: element i moves to (i + shift) % n."""
+    x = lift(x)
+    axis = int(axis) % x.ndim
+    n = x.shape[axis]
+    k = int(shift) % n if n else 0
+    if k == 0:
+        return x
+    pre = (slice(None),) * axis
+    return concatenate([getitem(x, pre + (slice(n - k, n),)), getitem(x, pre + (slice(0, n - k),))], axis)
+
+
+def arange(start, stop=None, step=1):
+    """An integer constant 0..n-1 (or start..stop by step), e.g. nanoGPT's positions `pos = arange(t)`."""
+    a = np.arange(start, stop, step) if stop is not None else np.arange(start)
+    if a.dtype.kind not in "iu":
+        raise TraceError(f"arange: integer bounds only, got {start!r}, {stop!r}, {step!r} — {user_src()}")
+    g = current_graph()
+    return Tracer(g.const(a.astype(np.int32), "i32"), g)
 
 
 def take(table, idx):
@@ -487,11 +556,13 @@ _UFUNCS = {"add": lambda x, y: _binop("add", x, y), "subtract": lambda x, y: _bi
            "true_divide": lambda x, y: _binop("div", x, y), "negative": lambda x: emit("neg", (lift(x),)),
            "exp": exp, "log": log, "tanh": tanh, "sqrt": sqrt, "absolute": abs, "maximum": maximum,
            "minimum": minimum, "matmul": matmul, "power": lambda x, y: lift(x) ** y,
-           "equal": equal, "greater": lambda x, y: _binop("gt", x, y), "less": lambda x, y: _binop("lt", x, y)}
+           "equal": equal, "greater": lambda x, y: _binop("gt", x, y), "less": lambda x, y: _binop("lt", x, y),
+           "not_equal": lambda x, y: _binop("ne", x, y), "greater_equal": lambda x, y: _binop("ge", x, y),
+           "less_equal": lambda x, y: _binop("le", x, y)}
 _FUNCS = {"sum": sum, "mean": mean, "max": max, "amax": max, "reshape": reshape, "transpose": transpose,
           "swapaxes": swapaxes, "concatenate": concatenate, "split": split, "where": where, "matmul": matmul,
           "exp": exp, "log": log, "tanh": tanh, "sqrt": sqrt, "maximum": maximum, "broadcast_to": broadcast_to,
-          "take": lambda a, idx, axis=None: _np_take(a, idx, axis)}
+          "take": lambda a, idx, axis=None: _np_take(a, idx, axis), "stack": stack, "roll": roll}
 
 
 def _np_take(a, idx, axis=None):

@@ -13,7 +13,7 @@ import math
 import numpy as np
 from numba import njit
 
-from .common import FM, fexp, ftanh, row
+from .common import FM, cvt, fexp, ftanh, row
 
 # unary sub-ops
 U_COPY, U_NEG, U_EXP, U_LOG, U_TANH, U_RELU, U_SIGMOID, U_SQRT, U_POW, U_ABS = range(10)
@@ -21,6 +21,7 @@ U_COPY, U_NEG, U_EXP, U_LOG, U_TANH, U_RELU, U_SIGMOID, U_SQRT, U_POW, U_ABS = r
 (B_ADD, B_SUB, B_MUL, B_DIV, B_MAX, B_MIN, B_POW, B_EQ, B_GT, B_GE, B_LT, B_LE, B_NE,
  B_TANH_GRAD, B_RELU_GRAD, B_SIGMOID_GRAD, B_COPY) = range(17)
 S_SELECT = 32
+S_TO_FLOAT = 33   # k_int_strided: out (in a) = float(in1)
 
 _z = np.float32(0.0)
 _one = np.float32(1.0)
@@ -242,3 +243,64 @@ def k_check_index(a, ia, r):
         if (v < 0 or v >= hi) and v != ok:
             ia[r[4]] = i + 1
             return
+
+
+@njit(inline="always", **FM)
+def _int_binary(sub, x, y):
+    if sub == B_ADD:
+        return x + y
+    elif sub == B_SUB:
+        return x - y
+    elif sub == B_MUL:
+        return x * y
+    elif sub == B_MAX:
+        return x if x > y else y
+    elif sub == B_MIN:
+        return x if x < y else y
+    return x                          # B_COPY
+
+
+@njit(inline="always", **FM)
+def _int_compare(sub, x, y):
+    if sub == B_EQ:
+        return x == y
+    elif sub == B_GT:
+        return x > y
+    elif sub == B_GE:
+        return x >= y
+    elif sub == B_LT:
+        return x < y
+    elif sub == B_LE:
+        return x <= y
+    return x != y                     # B_NE
+
+
+@row("sub oo o1 o2 n0 n1 n2 n3 so0 so1 so2 so3 p0 p1 p2 p3 q0 q1 q2 q3")
+@njit(**FM)
+def k_int_strided(a, ia, r):
+    """k_strided's loop nest over integer values: in1, in2 in ia; out in ia for COPY and the arithmetic
+    sub-ops (ADD, SUB, MUL, MAX, MIN), in a for the comparisons (EQ ... NE: a 0/1 float mask) and TO_FLOAT."""
+    sub = r[1]
+    oo, o1, o2 = r[2], r[3], r[4]
+    n0, n1, n2, n3 = r[5], r[6], r[7], r[8]
+    so0, so1, so2, so3 = r[9], r[10], r[11], r[12]
+    p0, p1, p2, p3 = r[13], r[14], r[15], r[16]
+    q0, q1, q2, q3 = r[17], r[18], r[19], r[20]
+    cmp = B_EQ <= sub <= B_NE
+    tofloat = sub == S_TO_FLOAT
+    one, zero = cvt(a, 1.0), cvt(a, 0.0)
+    for i0 in range(n0):
+        for i1 in range(n1):
+            for i2 in range(n2):
+                bo = oo + i0 * so0 + i1 * so1 + i2 * so2
+                b1 = o1 + i0 * p0 + i1 * p1 + i2 * p2
+                b2 = o2 + i0 * q0 + i1 * q1 + i2 * q2
+                if tofloat:
+                    for i3 in range(n3):
+                        a[bo + i3 * so3] = cvt(a, ia[b1 + i3 * p3])
+                elif cmp:
+                    for i3 in range(n3):
+                        a[bo + i3 * so3] = one if _int_compare(sub, ia[b1 + i3 * p3], ia[b2 + i3 * q3]) else zero
+                else:
+                    for i3 in range(n3):
+                        ia[bo + i3 * so3] = _int_binary(sub, ia[b1 + i3 * p3], ia[b2 + i3 * q3])
