@@ -3,7 +3,9 @@
 # resolved config, the vocabulary and a format version, sealed by a sha256 over the whole payload.
 # Files are written atomically (temp file in the same dir, flush + fsync, os.replace, fsync of the dir),
 # so a process killed mid-write leaves the previous checkpoint intact. Loading verifies the checksum;
-# latest_valid() falls back past corrupt files and reports them. No model or compiler knowledge here.
+# latest_valid() falls back past corrupt files and reports them. Beside the last K there is best.npz, the
+# checkpoint of the lowest val loss so far (save_best; the same format, not pruned, never resumed from:
+# `btjit sample RUN_DIR` reads it). No model or compiler knowledge here.
 from __future__ import annotations
 
 import errno
@@ -20,7 +22,8 @@ import numpy as np
 FORMAT_VERSION = 1
 PREFIX = "ckpt_"
 NAME_RE = re.compile(r"^ckpt_(\d+)\.npz$")
-TMP_RE = re.compile(r"^\.ckpt_\d+\.npz\.(\d+)\.tmp$")
+TMP_RE = re.compile(r"^\.(?:ckpt_\d+|best)\.npz\.(\d+)\.tmp$")
+BEST = "best.npz"
 META_KEY, SUM_KEY, STATE = "__meta__", "__sha256__", "state/"
 
 
@@ -108,17 +111,25 @@ def write_atomic(path: Path, arrays: dict) -> None:
 
 def save(run_dir, step: int, state: dict, meta: dict, keep: int | None = None) -> Path:
     """Write checkpoint `ckpt_<step>.npz` in run_dir atomically; then keep only the newest `keep`."""
-    run_dir = Path(run_dir)
+    path = _write(path_for(run_dir, step), step, state, meta)
+    if keep:
+        prune(run_dir, keep)
+    return path
+
+
+def save_best(run_dir, step: int, state: dict, meta: dict) -> Path:
+    """Write run_dir/best.npz atomically (meta should hold the val loss that made it the best)."""
+    return _write(Path(run_dir) / BEST, step, state, meta)
+
+
+def _write(path: Path, step: int, state: dict, meta: dict) -> Path:
     state = {k: np.asarray(v) for k, v in state.items()}
     meta = dict(meta, step=int(step), format_version=FORMAT_VERSION, saved_at=time.time())
     meta_bytes = json.dumps(meta, sort_keys=True).encode()
     arrays = {STATE + k: v for k, v in state.items()}
     arrays[META_KEY] = np.frombuffer(meta_bytes, dtype=np.uint8)
     arrays[SUM_KEY] = np.frombuffer(_digest(meta_bytes, state).encode(), dtype=np.uint8)
-    path = path_for(run_dir, step)
     write_atomic(path, arrays)
-    if keep:
-        prune(run_dir, keep)
     return path
 
 

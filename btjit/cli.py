@@ -77,7 +77,7 @@ def cli(debug):
 @cli.command()
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("--data", "data_path", type=click.Path(path_type=Path),
-              help="Train on this UTF-8 file (default: [data] path, else the built-in corpus).")
+              help="Train on this UTF-8 file (default: [data] path, else the bundled [data] corpus).")
 @click.option("--out", type=click.Path(path_type=Path), help="Run dir (default: runs/<config stem>).")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override a config value (a TOML value), e.g. --set train.steps=100. Repeatable.")
@@ -112,8 +112,19 @@ def train(config, data_path, out, overrides, resume, threads, distributed, debug
 
 
 def _load_checkpoint(path: Path):
+    """A checkpoint file as given; for a run dir its best.npz (the lowest val loss), else its newest valid one."""
     from btjit import checkpoint
     if path.is_dir():
+        best = path / checkpoint.BEST
+        if best.exists():
+            try:
+                ck = checkpoint.load(best)
+                val = (ck.meta.get("best") or {}).get("val_loss")
+                click.echo(f"using {best} (step {ck.step}" + (f", val loss {val:.4f}" if val is not None else "") +
+                           "; give a ckpt_*.npz file for another)", err=True)
+                return ck
+            except checkpoint.CorruptCheckpoint as e:
+                click.echo(f"warning: skipped {e}; using the newest checkpoint instead", err=True)
         ck, skipped = checkpoint.latest_valid(path)
         if ck is None:
             bad = f" ({len(skipped)} corrupt: {', '.join(p.name for p, _ in skipped)})" if skipped else ""
@@ -133,7 +144,7 @@ def _load_checkpoint(path: Path):
 @click.option("--seed", type=int, default=None, help="Sampling seed (default: the run's train.seed).")
 @debug_option
 def sample(ckpt, prompt, n_chars, temperature, top_k, seed, debug):
-    """Generate text from a checkpoint file CKPT (or the latest one in a run dir)."""
+    """Generate text from a checkpoint file CKPT, or from a run dir (its best.npz, else its newest checkpoint)."""
     import numpy as np
     from btjit.checkpoint import check_compatible
     from btjit.config import Config

@@ -31,7 +31,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: typing.Optional[str] = None   # None = built-in corpus (CPython's pydoc_data topics)
+    path: typing.Optional[str] = None   # a UTF-8 file; None = the corpus below
+    corpus: typing.Optional[str] = None  # bundled "tinyshakespeare" or "names", or "pydoc" (CPython's pydoc
+    #                                      topics); None = tinyshakespeare for format "text", names for "lines"
     val_fraction: float = 0.1           # tail fraction held out for validation
     format: str = "text"                # "text" (one stream of chars) or "lines" (one word per line)
 
@@ -40,6 +42,7 @@ class DataConfig:
 class TrainConfig:
     steps: int = 3000
     batch_size: int = 64
+    grad_accum: int = 1                 # micro-batches of batch_size per update (gradient accumulation)
     seed: int = 1337
     dtype: str = "float32"              # "float32" or "float64"
     eval_interval: int = 250            # 0 = never (still evaluated at start and end)
@@ -62,6 +65,10 @@ class OptimConfig:
     betas: typing.Tuple[float, float] = (0.9, 0.999)   # adamw only
     eps: float = 1e-8                   # adamw only
     clip_norm: float = 0.0              # global gradient-norm clip; 0 = off
+    schedule: str = "constant"          # "constant", "cosine" or "linear" (btjit.schedule; nanoGPT's get_lr)
+    warmup_steps: int = 0               # linear warm-up over the first steps (any schedule)
+    decay_steps: int = 0                # cosine/linear: lr reaches lr_min at this step; 0 = train.steps
+    lr_min: float = 0.0                 # cosine/linear: the final learning rate
 
 
 @dataclass
@@ -82,8 +89,9 @@ class Config:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["optim"]["betas"] = list(d["optim"]["betas"])
-        if d["data"]["path"] is None:       # TOML has no null: a missing key means None
-            del d["data"]["path"]
+        for k in ("path", "corpus"):        # TOML has no null: a missing key means None
+            if d["data"][k] is None:
+                del d["data"][k]
         return d
 
     @classmethod
@@ -105,14 +113,17 @@ CHOICES = {
     ("model", "kind"): ("gpt", "mlp"), ("model", "activation"): ("relu", "gelu"),
     ("data", "format"): ("text", "lines"), ("train", "dtype"): ("float32", "float64"),
     ("train", "on_nonfinite"): ("stop", "skip"), ("optim", "name"): ("sgd", "adamw"),
+    ("optim", "schedule"): ("constant", "cosine", "linear"),
+    ("data", "corpus"): ("tinyshakespeare", "names", "pydoc"),     # btjit.data.CORPUS_NAMES; None allowed
     ("distributed", "compressor"): ("none", "topk", "randk"),
 }
 POSITIVE = {  # must be >= 1
     "model": ("n_layer", "n_head", "n_embd", "block_size", "context", "n_emb", "n_hidden"),
-    "train": ("steps", "batch_size", "eval_batches", "sample_chars", "log_interval", "keep_checkpoints"),
+    "train": ("steps", "batch_size", "grad_accum", "eval_batches", "sample_chars", "log_interval",
+              "keep_checkpoints"),
 }
 NON_NEGATIVE = {"train": ("seed", "eval_interval", "sample_interval", "checkpoint_interval", "threads"),
-                "optim": ("weight_decay", "clip_norm")}
+                "optim": ("weight_decay", "clip_norm", "warmup_steps", "decay_steps", "lr_min")}
 
 
 def _toml_value(v) -> str:
@@ -183,7 +194,7 @@ def validate(cfg: Config, source: str = "config") -> None:
         raise ConfigError(f"{source}: {msg}")
     for (sec, key), allowed in CHOICES.items():
         v = getattr(getattr(cfg, sec), key)
-        if v not in allowed:
+        if v not in allowed and not (v is None and (sec, key) == ("data", "corpus")):
             bad(f"{sec}.{key} = {v!r} is not one of: {', '.join(allowed)}")
     for sec, keys in POSITIVE.items():
         for key in keys:
@@ -210,10 +221,24 @@ def validate(cfg: Config, source: str = "config") -> None:
         bad(f"optim.betas must both be in [0, 1), got {list(o.betas)}")
     if not o.eps > 0.0:
         bad(f"optim.eps must be > 0, got {o.eps}")
+    _validate_schedule(cfg, bad)
     if not 0.0 < cfg.distributed.ratio <= 1.0:
         bad(f"distributed.ratio must be in (0, 1], got {cfg.distributed.ratio}")
     if cfg.data.path is not None and not cfg.data.path:
-        bad("data.path is empty (leave it out to use the built-in corpus)")
+        bad("data.path is empty (leave it out to use data.corpus)")
+
+
+def _validate_schedule(cfg: Config, bad) -> None:
+    """The [optim] LR schedule must be possible within train.steps (btjit.schedule.lr_at)."""
+    o, steps = cfg.optim, cfg.train.steps
+    if o.warmup_steps >= steps:
+        bad(f"optim.warmup_steps = {o.warmup_steps} must be less than train.steps ({steps}): the warm-up "
+            f"would outlast the run")
+    if o.lr_min > o.lr:
+        bad(f"optim.lr_min = {o.lr_min:g} must be <= optim.lr ({o.lr:g}): the schedule decays from lr to lr_min")
+    if o.schedule != "constant" and o.decay_steps and o.decay_steps <= o.warmup_steps:
+        bad(f"optim.decay_steps = {o.decay_steps} must be greater than optim.warmup_steps ({o.warmup_steps}) "
+            f"(or 0 = train.steps): {o.schedule} decay starts after the warm-up")
 
 
 def _parse_toml(text: str, source: str) -> dict:

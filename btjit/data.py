@@ -1,12 +1,16 @@
-# btjit/data.py -- character-level data for `btjit train`: reading a corpus (a UTF-8 file or the
-# built-in one that ships with CPython), the vocabulary, encode/decode, the train/val split and seeded
-# batch sampling. Two formats: "text" (one stream of characters, GPT-style (B,T) -> (B,T) batches) and
-# "lines" (one word per line, makemore-style (B,context) -> (B,) samples with '.' as index 0).
+# btjit/data.py -- character-level data for `btjit train`: reading a corpus (a UTF-8 file, one of the
+# corpora bundled in btjit/corpora -- Tiny Shakespeare and names.txt, gzip-compressed and sha256-checked --
+# or CPython's pydoc topics), the vocabulary, encode/decode, the train/val split and seeded batch sampling.
+# Two formats: "text" (one stream of characters, GPT-style (B,T) -> (B,T) batches) and "lines" (one word
+# per line, makemore-style (B,context) -> (B,) samples with '.' as index 0).
 # It knows nothing about models or the compiler; errors are DataError with one readable message.
 from __future__ import annotations
 
+import gzip
+import hashlib
 import re
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -19,16 +23,55 @@ class DataError(Exception):
     """Missing, empty, binary or too-short data; str(e) is one readable line naming the file."""
 
 
+@dataclass(frozen=True)
+class Corpus:
+    file: str           # in the btjit.corpora package directory
+    sha256: str         # of the decompressed UTF-8 bytes
+    title: str
+
+
+# The bundled corpora (MIT, (c) 2022 Andrej Karpathy; btjit/corpora/LICENSE and README.txt).
+CORPORA = {
+    "tinyshakespeare": Corpus("tinyshakespeare.txt.gz",
+                              "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed", "Tiny Shakespeare"),
+    "names": Corpus("names.txt.gz", "0a30b5557f192f32ab962680889aac5f6fda0f4cecf40a6d0b5694f58ea8cc4d", "names.txt"),
+}
+CORPUS_NAMES = (*CORPORA, "pydoc")                      # the values of [data] corpus
+DEFAULT_CORPUS = {"text": "tinyshakespeare", "lines": "names"}   # [data] corpus left out, by data.format
+
+
 def builtin_text() -> str:
-    """~465k characters of English and Python from the standard library (no download needed)."""
+    """~465k characters of English and Python from the standard library (`[data] corpus = "pydoc"`)."""
     from pydoc_data.topics import topics
     return "".join(topics[k] for k in sorted(topics))
 
 
-def read_text(path) -> tuple[str, str]:
-    """Return (text, name) of a UTF-8 file; path None -> the built-in corpus."""
+def corpus_text(name: str) -> str:
+    """The text of a bundled corpus (CORPORA) or "pydoc"; DataError if the file is missing or damaged."""
+    if name == "pydoc":
+        return builtin_text()
+    if name not in CORPORA:
+        raise DataError(f"data.corpus = {name!r} is not one of: {', '.join(CORPUS_NAMES)}")
+    c = CORPORA[name]
+    try:
+        raw = gzip.decompress(resources.files("btjit").joinpath("corpora", c.file).read_bytes())
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise DataError(f"bundled corpus {name} (btjit/corpora/{c.file}) is missing or damaged: {e}; "
+                        f"reinstall btjit or pass --data FILE") from None
+    if hashlib.sha256(raw).hexdigest() != c.sha256:
+        raise DataError(f"bundled corpus {name} (btjit/corpora/{c.file}) fails its sha256 check; "
+                        f"reinstall btjit or pass --data FILE")
+    return raw.decode("utf-8")
+
+
+def corpus_label(name: str) -> str:
+    return BUILTIN_NAME if name == "pydoc" else f"<bundled corpus: {CORPORA[name].title}>"
+
+
+def read_text(path, corpus: str = "tinyshakespeare") -> tuple[str, str]:
+    """Return (text, name) of a UTF-8 file; path None -> the corpus named `corpus`."""
     if path is None:
-        return builtin_text(), BUILTIN_NAME
+        return corpus_text(corpus), corpus_label(corpus)
     p = Path(path)
     if not p.exists():
         raise DataError(f"data file not found: {p}")
@@ -128,9 +171,11 @@ def split_point(n: int, val_fraction: float) -> int:
     return int(round(n * (1.0 - val_fraction)))
 
 
-def load_text(path, block_size: int, val_fraction: float = 0.1, vocab: Vocab | None = None) -> Dataset:
-    """"text" format: the whole file is one character stream; the last val_fraction is validation."""
-    text, name = read_text(path)
+def load_text(path, block_size: int, val_fraction: float = 0.1, vocab: Vocab | None = None,
+              corpus: str = "tinyshakespeare") -> Dataset:
+    """"text" format: the whole file (path None: the corpus) is one character stream; the last val_fraction
+    is validation."""
+    text, name = read_text(path, corpus)
     vocab = vocab or Vocab.from_text(text)
     missing = sorted(set(text) - set(vocab.chars))
     if missing:
@@ -166,10 +211,14 @@ def build_samples(words, vocab: Vocab, context: int):
 
 
 def load_lines(path, context: int, val_fraction: float = 0.1, seed: int = 0,
-               vocab: Vocab | None = None) -> Dataset:
-    """"lines" format: one word per line; words are shuffled with `seed`, split by val_fraction."""
-    text, name = read_text(path)
-    if path is None:
+               vocab: Vocab | None = None, corpus: str = "names") -> Dataset:
+    """"lines" format: one word per line (path None: the corpus; "pydoc" gives its words, builtin_words);
+    words are shuffled with `seed`, split by val_fraction."""
+    if path is None and corpus == "tinyshakespeare":
+        raise DataError('data.corpus = "tinyshakespeare" is running text, not one word per line as '
+                        'data.format = "lines" needs: use corpus "names" or "pydoc", or --data FILE')
+    text, name = read_text(path, corpus)
+    if path is None and corpus == "pydoc":
         words = builtin_words(text)
     else:
         words = [w.strip() for w in text.splitlines() if w.strip()]
@@ -194,8 +243,10 @@ def load_lines(path, context: int, val_fraction: float = 0.1, seed: int = 0,
 
 
 def load(cfg, data_path=None, vocab: Vocab | None = None) -> Dataset:
-    """Dataset for a btjit.config.Config; `data_path` (the --data option) overrides cfg.data.path."""
+    """Dataset for a btjit.config.Config: the file `data_path` (the --data option), else cfg.data.path, else
+    the corpus cfg.data.corpus (left out: DEFAULT_CORPUS of the format)."""
     path = data_path if data_path is not None else cfg.data.path
+    corpus = cfg.data.corpus or DEFAULT_CORPUS[cfg.data.format]
     if cfg.data.format == "lines":
-        return load_lines(path, cfg.model.context, cfg.data.val_fraction, cfg.train.seed, vocab)
-    return load_text(path, cfg.model.block_size, cfg.data.val_fraction, vocab)
+        return load_lines(path, cfg.model.context, cfg.data.val_fraction, cfg.train.seed, vocab, corpus)
+    return load_text(path, cfg.model.block_size, cfg.data.val_fraction, vocab, corpus)

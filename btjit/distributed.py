@@ -8,6 +8,8 @@
 #   prog.apply_update()               the same update (clip/skip + optimizer) on every rank
 # Then the loss and a Ctrl+C flag go through a 2-number Allreduce (one latency, 16 bytes), so every rank
 # sees the same global loss and takes the same decisions (log, stop on NaN, skip, interrupt).
+# With train.grad_accum = k each rank first averages its k micro-batches' gradients locally
+# (btjit.schedule.Accumulator), then the ranks average once: one Allreduce per update, not per micro-batch.
 # With [distributed] compressor = "topk" | "randk" the gradient goes through EF21 (btjit.compress) instead.
 #
 # Pieces: launch detection and the mpi4py import with an install hint (wanted, require_mpi); DataParallel
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from btjit.schedule import Accumulator
 from btjit.train import TrainError, Trainer, check_world_size, seeds
 
 INSTALL_HINT = ("pip install 'btjit[mpi]' (mpi4py and an MPICH from PyPI; on a cluster: pip install mpi4py, "
@@ -125,6 +128,7 @@ class DataParallel:
             self.ef = compress.EF21(compressor, ratio, self.grads.size, self._valid_indices(), prog.dtype, seed)
         self.steps, self.bytes_last, self.bytes_total, self.comm_seconds = 0, 0, 0, 0.0
         self.stop_requested = False
+        self.accum = Accumulator(prog)
         if broadcast:
             self.broadcast_params()
 
@@ -143,7 +147,12 @@ class DataParallel:
         """Forward + backward on this rank's shard, average the gradients, apply the update. Returns the
         mean loss over all ranks. `stop`: this rank asks to stop; afterwards `stop_requested` tells whether
         any rank asked (the same answer everywhere)."""
-        loss = self.prog.value_and_grad(*batch)
+        return self.step_batches([batch], stop=stop)
+
+    def step_batches(self, batches, stop: bool = False) -> float:
+        """step() over this rank's micro-batches (gradient accumulation): one update from the mean gradient
+        of every rank's micro-batches; returns the mean loss over all of them."""
+        loss = self.accum.grad(batches)
         t0 = time.perf_counter()
         msg, MPI = self._msg, self.MPI
         sent = self.reduce_grads()
@@ -268,8 +277,8 @@ class DistributedTrainer(Trainer):
                   f"{comp} | {self.dp.dense_bytes:,} gradient bytes dense")
 
     # ---- loop hooks
-    def _train_step(self, x, y, stop) -> float:
-        return self.dp.step(x, y, stop=stop["sigint"])
+    def _train_step(self, batches, stop) -> float:
+        return self.dp.step_batches(batches, stop=stop["sigint"])
 
     def _stop_requested(self, stop) -> bool:
         return self.dp.stop_requested
@@ -305,6 +314,10 @@ class DistributedTrainer(Trainer):
     def sample(self) -> str:
         return super().sample() if self.is_root else ""
 
+    def _save_best(self) -> None:
+        """Rank 0 writes best.npz (the ranks' parameters are identical); an error stops every rank."""
+        root_do(self.comm, lambda: Trainer._save_best(self))
+
     def save(self) -> Path:
         from btjit import checkpoint as ckpt_mod
         from btjit.train import first_nonfinite
@@ -324,10 +337,9 @@ class DistributedTrainer(Trainer):
                 state.update(ef.shared_state())
                 state.update({f"dist/ef_local/{r}": g for r, g in enumerate(ef_locals)})
             d = self.cfg.distributed
-            meta = {"rng_state": rngs[0], "config": self.cfg.to_dict(), "vocab": self.ds.vocab.chars,
-                    "data": self.ds.name, "n_params": int(self.prog.n_params),
-                    "distributed": {"world_size": self.size, "rng_states": rngs, "compressor": d.compressor,
-                                    "ratio": d.ratio}}
+            meta = dict(self.meta(), rng_state=rngs[0],
+                        distributed={"world_size": self.size, "rng_states": rngs, "compressor": d.compressor,
+                                     "ratio": d.ratio})
             try:
                 return ckpt_mod.save(self.run_dir, self.step, state, meta, keep=self.cfg.train.keep_checkpoints)
             except ckpt_mod.CheckpointError as e:

@@ -1,8 +1,9 @@
-# btjit/train.py -- the training loop of `btjit train`: run dir, data, model, one traced program
-# (btjit.trace), the start-up banner, progress lines, val loss, samples, the JSONL metrics log,
-# checkpoints, Ctrl+C (finish the step, save, exit 0), --resume (bit-exact: the batch RNG state is
-# checkpointed) and NaN/Inf handling. Not here: the compiler (btjit.trace), the models (btjit.models),
-# argument parsing (btjit.cli). Errors are TrainError (or Config/Data/CheckpointError), one line each.
+# btjit/train.py -- the training loop of `btjit train`: data, model, one traced program (btjit.trace), the
+# start-up banner, the LR of each step and gradient accumulation (btjit.schedule), progress lines, val loss,
+# the best-val checkpoint, samples, the JSONL metrics log, checkpoints, Ctrl+C (finish the step, save, exit
+# 0), --resume (bit-exact: the batch RNG state is checkpointed) and NaN/Inf handling. Not here: the run dir
+# checks and lock (btjit.rundir), the compiler (btjit.trace), the models (btjit.models), argument parsing
+# (btjit.cli). Errors are TrainError (or Config/Data/CheckpointError), one line each.
 from __future__ import annotations
 
 import json
@@ -19,6 +20,8 @@ import numpy as np
 import btjit
 from btjit import checkpoint as ckpt_mod
 from btjit import data as data_mod
+from btjit import rundir
+from btjit import schedule as sched_mod
 from btjit.checkpoint import CheckpointError
 from btjit.config import Config
 
@@ -57,33 +60,7 @@ def first_nonfinite(arrays: dict) -> str | None:
     return None
 
 
-def prepare_run_dir(run_dir: Path, resume: bool) -> None:
-    if run_dir.exists() and not run_dir.is_dir():
-        raise TrainError(f"--out {run_dir} is a file, not a directory")
-    if resume and not run_dir.is_dir():
-        raise TrainError(f"--resume: run dir {run_dir} does not exist")
-    if not resume and ckpt_mod.list_checkpoints(run_dir):
-        last = ckpt_mod.list_checkpoints(run_dir)[-1]
-        raise TrainError(f"run dir {run_dir} already holds checkpoints (latest {last.name}); "
-                         f"pass --resume to continue it, or --out DIR for a new run")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise TrainError(f"cannot create run dir {run_dir}: {e.strerror}") from None
-
-
-def trim_metrics(path: Path, step: int) -> None:
-    """On resume: drop log events after the checkpoint's step (they will be logged again)."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                keep.append(line)
-        except ValueError:
-            pass
-    path.write_text("".join(l + "\n" for l in keep))
+trim_metrics = rundir.trim_metrics
 
 
 class Trainer:
@@ -92,19 +69,35 @@ class Trainer:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.echo = echo or (lambda s="": print(s, flush=True))
         self.resume_hint = resume_hint
+        self.lock = None
+        try:
+            self._setup(cfg, data_path, resume, threads)
+        except BaseException:
+            self.release()
+            raise
+
+    def _setup(self, cfg, data_path, resume, threads):
         t = cfg.train
         self._prepare(resume)
         self.threads = set_threads(threads if threads is not None else t.threads)
         vocab = data_mod.Vocab(self.resumed.meta["vocab"]) if self.resumed else None
         self.ds = data_mod.load(cfg, data_path, vocab)
         self.param_rng, self.rng, _, self.sample_rng = seeds(t.seed)
+        self.lr_at = sched_mod.for_config(cfg)
         self._build_program()
-        self.step, self.last_ckpt = 0, None
+        self.accum = sched_mod.Accumulator(self.prog)
+        self.step, self.last_ckpt, self.best = 0, None, None   # best: {"step", "val_loss"} of best.npz
         if self.resumed:
             self._restore(self.resumed)
         self.sampler = None
         self.metrics_path = self.run_dir / METRICS
         self._write_run_files(resume)
+
+    def release(self) -> None:
+        """Release the run dir lock (at the end of run(), or when set-up fails)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     # ---- set-up (btjit.distributed.DistributedTrainer overrides these hooks) ----------------------
     @property
@@ -113,14 +106,20 @@ class Trainer:
         return self.cfg.train.batch_size
 
     def _prepare(self, resume):
-        prepare_run_dir(self.run_dir, resume)
+        try:
+            self.lock = rundir.prepare(self.run_dir, resume)
+        except rundir.RunDirError as e:
+            raise TrainError(str(e)) from None
+        note = self.lock.note()
+        if note:
+            self.echo(note)
         self.resumed = self._find_checkpoint() if resume else None
 
     def _restore(self, ck):
         check_world_size(ck, 1)
         self._load_program_state(ck)
         self.rng = ckpt_mod.rng_from_state(ck.meta["rng_state"])
-        self.step, self.last_ckpt = ck.step, ck.path
+        self.step, self.last_ckpt, self.best = ck.step, ck.path, ck.meta.get("best")
 
     def _load_program_state(self, ck):
         state = {k: v for k, v in ck.state.items() if not k.startswith("dist/")}
@@ -168,7 +167,7 @@ class Trainer:
                                 skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
                                 replicas=btjit.replicas_for(len(y), y.size, self.threads))  # losses are means
         self.build_seconds = time.perf_counter() - t0
-        self.tokens_per_step = x.size if cfg.model.kind == "gpt" else len(y)
+        self.tokens_per_step = (x.size if cfg.model.kind == "gpt" else len(y)) * t.grad_accum   # all micro-batches
 
     def banner(self):
         import numba
@@ -191,10 +190,11 @@ class Trainer:
                   f" | {t.dtype}")
         self.echo(f"model: {arch} | {p.n_params:,} params | arena {p.arena_bytes / 1e6:.2f} MB")
         self.echo(self.ds.describe())
-        self.echo(f"optim: {o.name} lr {o.lr:g}" + (f" momentum {o.momentum:g}" if o.name == "sgd" else
-                  f" betas {tuple(o.betas)} eps {o.eps:g}") + f" weight_decay {o.weight_decay:g}" +
-                  (f" clip_norm {o.clip_norm:g}" if o.clip_norm else "") +
-                  f" | batch {t.batch_size} | {t.steps} steps | seed {t.seed}")
+        accum = f" x {t.grad_accum} micro-batches = {t.batch_size * t.grad_accum}" if t.grad_accum > 1 else ""
+        self.echo(f"optim: {o.name} {sched_mod.describe(self.cfg)}" +
+                  (f" momentum {o.momentum:g}" if o.name == "sgd" else f" betas {tuple(o.betas)} eps {o.eps:g}") +
+                  f" weight_decay {o.weight_decay:g}" + (f" clip_norm {o.clip_norm:g}" if o.clip_norm else "") +
+                  f" | batch {t.batch_size}{accum} | {t.steps} steps | seed {t.seed}")
         self.echo(f"program: {times}")
         where = f"resumed from {self.last_ckpt.name} at step {self.step}" if self.resumed else "new run"
         self.echo(f"run dir: {self.run_dir} ({where})")
@@ -220,13 +220,32 @@ class Trainer:
             self.sampler.set_params(self.prog.params)
         return self.sampler.generate("", self.cfg.train.sample_chars, self.sample_rng)
 
+    def meta(self) -> dict:
+        """The metadata of a checkpoint written now."""
+        return {"rng_state": ckpt_mod.rng_state(self.rng), "config": self.cfg.to_dict(),
+                "vocab": self.ds.vocab.chars, "data": self.ds.name, "n_params": int(self.prog.n_params),
+                "best": self.best}
+
+    def track_best(self, val: float) -> None:
+        """After a val loss at step > 0: write best.npz when it is the lowest so far (a tie keeps the older)."""
+        if self.step == 0 or not math.isfinite(val) or (self.best is not None and val >= self.best["val_loss"]):
+            return
+        self.best = {"step": self.step, "val_loss": val}
+        self._save_best()
+        self.log(event="best", step=self.step, val_loss=val, path=ckpt_mod.BEST)
+
+    def _save_best(self) -> None:
+        try:
+            ckpt_mod.save_best(self.run_dir, self.step, self.prog.state_dict(), self.meta())
+        except CheckpointError as e:
+            raise TrainError(f"stopped at step {self.step}: {e}. {self._last_good()}") from None
+
     def save(self) -> Path:
         bad = first_nonfinite(self.prog.params)
         if bad is not None:
             raise TrainError(f"parameter {bad} is not finite at step {self.step}; not saved. "
                              f"{self._last_good()}")
-        meta = {"rng_state": ckpt_mod.rng_state(self.rng), "config": self.cfg.to_dict(),
-                "vocab": self.ds.vocab.chars, "data": self.ds.name, "n_params": int(self.prog.n_params)}
+        meta = self.meta()
         try:
             path = ckpt_mod.save(self.run_dir, self.step, self.prog.state_dict(), meta,
                                  keep=self.cfg.train.keep_checkpoints)
@@ -248,11 +267,14 @@ class Trainer:
         raise TrainError(f"{what} at step {self.step + 1}{where}; stopped before the update. {self._last_good()}")
 
     # ---- one training step (hooks: DistributedTrainer averages gradients across processes) --------
-    def _next_batch(self):
-        return self.ds.batch("train", self.local_batch_size, self.rng)
+    def _next_batches(self):
+        """The micro-batches of the next update: train.grad_accum batches of local_batch_size."""
+        return [self.ds.batch("train", self.local_batch_size, self.rng) for _ in range(self.cfg.train.grad_accum)]
 
-    def _train_step(self, x, y, stop) -> float:
-        return self.prog.step(x, y)
+    def _train_step(self, batches, stop) -> float:
+        if len(batches) == 1:
+            return self.prog.step(*batches[0])     # forward, backward and update in one native call
+        return self.accum.step(batches)
 
     def _stop_requested(self, stop) -> bool:
         return stop["sigint"]
@@ -279,6 +301,7 @@ class Trainer:
         finally:
             if old is not None:
                 signal.signal(signal.SIGINT, old)
+            self.release()
 
     def _loop(self, t, prog, stop) -> Result:
         val, width = None, len(str(t.steps))
@@ -293,9 +316,10 @@ class Trainer:
         t_start, losses, step_time, timed, skips = time.perf_counter(), [], 0.0, 0, 0
         first = self.step
         while self.step < t.steps:
-            x, y = self._next_batch()
+            batches = self._next_batches()
+            prog.lr = self.lr_at(self.step)         # the schedule's LR of this update, before the native step
             t0 = time.perf_counter()
-            loss = self._train_step(x, y, stop)
+            loss = self._train_step(batches, stop)
             step_time += time.perf_counter() - t0
             timed += 1
             self.step += 1
@@ -329,14 +353,15 @@ class Trainer:
                 eta = (time.perf_counter() - t_start) / done * (t.steps - s)
                 extra, fields = self._progress_extra()
                 self.echo(f"step {s:>{width}}/{t.steps} ({100 * s // t.steps:3d}%) | loss {np.mean(losses):.4f} "
-                          f"| {ms:.2f} ms/step | {tps / 1000:.1f}k tok/s{extra} | eta {eta:.0f} s")
+                          f"| lr {prog.lr:.3g} | {ms:.2f} ms/step | {tps / 1000:.1f}k tok/s{extra} | eta {eta:.0f} s")
                 self.log(event="train", step=s, loss=float(np.mean(losses)), ms_per_step=round(ms, 4),
-                         tokens_per_s=round(tps, 1), lr=float(getattr(prog, "lr", self.cfg.optim.lr)), **fields)
+                         tokens_per_s=round(tps, 1), lr=prog.lr, **fields)
                 losses, step_time, timed = [], 0.0, 0
             if (t.eval_interval and s % t.eval_interval == 0) or s == t.steps:
                 val = self.evaluate()
                 self.echo(f"step {s:>{width}}: val loss {val:.4f}")
                 self.log(event="val", step=s, val_loss=val)
+                self.track_best(val)
             if t.sample_interval and s % t.sample_interval == 0:
                 self.echo(f"--- sample at step {s} ---\n{self.sample()}\n---")
             if (t.checkpoint_interval and s % t.checkpoint_interval == 0) or s == t.steps:

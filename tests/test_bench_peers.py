@@ -191,3 +191,16 @@ def test_ratios_and_table():
 def test_timeout_gives_error_row():
     row = harness.measure("micrograd", "E1", reps=1, min_time=0.01, timeout=0.01)
     assert row["status"].startswith("error: timeout") and row["time_s"] is None
+
+
+def test_many_rows_calibrate_after_the_compile_on_a_cold_cache(tmp_path, monkeypatch):
+    """btjit.many on an empty compile cache: f.many is compiled in make(), not inside the calibration, and
+    at least one native chunk of rows is timed (a cold run once calibrated to 1-2 rows: "2.14 µs per row")."""
+    from btjit.bench.btjit_scalar import CHUNK
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("BTJIT_CACHE_DIR", str(cache))
+    for wid in ("E1", "E2"):
+        row = harness.measure("btjit.many", wid, reps=1, min_time=0.01, timeout=600)
+        assert row["status"] == "ok" and row["check_ok"], row
+        assert row["iters"] >= CHUNK and row["loop"] == "runner.run(n)", row
+    assert any(cache.rglob("*.nbi"))                  # the cache was cold: this test compiled into it

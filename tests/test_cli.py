@@ -256,11 +256,9 @@ def test_nonfinite_loss_stops_or_skips(setup, gpt, monkeypatch):
 def test_failed_checkpoint_write_stops_with_last_good(setup, gpt, monkeypatch):
     cfg, data, tmp = setup
     real = K.write_atomic
-    n = {"saves": 0}
 
-    def flaky(path, arrays):
-        n["saves"] += 1
-        if n["saves"] == 2:
+    def flaky(path, arrays):                  # the second checkpoint (best.npz writes go through too)
+        if path.name == "ckpt_00000020.npz":
             raise K.CheckpointError(f"cannot write checkpoint {path}: no space left on device")
         return real(path, arrays)
     monkeypatch.setattr(K, "write_atomic", flaky)
@@ -272,14 +270,22 @@ def test_failed_checkpoint_write_stops_with_last_good(setup, gpt, monkeypatch):
 def test_sample(setup, gpt):
     cfg, data, tmp = setup
     assert run("train", cfg, "--data", data, "--out", tmp / "a").exit_code == 0
-    a = run("sample", tmp / "a", "--n", 40, "--seed", 1, "--prompt", "the ")
-    b = run("sample", K.path_for(tmp / "a", 30), "--n", 40, "--seed", 1, "--prompt", "the ")
-    assert a.exit_code == 0 and a.output == b.output, a.output
-    text = a.output[:-1]                                         # echo adds "\n"
+    a = run("sample", tmp / "a", "--n", 40, "--seed", 1, "--prompt", "the ")    # the run dir: its best.npz
+    b = run("sample", tmp / "a" / "best.npz", "--n", 40, "--seed", 1, "--prompt", "the ")
+    best = K.load(tmp / "a" / "best.npz")
+    vals = {e["step"]: e["val_loss"] for e in metrics(tmp / "a") if e["event"] == "val" and e["step"] > 0}
+    assert best.meta["best"] == {"step": min(vals, key=vals.get), "val_loss": min(vals.values())}
+    assert a.exit_code == 0 and a.stdout == b.stdout and a.stdout, a.output
+    assert f"using {tmp / 'a' / 'best.npz'} (step {best.step}, val loss" in a.stderr and not b.stderr
+    (tmp / "a" / "best.npz").write_bytes(b"PK\x03\x04 damaged")                 # falls back to the newest
+    c = run("sample", tmp / "a", "--n", 40, "--seed", 1, "--prompt", "the ")
+    d = run("sample", K.path_for(tmp / "a", 30), "--n", 40, "--seed", 1, "--prompt", "the ")
+    assert c.exit_code == 0 and c.stdout == d.stdout and "using the newest checkpoint instead" in c.stderr
+    text = a.stdout[:-1]                                         # echo adds "\n"
     assert len(text) == 44 and text.startswith("the ") and set(text) <= set(corpus())
     g1 = run("sample", tmp / "a", "--n", 20, "--temperature", 0, "--seed", 1)
     g2 = run("sample", tmp / "a", "--n", 20, "--temperature", 0, "--seed", 2, "--top-k", 1)
-    assert g1.output == g2.output                                # greedy ignores the seed
+    assert g1.stdout == g2.stdout                                # greedy ignores the seed
     assert_error(run("sample", tmp / "a", "--prompt", "the Zebra"), "prompt character 'Z'")
     assert_error(run("sample", tmp / "a", "--temperature", -1), "--temperature must be >= 0")
 
@@ -340,6 +346,6 @@ def test_mlp_on_lines_trains_and_samples_names(tmp_path):
     assert ck.meta["vocab"] == ["."] + sorted("aeioulmnrst")
     res = run("sample", tmp_path / "m", "--n", 60, "--prompt", "a", "--seed", 3)
     assert res.exit_code == 0, res.output
-    lines = res.output.splitlines()
+    lines = res.stdout.splitlines()
     assert lines and all(l.startswith("a") and set(l) <= set("aeioulmnrst") for l in lines)
     assert_error(run("sample", tmp_path / "m", "--prompt", "a.b"), "prompt character '.'")

@@ -1,5 +1,7 @@
 # tests/test_config.py -- the TOML run config (btjit/config.py): the shipped configs hold the paper's
-# E5/E6 settings; every kind of bad input gives a ConfigError naming the problem; overrides; round trips.
+# E5/E6 settings (gpt3_tiny: the E6 model with the AdamW + cosine recipe); every kind of bad input, the
+# impossible LR schedules included, gives a ConfigError naming the key and the allowed values; overrides;
+# round trips.
 from pathlib import Path
 
 import pytest
@@ -22,14 +24,25 @@ def err(text, overrides=(), tmp_path=None):
     return str(e.value)
 
 
-def test_gpt3_tiny_is_paper_e6():
-    c = C.load(CONFIGS / "gpt3_tiny.toml")
+def test_paper_e6_is_the_papers_run():
+    c = C.load(CONFIGS / "paper_e6.toml")
     m, t, o = c.model, c.train, c.optim
     assert (m.kind, m.n_layer, m.n_head, m.n_embd, m.block_size, m.activation) == ("gpt", 6, 6, 24, 8, "relu")
-    assert (t.batch_size, t.steps, t.seed, t.dtype) == (64, 3000, 1337, "float32")
+    assert (t.batch_size, t.grad_accum, t.steps, t.seed, t.dtype) == (64, 1, 3000, 1337, "float32")
     assert (o.name, o.lr, o.momentum, o.weight_decay, o.clip_norm) == ("sgd", 3e-4, 0.0, 0.0, 0.0)
+    assert (o.schedule, o.warmup_steps) == ("constant", 0)
     assert c.data.val_fraction == 0.1 and c.data.format == "text" and c.data.path is None
-    assert c == C.Config()          # the dataclass defaults are the paper's E6 too
+    assert c.data.corpus == "tinyshakespeare"
+    d = C.Config()                  # the dataclass defaults are the paper's E6 too (corpus left out: by format)
+    assert (d.model, d.train, d.optim) == (m, t, o) and d.data.corpus is None
+
+
+def test_gpt3_tiny_is_the_paper_model_with_a_recipe_that_learns():
+    c, paper = C.load(CONFIGS / "gpt3_tiny.toml"), C.load(CONFIGS / "paper_e6.toml")
+    assert (c.model, c.train, c.data, c.distributed) == (paper.model, paper.train, paper.data, paper.distributed)
+    o = c.optim
+    assert (o.name, o.lr, o.betas, o.eps, o.weight_decay, o.clip_norm) == ("adamw", 3e-3, (0.9, 0.999), 1e-8, 0.0, 0.0)
+    assert (o.schedule, o.warmup_steps, o.decay_steps, o.lr_min) == ("cosine", 100, 0, 3e-4)
 
 
 def test_makemore_mlp_is_paper_e5():
@@ -37,9 +50,10 @@ def test_makemore_mlp_is_paper_e5():
     m = c.model
     assert (m.kind, m.context, m.n_emb, m.n_hidden) == ("mlp", 16, 64, 1024)
     assert (c.train.batch_size, c.optim.name, c.optim.lr, c.data.format) == (64, "sgd", 0.1, "lines")
+    assert c.data.corpus == "names" and c.optim.schedule == "constant" and c.train.grad_accum == 1
 
 
-@pytest.mark.parametrize("name", ["gpt3_tiny.toml", "makemore_mlp.toml"])
+@pytest.mark.parametrize("name", ["gpt3_tiny.toml", "paper_e6.toml", "makemore_mlp.toml"])
 def test_every_key_has_a_comment(name):
     for line in (CONFIGS / name).read_text().splitlines():
         if "=" in line and not line.lstrip().startswith("#"):
@@ -106,9 +120,25 @@ def test_n_embd_not_divisible_by_n_head():
     ("[optim]\nmomentum = 1.5", "optim.momentum"),
     ("[train]\nseed = -1", "train.seed must be >= 0"),
     ('[model]\nkind = "mlp"', 'needs data.format = "lines"'),
+    ('[data]\ncorpus = "shakespeare"', "data.corpus = 'shakespeare' is not one of: tinyshakespeare, names, pydoc"),
+    ("[train]\ngrad_accum = 0", "train.grad_accum must be >= 1, got 0"),
+    ('[optim]\nschedule = "cos"', "optim.schedule = 'cos' is not one of: constant, cosine, linear"),
+    ("[optim]\nwarmup_steps = -5", "optim.warmup_steps must be >= 0, got -5"),
+    ("[optim]\ndecay_steps = -1", "optim.decay_steps must be >= 0, got -1"),
+    ("[optim]\nlr_min = -1e-4", "optim.lr_min must be >= 0, got -0.0001"),
+    ("[train]\nsteps = 100\n[optim]\nwarmup_steps = 100",
+     "optim.warmup_steps = 100 must be less than train.steps (100)"),
+    ("[optim]\nlr = 1e-3\nlr_min = 2e-3", "optim.lr_min = 0.002 must be <= optim.lr (0.001)"),
+    ('[optim]\nschedule = "linear"\nwarmup_steps = 50\ndecay_steps = 50',
+     "optim.decay_steps = 50 must be greater than optim.warmup_steps (50) (or 0 = train.steps)"),
 ])
 def test_bad_values(text, needle):
     assert needle in err(text)
+
+
+def test_schedule_errors_name_the_override(tmp_path):
+    msg = err((CONFIGS / "gpt3_tiny.toml").read_text(), ["train.steps=50"], tmp_path)
+    assert "c.toml" in msg and "optim.warmup_steps = 100 must be less than train.steps (50)" in msg
 
 
 def test_overrides_are_toml_values(tmp_path):
@@ -142,8 +172,10 @@ def test_missing_and_non_utf8_config(tmp_path):
 
 
 def test_dict_and_toml_round_trip():
-    c = C.loads('[model]\nn_layer = 2\n[data]\npath = "x.txt"\n[optim]\nname = "adamw"\nbetas = [0.8, 0.95]\n')
+    c = C.loads('[model]\nn_layer = 2\n[data]\npath = "x.txt"\ncorpus = "pydoc"\n[optim]\nname = "adamw"\n'
+                'betas = [0.8, 0.95]\nschedule = "linear"\nwarmup_steps = 10\nlr_min = 1e-5\n[train]\ngrad_accum = 3\n')
     assert C.Config.from_dict(c.to_dict()) == c
     assert C.loads(c.to_toml()) == c
+    assert (c.data.corpus, c.optim.schedule, c.optim.warmup_steps, c.train.grad_accum) == ("pydoc", "linear", 10, 3)
     d = C.Config().to_dict()
-    assert "path" not in d["data"] and C.loads(C.Config().to_toml()) == C.Config()
+    assert "path" not in d["data"] and "corpus" not in d["data"] and C.loads(C.Config().to_toml()) == C.Config()

@@ -1,6 +1,11 @@
 # tests/test_data.py -- character data (btjit/data.py): vocabulary, encode/decode, the 90/10 split,
-# seeded batches (text: (B,T) shifted by one; lines: makemore samples), the built-in corpus, and the
-# errors for missing, empty, binary, non-UTF-8 and too-short files. Tests make their own small files.
+# seeded batches (text: (B,T) shifted by one; lines: makemore samples), the bundled corpora (checksums,
+# contents, defaults by format), the pydoc corpus, and the errors for missing, empty, binary, non-UTF-8 and
+# too-short files. Tests make their own small files.
+import gzip
+import hashlib
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -58,12 +63,66 @@ def test_batches_follow_rng_state(tmp_path):
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
-def test_builtin_corpus():
+def test_builtin_pydoc_corpus():
     text = D.builtin_text()
     assert len(text) > 300_000 and text == D.builtin_text()
-    ds = D.load(C.Config())
+    ds = D.load(C.loads('[data]\ncorpus = "pydoc"\n'))
     assert ds.name == D.BUILTIN_NAME and len(ds.vocab) == len(set(text))
     assert len(ds.train) + len(ds.val) == len(text)
+
+
+# ---- the bundled corpora (btjit/corpora) ----------------------------------------------------------------
+CORPORA_DIR = Path(D.__file__).resolve().parent / "corpora"
+
+
+@pytest.mark.parametrize("name", list(D.CORPORA))
+def test_bundled_corpus_hashes_to_its_shipped_checksum(name):
+    c = D.CORPORA[name]
+    raw = gzip.decompress((CORPORA_DIR / c.file).read_bytes())
+    assert hashlib.sha256(raw).hexdigest() == c.sha256
+    assert D.corpus_text(name) == raw.decode("utf-8")
+
+
+def test_bundled_corpora_are_the_papers_data():
+    shakespeare, names = D.corpus_text("tinyshakespeare"), D.corpus_text("names")
+    assert len(shakespeare) == 1_115_394 and len(set(shakespeare)) == 65
+    assert shakespeare.startswith("First Citizen:\nBefore we proceed any further, hear me speak.")
+    words = names.split()
+    assert len(words) == 32_033 and words[:3] == ["emma", "olivia", "ava"] and set("".join(words)) == set(
+        "abcdefghijklmnopqrstuvwxyz")
+    lic = (CORPORA_DIR / "LICENSE").read_text()
+    assert "MIT License" in lic and "Andrej Karpathy" in lic
+    size = sum(f.stat().st_size for f in CORPORA_DIR.iterdir())
+    assert size < 600_000, size                   # the installed package grows well under 1 MB
+
+
+def test_default_corpus_by_format():
+    from btjit.sampling import model_for
+    ds = D.load(C.Config())                       # [data] corpus left out, format "text"
+    assert ds.name == "<bundled corpus: Tiny Shakespeare>" and len(ds.vocab) == 65
+    assert ds.vocab.decode(ds.train.x[:14]) == "First Citizen:"
+    module, mcfg = model_for(C.Config().model, len(ds.vocab))
+    assert sum(v.size for v in module.init_params(mcfg, np.random.default_rng(0)).values()) == 46_337   # the paper's
+    ds = D.load(C.loads('[model]\nkind = "mlp"\ncontext = 3\n[data]\nformat = "lines"\n'))
+    assert ds.name == "<bundled corpus: names.txt>" and ds.vocab.chars == ["."] + list("abcdefghijklmnopqrstuvwxyz")
+    assert int(np.sum(ds.train.y == 0)) + int(np.sum(ds.val.y == 0)) == 32_033        # one '.' per name
+    ds = D.load(C.loads('[data]\ncorpus = "names"\n'))     # names as one stream of text also works
+    assert ds.vocab.chars == ["\n"] + list("abcdefghijklmnopqrstuvwxyz")
+
+
+def test_damaged_bundled_corpus_is_a_data_error(monkeypatch):
+    monkeypatch.setitem(D.CORPORA, "names", D.Corpus("names.txt.gz", "0" * 64, "names.txt"))
+    with pytest.raises(DataError, match=r"bundled corpus names \(btjit/corpora/names.txt.gz\) fails its sha256"):
+        D.corpus_text("names")
+    monkeypatch.setitem(D.CORPORA, "names", D.Corpus("nothere.txt.gz", "0" * 64, "names.txt"))
+    with pytest.raises(DataError, match="missing or damaged.*reinstall btjit or pass --data FILE"):
+        D.corpus_text("names")
+
+
+def test_corpus_choices_agree_with_the_config():
+    assert C.CHOICES[("data", "corpus")] == D.CORPUS_NAMES
+    with pytest.raises(DataError, match='corpus = "tinyshakespeare" is running text.*"names" or "pydoc"'):
+        D.load(C.loads('[model]\nkind = "mlp"\n[data]\nformat = "lines"\ncorpus = "tinyshakespeare"\n'))
 
 
 def test_data_path_option_overrides_config(tmp_path):
@@ -163,7 +222,7 @@ def test_lines_errors(tmp_path):
 
 
 def test_builtin_words_for_lines_format():
-    cfg = C.loads('[model]\nkind = "mlp"\ncontext = 3\n[data]\nformat = "lines"\n')
+    cfg = C.loads('[model]\nkind = "mlp"\ncontext = 3\n[data]\nformat = "lines"\ncorpus = "pydoc"\n')
     ds = D.load(cfg)
     assert ds.vocab.chars == ["."] + list("abcdefghijklmnopqrstuvwxyz")
     assert len(ds.train) > 10_000

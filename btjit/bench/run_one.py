@@ -3,8 +3,9 @@
 # line). Thread env vars are set here before any impl is imported (the parent harness also puts them in
 # the child's environment, which is what counts for libraries imported by btjit/__init__.py).
 # Timing: make() (setup_s; the impl's own compile_seconds kept apart), check(), one first step
-# (first_step_s), a calibration that doubles as warm-up and sizes n so one repetition takes >= min_time,
-# then `reps` timed loops of n steps; time_s = median of per-iteration times. The loop is a plain Python
+# (first_step_s), one untimed warm-up of the runner's min_iters iterations (default 1), a calibration from
+# there that sizes n (>= min_iters) so one repetition takes >= min_time, then `reps` timed loops of n
+# steps; time_s = median of per-iteration times. The loop is a plain Python
 # `for` calling step() (~50 ns/call of overhead, included) unless the runner has run(n).
 # Run as a script (`python .../btjit/bench/run_one.py ...`, what the harness does) and a peer's process never
 # executes btjit/__init__.py (which pulls in numba, ~100 MB RSS): a bare `btjit` package stub is registered
@@ -106,11 +107,13 @@ def measure(impl, workload_id, threads=1, reps=5, min_time=0.2, seed=0):
                     step()
             return time.perf_counter() - t
 
-        n, t = 1, timed(1)                                  # calibration = warm-up
+        n0 = max(1, int(getattr(runner, "min_iters", 1)))   # e.g. one f.many chunk: never time fewer
+        timed(n0)                                           # warm-up: nothing first-call is calibrated
+        n, t = n0, timed(n0)                                # calibration
         while t < 0.5 * min_time:
             n = max(2 * n, int(n * 0.6 * min_time / max(t, 1e-9)))
             t = timed(n)
-        n = max(1, round(n * min_time / t))
+        n = max(n0, round(n * min_time / t))
         times = [timed(n) / n for _ in range(reps)]
         row.update(time_s=statistics.median(times), times_s=times, iters=n)
     except Exception as e:
