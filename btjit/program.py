@@ -12,7 +12,7 @@ import warnings
 
 import numpy as np
 
-from .graph import autodiff, fuse, trace as T
+from .graph import autodiff, fuse, fuse_ew, trace as T
 from .graph.ir import Graph, np_dtype, verify
 from .graph.lower import Lowering, lower_eqns
 from .graph.memory import plan as make_plan, storage_roots
@@ -31,7 +31,7 @@ def _arg_names(fn, n):
 
 
 def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=False, dtype="float32", grad=None,
-          replicas=1):
+          replicas=1, fuse_elementwise=True):
     """Trace fn(params, *batch) once and compile it. With an optimizer, `step()` trains; without one,
     `forward()` (and `value_and_grad()` for a scalar output) evaluate. clip_norm: clip gradients by global
     norm. skip_nonfinite: a step whose gradients contain NaN/Inf leaves params and optimizer state untouched
@@ -41,7 +41,10 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     R equal shards; each replica (its own arena, traced for one shard) runs forward and backward on its shard
     on its own thread, then the grads and the loss are averaged and ONE update is applied. That is the step
     on the whole batch exactly when fn's scalar result is a mean over the first batch axis (the mean losses
-    of btjit.models are); fn may return nothing else."""
+    of btjit.models are); fn may return nothing else.
+
+    fuse_elementwise: chains of elementwise ops run as one row each (btjit/graph/fuse_ew.py); False keeps
+    one row per op (the reference the fused chains are tested against)."""
     t0 = time.perf_counter()
     try:
         name = np.dtype(dtype).name
@@ -106,6 +109,8 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     else:
         grads = {}
     pinned = _pin(g, grads)
+    if fuse_elementwise:
+        fuse_ew.fuse_elementwise(g)
     autodiff.eliminate_dead_code(g, list(g.outputs.values()) + list(g.grads.values()))
     g.n_backward = len(g.eqns)
     verify(g, TABLE)
@@ -235,8 +240,8 @@ class Program:
         if dt.kind == "i" and x.dtype != dt and x.size:      # would wrap around in the int32 copy
             lo, hi = int(x.min()), int(x.max())
             if lo < np.iinfo(np.int32).min or hi > np.iinfo(np.int32).max:
-                rng = _allowed(*self._bounds[i]) if i in self._bounds else "the int32 range"
-                raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): index values must be in "
+                rng = _allowed(*self._bounds[i]) if i in self._bounds else "in the int32 range"
+                raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): index values must be "
                                  f"{rng}, got min {lo} max {hi}")
         return x
 

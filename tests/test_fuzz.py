@@ -1,6 +1,8 @@
 """Property-based fuzzing of the whole compiler (hypothesis): random graphs built from the op table's
 user-facing ops — random shapes, broadcasting, fan-out, reductions with keepdims, reshapes, transposes,
-slices, concatenate/split, matmul, softmax, where, take, layer_norm, cross_entropy, attention — each
+slices, concatenate/split, matmul, softmax, where, take, layer_norm, cross_entropy, attention, long
+elementwise chains (fused into one row), take with an index computed from integers (roll, slice, assignment,
+stack, transpose) — each
 checked three ways in float64:
 
   1. the compiled forward (loss and every intermediate value) against a direct numpy evaluation of the
@@ -79,6 +81,7 @@ class NP:
     log_softmax = staticmethod(lambda x, axis=-1: _np_log_softmax(x))
     take = staticmethod(lambda t, i: np.asarray(t)[np.asarray(i)])
     causal_attention = staticmethod(_np_attention)
+    roll, stack = staticmethod(np.roll), staticmethod(np.stack)
 
     @staticmethod
     def layer_norm(x, w, b, eps=1e-5):
@@ -543,9 +546,60 @@ def op_broadcast_to(bld: Builder):
     return bld.add(lambda xp, env, P, B: xp.broadcast_to(env[k], shape), f"broadcast_to(v{k}, {shape})")
 
 
+CHAIN_STEPS = ("tanh", "sigmoid", "scale", "shift", "square", "where", "max")
+
+
+def _chain(xp, v, steps):
+    for s, c in steps:
+        v = {"tanh": lambda: xp.tanh(v), "sigmoid": lambda: xp.sigmoid(v), "scale": lambda: v * c,
+             "shift": lambda: v + c, "square": lambda: v * v * 0.5, "where": lambda: xp.where(v > c, v, v * 0.25),
+             "max": lambda: xp.maximum(v, c)}[s]()
+    return v
+
+
+def op_chain(bld: Builder):
+    """A long elementwise chain on one value (one fused row forward, one backward); the kinks of where and
+    maximum are kept GAP away from every intermediate value."""
+    k = bld.pick()
+    v, steps = bld.vals[k], []
+    for _ in range(bld.i(3, 8)):
+        s, c = bld.choice(CHAIN_STEPS), float(np.round(bld.rng.uniform(-1.5, 1.5), 3))
+        if s in ("where", "max") and np.abs(v - c).min() < GAP:
+            s = "tanh"
+        steps.append((s, c))
+        v = _chain(NP, v, steps[-1:])
+    return bld.add(lambda xp, env, P, B: _chain(xp, env[k], steps), f"chain(v{k}, {steps})", kind="chain")
+
+
+def _int_ix(xp, i, how, hi):
+    if how == "roll":
+        return xp.roll(i, 1, 1)
+    if how == "slice":
+        return i[:, 1:]
+    if how == "assign":                            # makemore's MLP context: rolled, a blank token at column 0
+        j = xp.roll(i, 1, 1)
+        j[:, 0] = hi - 1
+        return j
+    if how == "stack":
+        return xp.stack([i[0], i[-1]], 1)
+    return i.T
+
+
+def op_int_index(bld: Builder):
+    """take with an index computed inside the program from an integer input or constant."""
+    k = bld.pick(lambda v: v.ndim >= 1)
+    if k is None or bld.i(0, 2) == 0:
+        k = bld.new_param((bld.i(1, 6),) + bld.shape(1))
+    rows = bld.vals[k].shape[0]
+    idx = bld.int_index((bld.i(1, 3), bld.i(2, 4)), rows, allow_negative=False)
+    how = bld.choice(["roll", "slice", "assign", "stack", "transpose"])
+    return bld.add(lambda xp, env, P, B: xp.take(env[k], _int_ix(xp, idx(B), how, rows)),
+                   f"take(v{k}, {how}(int index))", kind=f"int {how}")
+
+
 OPS = [op_unary, op_unary, op_binary, op_binary, op_reduce, op_reshape, op_transpose, op_getitem, op_concat,
        op_split, op_matmul, op_softmax, op_where, op_take, op_layer_norm, op_cross_entropy, op_attention,
-       op_broadcast_to]
+       op_broadcast_to, op_chain, op_int_index]
 
 
 @st.composite

@@ -928,3 +928,28 @@ op("linear", infer=_linear_rule, ref=_linear_ref, vjp=_linear_vjp,
           Case((F(5, 3), F(3, 4), F(4)), {"relu": True}), Case((F(2, 8, 24), F(24, 30), F(30)), {"relu": True}),
           Case((F(2, 8, 24), F(24, 30), F(30), F(2, 8, 30)), {"relu": True}),
           Case((F(9, 5), F(5, 8), F(8), F(9, 8)), {"relu": True})])
+
+
+# ----------------------------------------------------------------------------- fused elementwise chains
+def _ew_ref(xs, a):
+    """Evaluate a fused chain's body with the members' own references (xs[0] is its program)."""
+    env = dict(zip(a["ins"], xs[1:]))
+    for op_, attrs, ins, out in a["body"]:
+        env[out] = TABLE[op_].ref([env[i] for i in ins], dict(attrs))[0]
+    return tuple(np.broadcast_to(env[o], a["shape"]).copy() for o in a["outs"])
+
+
+def _lower_ew(e, L):
+    """One k_ew_program row per outer index beyond the program's 4 dims (usually one row)."""
+    from btjit.kernels.fused import MAX_OPERANDS
+    shape = e.attrs["shape"]
+    opers = [(L.off(v), bstrides(v.shape, shape) or (0,)) for v in e.ins[1:]] + \
+        [(L.off(o), cstrides(shape) or (0,)) for o in e.outs]
+    return [L.row("k_ew_program", oprog=L.off(e.ins[0]), **{f"o{k}": offs[k] if k < len(offs) else 0
+                                                             for k in range(MAX_OPERANDS)})
+            for offs, _ in loop_nest(shape or (1,), opers, 4)]
+
+
+# made by graph/fuse_ew.py after autodiff: attrs shape (the iteration space), ins / outs (var ids), body
+op("ew_fused", internal=True, infer=lambda t, a, fd: [(tuple(a["shape"]), fd)] * len(a["outs"]), ref=_ew_ref,
+   lower=_lower_ew)

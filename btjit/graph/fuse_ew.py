@@ -1,0 +1,188 @@
+"""Elementwise fusion: maximal chains of elementwise equations become ONE `ew_fused` equation, lowered to one
+row of the program-interpreting kernel (btjit/kernels/fused.py), so a new chain compiles nothing.
+
+Runs on the whole schedule after autodiff. A group is a set of float elementwise equations (unary, binary
+with broadcasting, where, the *_grad ops, broadcast_to and copy of an operand) with one output shape, the
+iteration space, inside one region (forward or backward). Equations join in schedule order; a group closes
+as soon as an equation outside it reads one of its values (the fused equation sits at its last member's
+place, so every reader must come later). A backward group that needs a value computed inside a forward group
+recomputes it from that group's operands (up to REMAT equations) instead of reading it: the forward group
+then need not store it. Values read outside the group (and the program's outputs, loss and grads) are the
+fused equation's outputs; the others live only in registers.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from btjit.kernels import elementwise as EW
+from btjit.kernels.fused import BIN, LOAD, MAX_OPERANDS, NREG, STORE, WHERE
+
+from .ir import Eqn, Graph
+from .ops import bstrides, cstrides, loop_nest
+
+UNARY = {"neg": EW.U_NEG, "exp": EW.U_EXP, "log": EW.U_LOG, "tanh": EW.U_TANH, "relu": EW.U_RELU,
+         "sigmoid": EW.U_SIGMOID, "sqrt": EW.U_SQRT, "abs": EW.U_ABS}
+BINARY = {"add": EW.B_ADD, "sub": EW.B_SUB, "mul": EW.B_MUL, "div": EW.B_DIV, "maximum": EW.B_MAX,
+          "minimum": EW.B_MIN, "pow2": EW.B_POW, "eq": EW.B_EQ, "gt": EW.B_GT, "ge": EW.B_GE, "lt": EW.B_LT,
+          "le": EW.B_LE, "ne": EW.B_NE, "tanh_grad": EW.B_TANH_GRAD, "relu_grad": EW.B_RELU_GRAD,
+          "sigmoid_grad": EW.B_SIGMOID_GRAD}
+ALIAS = {"copy", "broadcast_to"}        # no instruction: the operand's register (loaded with broadcast strides)
+MAX_MEMBERS = 24
+REMAT = 8
+
+
+def _fusable(e: Eqn) -> bool:
+    if e.op not in UNARY and e.op not in BINARY and e.op not in ALIAS and e.op not in ("where", "pow"):
+        return False
+    return all(v.dtype != "i32" for v in e.ins + e.outs) and len(e.outs) == 1
+
+
+def fuse_elementwise(g: Graph) -> None:
+    eqns = g.eqns
+    n_fwd = g.n_forward
+    producer = {o.id: i for i, e in enumerate(eqns) for o in e.outs}
+    group_of, groups, closed = {}, [], set()
+    remat: dict = {}                     # group -> [forward eqn indices recomputed in it]
+    for i, e in enumerate(eqns):
+        region = i < n_fwd
+        src_groups = {group_of[producer[v.id]] for v in e.ins if producer.get(v.id) in group_of}
+        if not _fusable(e) or e.op in ALIAS and any(producer.get(v.id) in group_of for v in e.ins):
+            closed.update(src_groups)
+            continue
+        shape = e.outs[0].shape
+        join = [k for k in src_groups if k not in closed and groups[k]["shape"] == shape and
+                groups[k]["fwd"] == region]
+        for k in src_groups - set(join):
+            closed.add(k)
+        if join and sum(len(groups[k]["members"]) for k in join) < MAX_MEMBERS:
+            k = join[0]
+            for other in join[1:]:                       # both open: merging them is safe
+                groups[k]["members"] += groups[other]["members"]
+                for j in groups[other]["members"]:
+                    group_of[j] = k
+                groups[other]["members"] = []
+                closed.add(other)
+        else:
+            closed.update(join)
+            k = len(groups)
+            groups.append({"shape": shape, "fwd": region, "members": []})
+        groups[k]["members"].append(i)
+        group_of[i] = k
+        if not region:                                   # recompute forward values instead of reading them
+            for v in e.ins:
+                j = producer.get(v.id)
+                if j is not None and j in group_of and groups[group_of[j]]["fwd"]:
+                    cone = _cone(eqns, producer, group_of, groups, j, shape)
+                    if cone is not None:
+                        remat.setdefault(k, set()).update(cone)
+    keep = {o.id for o in list(g.outputs.values()) + list(g.grads.values())} | ({g.loss.id} if g.loss else set())
+    body = {k: sorted(set(grp["members"]) | remat.get(k, set())) for k, grp in enumerate(groups)
+            if len(grp["members"]) + len(remat.get(k, ())) >= 2}
+    readers: dict = {}
+    for i, e in enumerate(eqns):
+        for v in e.ins:
+            readers.setdefault(v.id, []).append(i)
+
+    def needed(v) -> bool:
+        """Whether a value must be stored: read by an equation whose fused group does not compute it."""
+        return v.id in keep or any(group_of.get(i) not in body or producer[v.id] not in body[group_of[i]]
+                                   for i in readers.get(v.id, ()))
+    while True:                                         # groups the kernel cannot hold stay unfused
+        bad = [k for k in body if _fused_eqn(g, eqns, body[k], groups[k]["members"], needed, dry=True) is None]
+        if not bad:
+            break
+        for k in bad:
+            del body[k]
+    new, n_new_fwd = [], 0
+    for i, e in enumerate(eqns):
+        k = group_of.get(i)
+        if k in body:
+            if i != max(groups[k]["members"]):
+                continue
+            out = [_fused_eqn(g, eqns, body[k], groups[k]["members"], needed)]
+        else:
+            out = [e]
+        new += out
+        n_new_fwd += len(out) if i < n_fwd else 0
+    g.eqns = new
+    g.n_forward = n_new_fwd
+
+
+def _cone(eqns, producer, group_of, groups, j, shape):
+    """The forward group members computing eqns[j]'s value from that group's operands, if all have the
+    iteration shape and there are at most REMAT of them; else None (the value is read from memory)."""
+    cone, todo = set(), [j]
+    k = group_of[j]
+    while todo:
+        t = todo.pop()
+        if t in cone:
+            continue
+        if eqns[t].outs[0].shape != shape or eqns[t].op in ALIAS and eqns[t].ins[0].shape != shape:
+            return None
+        cone.add(t)
+        if len(cone) > REMAT:
+            return None
+        todo += [producer[v.id] for v in eqns[t].ins if group_of.get(producer.get(v.id)) == k]
+    return cone
+
+
+def _fused_eqn(g, eqns, body, members, needed, dry=False):
+    """The ew_fused equation computing eqns[body] (in order) in registers, storing the values of its members
+    `needed` outside (the other body equations are recomputed forward values: their own group stores what
+    is needed); None if it needs more registers or operands than the kernel has (dry: only whether it fits)."""
+    members = set(members)
+    shape = eqns[body[-1]].outs[0].shape
+    ins, outs, reg, instrs, free = [], [], {}, [], list(range(NREG - 1, -1, -1))
+    last = {}
+    for t, j in enumerate(body):
+        for v in eqns[j].ins:
+            last[v.id] = t
+
+    def operand(v):
+        if v.id not in reg:
+            if not free:
+                raise OverflowError
+            ins.append(v)
+            reg[v.id] = free.pop()
+            instrs.append((LOAD, reg[v.id], len(ins) - 1, 0, 0))
+        return reg[v.id]
+
+    def store(o, r):
+        outs.append(o)
+        instrs.append((STORE, 0, r, -len(outs), 0))      # operand index fixed below, once all inputs are known
+    try:
+        for t, j in enumerate(body):
+            e = eqns[j]
+            if e.op == "pow":
+                e = Eqn("pow2", (e.ins[0], g.const(np.asarray(e.attrs["p"]), g.float_dtype)), e.outs)
+            srcs = [operand(v) for v in e.ins]
+            o = e.outs[0]
+            if e.op in ALIAS:
+                reg[o.id] = srcs[0]
+            else:
+                if not free:
+                    raise OverflowError
+                reg[o.id] = d = free.pop()
+                code = UNARY.get(e.op, BIN + BINARY.get(e.op, 0))
+                instrs.append((WHERE, d, *srcs) if e.op == "where" else (code, d, srcs[0], srcs[-1], 0))
+            if j in members and needed(o):
+                store(o, reg[o.id])
+            for v in set(e.ins):                         # registers read for the last time are free again
+                if last.get(v.id, t) == t and not any(r == reg[v.id] and last.get(w, -1) > t for w, r in reg.items()):
+                    free.append(reg[v.id])
+    except OverflowError:
+        return None
+    if len(ins) + len(outs) > MAX_OPERANDS or not outs:
+        return None
+    if dry:
+        return True
+    instrs = [(op, d, x, len(ins) - y - 1, z) if op == STORE else (op, d, x, y, z) for op, d, x, y, z in instrs]
+    opers = [(0, bstrides(v.shape, shape) or (0,)) for v in ins] + [(0, cstrides(shape) or (0,)) for _ in outs]
+    (_, inner), *_ = loop_nest(shape or (1,), opers, 4)
+    prog = [len(instrs), len(opers), *[n for n, _ in inner]] + \
+        [st[q] for q in range(len(opers)) for _, st in inner] + [x for q in instrs for x in q]
+    pvar = g.const(np.array(prog, np.int64).astype(np.int32), "i32")
+    return Eqn("ew_fused", (pvar, *ins), tuple(outs),
+               {"shape": shape, "outs": tuple(o.id for o in outs), "ins": tuple(v.id for v in ins),
+                "body": tuple((eqns[j].op, tuple(sorted(eqns[j].attrs.items())), tuple(v.id for v in eqns[j].ins),
+                               eqns[j].outs[0].id) for j in body)}, eqns[body[-1]].src)
