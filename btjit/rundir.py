@@ -48,8 +48,8 @@ class RunDirLock:
         except OSError:
             holder = _describe(_read(fd))
             os.close(fd)
-            raise RunDirError(f"run dir {self.path.parent} is in use by {holder} (lock file {self.path}); "
-                              f"wait for that run to end or stop it, or pass --out DIR for a new run") from None
+            raise RunDirError(f"run dir {self.path.parent} is in use by {holder}; lock file {self.path}. Wait "
+                              f"for that run to end or stop it, or pass --out DIR for a new run") from None
         prev = _read(fd)
         if prev is not None and prev.get("pid") != os.getpid():
             self.taken_over = prev

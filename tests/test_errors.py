@@ -411,8 +411,11 @@ def test_cli_checkpoint_from_a_newer_format_or_another_model(tmp_path, monkeypat
     # a newer format version: refused by sample and by --resume (never silently skipped)
     monkeypatch.setattr(K, "FORMAT_VERSION", K.FORMAT_VERSION + 1)
     K.save(run, 6, ck.state, ck.meta)
+    K.save_best(run, 6, ck.state, ck.meta)
     monkeypatch.undo()
-    assert "newer than this btjit reads" in invoke("sample", run)
+    assert "best.npz has format version 2, newer than this btjit reads" in invoke("sample", run)   # its best.npz
+    (run / K.BEST).unlink()
+    assert "ckpt_00000006.npz has format version 2, newer than this btjit reads" in invoke("sample", run)
     cfg = tmp_path / "c.toml"
     cfg.write_text((run / "config.toml").read_text())
     msg = invoke("train", cfg, "--data", tmp_path / "text.txt", "--out", run, "--resume")
