@@ -109,9 +109,11 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     else:
         grads = {}
     pinned = _pin(g, grads)
+    live = list(g.outputs.values()) + list(g.grads.values())
+    autodiff.eliminate_dead_code(g, live)
     if fuse_elementwise:
         fuse_ew.fuse_elementwise(g)
-    autodiff.eliminate_dead_code(g, list(g.outputs.values()) + list(g.grads.values()))
+        autodiff.eliminate_dead_code(g, live)
     g.n_backward = len(g.eqns)
     verify(g, TABLE)
     return Program(g, params, optimizer, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas)

@@ -91,7 +91,7 @@ def test_precompiled_entries_are_what_a_new_program_loads(tmp_path, monkeypatch)
     monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     entries = [("k_binary", "f64", None), ("k_unary", "f64", None), ("k_matmul", "f64", None),
-               ("k_reduce", "f64", None), ("k_strided", "f64", None)]
+               ("k_reduce", "f64", None), ("k_strided", "f64", None), ("k_ew_program", "f64", None)]
     lib = library.Library()
     for p in [library.compile_in_process(share) for share in library.shares(entries, 2)]:
         assert p.wait() == 0
@@ -143,7 +143,7 @@ def test_the_executor_runs_library_entries_through_the_table(tmp_path, monkeypat
     a, ia = np.zeros(64), np.array([0, 1, 7, 0, 0, 0], np.int32)
     a[20] = 2.5
     tape = np.array([make_row("k_fill", oout=16, n=3, oc=20),
-                     make_row("k_check_index", oidx=1, n=2, hi=5, oflag=4),
+                     make_row("k_check_index", oidx=1, n=2, hi=5, oflag=4, ok=0),
                      make_row("k_fill", oout=30, n=2, oc=20)], np.int64)
     executor.run(a, ia, tape, lib.tables["f64"], 0, 3)
     assert list(a[16:19]) == [2.5] * 3 and ia[4] == 2 and not a[30:32].any()   # stopped: 7 is not in [0, 5)

@@ -28,7 +28,7 @@ BINARY = {"add": EW.B_ADD, "sub": EW.B_SUB, "mul": EW.B_MUL, "div": EW.B_DIV, "m
           "sigmoid_grad": EW.B_SIGMOID_GRAD}
 ALIAS = {"copy", "broadcast_to"}        # no instruction: the operand's register (loaded with broadcast strides)
 MAX_MEMBERS = 24
-REMAT = 8
+REMAT = 16
 
 
 def _fusable(e: Eqn) -> bool:

@@ -206,8 +206,8 @@ class Library:
     def ensure(self, fd, opcodes) -> "Report":
         """Load the entries of these opcodes; entries missing on disk compile in parallel processes first."""
         t0 = time.perf_counter()
-        want = [(*self.entry_of(int(op)), ) for op in sorted(set(int(o) for o in opcodes))]
-        want = [(n, fd, s) for n, s in want if (n, fd, s) not in self.loaded]
+        uses = [(n, fd, s) for n, s in (self.entry_of(op) for op in sorted(set(int(o) for o in opcodes)))]
+        want = [w for w in uses if w not in self.loaded]
         missing = [w for w in want if not self.cached(*w)]
         mine, *theirs = shares(missing, workers(len(missing)))
         procs = [compile_in_process(share) for share in theirs]
@@ -215,7 +215,7 @@ class Library:
         for p in procs:
             p.wait()
         compiled += [w for w in want if self.load(*w) or any(w in share for share in theirs)]
-        return Report([entry_name(*w) for w in want], [entry_name(*w) for w in compiled],
+        return Report([entry_name(*w) for w in uses], [entry_name(*w) for w in compiled],
                       time.perf_counter() - t0)
 
 
