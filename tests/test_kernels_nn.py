@@ -489,8 +489,9 @@ def run_ce(dt, l, t, g):
     a = ar.build()
     ia = np.full(M + 8, -1, np.int32)
     ia[3:3 + M] = t
-    K.k_ce_fwd(a, ia, row(ol, 3, oloss, op, M, V))
-    K.k_ce_bwd(a, ia, row(op, 3, og, od, M, V))
+    from btjit.graph.ops import IGNORE_NONE
+    K.k_ce_fwd(a, ia, row(ol, 3, oloss, op, M, V, IGNORE_NONE, 0))      # ign: none; red 0: mean
+    K.k_ce_bwd(a, ia, row(op, 3, og, od, M, V, IGNORE_NONE, 0))
     ar.only_wrote("loss", "probs", "dlogits")
     return ar
 

@@ -22,5 +22,6 @@ def run(prog, *batch, upto: str = "backward"):
                for v in e.ins]
         outs = TABLE[e.op].ref(ins, e.attrs)
         for v, val in zip(e.outs, outs):
-            a[prog.plan.off[v.id]:][:v.size] = np.asarray(val, dtype=a.dtype).ravel()
+            arena = ia if v.dtype == "i32" else a
+            arena[prog.plan.off[v.id]:][:v.size] = np.asarray(val, dtype=arena.dtype).ravel()
     return a, ia
