@@ -1,9 +1,10 @@
-# btjit/train.py -- the training loop of `btjit train`: data, model, one traced program (btjit.trace), the
+# btjit/train.py -- the training loop of `btjit train`: data, model (btjit.models.registry; the user's model
+# file is copied into the run dir, and --resume uses that copy), one traced program (btjit.trace), the
 # start-up banner, the LR of each step and gradient accumulation (btjit.schedule), progress lines, val loss,
 # the best-val checkpoint, samples, the JSONL metrics log, checkpoints, Ctrl+C (finish the step, save, exit
 # 0), --resume (bit-exact: the batch RNG state is checkpointed) and NaN/Inf handling. Not here: the run dir
-# checks and lock (btjit.rundir), the compiler (btjit.trace), the models (btjit.models), argument parsing
-# (btjit.cli). Errors are TrainError (or Config/Data/CheckpointError), one line each.
+# checks and lock (btjit.rundir), the compiler (btjit.trace), the models (btjit.models, btjit.usermodel),
+# argument parsing (btjit.cli). Errors are TrainError (or Config/Data/CheckpointError, ModelFileError), one line each.
 from __future__ import annotations
 
 import json
@@ -79,6 +80,7 @@ class Trainer:
     def _setup(self, cfg, data_path, resume, threads):
         t = cfg.train
         self._prepare(resume)
+        self.model_file = self._load_model_file()
         self.threads = set_threads(threads if threads is not None else t.threads)
         vocab = data_mod.Vocab(self.resumed.meta["vocab"]) if self.resumed else None
         self.ds = data_mod.load(cfg, data_path, vocab)
@@ -126,7 +128,33 @@ class Trainer:
         ckpt_mod.check_compatible(ckpt_mod.Checkpoint(ck.path, ck.step, state, ck.meta), self.prog.state_dict())
         self.prog.load_state_dict(state)
 
+    def _load_model_file(self):
+        """kind "python": the user's model file (a new run) or the run dir's copy of it (--resume)."""
+        from btjit import usermodel
+        m = self.cfg.model
+        if m.kind != "python":
+            return None
+        if not self.resumed:
+            return usermodel.read(m.file)
+        saved = self.resumed.meta.get("model_file") or {}
+        copy = self.run_dir / saved.get("name", Path(m.file).name)
+        if not copy.is_file():
+            raise TrainError(f"--resume: the run's copy of the model file, {copy}, is missing (the run uses it, "
+                             f"not {m.file})")
+        mf = usermodel.read(copy)
+        if saved.get("sha256") not in (None, mf.sha256):
+            self.echo(f"warning: {copy} was edited after {self.resumed.path.name} was written; resuming with it")
+        try:
+            edited = Path(m.file).read_text(encoding="utf-8") != mf.source
+        except (OSError, UnicodeDecodeError):
+            edited = True
+        if edited:
+            self.echo(f"note: resuming with the run's copy of the model file, {copy} ({m.file} differs or is gone)")
+        return mf
+
     def _write_run_files(self, resume):
+        if self.model_file is not None:
+            self.model_file.copy_into(self.run_dir)
         if resume:
             trim_metrics(self.metrics_path, self.step)
         (self.run_dir / CONFIG_FILE).write_text(
@@ -142,7 +170,7 @@ class Trainer:
             raise TrainError(f"--resume: no valid checkpoint in {self.run_dir}")
         saved = ck.meta.get("config", {}).get("model", {})
         now = self.cfg.to_dict()["model"]
-        diff = [k for k in now if saved.get(k) != now[k]]
+        diff = [k for k in now if saved.get(k) != now[k] and k != "file"]   # file: the run dir's copy is used
         if diff:
             k = diff[0]
             raise TrainError(f"--resume: {ck.path.name} was trained with model.{k} = {saved.get(k)!r}, "
@@ -152,22 +180,26 @@ class Trainer:
         return ck
 
     def _build_program(self):
-        from btjit.sampling import model_for
+        from btjit.models.registry import model_for
         cfg, t, o = self.cfg, self.cfg.train, self.cfg.optim
-        self.module, self.mcfg = model_for(cfg.model, len(self.ds.vocab))
-        params = self.module.init_params(self.mcfg, self.param_rng)
+        self.model = model_for(cfg.model, len(self.ds.vocab), self.model_file, cfg.data.format)
+        params = self.model.init_params(self.param_rng)
         if o.name == "sgd":
             opt = btjit.optim.SGD(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
         else:
             opt = btjit.optim.AdamW(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
         x, y = self.ds.batch("train", self.local_batch_size, np.random.default_rng(0))
+        # replicas average their losses: the same step exactly when the loss is a mean over the batch (gpt, mlp);
+        # not for a mean over the kept (ignore_index) targets, nor for a model file's loss
+        replicas = btjit.replicas_for(len(y), y.size, self.threads) if self.model.mean_over_batch else 1
         t0 = time.perf_counter()
-        self.prog = btjit.trace(self.module.loss_fn(self.mcfg), params, x, y, optimizer=opt,
-                                clip_norm=o.clip_norm or None, dtype=t.dtype,
-                                skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
-                                replicas=btjit.replicas_for(len(y), y.size, self.threads))  # losses are means
+        with self.model.guard("loss(p, x, y)"):
+            self.prog = btjit.trace(self.model.loss, params, x, y, optimizer=opt,
+                                    clip_norm=o.clip_norm or None, dtype=t.dtype,
+                                    skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
+                                    replicas=replicas)
         self.build_seconds = time.perf_counter() - t0
-        self.tokens_per_step = (x.size if cfg.model.kind == "gpt" else len(y)) * t.grad_accum   # all micro-batches
+        self.tokens_per_step = (len(y) if self.model.format == "lines" else x.size) * t.grad_accum   # all micro-batches
 
     def banner(self):
         import numba
@@ -177,9 +209,7 @@ class Trainer:
         except metadata.PackageNotFoundError:
             ver = "dev"
         p, m, t, o = self.prog, self.cfg.model, self.cfg.train, self.cfg.optim
-        arch = (f"gpt {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {m.block_size}, "
-                f"{m.activation}" if m.kind == "gpt" else
-                f"mlp context {m.context}, n_emb {m.n_emb}, n_hidden {m.n_hidden}")
+        arch = self.model.arch
         tr, cs = getattr(p, "trace_seconds", 0.0), getattr(p, "compile_seconds", 0.0)
         plan = getattr(p, "plan_seconds", None)
         times = f"trace {tr:.2f} s + " + (f"plan {plan:.2f} s + " if plan is not None else "") + \
@@ -215,16 +245,19 @@ class Trainer:
     def sample(self) -> str:
         from btjit.sampling import Sampler
         if self.sampler is None:
-            self.sampler = Sampler(self.cfg.model, self.ds.vocab, self.prog.params, self.cfg.train.dtype)
+            self.sampler = Sampler(self.model, self.ds.vocab, self.prog.params, self.cfg.train.dtype)
         else:
             self.sampler.set_params(self.prog.params)
         return self.sampler.generate("", self.cfg.train.sample_chars, self.sample_rng)
 
     def meta(self) -> dict:
         """The metadata of a checkpoint written now."""
-        return {"rng_state": ckpt_mod.rng_state(self.rng), "config": self.cfg.to_dict(),
+        meta = {"rng_state": ckpt_mod.rng_state(self.rng), "config": self.cfg.to_dict(),
                 "vocab": self.ds.vocab.chars, "data": self.ds.name, "n_params": int(self.prog.n_params),
                 "best": self.best}
+        if self.model_file is not None:
+            meta["model_file"] = self.model_file.meta()
+        return meta
 
     def track_best(self, val: float) -> None:
         """After a val loss at step > 0: write best.npz when it is the lowest so far (a tie keeps the older)."""
