@@ -39,7 +39,7 @@ class Sampler:
         self.format, self.vocab, self.model = model.format, vocab, model
         self.block = model.cfg.context if self.format == "lines" else model.cfg.block_size
         example = np.zeros((1, self.block), dtype=np.int32)
-        with model.guard("logits(p, x) (for samples)"):
+        with model.guard("tracing logits(p, x) (for samples)"):
             self.fwd = btjit.trace(model.logits, params, example, optimizer=None, dtype=dtype)
         want = (1, len(vocab)) if self.format == "lines" else (1, self.block, len(vocab))
         got = tuple(self.fwd.graph.outputs["out"].shape)

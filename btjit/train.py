@@ -193,7 +193,7 @@ class Trainer:
         # not for a mean over the kept (ignore_index) targets, nor for a model file's loss
         replicas = btjit.replicas_for(len(y), y.size, self.threads) if self.model.mean_over_batch else 1
         t0 = time.perf_counter()
-        with self.model.guard("loss(p, x, y)"):
+        with self.model.guard("tracing loss(p, x, y)"):
             self.prog = btjit.trace(self.model.loss, params, x, y, optimizer=opt,
                                     clip_norm=o.clip_norm or None, dtype=t.dtype,
                                     skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)

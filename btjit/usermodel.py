@@ -108,11 +108,17 @@ def guard(name: str, filename: str, what: str):
         raise ModelFileError(f"{where}: {what} raised {type(e).__name__}: {e}") from None
 
 
-def namespace(model_cfg, vocab_size: int) -> types.SimpleNamespace:
+class ModelCfg(types.SimpleNamespace):
     """The cfg given to the user's functions: vocab_size, every [model] key (the built-in ones with their
     defaults, e.g. cfg.block_size, cfg.n_embd) and the user's own keys (cfg.my_key)."""
+
+    def __getattr__(self, name):
+        raise AttributeError(f"cfg has no key {name!r}: add it to [model] (cfg has {', '.join(vars(self))})")
+
+
+def namespace(model_cfg, vocab_size: int) -> ModelCfg:
     d = {f.name: getattr(model_cfg, f.name) for f in fields(model_cfg) if f.name != "extra"}
-    return types.SimpleNamespace(**d, **model_cfg.extra, vocab_size=vocab_size)
+    return ModelCfg(**d, **model_cfg.extra, vocab_size=vocab_size)
 
 
 def _with_cfg(fn, n_args: int, cfg):

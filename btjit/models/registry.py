@@ -62,4 +62,4 @@ def model_for(m, vocab_size: int, model_file=None, data_format: str | None = Non
              "bow": f", n_embd {m.n_embd}, n_embd2 {m.n_embd2}",
              "transformer": f", {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}"}[m.kind]
     return Model(m.kind, c, mm.init_params, mm.loss, mm.logits, "words",
-                 f"makemore {m.kind}{sizes}, block {m.block_size}", False)
+                 f"makemore {m.kind.replace('makemore_', '')}{sizes}, block {m.block_size}", False)
