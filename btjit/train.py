@@ -3,8 +3,8 @@
 # start-up banner, the LR of each step and gradient accumulation (btjit.schedule), progress lines, val loss,
 # the best-val checkpoint, samples, the JSONL metrics log, checkpoints, Ctrl+C (finish the step, save, exit
 # 0), --resume (bit-exact: the batch RNG state is checkpointed) and NaN/Inf handling. Not here: the run dir
-# checks and lock (btjit.rundir), the compiler (btjit.trace), the models (btjit.models, btjit.usermodel),
-# argument parsing (btjit.cli). Errors are TrainError (or Config/Data/CheckpointError, ModelFileError), one line each.
+# checks and lock (btjit.rundir), the compiler (btjit.trace), the models (btjit.models, btjit.usermodel), argument
+# parsing (btjit.cli). Errors are TrainError (or Config/Data/CheckpointError, ModelFileError), one line each.
 from __future__ import annotations
 
 import json
@@ -23,6 +23,7 @@ from btjit import checkpoint as ckpt_mod
 from btjit import data as data_mod
 from btjit import rundir
 from btjit import schedule as sched_mod
+from btjit import usermodel
 from btjit.checkpoint import CheckpointError
 from btjit.config import Config
 
@@ -80,7 +81,7 @@ class Trainer:
     def _setup(self, cfg, data_path, resume, threads):
         t = cfg.train
         self._prepare(resume)
-        self.model_file = self._load_model_file()
+        self.model_file = usermodel.for_run(cfg.model, self.run_dir, self.resumed, self.echo)   # kind "python"
         self.threads = set_threads(threads if threads is not None else t.threads)
         vocab = data_mod.Vocab(self.resumed.meta["vocab"]) if self.resumed else None
         self.ds = data_mod.load(cfg, data_path, vocab)
@@ -128,30 +129,6 @@ class Trainer:
         ckpt_mod.check_compatible(ckpt_mod.Checkpoint(ck.path, ck.step, state, ck.meta), self.prog.state_dict())
         self.prog.load_state_dict(state)
 
-    def _load_model_file(self):
-        """kind "python": the user's model file (a new run) or the run dir's copy of it (--resume)."""
-        from btjit import usermodel
-        m = self.cfg.model
-        if m.kind != "python":
-            return None
-        if not self.resumed:
-            return usermodel.read(m.file)
-        saved = self.resumed.meta.get("model_file") or {}
-        copy = self.run_dir / saved.get("name", Path(m.file).name)
-        if not copy.is_file():
-            raise TrainError(f"--resume: the run's copy of the model file, {copy}, is missing (the run uses it, "
-                             f"not {m.file})")
-        mf = usermodel.read(copy)
-        if saved.get("sha256") not in (None, mf.sha256):
-            self.echo(f"warning: {copy} was edited after {self.resumed.path.name} was written; resuming with it")
-        try:
-            edited = Path(m.file).read_text(encoding="utf-8") != mf.source
-        except (OSError, UnicodeDecodeError):
-            edited = True
-        if edited:
-            self.echo(f"note: resuming with the run's copy of the model file, {copy} ({m.file} differs or is gone)")
-        return mf
-
     def _write_run_files(self, resume):
         if self.model_file is not None:
             self.model_file.copy_into(self.run_dir)
@@ -189,15 +166,13 @@ class Trainer:
         else:
             opt = btjit.optim.AdamW(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
         x, y = self.ds.batch("train", self.local_batch_size, np.random.default_rng(0))
-        # replicas average their losses: the same step exactly when the loss is a mean over the batch (gpt, mlp);
-        # not for a mean over the kept (ignore_index) targets, nor for a model file's loss
         replicas = btjit.replicas_for(len(y), y.size, self.threads) if self.model.mean_over_batch else 1
         t0 = time.perf_counter()
         with self.model.guard("tracing loss(p, x, y)"):
             self.prog = btjit.trace(self.model.loss, params, x, y, optimizer=opt,
                                     clip_norm=o.clip_norm or None, dtype=t.dtype,
                                     skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
-                                    replicas=replicas)
+                                    replicas=replicas)      # replicas average losses: only for a mean over the batch
         self.build_seconds = time.perf_counter() - t0
         self.tokens_per_step = (len(y) if self.model.format == "lines" else x.size) * t.grad_accum   # all micro-batches
 
@@ -208,8 +183,7 @@ class Trainer:
             ver = metadata.version("btjit")
         except metadata.PackageNotFoundError:
             ver = "dev"
-        p, m, t, o = self.prog, self.cfg.model, self.cfg.train, self.cfg.optim
-        arch = self.model.arch
+        p, t, o = self.prog, self.cfg.train, self.cfg.optim
         tr, cs = getattr(p, "trace_seconds", 0.0), getattr(p, "compile_seconds", 0.0)
         plan = getattr(p, "plan_seconds", None)
         times = f"trace {tr:.2f} s + " + (f"plan {plan:.2f} s + " if plan is not None else "") + \
@@ -218,7 +192,7 @@ class Trainer:
         self.echo(f"btjit {ver} | numba {numba.__version__} | numpy {np.__version__} | "
                   f"threads {self.threads}" + (f" ({reps} data-parallel replicas)" if reps > 1 else "") +
                   f" | {t.dtype}")
-        self.echo(f"model: {arch} | {p.n_params:,} params | arena {p.arena_bytes / 1e6:.2f} MB")
+        self.echo(f"model: {self.model.arch} | {p.n_params:,} params | arena {p.arena_bytes / 1e6:.2f} MB")
         self.echo(self.ds.describe())
         accum = f" x {t.grad_accum} micro-batches = {t.batch_size * t.grad_accum}" if t.grad_accum > 1 else ""
         self.echo(f"optim: {o.name} {sched_mod.describe(self.cfg)}" +
@@ -252,12 +226,9 @@ class Trainer:
 
     def meta(self) -> dict:
         """The metadata of a checkpoint written now."""
-        meta = {"rng_state": ckpt_mod.rng_state(self.rng), "config": self.cfg.to_dict(),
+        return {"rng_state": ckpt_mod.rng_state(self.rng), "config": self.cfg.to_dict(),
                 "vocab": self.ds.vocab.chars, "data": self.ds.name, "n_params": int(self.prog.n_params),
-                "best": self.best}
-        if self.model_file is not None:
-            meta["model_file"] = self.model_file.meta()
-        return meta
+                "best": self.best, **({"model_file": self.model_file.meta()} if self.model_file else {})}
 
     def track_best(self, val: float) -> None:
         """After a val loss at step > 0: write best.npz when it is the lowest so far (a tie keeps the older)."""

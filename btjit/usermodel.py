@@ -83,6 +83,31 @@ def from_source(name: str, source: str, path) -> ModelFile:
     return ModelFile(name, source, path, mod)
 
 
+def for_run(model_cfg, run_dir, resumed, echo) -> ModelFile | None:
+    """The model file of a kind "python" run (else None): model.file for a new run; with `resumed` (the
+    checkpoint --resume continues) the run dir's copy, saying so when model.file differs from it."""
+    if model_cfg.kind != "python":
+        return None
+    file = model_cfg.file
+    if resumed is None:
+        return read(file)
+    saved = resumed.meta.get("model_file") or {}
+    copy = Path(run_dir) / saved.get("name", Path(file).name)
+    if not copy.is_file():
+        raise ModelFileError(f"--resume: the run's copy of the model file, {copy}, is missing (the run uses it, "
+                             f"not {file})")
+    mf = read(copy)
+    if saved.get("sha256") not in (None, mf.sha256):
+        echo(f"warning: {copy} was edited after {resumed.path.name} was written; resuming with it")
+    try:
+        edited = Path(file).read_text(encoding="utf-8") != mf.source
+    except (OSError, UnicodeDecodeError):
+        edited = True
+    if edited:
+        echo(f"note: resuming with the run's copy of the model file, {copy} ({file} differs or is gone)")
+    return mf
+
+
 def from_checkpoint(ck) -> ModelFile:
     """The model file kept in a checkpoint's metadata (the source it was trained with)."""
     saved = ck.meta.get("model_file")

@@ -35,7 +35,8 @@ def test_each_kind_trains_and_samples_names(tmp_path, kind):
     (tmp_path / "w.txt").write_text(words())
     res = run("train", tmp_path / "c.toml", "--data", tmp_path / "w.txt", "--out", tmp_path / "r")
     assert res.exit_code == 0, res.output
-    assert f"model: makemore {kind.replace('makemore_', '')}" in res.output and "--- sample at step 20 ---" in res.output
+    assert f"model: makemore {kind.replace('makemore_', '')}" in res.output
+    assert "--- sample at step 20 ---" in res.output
     assert "train 270 / val 30 words" in res.output
     val = [e["val_loss"] for e in metrics(tmp_path / "r") if e["event"] == "val"]
     assert val[-1] < val[0] - 0.3, val

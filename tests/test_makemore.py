@@ -116,7 +116,8 @@ class BoW(nn.Module):
 class Attention(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.c_attn, self.c_proj, self.n_head = nn.Linear(c.n_embd, 3 * c.n_embd), nn.Linear(c.n_embd, c.n_embd), c.n_head
+        self.c_attn, self.c_proj = nn.Linear(c.n_embd, 3 * c.n_embd), nn.Linear(c.n_embd, c.n_embd)
+        self.n_head = c.n_head
         self.register_buffer("bias", torch.tril(torch.ones(c.block_size, c.block_size)).view(1, 1, c.block_size, -1))
 
     def forward(self, x):
@@ -182,7 +183,8 @@ def torch_name(kind, name):
 def build(kind, dtype, seed=0):
     """btjit's init with a little noise (the zero-initialised tables too), loaded into a torch module."""
     rng = np.random.default_rng(seed)
-    params = {k: (v + rng.normal(0, 0.1, v.shape)).astype(dtype) for k, v in M.model(kind, CFG).init_params(seed).items()}
+    params = {k: (v + rng.normal(0, 0.1, v.shape)).astype(dtype)
+              for k, v in M.model(kind, CFG).init_params(seed).items()}
     ref = TORCH[kind](CFG).to(torch.float64 if dtype == np.float64 else torch.float32)
     sd = dict(ref.named_parameters())
     names = {torch_name(kind, k)[0]: k for k in params}

@@ -139,7 +139,8 @@ def test_own_keys_cfg_arguments_and_a_text_model(tmp_path):
     ("ints.py", EXAMPLE.replace('"b": np.zeros(H, np.float32)', '"b": np.zeros(H, np.int64)'),
      ["ints.py: init_params(cfg, rng) must return a dict of name -> numpy float array; 'b' is a ndarray of int64"]),
     ("imports.py", "import numpy\nx = 1 / 0\n", ["imports.py:2: executing the model file raised ZeroDivisionError"]),
-    ("shape.py", EXAMPLE.replace('    return btjit.stack(hs, 1) @ p["head"]', '    return (btjit.stack(hs, 1) @ p["head"])[:, 0]')
+    ("shape.py", EXAMPLE.replace('    return btjit.stack(hs, 1) @ p["head"]',
+                                 '    return (btjit.stack(hs, 1) @ p["head"])[:, 0]')
      .replace("    lg = logits(p, x)\n", "    lg = btjit.stack([logits(p, x)] * x.shape[1], 1)\n"),
      ["shape.py: logits(p, x) of x (1, 8) must return shape (1, 8, 12)", 'data.format = "words", got (1, 12)']),
 ])
@@ -159,4 +160,5 @@ def test_model_file_of_another_kind_and_its_own_keys_are_config_errors(setup):
     cfg.write_text(config().replace('kind = "python"', 'kind = "rnn"').replace("hidden = 16\n", ""))
     assert_error(run("train", cfg, "--data", data), 'model.file is only used with model.kind = "python"')
     cfg.write_text(config().replace('kind = "python"\nfile = "mymodel.py"\n', ""))
-    assert_error(run("train", cfg, "--data", data), "unknown key model.hidden", 'your own keys need model.kind = "python"')
+    assert_error(run("train", cfg, "--data", data), "unknown key model.hidden",
+                 'your own keys need model.kind = "python"')
