@@ -23,7 +23,8 @@ class CLIError(Exception):
 
 def _known_errors():
     from btjit.train import TrainError
-    return (ConfigError, DataError, CheckpointError, TrainError, CLIError)
+    from btjit.usermodel import ModelFileError
+    return (ConfigError, DataError, CheckpointError, TrainError, CLIError, ModelFileError)
 
 
 class BtjitGroup(click.Group):
@@ -137,7 +138,7 @@ def _load_checkpoint(path: Path):
 
 @cli.command()
 @click.argument("ckpt", type=click.Path(path_type=Path))
-@click.option("--prompt", default="", help="Text to start from (GPT) or the start of each name (MLP).")
+@click.option("--prompt", default="", help="Text to start from (GPT), or the start of each word (one word per line).")
 @click.option("--n", "n_chars", type=int, default=500, show_default=True, help="Characters to generate.")
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Sample among the k likeliest (0 = all).")
@@ -162,10 +163,14 @@ def sample(ckpt, prompt, n_chars, temperature, top_k, seed, debug):
         vocab = Vocab(ck.meta["vocab"])
     except KeyError as e:
         raise CheckpointError(f"checkpoint {ck.path} has no {e.args[0]} entry") from None
-    module, mcfg = model_for(cfg.model, len(vocab))
-    expected = module.init_params(mcfg, np.random.default_rng(0))
+    model_file = None
+    if cfg.model.kind == "python":                  # the model file the run was trained with, kept in ck.meta
+        from btjit import usermodel
+        model_file = usermodel.from_checkpoint(ck)
+    model = model_for(cfg.model, len(vocab), model_file, cfg.data.format)
+    expected = model.init_params(np.random.default_rng(0))
     check_compatible(ck, {f"param/{k}": v for k, v in expected.items()}, prefix="param/")
-    sampler = Sampler(cfg.model, vocab, ck.params, cfg.train.dtype)
+    sampler = Sampler(model, vocab, ck.params, cfg.train.dtype)
     sampler.check_prompt(prompt)
     rng = np.random.default_rng(cfg.train.seed if seed is None else seed)
     click.echo(sampler.generate(prompt, n_chars, rng, temperature, top_k))

@@ -1,7 +1,9 @@
 # btjit/config.py -- the TOML run configuration of `btjit train`: typed dataclasses for the sections
 # [model] [data] [train] [optim] [distributed], loading with tomllib, `--set section.key=value` overrides, validation
 # with one readable message per error (ConfigError), and to_dict()/from_dict() for the run dir and
-# checkpoints. It holds no training logic and imports nothing heavy (no numpy, no numba).
+# checkpoints. The makemore kinds take makemore's sizes (and data.format "words") for the [model] keys left
+# out; kind = "python" (the user's model file) keeps the user's own [model] keys in ModelConfig.extra.
+# It holds no training logic and imports nothing heavy (no numpy, no numba).
 from __future__ import annotations
 
 import dataclasses
@@ -18,15 +20,23 @@ class ConfigError(Exception):
 
 @dataclass
 class ModelConfig:
-    kind: str = "gpt"              # "gpt" (paper E6) or "mlp" (paper E5, makemore)
-    n_layer: int = 6               # gpt: transformer blocks
-    n_head: int = 6                # gpt: attention heads (head size = n_embd // n_head)
-    n_embd: int = 24               # gpt: embedding width
-    block_size: int = 8            # gpt: context length T
+    kind: str = "gpt"              # "gpt" (paper E6), "mlp" (paper E5), makemore.py's MAKEMORE_KINDS, "python"
+    n_layer: int = 6               # gpt, transformer: transformer blocks
+    n_head: int = 6                # gpt, transformer: attention heads (head size = n_embd // n_head)
+    n_embd: int = 24               # gpt, makemore kinds: embedding width
+    block_size: int = 8            # gpt: context length T; makemore kinds: T >= the longest word + 1
     activation: str = "relu"       # gpt: FFN activation, "relu" or "gelu"
     context: int = 16              # mlp: characters of context (left-padded with '.')
     n_emb: int = 64                # mlp: embedding width per character
     n_hidden: int = 1024           # mlp: hidden units (tanh)
+    n_embd2: int = 64              # makemore kinds: the hidden width (MLP, RNN/GRU state, BoW MLP)
+    file: typing.Optional[str] = None   # python: the model file (relative to the config file's dir)
+    extra: dict = field(default_factory=dict)   # python: the user's own [model] keys (flat in the TOML)
+
+
+MAKEMORE_KINDS = ("bigram", "makemore_mlp", "rnn", "gru", "bow", "transformer")   # btjit.models.makemore.KINDS
+MAKEMORE_DEFAULTS = {"n_layer": 4, "n_head": 4, "n_embd": 64, "n_embd2": 64, "block_size": 16}   # makemore.py's
+FORMAT_OF_KIND = {"gpt": "text", "mlp": "lines", **{k: "words" for k in MAKEMORE_KINDS}}   # python: any format
 
 
 @dataclass
@@ -35,7 +45,7 @@ class DataConfig:
     corpus: typing.Optional[str] = None  # bundled "tinyshakespeare" or "names", or "pydoc" (CPython's pydoc
     #                                      topics); None = tinyshakespeare for format "text", names for "lines"
     val_fraction: float = 0.1           # tail fraction held out for validation
-    format: str = "text"                # "text" (one stream of chars) or "lines" (one word per line)
+    format: str = "text"                # "text" (one stream of chars), "lines" or "words" (one word per line)
 
 
 @dataclass
@@ -89,9 +99,10 @@ class Config:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["optim"]["betas"] = list(d["optim"]["betas"])
-        for k in ("path", "corpus"):        # TOML has no null: a missing key means None
-            if d["data"][k] is None:
-                del d["data"][k]
+        for sec, k in (("data", "path"), ("data", "corpus"), ("model", "file")):   # TOML has no null: left out
+            if d[sec][k] is None:
+                del d[sec][k]
+        d["model"].update(d["model"].pop("extra"))      # the user's own keys, flat in [model]
         return d
 
     @classmethod
@@ -110,15 +121,15 @@ class Config:
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig,
             "distributed": DistributedConfig}
 CHOICES = {
-    ("model", "kind"): ("gpt", "mlp"), ("model", "activation"): ("relu", "gelu"),
-    ("data", "format"): ("text", "lines"), ("train", "dtype"): ("float32", "float64"),
+    ("model", "kind"): ("gpt", "mlp", *MAKEMORE_KINDS, "python"), ("model", "activation"): ("relu", "gelu"),
+    ("data", "format"): ("text", "lines", "words"), ("train", "dtype"): ("float32", "float64"),
     ("train", "on_nonfinite"): ("stop", "skip"), ("optim", "name"): ("sgd", "adamw"),
     ("optim", "schedule"): ("constant", "cosine", "linear"),
     ("data", "corpus"): ("tinyshakespeare", "names", "pydoc"),     # btjit.data.CORPUS_NAMES; None allowed
     ("distributed", "compressor"): ("none", "topk", "randk"),
 }
 POSITIVE = {  # must be >= 1
-    "model": ("n_layer", "n_head", "n_embd", "block_size", "context", "n_emb", "n_hidden"),
+    "model": ("n_layer", "n_head", "n_embd", "block_size", "context", "n_emb", "n_hidden", "n_embd2"),
     "train": ("steps", "batch_size", "grad_accum", "eval_batches", "sample_chars", "log_interval",
               "keep_checkpoints"),
 }
@@ -173,20 +184,44 @@ def _build(d: dict, source: str) -> Config:
         vals = d.get(sec, {})
         if not isinstance(vals, dict):
             raise ConfigError(f"{source}: [{sec}] must be a table, got {vals!r}")
-        hints = typing.get_type_hints(cls)
-        kwargs = {}
+        vals = _kind_defaults(d, sec, vals)
+        hints = {k: t for k, t in typing.get_type_hints(cls).items() if (sec, k) != ("model", "extra")}
+        kwargs, extra = {}, {}
         for k, v in vals.items():
+            if k not in hints and sec == "model" and vals.get("kind") == "python":
+                extra[k] = _own_value(f"model.{k}", v, source)
+                continue
             if k not in hints:
+                hint = ' (your own keys need model.kind = "python")' if sec == "model" else ""
                 raise ConfigError(f"{source}: unknown key {sec}.{k}; allowed in [{sec}]: "
-                                  f"{', '.join(hints)}")
+                                  f"{', '.join(hints)}{hint}")
             try:
                 kwargs[k] = _coerce(f"{sec}.{k}", hints[k], v)
             except ConfigError as e:
                 raise ConfigError(f"{source}: {e}") from None
-        parts[sec] = cls(**kwargs)
+        parts[sec] = cls(**kwargs, **({"extra": extra} if sec == "model" else {}))
     cfg = Config(**parts)
     validate(cfg, source)
     return cfg
+
+
+def _kind_defaults(d: dict, sec: str, vals: dict) -> dict:
+    """A makemore kind: makemore's sizes for the [model] keys left out, and data.format "words" if left out."""
+    kind = d.get("model", {}).get("kind") if isinstance(d.get("model"), dict) else None
+    if kind not in MAKEMORE_KINDS:
+        return vals
+    if sec == "model":
+        return {**MAKEMORE_DEFAULTS, **vals}
+    return {"format": "words", **vals} if sec == "data" else vals
+
+
+def _own_value(key: str, v, source: str):
+    """A value of the user's own [model] key (kind = "python"): a number, string, boolean or list of them."""
+    ok = lambda x: isinstance(x, (bool, int, float, str)) or isinstance(x, list) and all(map(ok, x))  # noqa: E731
+    if not ok(v):
+        raise ConfigError(f"{source}: {key} = {v!r}: your own [model] keys take numbers, strings, booleans or "
+                          f"lists of them, not a {type(v).__name__}")
+    return v
 
 
 def validate(cfg: Config, source: str = "config") -> None:
@@ -205,7 +240,7 @@ def validate(cfg: Config, source: str = "config") -> None:
             if getattr(getattr(cfg, sec), key) < 0:
                 bad(f"{sec}.{key} must be >= 0, got {getattr(getattr(cfg, sec), key)}")
     m, o = cfg.model, cfg.optim
-    if m.kind == "gpt" and m.n_embd % m.n_head != 0:
+    if m.kind in ("gpt", "transformer") and m.n_embd % m.n_head != 0:
         bad(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         bad(f"data.val_fraction must be between 0 and 1 (exclusive), got {cfg.data.val_fraction}")
@@ -213,6 +248,12 @@ def validate(cfg: Config, source: str = "config") -> None:
         bad('model.kind = "mlp" needs data.format = "lines" (one word per line)')
     if m.kind == "gpt" and cfg.data.format != "text":
         bad('model.kind = "gpt" needs data.format = "text"')
+    if m.kind in MAKEMORE_KINDS and cfg.data.format != "words":
+        bad(f'model.kind = "{m.kind}" needs data.format = "words" (one word per line, makemore\'s (B, T) batches)')
+    if m.kind == "python" and not m.file:
+        bad('model.kind = "python" needs model.file, the path of your model file (e.g. file = "mymodel.py")')
+    if m.kind != "python" and m.file is not None:
+        bad(f'model.file is only used with model.kind = "python" (this config has kind = "{m.kind}")')
     if not o.lr > 0.0 or o.lr == float("inf"):
         bad(f"optim.lr must be a positive number, got {o.lr}")
     if not 0.0 <= o.momentum < 1.0:
@@ -266,7 +307,8 @@ def parse_override(item: str) -> tuple[str, str, object]:
 
 
 def load(path, overrides=()) -> Config:
-    """Read a TOML config file, apply `--set` overrides, validate; ConfigError on any problem."""
+    """Read a TOML config file, apply `--set` overrides, validate; ConfigError on any problem. A relative
+    model.file is taken relative to the config file's directory (and stored absolute)."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"config file not found: {p}")
@@ -287,7 +329,11 @@ def load(path, overrides=()) -> Config:
         if not isinstance(table, dict):
             raise ConfigError(f"{p}: [{sec}] must be a table")
         table[key] = value
-    return _build(d, str(p))
+    cfg = _build(d, str(p))
+    if cfg.model.file is not None:
+        f = Path(cfg.model.file).expanduser()
+        cfg.model.file = str(f if f.is_absolute() else (p.parent / f).resolve())
+    return cfg
 
 
 def loads(text: str, source: str = "<string>") -> Config:

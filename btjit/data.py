@@ -1,8 +1,9 @@
 # btjit/data.py -- character-level data for `btjit train`: reading a corpus (a UTF-8 file, one of the
 # corpora bundled in btjit/corpora -- Tiny Shakespeare and names.txt, gzip-compressed and sha256-checked --
 # or CPython's pydoc topics), the vocabulary, encode/decode, the train/val split and seeded batch sampling.
-# Two formats: "text" (one stream of characters, GPT-style (B,T) -> (B,T) batches) and "lines" (one word
-# per line, makemore-style (B,context) -> (B,) samples with '.' as index 0).
+# Three formats: "text" (one stream of characters, GPT-style (B,T) -> (B,T) batches), "lines" (one word per
+# line, makemore-style (B,context) -> (B,) samples with '.' as index 0) and "words" (one word per line,
+# makemore.py's (B,T) -> (B,T) batches: x is 0 then the word, y the word, 0, then -1 = ignored).
 # It knows nothing about models or the compiler; errors are DataError with one readable message.
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ CORPORA = {
     "names": Corpus("names.txt.gz", "0a30b5557f192f32ab962680889aac5f6fda0f4cecf40a6d0b5694f58ea8cc4d", "names.txt"),
 }
 CORPUS_NAMES = (*CORPORA, "pydoc")                      # the values of [data] corpus
-DEFAULT_CORPUS = {"text": "tinyshakespeare", "lines": "names"}   # [data] corpus left out, by data.format
+DEFAULT_CORPUS = {"text": "tinyshakespeare", "lines": "names", "words": "names"}   # [data] corpus left out
+IGNORE = -1         # "words" format: the target after a word's end (cross_entropy(..., ignore_index=-1))
 
 
 def builtin_text() -> str:
@@ -131,7 +133,8 @@ class Vocab:
 
 @dataclass
 class Split:
-    """One split. text: x = the token stream (N,); lines: x (N, context) contexts, y (N,) next chars."""
+    """One split. text: x = the token stream (N,); lines: x (N, context) contexts, y (N,) next chars;
+    words: x, y (N, block_size), one row per word."""
     x: np.ndarray
     y: np.ndarray | None = None
 
@@ -144,12 +147,12 @@ class Dataset:
 
     def __init__(self, fmt, vocab, train, val, block, name, n_chars):
         self.format, self.vocab, self.train, self.val = fmt, vocab, train, val
-        self.block = block            # T for "text", context for "lines"
+        self.block = block            # T for "text" and "words", context for "lines"
         self.name, self.n_chars = name, n_chars
 
     def batch(self, split: str, batch_size: int, rng: np.random.Generator):
         """Draw a batch with `rng` (the only randomness). text: x, y int32 (B,T);
-        lines: x int32 (B,context), y int32 (B,)."""
+        lines: x int32 (B,context), y int32 (B,); words: x, y int32 (B,T), B words drawn with replacement."""
         s = self.train if split == "train" else self.val
         if self.format == "text":
             T = self.block
@@ -162,7 +165,7 @@ class Dataset:
                 np.ascontiguousarray(s.y[ix], dtype=np.int32))
 
     def describe(self) -> str:
-        unit = "tokens" if self.format == "text" else "samples"
+        unit = {"text": "tokens", "lines": "samples", "words": "words"}[self.format]
         return (f"data: {self.name}: {self.n_chars:,} chars, vocab {len(self.vocab)}, "
                 f"train {len(self.train):,} / val {len(self.val):,} {unit}")
 
@@ -210,13 +213,24 @@ def build_samples(words, vocab: Vocab, context: int):
     return (np.array(xs, dtype=np.int32).reshape(-1, context), np.array(ys, dtype=np.int32))
 
 
-def load_lines(path, context: int, val_fraction: float = 0.1, seed: int = 0,
-               vocab: Vocab | None = None, corpus: str = "names") -> Dataset:
-    """"lines" format: one word per line (path None: the corpus; "pydoc" gives its words, builtin_words);
-    words are shuffled with `seed`, split by val_fraction."""
+def build_words(words, vocab: Vocab, block_size: int):
+    """makemore.py's CharDataset: for each word, x = 0 then the word's ids then 0s, y = the word's ids, 0 (the
+    end), then IGNORE; both (N, block_size) int32. Every word must be shorter than block_size."""
+    x = np.zeros((len(words), block_size), np.int32)
+    y = np.full((len(words), block_size), IGNORE, np.int32)
+    for i, w in enumerate(words):
+        ix = [vocab.stoi[c] for c in w]
+        x[i, 1:1 + len(ix)] = ix
+        y[i, :len(ix)] = ix
+        y[i, len(ix)] = 0
+    return x, y
+
+
+def read_words(path, fmt: str, vocab: Vocab | None, corpus: str):
+    """(words shuffled later, vocab, name, n_chars) of a one-word-per-line file or corpus, for `fmt`."""
     if path is None and corpus == "tinyshakespeare":
-        raise DataError('data.corpus = "tinyshakespeare" is running text, not one word per line as '
-                        'data.format = "lines" needs: use corpus "names" or "pydoc", or --data FILE')
+        raise DataError(f'data.corpus = "tinyshakespeare" is running text, not one word per line as '
+                        f'data.format = "{fmt}" needs: use corpus "names" or "pydoc", or --data FILE')
     text, name = read_text(path, corpus)
     if path is None and corpus == "pydoc":
         words = builtin_words(text)
@@ -224,13 +238,18 @@ def load_lines(path, context: int, val_fraction: float = 0.1, seed: int = 0,
         words = [w.strip() for w in text.splitlines() if w.strip()]
     bad = [w for w in words if PAD in w]
     if bad:
-        raise DataError(f"{name}: the 'lines' format reserves {PAD!r} as the word boundary, "
+        raise DataError(f"{name}: the '{fmt}' format reserves {PAD!r} as the word boundary, "
                         f"but the word {bad[0]!r} contains it")
     vocab = vocab or Vocab.from_words(words)
     missing = sorted(set("".join(words)) - set(vocab.chars))
     if missing:
         raise DataError(f"{name}: characters not in the checkpoint's vocabulary: "
                         f"{''.join(missing[:20])!r}")
+    return words, vocab, name, len(text)
+
+
+def split_words(words, seed: int, val_fraction: float, name: str):
+    """Shuffle with `seed`; the last val_fraction of the words is the validation split."""
     order = np.random.default_rng(seed).permutation(len(words))
     words = [words[i] for i in order]
     n = split_point(len(words), val_fraction)
@@ -238,8 +257,31 @@ def load_lines(path, context: int, val_fraction: float = 0.1, seed: int = 0,
     if not tr or not va:
         raise DataError(f"{name}: too short: {len(words)} word(s) cannot be split into train and val "
                         f"with val_fraction {val_fraction}")
+    return tr, va
+
+
+def load_lines(path, context: int, val_fraction: float = 0.1, seed: int = 0,
+               vocab: Vocab | None = None, corpus: str = "names") -> Dataset:
+    """"lines" format: one word per line (path None: the corpus; "pydoc" gives its words, builtin_words);
+    words are shuffled with `seed`, split by val_fraction."""
+    words, vocab, name, n_chars = read_words(path, "lines", vocab, corpus)
+    tr, va = split_words(words, seed, val_fraction, name)
     train, val = Split(*build_samples(tr, vocab, context)), Split(*build_samples(va, vocab, context))
-    return Dataset("lines", vocab, train, val, context, name, len(text))
+    return Dataset("lines", vocab, train, val, context, name, n_chars)
+
+
+def load_words(path, block_size: int, val_fraction: float = 0.1, seed: int = 0,
+               vocab: Vocab | None = None, corpus: str = "names") -> Dataset:
+    """"words" format (makemore.py): one word per line, as for "lines"; one (block_size,) row per word, so the
+    longest word must have at most block_size - 1 characters (names.txt: 15, makemore's block_size 16)."""
+    words, vocab, name, n_chars = read_words(path, "words", vocab, corpus)
+    longest = max(words, key=len)
+    if len(longest) >= block_size:
+        raise DataError(f"{name}: the word {longest[:40]!r} has {len(longest)} characters; data.format = \"words\" "
+                        f"needs model.block_size >= the longest word + 1 = {len(longest) + 1}, got {block_size}")
+    tr, va = split_words(words, seed, val_fraction, name)
+    train, val = Split(*build_words(tr, vocab, block_size)), Split(*build_words(va, vocab, block_size))
+    return Dataset("words", vocab, train, val, block_size, name, n_chars)
 
 
 def load(cfg, data_path=None, vocab: Vocab | None = None) -> Dataset:
@@ -249,4 +291,6 @@ def load(cfg, data_path=None, vocab: Vocab | None = None) -> Dataset:
     corpus = cfg.data.corpus or DEFAULT_CORPUS[cfg.data.format]
     if cfg.data.format == "lines":
         return load_lines(path, cfg.model.context, cfg.data.val_fraction, cfg.train.seed, vocab, corpus)
+    if cfg.data.format == "words":
+        return load_words(path, cfg.model.block_size, cfg.data.val_fraction, cfg.train.seed, vocab, corpus)
     return load_text(path, cfg.model.block_size, cfg.data.val_fraction, vocab, corpus)

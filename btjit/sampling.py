@@ -1,24 +1,14 @@
-# btjit/sampling.py -- from a run config to a model, and text generation with a forward-only program:
-# model_for() maps the [model] section to btjit.models.gpt / btjit.models.mlp, Sampler traces the
-# model's logits function once (batch 1) and draws characters with temperature and top-k from a seeded
-# numpy Generator. Used by `btjit train` (samples during training) and `btjit sample`. No training here.
+# btjit/sampling.py -- text generation with a forward-only program of a model's logits (a Model of
+# btjit.models.registry, whose model_for() maps the [model] section to a model): Sampler traces the logits
+# once (batch 1) and draws characters with temperature and top-k from a seeded numpy Generator, as the model's
+# data format needs: "text" one stream, "lines" and "words" one word per line. Used by `btjit train`
+# (samples during training) and `btjit sample`. No training here.
 from __future__ import annotations
 
 import numpy as np
 
 from btjit.data import PAD, DataError, Vocab
-
-
-def model_for(model_cfg, vocab_size: int):
-    """(models module, its config object) for a btjit.config.ModelConfig."""
-    if model_cfg.kind == "gpt":
-        from btjit.models import gpt
-        return gpt, gpt.GPTConfig(vocab_size=vocab_size, n_layer=model_cfg.n_layer,
-                                  n_head=model_cfg.n_head, n_embd=model_cfg.n_embd,
-                                  block_size=model_cfg.block_size, activation=model_cfg.activation)
-    from btjit.models import mlp
-    return mlp, mlp.MLPConfig(vocab_size=vocab_size, context=model_cfg.context,
-                              n_emb=model_cfg.n_emb, n_hidden=model_cfg.n_hidden)
+from btjit.models.registry import Model, model_for  # noqa: F401  (model_for: its old home)
 
 
 def pick(logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.0, top_k: int = 0) -> int:
@@ -37,18 +27,26 @@ def pick(logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.0,
 
 
 class Sampler:
-    """A batch-1 forward program of the model's logits, for generating text.
-    GPT: the program takes idx (1, block_size); a shorter context is right-padded and the logits are
-    read at its last position (the attention is causal, so padding after it cannot change them).
-    MLP: the program takes x (1, context); names are generated one at a time until '.'."""
+    """A batch-1 forward program of a Model's logits, for generating text, by the model's data format.
+    "text": the program takes idx (1, block_size); a shorter context is right-padded and the logits are read at
+    its last position (the attention is causal, so padding after it cannot change them).
+    "lines": the program takes x (1, context) -> (1, V); names are generated one at a time until '.'.
+    "words" (makemore.py): idx (1, block_size) starting with the start token 0, right-padded, the logits read
+    at the last position; a word ends at token 0 or at block_size - 1 characters (the longest the data holds)."""
 
-    def __init__(self, model_cfg, vocab: Vocab, params: dict, dtype: str = "float32"):
+    def __init__(self, model: Model, vocab: Vocab, params: dict, dtype: str = "float32"):
         import btjit
-        self.kind, self.vocab = model_cfg.kind, vocab
-        self.block = model_cfg.block_size if self.kind == "gpt" else model_cfg.context
-        module, mcfg = model_for(model_cfg, len(vocab))
+        self.format, self.vocab, self.model = model.format, vocab, model
+        self.block = model.cfg.context if self.format == "lines" else model.cfg.block_size
         example = np.zeros((1, self.block), dtype=np.int32)
-        self.fwd = btjit.trace(module.logits_fn(mcfg), params, example, optimizer=None, dtype=dtype)
+        with model.guard("tracing logits(p, x) (for samples)"):
+            self.fwd = btjit.trace(model.logits, params, example, optimizer=None, dtype=dtype)
+        want = (1, len(vocab)) if self.format == "lines" else (1, self.block, len(vocab))
+        got = tuple(self.fwd.graph.outputs["out"].shape)
+        if got != want and model.model_file is not None:
+            from btjit.usermodel import ModelFileError
+            raise ModelFileError(f"{model.model_file.name}: logits(p, x) of x {example.shape} must return shape "
+                                 f"{want} for data.format = \"{self.format}\", got {got}")
         self.set_params(params)
 
     def set_params(self, params: dict) -> None:
@@ -58,26 +56,29 @@ class Sampler:
 
     def _logits(self, ctx: list[int]) -> np.ndarray:
         idx = np.zeros((1, self.block), dtype=np.int32)
-        if self.kind == "gpt":
-            window = ctx[-self.block:]
-            idx[0, :len(window)] = window
-            return np.asarray(self.fwd(idx))[0, len(window) - 1]
-        idx[0, :] = ctx[-self.block:]
-        return np.asarray(self.fwd(idx)).reshape(-1)
+        if self.format == "lines":
+            idx[0, :] = ctx[-self.block:]
+            return np.asarray(self.fwd(idx)).reshape(-1)
+        window = ctx[-self.block:]
+        idx[0, :len(window)] = window
+        return np.asarray(self.fwd(idx))[0, len(window) - 1]
 
     def check_prompt(self, prompt: str) -> None:
         for c in prompt:
-            if c not in self.vocab.stoi or (self.kind == "mlp" and c == PAD):
+            if c not in self.vocab.stoi or (self.format != "text" and c == PAD):
                 raise DataError(f"prompt character {c!r} is not in the model's vocabulary "
                                 f"({len(self.vocab)} characters)")
+        if self.format == "words" and len(prompt) > self.block - 2:
+            raise DataError(f"the prompt has {len(prompt)} characters; this model's words have at most "
+                            f"block_size - 1 = {self.block - 1}, so a prompt at most {self.block - 2}")
 
     def generate(self, prompt: str, n: int, rng: np.random.Generator,
                  temperature: float = 1.0, top_k: int = 0) -> str:
-        """GPT: the prompt followed by n generated characters. MLP: names, one per line, each
+        """"text": the prompt followed by n generated characters. "lines", "words": words, one per line, each
         starting with the prompt, until n characters have been generated."""
         self.check_prompt(prompt)
         ids = [self.vocab.stoi[c] for c in prompt]
-        if self.kind == "gpt":
+        if self.format == "text":
             ctx = ids or [self.vocab.stoi.get("\n", 0)]
             out = []
             for _ in range(n):
@@ -86,9 +87,11 @@ class Sampler:
                 out.append(nxt)
             return prompt + self.vocab.decode(out)
         lines, made = [], 0
+        start = [0] * self.block if self.format == "lines" else [0]
+        longest = 10 * self.block + 100 if self.format == "lines" else self.block - 1 - len(ids)
         while made < n:
-            ctx, word = [0] * self.block + ids, []
-            while made < n and len(word) < 10 * self.block + 100:
+            ctx, word = start + ids, []
+            while made < n and len(word) < longest:
                 nxt = pick(self._logits(ctx), rng, temperature, top_k)
                 made += 1
                 if nxt == 0:

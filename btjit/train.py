@@ -1,9 +1,10 @@
-# btjit/train.py -- the training loop of `btjit train`: data, model, one traced program (btjit.trace), the
+# btjit/train.py -- the training loop of `btjit train`: data, model (btjit.models.registry; the user's model
+# file is copied into the run dir, and --resume uses that copy), one traced program (btjit.trace), the
 # start-up banner, the LR of each step and gradient accumulation (btjit.schedule), progress lines, val loss,
 # the best-val checkpoint, samples, the JSONL metrics log, checkpoints, Ctrl+C (finish the step, save, exit
 # 0), --resume (bit-exact: the batch RNG state is checkpointed) and NaN/Inf handling. Not here: the run dir
-# checks and lock (btjit.rundir), the compiler (btjit.trace), the models (btjit.models), argument parsing
-# (btjit.cli). Errors are TrainError (or Config/Data/CheckpointError), one line each.
+# checks and lock (btjit.rundir), the compiler (btjit.trace), the models (btjit.models, btjit.usermodel), argument
+# parsing (btjit.cli). Errors are TrainError (or Config/Data/CheckpointError, ModelFileError), one line each.
 from __future__ import annotations
 
 import json
@@ -22,6 +23,7 @@ from btjit import checkpoint as ckpt_mod
 from btjit import data as data_mod
 from btjit import rundir
 from btjit import schedule as sched_mod
+from btjit import usermodel
 from btjit.checkpoint import CheckpointError
 from btjit.config import Config
 
@@ -79,6 +81,7 @@ class Trainer:
     def _setup(self, cfg, data_path, resume, threads):
         t = cfg.train
         self._prepare(resume)
+        self.model_file = usermodel.for_run(cfg.model, self.run_dir, self.resumed, self.echo)   # kind "python"
         self.threads = set_threads(threads if threads is not None else t.threads)
         vocab = data_mod.Vocab(self.resumed.meta["vocab"]) if self.resumed else None
         self.ds = data_mod.load(cfg, data_path, vocab)
@@ -127,6 +130,8 @@ class Trainer:
         self.prog.load_state_dict(state)
 
     def _write_run_files(self, resume):
+        if self.model_file is not None:
+            self.model_file.copy_into(self.run_dir)
         if resume:
             trim_metrics(self.metrics_path, self.step)
         (self.run_dir / CONFIG_FILE).write_text(
@@ -142,7 +147,7 @@ class Trainer:
             raise TrainError(f"--resume: no valid checkpoint in {self.run_dir}")
         saved = ck.meta.get("config", {}).get("model", {})
         now = self.cfg.to_dict()["model"]
-        diff = [k for k in now if saved.get(k) != now[k]]
+        diff = [k for k in now if saved.get(k) != now[k] and k != "file"]   # file: the run dir's copy is used
         if diff:
             k = diff[0]
             raise TrainError(f"--resume: {ck.path.name} was trained with model.{k} = {saved.get(k)!r}, "
@@ -152,22 +157,24 @@ class Trainer:
         return ck
 
     def _build_program(self):
-        from btjit.sampling import model_for
+        from btjit.models.registry import model_for
         cfg, t, o = self.cfg, self.cfg.train, self.cfg.optim
-        self.module, self.mcfg = model_for(cfg.model, len(self.ds.vocab))
-        params = self.module.init_params(self.mcfg, self.param_rng)
+        self.model = model_for(cfg.model, len(self.ds.vocab), self.model_file, cfg.data.format)
+        params = self.model.init_params(self.param_rng)
         if o.name == "sgd":
             opt = btjit.optim.SGD(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
         else:
             opt = btjit.optim.AdamW(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
         x, y = self.ds.batch("train", self.local_batch_size, np.random.default_rng(0))
+        replicas = btjit.replicas_for(len(y), y.size, self.threads) if self.model.mean_over_batch else 1
         t0 = time.perf_counter()
-        self.prog = btjit.trace(self.module.loss_fn(self.mcfg), params, x, y, optimizer=opt,
-                                clip_norm=o.clip_norm or None, dtype=t.dtype,
-                                skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
-                                replicas=btjit.replicas_for(len(y), y.size, self.threads))  # losses are means
+        with self.model.guard("tracing loss(p, x, y)"):
+            self.prog = btjit.trace(self.model.loss, params, x, y, optimizer=opt,
+                                    clip_norm=o.clip_norm or None, dtype=t.dtype,
+                                    skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
+                                    replicas=replicas)      # replicas average losses: only for a mean over the batch
         self.build_seconds = time.perf_counter() - t0
-        self.tokens_per_step = (x.size if cfg.model.kind == "gpt" else len(y)) * t.grad_accum   # all micro-batches
+        self.tokens_per_step = (len(y) if self.model.format == "lines" else x.size) * t.grad_accum   # all micro-batches
 
     def banner(self):
         import numba
@@ -176,10 +183,7 @@ class Trainer:
             ver = metadata.version("btjit")
         except metadata.PackageNotFoundError:
             ver = "dev"
-        p, m, t, o = self.prog, self.cfg.model, self.cfg.train, self.cfg.optim
-        arch = (f"gpt {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {m.block_size}, "
-                f"{m.activation}" if m.kind == "gpt" else
-                f"mlp context {m.context}, n_emb {m.n_emb}, n_hidden {m.n_hidden}")
+        p, t, o = self.prog, self.cfg.train, self.cfg.optim
         tr, cs = getattr(p, "trace_seconds", 0.0), getattr(p, "compile_seconds", 0.0)
         plan = getattr(p, "plan_seconds", None)
         times = f"trace {tr:.2f} s + " + (f"plan {plan:.2f} s + " if plan is not None else "") + \
@@ -188,7 +192,7 @@ class Trainer:
         self.echo(f"btjit {ver} | numba {numba.__version__} | numpy {np.__version__} | "
                   f"threads {self.threads}" + (f" ({reps} data-parallel replicas)" if reps > 1 else "") +
                   f" | {t.dtype}")
-        self.echo(f"model: {arch} | {p.n_params:,} params | arena {p.arena_bytes / 1e6:.2f} MB")
+        self.echo(f"model: {self.model.arch} | {p.n_params:,} params | arena {p.arena_bytes / 1e6:.2f} MB")
         self.echo(self.ds.describe())
         accum = f" x {t.grad_accum} micro-batches = {t.batch_size * t.grad_accum}" if t.grad_accum > 1 else ""
         self.echo(f"optim: {o.name} {sched_mod.describe(self.cfg)}" +
@@ -215,7 +219,7 @@ class Trainer:
     def sample(self) -> str:
         from btjit.sampling import Sampler
         if self.sampler is None:
-            self.sampler = Sampler(self.cfg.model, self.ds.vocab, self.prog.params, self.cfg.train.dtype)
+            self.sampler = Sampler(self.model, self.ds.vocab, self.prog.params, self.cfg.train.dtype)
         else:
             self.sampler.set_params(self.prog.params)
         return self.sampler.generate("", self.cfg.train.sample_chars, self.sample_rng)
@@ -224,7 +228,7 @@ class Trainer:
         """The metadata of a checkpoint written now."""
         return {"rng_state": ckpt_mod.rng_state(self.rng), "config": self.cfg.to_dict(),
                 "vocab": self.ds.vocab.chars, "data": self.ds.name, "n_params": int(self.prog.n_params),
-                "best": self.best}
+                "best": self.best, **({"model_file": self.model_file.meta()} if self.model_file else {})}
 
     def track_best(self, val: float) -> None:
         """After a val loss at step > 0: write best.npz when it is the lowest so far (a tie keeps the older)."""

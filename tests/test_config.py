@@ -1,7 +1,8 @@
 # tests/test_config.py -- the TOML run config (btjit/config.py): the shipped configs hold the paper's
-# E5/E6 settings (gpt3_tiny: the E6 model with the AdamW + cosine recipe); every kind of bad input, the
-# impossible LR schedules included, gives a ConfigError naming the key and the allowed values; overrides;
-# round trips.
+# E5/E6 settings (gpt3_tiny: the E6 model with the AdamW + cosine recipe) and makemore.py's defaults
+# (makemore_<kind>.toml); every kind of bad input, the impossible LR schedules included, gives a ConfigError
+# naming the key and the allowed values; overrides; round trips; makemore's sizes for keys left out; the
+# python kind's model file path and the user's own [model] keys.
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,67 @@ def test_makemore_mlp_is_paper_e5():
     assert c.data.corpus == "names" and c.optim.schedule == "constant" and c.train.grad_accum == 1
 
 
-@pytest.mark.parametrize("name", ["gpt3_tiny.toml", "paper_e6.toml", "makemore_mlp.toml"])
+MAKEMORE_CONFIGS = {"bigram": "makemore_bigram.toml", "makemore_mlp": "makemore_mlp_words.toml",
+                    "rnn": "makemore_rnn.toml", "gru": "makemore_gru.toml", "bow": "makemore_bow.toml",
+                    "transformer": "makemore_transformer.toml"}
+
+
+@pytest.mark.parametrize("kind", list(MAKEMORE_CONFIGS))
+def test_makemore_configs_are_makemores_defaults(kind):
+    c = C.load(CONFIGS / MAKEMORE_CONFIGS[kind])
+    m, o, t = c.model, c.optim, c.train
+    assert m.kind == kind and (m.n_layer, m.n_head, m.n_embd, m.n_embd2, m.block_size) == (4, 4, 64, 64, 16)
+    assert (c.data.format, c.data.corpus, c.data.path) == ("words", "names", None)
+    assert (o.name, o.lr, o.betas, o.eps, o.weight_decay, o.schedule, o.clip_norm) == \
+        ("adamw", 5e-4, (0.9, 0.99), 1e-8, 0.01, "constant", 0.0)
+    assert (t.batch_size, t.grad_accum, t.seed) == (32, 1, 3407)
+
+
+def test_makemore_kinds_agree_with_the_models():
+    from btjit.models import makemore
+    assert C.MAKEMORE_KINDS == makemore.KINDS == tuple(MAKEMORE_CONFIGS)
+
+
+def test_makemore_kind_takes_makemores_sizes_for_keys_left_out():
+    c = C.loads('[model]\nkind = "gru"\nn_embd2 = 32\n')
+    m = c.model
+    assert (m.n_layer, m.n_head, m.n_embd, m.n_embd2, m.block_size, c.data.format) == (4, 4, 64, 32, 16, "words")
+    assert C.loads(c.to_toml()) == c
+    assert 'needs data.format = "words"' in err('[model]\nkind = "bow"\n[data]\nformat = "lines"\n')
+    assert "n_embd (64) must be divisible by model.n_head (5)" in err('[model]\nkind = "transformer"\nn_head = 5\n')
+    assert "model.n_embd2 must be >= 1, got 0" in err('[model]\nkind = "rnn"\nn_embd2 = 0\n')
+
+
+def test_python_kind_keeps_the_users_keys_and_resolves_the_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    p = tmp_path / "sub" / "c.toml"
+    p.write_text('[model]\nkind = "python"\nfile = "mine.py"\nwidth = 48\nacts = ["tanh", "relu"]\nextra = 1.5\n'
+                 '[data]\nformat = "words"\n')
+    c = C.load(p, ["model.depth=3"])
+    assert c.model.file == str(tmp_path / "sub" / "mine.py")
+    assert c.model.extra == {"width": 48, "acts": ["tanh", "relu"], "extra": 1.5, "depth": 3}
+    d = c.to_dict()["model"]
+    assert d["width"] == 48 and d["depth"] == 3 and "extra" in d and d["extra"] == 1.5
+    assert C.Config.from_dict(c.to_dict()) == c and C.loads(c.to_toml()) == c
+    assert C.load(p, [f"model.file={tmp_path}/abs.py"]).model.file == f"{tmp_path}/abs.py"
+    assert "model.file" not in C.Config().to_toml() and "extra" not in C.Config().to_toml()
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('[model]\nkind = "python"\n', 'model.kind = "python" needs model.file'),
+    ('[model]\nkind = "python"\nfile = ""\n', 'model.kind = "python" needs model.file'),
+    ('[model]\nfile = "m.py"\n', 'model.file is only used with model.kind = "python" (this config has kind = "gpt")'),
+    ('[model]\nwidth = 3\n', 'unknown key model.width; allowed in [model]: kind, n_layer'),
+    ('[model]\nwidth = 3\n', 'your own keys need model.kind = "python"'),
+    ('[model]\nkind = "python"\nfile = "m.py"\n[model.sub]\na = 1\n', "model.sub = {'a': 1}: your own [model] keys "
+                                                                       "take numbers, strings, booleans or lists"),
+    ('[model]\nkind = "python"\nfile = "m.py"\nn_embd = "wide"\n', "model.n_embd: expected integer, got 'wide'"),
+])
+def test_python_kind_errors(text, needle):
+    assert needle in err(text)
+
+
+@pytest.mark.parametrize("name", ["gpt3_tiny.toml", "paper_e6.toml", "makemore_mlp.toml", *MAKEMORE_CONFIGS.values()])
 def test_every_key_has_a_comment(name):
     for line in (CONFIGS / name).read_text().splitlines():
         if "=" in line and not line.lstrip().startswith("#"):
@@ -110,7 +171,9 @@ def test_n_embd_not_divisible_by_n_head():
 
 
 @pytest.mark.parametrize("text,needle", [
-    ('[model]\nkind = "rnn"', "model.kind = 'rnn' is not one of: gpt, mlp"),
+    ('[model]\nkind = "lstm"', "model.kind = 'lstm' is not one of: gpt, mlp, bigram, makemore_mlp, rnn, gru, bow, "
+                               "transformer, python"),
+    ('[data]\nformat = "csv"', "data.format = 'csv' is not one of: text, lines, words"),
     ('[model]\nactivation = "tanh"', "relu, gelu"),
     ('[train]\non_nonfinite = "ignore"', "stop, skip"),
     ('[train]\ndtype = "float16"', "float32, float64"),

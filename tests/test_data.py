@@ -1,5 +1,6 @@
 # tests/test_data.py -- character data (btjit/data.py): vocabulary, encode/decode, the 90/10 split,
-# seeded batches (text: (B,T) shifted by one; lines: makemore samples), the bundled corpora (checksums,
+# seeded batches (text: (B,T) shifted by one; lines: makemore samples; words: makemore.py's (B,T) rows with -1
+# after a word's end), the bundled corpora (checksums,
 # contents, defaults by format), the pydoc corpus, and the errors for missing, empty, binary, non-UTF-8 and
 # too-short files. Tests make their own small files.
 import gzip
@@ -101,8 +102,8 @@ def test_default_corpus_by_format():
     ds = D.load(C.Config())                       # [data] corpus left out, format "text"
     assert ds.name == "<bundled corpus: Tiny Shakespeare>" and len(ds.vocab) == 65
     assert ds.vocab.decode(ds.train.x[:14]) == "First Citizen:"
-    module, mcfg = model_for(C.Config().model, len(ds.vocab))
-    assert sum(v.size for v in module.init_params(mcfg, np.random.default_rng(0)).values()) == 46_337   # the paper's
+    model = model_for(C.Config().model, len(ds.vocab))
+    assert sum(v.size for v in model.init_params(np.random.default_rng(0)).values()) == 46_337   # the paper's
     ds = D.load(C.loads('[model]\nkind = "mlp"\ncontext = 3\n[data]\nformat = "lines"\n'))
     assert ds.name == "<bundled corpus: names.txt>" and ds.vocab.chars == ["."] + list("abcdefghijklmnopqrstuvwxyz")
     assert int(np.sum(ds.train.y == 0)) + int(np.sum(ds.val.y == 0)) == 32_033        # one '.' per name
@@ -226,3 +227,56 @@ def test_builtin_words_for_lines_format():
     ds = D.load(cfg)
     assert ds.vocab.chars == ["."] + list("abcdefghijklmnopqrstuvwxyz")
     assert len(ds.train) > 10_000
+
+
+# ---- "words" format (makemore.py's CharDataset) -----------------------------------------------------------
+def test_words_rows_are_makemores():
+    v = D.Vocab.from_words(["emma", "ava"])
+    x, y = D.build_words(["emma", "ava"], v, 6)
+    assert x.dtype == y.dtype == np.int32 and x.shape == y.shape == (2, 6)
+    e, m, a, vv = (v.stoi[c] for c in "emav")
+    assert x.tolist() == [[0, e, m, m, a, 0], [0, a, vv, a, 0, 0]]
+    assert y.tolist() == [[e, m, m, a, 0, -1], [a, vv, a, 0, -1, -1]]
+    assert D.IGNORE == -1
+    x, y = D.build_words(["abcde"], D.Vocab.from_words(["abcde"]), 6)       # the longest word fits exactly
+    assert x.tolist() == [[0, 1, 2, 3, 4, 5]] and y.tolist() == [[1, 2, 3, 4, 5, 0]]
+
+
+def test_words_dataset_and_batches(tmp_path):
+    p = write(tmp_path, "\n".join(NAMES) + "\n\n")
+    ds = D.load_words(p, block_size=9, val_fraction=0.2, seed=1)
+    assert (len(ds.train), len(ds.val)) == (8, 2) and ds.format == "words" and ds.block == 9
+    words = sorted(ds.vocab.decode(r[1:][r[1:] != 0]) for r in np.concatenate([ds.train.x, ds.val.x]))
+    assert words == sorted(NAMES)
+    assert D.load_lines(p, 3, val_fraction=0.2, seed=1).val.y.size == sum(    # the same split as "lines"
+        len(ds.vocab.decode(r[r > 0])) + 1 for r in ds.val.y)
+    x, y = ds.batch("train", 5, np.random.default_rng(0))
+    assert x.shape == y.shape == (5, 9) and x.dtype == y.dtype == np.int32 and x.flags.c_contiguous
+    for rx, ry in zip(x, y):
+        n = int(np.sum(ry > 0))                 # the word's length
+        assert rx[0] == 0 and np.array_equal(rx[1:n + 1], ry[:n]) and ry[n] == 0 and (ry[n + 1:] == -1).all()
+        assert (rx[n + 1:] == 0).all()
+    x2, _ = ds.batch("train", 5, np.random.default_rng(0))
+    assert np.array_equal(x, x2)
+    assert "train 8 / val 2 words" in ds.describe()
+
+
+def test_words_from_the_config_default_to_names():
+    ds = D.load(C.loads('[model]\nkind = "transformer"\n'))     # makemore's block_size 16, format words
+    assert ds.name == "<bundled corpus: names.txt>" and len(ds.vocab) == 27
+    assert len(ds.train) + len(ds.val) == 32_033 and ds.train.x.shape[1] == 16
+    assert int((ds.train.y == 0).sum()) == len(ds.train)            # one end token per word
+
+
+def test_words_errors(tmp_path):
+    p = write(tmp_path, "ab\nabcdefghij\ncd\n")
+    with pytest.raises(DataError, match=r"the word 'abcdefghij' has 10 characters; data.format = \"words\" needs "
+                                         r"model.block_size >= the longest word \+ 1 = 11, got 8"):
+        D.load_words(p, 8)
+    assert len(D.load_words(p, 11, val_fraction=0.3).train) == 2
+    with pytest.raises(DataError, match="'words' format reserves '.'"):
+        D.load_words(write(tmp_path, "a.b\ncd\nef\n"), 8)
+    with pytest.raises(DataError, match='running text, not one word per line as data.format = "words" needs'):
+        D.load(C.loads('[model]\nkind = "rnn"\n[data]\ncorpus = "tinyshakespeare"\n'))
+    with pytest.raises(DataError, match="too short"):
+        D.load_words(write(tmp_path, "solo\n"), 8)

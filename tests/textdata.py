@@ -8,6 +8,13 @@ def corpus(n_sentences=400, seed=0):
     return "\n".join(f"{rng.choice(subj)} {rng.choice(verb)} {rng.choice(obj)}" for _ in range(n_sentences)) + "\n"
 
 
+def words(n=300, seed=0):
+    """Name-like words of 2-6 letters (vowel + consonant pairs), one per line."""
+    rng = np.random.default_rng(seed)
+    return "\n".join("".join(rng.choice(list("aeiou")) + rng.choice(list("lmnrst")) for _ in range(rng.integers(1, 4)))
+                     for _ in range(n)) + "\n"
+
+
 def tiny_config(**train) -> str:
     """TOML of a 1-layer GPT small enough for CLI tests; keyword arguments override [train] keys."""
     t = {**dict(steps=30, batch_size=4, seed=7, eval_interval=10, eval_batches=8, sample_interval=0, log_interval=5,

@@ -1,0 +1,180 @@
+# btjit/usermodel.py -- the user's own model for `btjit train` ([model] kind = "python", file = "mymodel.py"):
+# reading the model file (a self-contained Python file defining init_params(cfg, rng) -> dict, loss(p, x, y) and
+# logits(p, x); loss and logits may take cfg as a last argument), executing it as a module, checking the three
+# functions, the cfg namespace it is given, copying it into the run dir (--resume and `btjit sample` use that
+# copy, or the source kept in each checkpoint), and turning an error raised in the user's code while building or
+# tracing into ModelFileError: one line naming the file and line. The training itself is btjit.train's.
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import itertools
+import linecache
+import sys
+import traceback
+import types
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+FUNCTIONS = ("init_params(cfg, rng)", "loss(p, x, y)", "logits(p, x)")
+_COUNTER = itertools.count()
+
+
+class ModelFileError(Exception):
+    """A missing or broken model file, or an error in its code; str(e) is one readable line."""
+
+
+@dataclass
+class ModelFile:
+    name: str                   # the file name, e.g. "mymodel.py" (its copy in the run dir has this name)
+    source: str
+    path: Path                  # where this source was read from (the user's file or the run dir's copy)
+    module: types.ModuleType
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.source.encode("utf-8")).hexdigest()
+
+    def meta(self) -> dict:
+        """What a checkpoint keeps of the model file: enough to sample from it anywhere."""
+        return {"name": self.name, "sha256": self.sha256, "source": self.source}
+
+    def copy_into(self, run_dir) -> Path:
+        dst = Path(run_dir) / self.name
+        if not dst.exists() or dst.read_text(encoding="utf-8") != self.source:
+            dst.write_text(self.source, encoding="utf-8")
+        return dst
+
+
+def read(path) -> ModelFile:
+    """Read, execute and check the model file at `path`; ModelFileError names the problem."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelFileError(f"model file not found: {p} (model.file, relative to the config file's dir)")
+    if p.is_dir():
+        raise ModelFileError(f"model.file is a directory, not a Python file: {p}")
+    try:
+        source = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ModelFileError(f"model file {p} is not UTF-8 text") from None
+    except OSError as e:
+        raise ModelFileError(f"cannot read model file {p}: {e.strerror}") from None
+    return from_source(p.name, source, p)
+
+
+def from_source(name: str, source: str, path) -> ModelFile:
+    """Execute `source` as the module of model file `name` (tracebacks and TraceErrors show `name:line`)."""
+    path = Path(path)
+    try:
+        code = compile(source, str(path), "exec")
+    except SyntaxError as e:
+        raise ModelFileError(f"{name}:{e.lineno}: syntax error in the model file: {e.msg} ({path})") from None
+    linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))
+    mod = types.ModuleType(f"btjit_user_model_{next(_COUNTER)}")
+    mod.__file__ = str(path)
+    sys.modules[mod.__name__] = mod            # dataclasses and pickling look the module up here
+    with guard(name, str(path), "executing the model file"):
+        exec(code, mod.__dict__)
+    missing = [f for f in FUNCTIONS if not callable(getattr(mod, f.split("(")[0], None))]
+    if missing:
+        raise ModelFileError(f"{name} does not define {' or '.join(missing)} ({path}); a model file defines "
+                             f"{', '.join(FUNCTIONS)}")
+    return ModelFile(name, source, path, mod)
+
+
+def for_run(model_cfg, run_dir, resumed, echo) -> ModelFile | None:
+    """The model file of a kind "python" run (else None): model.file for a new run; with `resumed` (the
+    checkpoint --resume continues) the run dir's copy, saying so when model.file differs from it."""
+    if model_cfg.kind != "python":
+        return None
+    file = model_cfg.file
+    if resumed is None:
+        return read(file)
+    saved = resumed.meta.get("model_file") or {}
+    copy = Path(run_dir) / saved.get("name", Path(file).name)
+    if not copy.is_file():
+        raise ModelFileError(f"--resume: the run's copy of the model file, {copy}, is missing (the run uses it, "
+                             f"not {file})")
+    mf = read(copy)
+    if saved.get("sha256") not in (None, mf.sha256):
+        echo(f"warning: {copy} was edited after {resumed.path.name} was written; resuming with it")
+    try:
+        edited = Path(file).read_text(encoding="utf-8") != mf.source
+    except (OSError, UnicodeDecodeError):
+        edited = True
+    if edited:
+        echo(f"note: resuming with the run's copy of the model file, {copy} ({file} differs or is gone)")
+    return mf
+
+
+def from_checkpoint(ck) -> ModelFile:
+    """The model file kept in a checkpoint's metadata (the source it was trained with)."""
+    saved = ck.meta.get("model_file")
+    if not isinstance(saved, dict) or "source" not in saved or "name" not in saved:
+        raise ModelFileError(f"checkpoint {ck.path} of a model.kind = \"python\" run has no model_file entry")
+    return from_source(saved["name"], saved["source"], Path(ck.path).parent / saved["name"])
+
+
+@contextlib.contextmanager
+def guard(name: str, filename: str, what: str):
+    """An exception raised while running the user's code becomes ModelFileError naming name:line; a TraceError
+    already names the user's line."""
+    from btjit.graph.trace import TraceError
+    try:
+        yield
+    except ModelFileError:
+        raise
+    except TraceError as e:
+        raise ModelFileError(f"{name}: {what}: {e}") from None
+    except Exception as e:
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == filename]
+        where = f"{name}:{frames[-1].lineno}" if frames else name
+        raise ModelFileError(f"{where}: {what} raised {type(e).__name__}: {e}") from None
+
+
+class ModelCfg(types.SimpleNamespace):
+    """The cfg given to the user's functions: vocab_size, every [model] key (the built-in ones with their
+    defaults, e.g. cfg.block_size, cfg.n_embd) and the user's own keys (cfg.my_key)."""
+
+    def __getattr__(self, name):
+        raise AttributeError(f"cfg has no key {name!r}: add it to [model] (cfg has {', '.join(vars(self))})")
+
+
+def namespace(model_cfg, vocab_size: int) -> ModelCfg:
+    d = {f.name: getattr(model_cfg, f.name) for f in fields(model_cfg) if f.name != "extra"}
+    return ModelCfg(**d, **model_cfg.extra, vocab_size=vocab_size)
+
+
+def _with_cfg(fn, n_args: int, cfg):
+    """fn itself, or fn with cfg as its last argument when it takes one more than n_args."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+        n = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    except (TypeError, ValueError):
+        return fn
+    if n != n_args + 1:
+        return fn
+    if n_args == 3:
+        return lambda p, x, y: fn(p, x, y, cfg)
+    return lambda p, x: fn(p, x, cfg)
+
+
+def functions(mf: ModelFile, cfg):
+    """(init_params(rng) -> dict, loss(p, x, y), logits(p, x)) of the model file, its errors ModelFileError."""
+    import numpy as np
+    m = mf.module
+
+    def init_params(rng):
+        with guard(mf.name, str(mf.path), "init_params(cfg, rng)"):
+            params = m.init_params(cfg, rng)
+        if not isinstance(params, dict) or not params:
+            raise ModelFileError(f"{mf.name}: init_params(cfg, rng) must return a non-empty dict of name -> numpy "
+                                 f"float array, got {type(params).__name__}")
+        for k, v in params.items():
+            if not isinstance(k, str) or not isinstance(v, np.ndarray) or v.dtype.kind != "f":
+                what = f"{type(v).__name__}" + (f" of {v.dtype}" if isinstance(v, np.ndarray) else "")
+                raise ModelFileError(f"{mf.name}: init_params(cfg, rng) must return a dict of name -> numpy float "
+                                     f"array; {k!r} is a {what}")
+        return params
+    return init_params, _with_cfg(m.loss, 3, cfg), _with_cfg(m.logits, 2, cfg)
