@@ -528,3 +528,16 @@ def test_linear_grads_on_micro_kernels_with_fused_bias_grad(rows):
     g = (1 - np.tanh(x64 @ W64 + b64) ** 2) * w
     np.testing.assert_allclose(prog.grads["W"], x64.T @ g, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(prog.grads["b"], g.sum(0), rtol=1e-4, atol=1e-4)
+
+
+def test_float32_exp_of_masked_scores_is_exactly_zero():
+    """exp(-inf) and exp(x < -87) are 0 in float32 kernels (the polynomial's clamp once gave 1.6e-38: masked
+    softmax weights became denormals that slowed every later product ~10x). Below -87 numpy's float32 exp is
+    itself a denormal; 0 is what float64 rounding to float32 gives from -104 on."""
+    x = np.array([[0.0, -np.inf, -100.0, -86.0, 3.0]], np.float32)
+    sm = btjit.trace(lambda p: btjit.softmax(p["x"], -1), {"x": x}, optimizer=None)()
+    e = btjit.trace(lambda p: btjit.exp(p["x"]), {"x": x}, optimizer=None)()
+    assert sm[0, 1] == 0.0 and sm[0, 2] == 0.0 and sm[0, 3] == 0.0
+    np.testing.assert_allclose(sm, np.exp(x - 3.0) / np.exp(x - 3.0).sum(), rtol=1e-6, atol=1e-30)
+    assert e[0, 1] == 0.0 and e[0, 2] == 0.0
+    np.testing.assert_allclose(e[0, [0, 3, 4]], np.exp(x[0, [0, 3, 4]].astype(np.float64)), rtol=1e-6)
