@@ -9,7 +9,8 @@ its own process, timed from just before Popen to the child's first-step stamp), 
 train configs/gpt3_tiny.toml --set train.steps=1` wall time and its banner's compile seconds), run() (the
 whole suite -> rows) and format_table(rows).
 Columns: cold = an empty BTJIT_CACHE_DIR; cached = the same program again on that dir; warm = the first run
-of the program in ONE shared dir where P1 ran first and then the programs above it (P1's warm = its cached).
+of the program in ONE shared dir where P1 ran first and then the programs above it (P1's warm = its cached);
+precompiled = its first run after `btjit precompile` in an empty dir (the precompile's seconds reported too).
 Children run with one-thread env vars but are NOT pinned to one CPU: the library compiles missing kernels in
 worker processes over the process's CPU affinity, and that parallel cold compile is what is measured.
 The executor itself (btjit/executor.py, numba cache=True) is cached in the package's __pycache__, not in
@@ -295,11 +296,21 @@ def run(json_path=None, progress=print, only=None):
                                                       else r["jax"]["status"]))
             else:
                 r["jax"] = dict(status="n/a (jax not installed)")
-        cli = dict(program="CLI", title="btjit train gpt3_tiny, 1 step", settings=dict(config=str(CLI_CONFIG)))
+        t0 = time.time()                          # the precompiled column: `btjit precompile`, then each program
+        pre = subprocess.run([sys.executable, "-m", "btjit", "precompile"], env=child_env(tmp / "pre"),
+                             capture_output=True, text=True, timeout=1800)
+        pre_s = time.time() - t0
+        progress(f"  {'precompile':<18s} {pre_s:6.2f} s" + ("" if pre.returncode == 0 else f" (rc {pre.returncode})"))
+        for pid in pids:
+            rows[pid]["pre"] = measure(pid, tmp / "pre")
+            show(f"{pid} precompiled", rows[pid]["pre"])
+        cli = dict(program="CLI", title="btjit train gpt3_tiny, 1 step", settings=dict(config=str(CLI_CONFIG)),
+                   precompile_s=pre_s)
         cli["cold"] = measure_cli(tmp / "cli", tmp / "cli-run-cold")
         cli["cached"] = measure_cli(tmp / "cli", tmp / "cli-run-cached")
         cli["warm"], cli["jax"] = None, None
-        for k in ("cold", "cached"):
+        cli["pre"] = measure_cli(tmp / "pre", tmp / "cli-run-pre")
+        for k in ("cold", "cached", "pre"):
             progress(f"  {'CLI ' + k:<18s} " + (f"{cli[k]['wall_s']:6.2f} s" if cli[k]["status"] == "ok"
                                                   else cli[k]["status"]))
     out = [rows[p] for p in pids] + [cli]
@@ -330,9 +341,10 @@ def _breakdown(m):
 
 def format_table(rows, machine=None):
     """Plain-text table in harness.format_table's style. machine=None computes the machine line, False omits it."""
-    head = ("program", "cold s (n)", "cached s (n)", "warm lib s (n)", "jax jit s", "cold: breakdown")
+    head = ("program", "cold s (n)", "cached s (n)", "warm lib s (n)", "precompiled s (n)", "jax jit s",
+            "cold: breakdown")
     body = [(f"{r['program']} {r.get('title', '')}".strip(), _cell(r.get("cold")), _cell(r.get("cached")),
-             _cell(r.get("warm")), _cell(r.get("jax")), _breakdown(r.get("cold"))) for r in rows]
+             _cell(r.get("warm")), _cell(r.get("pre")), _cell(r.get("jax")), _breakdown(r.get("cold"))) for r in rows]
     widths = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head) - 1)]
     lines = []
     if machine is not False:
@@ -346,7 +358,9 @@ def format_table(rows, machine=None):
     lines += ["", "s = wall seconds of a fresh process, from just before Popen to its first step returned; "
               "(n) = kernel library entries compiled in that process.",
               "cold = empty BTJIT_CACHE_DIR; cached = the same program again on it; warm lib = its first run in one "
-              "dir where P1 ran first, then the programs above it (P1: its cached run).",
+              "dir where P1 ran first, then the programs above it (P1: its cached run); precompiled = its first run "
+              "after `btjit precompile` in an empty dir" + "".join(f" (precompile took {r['precompile_s']:.1f} s)"
+                                                                  for r in rows if r.get("precompile_s")) + ".",
               "jax jit s = first call of jax.jit(value_and_grad + update), blocking, fresh process; CLI = `btjit "
               "train` to exit, with the compile seconds of its banner."]
     return "\n".join(line.rstrip() for line in lines)

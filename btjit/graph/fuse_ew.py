@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.kernels import elementwise as EW
-from btjit.kernels.fused import BIN, LOAD, MAX_OPERANDS, NREG, STORE, WHERE
+from btjit.kernels.fused import BIN, LOAD, MAX_OPERANDS, NREG, WHERE
 
 from .ir import Eqn, Graph
 from .ops import bstrides, cstrides, loop_nest
@@ -127,58 +127,53 @@ def _cone(eqns, producer, group_of, groups, j, shape):
 
 
 def _fused_eqn(g, eqns, body, members, needed, dry=False):
-    """The ew_fused equation computing eqns[body] (in order) in registers, storing the values of its members
-    `needed` outside (the other body equations are recomputed forward values: their own group stores what
-    is needed); None if it needs more registers or operands than the kernel has (dry: only whether it fits)."""
+    """The ew_fused equation computing eqns[body] (in order), storing the values of its members `needed`
+    outside (the other body equations are recomputed forward values: their own group stores what is
+    needed); None if it needs more registers or operands than the kernel has (dry: only whether it fits)."""
     members = set(members)
     shape = eqns[body[-1]].outs[0].shape
-    ins, outs, reg, instrs, free = [], [], {}, [], list(range(NREG - 1, -1, -1))
-    last = {}
-    for t, j in enumerate(body):
-        for v in eqns[j].ins:
-            last[v.id] = t
-
-    def operand(v):
-        if v.id not in reg:
-            if not free:
-                raise OverflowError
-            ins.append(v)
-            reg[v.id] = free.pop()
-            instrs.append((LOAD, reg[v.id], len(ins) - 1, 0, 0))
-        return reg[v.id]
-
-    def store(o, r):
-        outs.append(o)
-        instrs.append((STORE, 0, r, -len(outs), 0))      # operand index fixed below, once all inputs are known
+    es = [Eqn("pow2", (e.ins[0], g.const(np.asarray(e.attrs["p"]), g.float_dtype)), e.outs) if e.op == "pow" else e
+          for e in (eqns[j] for j in body)]
+    ins, outs, made = [], [], set()
+    for j, e in zip(body, es):
+        ins += [v for v in e.ins if v.id not in made and all(v.id != w.id for w in ins)]
+        made.add(e.outs[0].id)
+        if j in members and needed(e.outs[0]):
+            outs.append(e.outs[0])
+    if len(ins) + len(outs) > MAX_OPERANDS or not outs:
+        return None
+    opers = [(0, bstrides(v.shape, shape) or (0,)) for v in ins] + [(0, cstrides(shape) or (0,)) for _ in outs]
+    (_, inner), *_ = loop_nest(shape or (1,), opers, 4)
+    code = {v.id: -1 - k for k, v in enumerate(ins) if inner[-1][1][k] == 1}     # read in place
+    code.update({o.id: -1 - len(ins) - k for k, o in enumerate(outs)})            # written in place
+    last = {v.id: t for t, e in enumerate(es) for v in e.ins}
+    free, instrs = list(range(NREG - 1, -1, -1)), []
     try:
-        for t, j in enumerate(body):
-            e = eqns[j]
-            if e.op == "pow":
-                e = Eqn("pow2", (e.ins[0], g.const(np.asarray(e.attrs["p"]), g.float_dtype)), e.outs)
-            srcs = [operand(v) for v in e.ins]
+        for t, e in enumerate(es):
+            for v in e.ins:
+                if v.id not in code:                     # broadcast / strided operand: into a register
+                    code[v.id] = free.pop()
+                    instrs.append((LOAD, code[v.id], ins.index(v), 0, 0))
+            srcs = [code[v.id] for v in e.ins]
             o = e.outs[0]
             if e.op in ALIAS:
-                reg[o.id] = srcs[0]
+                if o.id in code:                         # a needed alias: copied out
+                    instrs.append((EW.U_COPY, code[o.id], srcs[0], srcs[0], 0))
+                else:
+                    code[o.id] = srcs[0]
             else:
-                if not free:
-                    raise OverflowError
-                reg[o.id] = d = free.pop()
-                code = UNARY.get(e.op, BIN + BINARY.get(e.op, 0))
-                instrs.append((WHERE, d, *srcs) if e.op == "where" else (code, d, srcs[0], srcs[-1], 0))
-            if j in members and needed(o):
-                store(o, reg[o.id])
+                if o.id not in code:
+                    code[o.id] = free.pop()
+                op_ = UNARY.get(e.op, BIN + BINARY.get(e.op, 0))
+                instrs.append((WHERE, code[o.id], *srcs) if e.op == "where" else (op_, code[o.id], srcs[0], srcs[-1], 0))
             for v in set(e.ins):                         # registers read for the last time are free again
-                if last.get(v.id, t) == t and not any(r == reg[v.id] and last.get(w, -1) > t for w, r in reg.items()):
-                    free.append(reg[v.id])
-    except OverflowError:
-        return None
-    if len(ins) + len(outs) > MAX_OPERANDS or not outs:
+                r = code[v.id]
+                if r >= 0 and last[v.id] == t and not any(c == r and last.get(w, -1) > t for w, c in code.items()):
+                    free.append(r)
+    except IndexError:                                   # out of registers
         return None
     if dry:
         return True
-    instrs = [(op, d, x, len(ins) - y - 1, z) if op == STORE else (op, d, x, y, z) for op, d, x, y, z in instrs]
-    opers = [(0, bstrides(v.shape, shape) or (0,)) for v in ins] + [(0, cstrides(shape) or (0,)) for _ in outs]
-    (_, inner), *_ = loop_nest(shape or (1,), opers, 4)
     prog = [len(instrs), len(opers), *[n for n, _ in inner]] + \
         [st[q] for q in range(len(opers)) for _, st in inner] + [x for q in instrs for x in q]
     pvar = g.const(np.array(prog, np.int64).astype(np.int32), "i32")

@@ -4,13 +4,15 @@ btjit/graph/fuse_ew.py turns a maximal chain of elementwise ops (unary, binary w
 constants, where, the backward's *_grad ops) into ONE row of k_ew_program, so a new chain compiles nothing.
 The program runs over blocks of BLOCK elements of a 4-D iteration space; its registers are blocks of one
 stack buffer (allocated SSA-style by the pass: an instruction never writes a register it reads, which keeps
-every per-op loop vectorized -- ../shared/COMPILE_NOTES.md §3). Per block: LOAD each operand (strides 1, 0 =
-broadcast, or any), run the ops, STORE the outputs.
+every per-op loop vectorized -- ../shared/COMPILE_NOTES.md §3). Operands whose innermost stride is 1 are
+read and written in place in the arena (an instruction's source or destination code -1 - k is operand k);
+the others (broadcast, strided) are LOADed into a register first. Outputs are written by the instruction
+that computes them, so a single op costs one pass, as a dedicated loop would.
 
 Program at ia[oprog:] (int32): [ninstr, nops, n0, n1, n2, n3, strides (4 per operand), instructions (5 each:
 op, dst, x, y, z)]. Operand k's float-arena offset is the row's o<k>. Opcodes: the unary (U_*) and binary
-(B_* + BIN) sub-op codes of btjit/kernels/elementwise.py, WHERE (dst = y where x != 0 else z), LOAD (dst =
-operand x), STORE (operand y = register x).
+(B_* + BIN) sub-op codes of btjit/kernels/elementwise.py, WHERE (dst = y where x != 0 else z), LOAD (register
+dst = operand x).
 """
 import math
 
@@ -26,7 +28,7 @@ BLOCK = 1024         # elements per register
 NREG = 16            # registers (BLOCK * NREG floats of stack: 64 KB in float32)
 MAX_OPERANDS = 23    # o0 .. o22 in the row
 BIN = 16             # binary opcodes are BIN + B_*
-WHERE, LOAD, STORE = 40, 41, 42
+WHERE, LOAD = 40, 41
 HEAD = 6
 RSIZE = BLOCK * NREG
 
@@ -148,6 +150,16 @@ def _op(op, d, x, y, m):
         _sigmoid_grad(d, x, y, m)
 
 
+@njit(inline="always", **FM)
+def _at(a, R, P, r, code, i0, i1, i2, j0):
+    """The block a source or destination code names: register code (>= 0) in R, or operand -1 - code read /
+    written in place in the arena (its innermost stride is 1)."""
+    if code >= 0:
+        return R[code * BLOCK:]
+    s = HEAD + 4 * (-1 - code)
+    return a[r[1 - code] + i0 * P[s] + i1 * P[s + 1] + i2 * P[s + 2] + j0 * P[s + 3]:]
+
+
 @row("oprog " + " ".join(f"o{k}" for k in range(MAX_OPERANDS)))
 @njit(**FM)
 def k_ew_program(a, ia, r):
@@ -167,25 +179,18 @@ def k_ew_program(a, ia, r):
                     for t in range(ninstr):
                         q = oi + 5 * t
                         op, dr, xr, yr, zr = P[q], P[q + 1], P[q + 2], P[q + 3], P[q + 4]
-                        if op == LOAD or op == STORE:
-                            k = xr if op == LOAD else yr
-                            s = HEAD + 4 * k
-                            base = r[2 + k] + i0 * P[s] + i1 * P[s + 1] + i2 * P[s + 2] + j0 * P[s + 3]
+                        d = _at(a, R, P, r, dr, i0, i1, i2, j0)
+                        if op == LOAD:                   # operand xr (stride 0 or > 1) into register dr
+                            s = HEAD + 4 * xr
+                            base = r[2 + xr] + i0 * P[s] + i1 * P[s + 1] + i2 * P[s + 2] + j0 * P[s + 3]
                             st = P[s + 3]
-                            reg = R[(dr if op == LOAD else xr) * BLOCK:]
-                            if op == LOAD and st == 1:
-                                _copy(reg, a[base:base + m], m)
-                            elif op == LOAD and st == 0:
-                                _fill(reg, a[base], m)
-                            elif op == LOAD:
-                                for j in range(m):
-                                    reg[j] = a[base + j * st]
-                            elif st == 1:
-                                _copy(a[base:base + m], reg, m)
+                            if st == 0:
+                                _fill(d, a[base], m)
                             else:
                                 for j in range(m):
-                                    a[base + j * st] = reg[j]
+                                    d[j] = a[base + j * st]
                         elif op == WHERE:
-                            _where(R[dr * BLOCK:], R[xr * BLOCK:], R[yr * BLOCK:], R[zr * BLOCK:], m)
+                            _where(d, _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0),
+                                   _at(a, R, P, r, zr, i0, i1, i2, j0), m)
                         else:
-                            _op(op, R[dr * BLOCK:], R[xr * BLOCK:], R[yr * BLOCK:], m)
+                            _op(op, d, _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0), m)
