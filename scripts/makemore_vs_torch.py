@@ -86,7 +86,7 @@ def main():
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.2f} | numpy {np.__version__} | torch {torch.__version__} | batch {B}, block 16, "
           f"one thread | median of {args.reps} x {args.steps} steps")
-    print(f"| model | params | btjit ms/step | torch ms/step | btjit speed-up |\n|---|---|---|---|---|")
+    print("| model | params | btjit ms/step | torch ms/step | btjit speed-up |\n|---|---|---|---|---|")
     for kind in args.only.split(","):
         b, t, n = measure(kind, batches, args.steps, args.reps)
         print(f"| {kind} | {n:,} | {b:.3f} | {t:.3f} | {t / b:.1f}x |", flush=True)

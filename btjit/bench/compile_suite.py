@@ -6,7 +6,7 @@ makemore-style tanh RNN written with btjit's public API), the child entry point
 (`python -m btjit.bench.compile_suite --child P3 [--jax]`: builds and traces one program, runs its first step
 and prints ONE JSON line with its own timings and the kernel entries it compiled), measure() (one child in
 its own process, timed from just before Popen to the child's first-step stamp), measure_cli() (`btjit
-train configs/gpt3_tiny.toml --set train.steps=1` wall time and its banner's compile seconds), run() (the
+train configs/gpt3_tiny.toml --set train.steps=1 --set optim.warmup_steps=0` wall time and its banner's compile seconds), run() (the
 whole suite -> rows) and format_table(rows).
 Columns: cold = an empty BTJIT_CACHE_DIR; cached = the same program again on that dir; warm = the first run
 of the program in ONE shared dir where P1 ran first and then the programs above it (P1's warm = its cached);
@@ -246,7 +246,8 @@ def measure_cli(cache_dir, out_dir, timeout=900):
     compile seconds its banner prints ("program: trace ... + compile X s")."""
     if not CLI_CONFIG.is_file():
         return dict(status=f"n/a ({CLI_CONFIG} not found)")
-    cmd = [sys.executable, "-m", "btjit", "train", str(CLI_CONFIG), "--set", "train.steps=1", "--out", str(out_dir)]
+    cmd = [sys.executable, "-m", "btjit", "train", str(CLI_CONFIG), "--set", "train.steps=1", "--set",
+           "optim.warmup_steps=0", "--out", str(out_dir)]           # (a 1-step run has no room for a warm-up)
     t0 = time.time()
     try:
         p = subprocess.run(cmd, env=child_env(cache_dir), capture_output=True, text=True, timeout=timeout,
@@ -323,7 +324,8 @@ def _cell(m):
     if not m:
         return "-"
     if m.get("status") != "ok":
-        return m.get("status", "-")
+        st = m.get("status", "-")
+        return st if len(st) <= 40 else st[:37] + "..."
     if "wall_s" in m:                            # the CLI row
         return f"{m['wall_s']:.2f} (compile {m['compile_s']:.2f})" if m.get("compile_s") is not None \
             else f"{m['wall_s']:.2f}"
