@@ -202,7 +202,12 @@ def k_strided(a, ia, r):
                 bo = oo + i0 * so0 + i1 * so1 + i2 * so2
                 b1 = o1 + i0 * p0 + i1 * p1 + i2 * p2
                 b2 = o2 + i0 * q0 + i1 * q1 + i2 * q2
-                if sub == S_SELECT:
+                if sub == B_COPY and so3 == 1 and p3 == 1:      # contiguous runs (slices, transposes, concat)
+                    dst = a[bo:bo + n3]
+                    src = a[b1:b1 + n3]
+                    for i3 in range(n3):
+                        dst[i3] = src[i3]
+                elif sub == S_SELECT:
                     b3 = o3 + i0 * t0 + i1 * t1 + i2 * t2
                     for i3 in range(n3):
                         a[bo + i3 * so3] = a[b2 + i3 * q3] if a[b1 + i3 * p3] != _z else a[b3 + i3 * t3]
