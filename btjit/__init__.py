@@ -2,20 +2,24 @@
 
     prog = btjit.trace(loss_fn, params, x0, y0, optimizer=btjit.optim.SGD(lr=0.1))
     loss = prog.step(x, y)
-"""
-from . import optim, threads
-from .graph.trace import (TraceError, abs, arange, broadcast_to, causal_attention, concatenate, copy, cross_entropy,
-                          equal, exp, gelu, layer_norm, log, log_softmax, matmul, max, maximum, mean, minimum,
-                          relu, reshape, roll, setitem, sigmoid, softmax, split, sqrt, stack, sum, swapaxes, take,
-                          tanh, transpose, where)
-from .program import Program, trace
-from .scalar import trace_scalar
-from .threads import replicas_for, set_num_threads
+    prog.export("out/")                      # a native library; btjit.runtime.load("out/") runs it without numba
 
+The API below is imported on first use (btjit/_api.py): `import btjit.runtime` loads no compiler.
+"""
 __version__ = "0.1.0"
-threads.set_num_threads(threads.default_threads())
 __all__ = ["trace", "trace_scalar", "Program", "set_num_threads", "replicas_for", "optim", "TraceError",
            "abs", "arange", "broadcast_to", "causal_attention", "concatenate", "roll", "setitem", "stack",
            "copy", "cross_entropy", "equal", "exp", "gelu", "layer_norm", "log", "log_softmax", "matmul", "max",
            "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "split", "sqrt", "sum", "swapaxes",
            "take", "tanh", "transpose", "where"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        from . import _api
+        return getattr(_api, name)
+    raise AttributeError(f"module 'btjit' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

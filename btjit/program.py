@@ -17,9 +17,12 @@ from .graph.ir import Graph, np_dtype, verify
 from .graph.lower import Lowering, lower_eqns
 from .graph.memory import plan as make_plan, storage_roots
 from .graph.ops import TABLE
-from . import executor as X
+from . import executor as X, threads
 from .kernels.library import LIBRARY
 from .optim import HYPER, update_rows
+from .runner import Runner
+
+threads.set_num_threads(threads.default_threads())   # btjit's default: 1 thread (btjit/threads.py)
 
 
 def _arg_names(fn, n):
@@ -146,7 +149,7 @@ def _pin(g: Graph, grads: dict) -> dict:
     return pinned
 
 
-class Program:
+class Program(Runner):
     """A compiled program over one arena (one per replica with replicas > 1: rows of `_A`, and views,
     optimizer state and updates are replica 0's). Views (`params`, `grads`, `inputs`, `outputs`) alias the
     arena."""
@@ -213,90 +216,43 @@ class Program:
         if replicas > 1:
             self._run_replicas(0, 0)                 # and the replicas' driver
         self.compile_seconds = self.kernels.seconds + time.perf_counter() - t1
-        self._state_names = [f"opt/state{k}" for k in range(n_state)]
+        self.input_names = graph.input_names
+        self.n_rows = self.tape.shape[0]
+        self.has_optimizer, self.has_grad = optimizer is not None, graph.loss is not None
+        self._int_state, self._span = p.int_state, p.params_span[1]
+        self._state = [(f"opt/state{k}", p.state_start(k)) for k in range(n_state)]
 
-    # ------------------------------------------------------------------ running
-    def _load(self, batch):
-        if len(batch) != len(self._in):
-            raise TypeError(f"expected {len(self._in)} batch arguments ({', '.join(self.inputs)}), got {len(batch)}")
-        i = 0
-        for x, dst, (shape, dt) in zip(batch, self._in, self._in_types):    # (the per-step path: kept lean)
-            if x.__class__ is not np.ndarray or x.dtype is not dt or x.shape != shape:
-                x = self._convert(i, x)
-            if self.replicas == 1:
-                dst[...] = x
-            else:
-                n = dst.shape[0]
-                for r, shards in enumerate(self._in_shards):
-                    shards[i][...] = x[r * n:(r + 1) * n]
-            i += 1
-
-    def _convert(self, i, x):
-        """The slow path of _load: integer arrays of any int dtype are accepted; anything else must match."""
-        x = np.asarray(x)
-        shape, dt = self._in_types[i]
-        if x.shape != shape or (x.dtype.kind in "iu") != (dt.kind == "i") or (dt.kind == "f" and x.dtype != dt):
-            want = "int" if dt.kind == "i" else str(dt)
-            raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): expected {want} array of "
-                             f"shape {shape}, got {x.dtype} {x.shape}")
-        if dt.kind == "i" and x.dtype != dt and x.size:      # would wrap around in the int32 copy
-            lo, hi = int(x.min()), int(x.max())
-            if lo < np.iinfo(np.int32).min or hi > np.iinfo(np.int32).max:
-                rng = _allowed(*self._bounds[i]) if i in self._bounds else "in the int32 range"
-                raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): index values must be "
-                                 f"{rng}, got min {lo} max {hi}")
-        return x
-
-    def _run(self, a, ia, tape, start, stop):
-        X.run(a, ia, tape, self._table, start, stop)
-
-    def _run_checked(self, stop, split=None):
-        """Rows [0, stop); with replicas, [0, split) on every replica and [split, stop) after the average."""
+    # ------------------------------------------------------------------ running (Runner's hooks)
+    def _exec(self, stop, split=None):
         if self.replicas == 1:
             X.run(self.a, self.ia, self.tape, self._table, 0, stop)
         else:
             self._run_replicas(stop if split is None else split, stop)
-        if self.ia[self._flag]:
-            for i, (hi, ok) in self._bounds.items():
-                x = np.concatenate([s[i].ravel() for s in self._in_shards])
-                x = x[x != ok] if ok is not None else x
-                if x.size and (x.min() < 0 or x.max() >= hi):
-                    self._IA[:, self._flag] = 0
-                    raise ValueError(f"batch argument {i} ({self.graph.input_names[i]}): index values must be "
-                                     f"{_allowed(hi, ok)}, got min {x.min()} max {x.max()}")
-            self._IA[:, self._flag] = 0
-            raise ValueError("an integer index computed in the traced function is out of range: " +
-                             "; ".join(self._computed_checks))
+
+    def _store_shards(self, i, x):
+        n = self._in[i].shape[0]
+        for r, shards in enumerate(self._in_shards):
+            shards[i][...] = x[r * n:(r + 1) * n]
+
+    def _input_values(self, i):
+        return np.concatenate([s[i].ravel() for s in self._in_shards])
+
+    def _clear_flag(self):
+        self._IA[:, self._flag] = 0
+
+    def export(self, path):
+        """Write this program as a self-contained native library (see btjit/export.py); returns the dir."""
+        from .export import export_program
+        return export_program(self, path)
+
+    def _run(self, a, ia, tape, start, stop):
+        X.run(a, ia, tape, self._table, start, stop)
 
     def _run_replicas(self, split, stop):
         p0, npar = self.plan.params_span
         X.step(self._A, self._IA, self.tape, self._table, split, stop, self._flag, p0, npar,
                        self.plan.grads_start, npar if split > self.n_fwd else 0,
                        self.plan.off[self._out_var.id], self._inv_replicas)
-
-    def step(self, *batch) -> float:
-        """Forward, backward and optimizer update in one native call; returns the loss."""
-        if self.optimizer is None:
-            raise RuntimeError("this program was traced without an optimizer; use forward() or value_and_grad()")
-        self._load(batch)
-        self._run_checked(self.tape.shape[0], self.n_bwd)
-        return float(self._out)
-
-    def value_and_grad(self, *batch) -> float:
-        """Loss and gradients (in `grads`), no update."""
-        if self.graph.loss is None:
-            raise RuntimeError("this program has no gradient (traced with grad=False)")
-        self._load(batch)
-        self._run_checked(self.n_bwd)
-        return float(self._out)
-
-    def forward(self, *batch):
-        """Evaluate the traced function: a float for a scalar output, else a copy of the output array."""
-        self._load(batch)
-        self._run_checked(self.n_fwd)
-        return float(self._out) if self._out.shape == () else self._out.copy()
-
-    __call__ = forward
 
     def profile(self, *batch, reps=200, print_table=True):
         """Time every tape row of one step (forward, backward, update) on a scratch copy of the arena and
@@ -329,50 +285,6 @@ class Program:
             print(f"{'total':<28s} {len(self.row_labels):>5d} {total:>10.1f}")
         return rows
 
-    # ------------------------------------------------------------------ state
-    @property
-    def lr(self) -> float:
-        return float(self.a[self._hyper["lr"]])
-
-    @lr.setter
-    def lr(self, v):
-        self.a[self._hyper["lr"]] = v
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """True if the last step() found a non-finite gradient and skipped the update (skip_nonfinite)."""
-        return bool(np.isnan(self.a[self._hyper["clip_scale"]]))
-
-    @property
-    def step_count(self) -> int:
-        return int(self.ia[self.plan.int_state])
-
-    def _state_views(self):
-        p0, n = self.plan.params_span
-        return {name: self.a[self.plan.state_start(k):][:n] for k, name in enumerate(self._state_names)}
-
-    def state_dict(self) -> dict:
-        d = {f"param/{k}": v.copy() for k, v in self.params.items()}
-        d.update({k: v.copy() for k, v in self._state_views().items()})
-        d["opt/step"] = np.array(self.ia[self.plan.int_state], np.int64)
-        return d
-
-    def load_state_dict(self, d: dict):
-        for k, v in self.params.items():
-            src = np.asarray(d[f"param/{k}"])
-            if src.shape != v.shape:
-                raise ValueError(f"parameter {k!r}: checkpoint has shape {src.shape}, program has {v.shape}")
-            v[...] = src
-        for k, v in self._state_views().items():
-            if k in d:
-                v[...] = d[k]
-        if "opt/step" in d:
-            self.ia[self.plan.int_state] = int(d["opt/step"])
-
-    @property
-    def n_params(self) -> int:
-        return int(sum(v.size for v in self.params.values()))
-
     @property
     def arena_bytes(self) -> int:
         return self._A.nbytes + self._IA.nbytes
@@ -404,10 +316,6 @@ class Program:
         if self.optimizer is None:
             raise RuntimeError("this program was traced without an optimizer; nothing to apply")
         self._run(self.a, self.ia, self.tape, self.n_bwd, self.tape.shape[0])
-
-
-def _allowed(hi, ok) -> str:
-    return f"in [0, {hi})" + (f" or {ok} (the ignore_index)" if ok is not None else "")
 
 
 def _index_bounds(graph) -> dict:

@@ -204,6 +204,12 @@ class ScalarFunction:
             self._tape_seconds += time.perf_counter() - t0
         return self
 
+    def export(self, path):
+        """Write this function as a self-contained native library (btjit/export.py); btjit.runtime.load(path)
+        gives the same callable without numba. Returns the dir."""
+        from .export import export_scalar
+        return export_scalar(self, path)
+
     # -- evaluation
     def _run_tape(self, X, with_named=False):
         p = self.program

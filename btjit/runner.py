@@ -1,0 +1,143 @@
+"""What a traced Program and an exported one (btjit.runtime) share: running a kernel tape over one arena.
+
+`Runner` holds the per-step Python path -- the batch checks and their messages, the index-check flag, the
+hyper-parameter slots (lr), the optimizer state views and state_dict -- over attributes its subclass sets
+(listed in the class docstring). It imports numpy only: `btjit.runtime` uses it without numba.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def allowed(hi, ok) -> str:
+    return f"in [0, {hi})" + (f" or {ok} (the ignore_index)" if ok is not None else "")
+
+
+class Runner:
+    """Subclasses set: a, ia (the float / int32 arenas), _in (input slot views), _in_types ((shape, dtype)
+    per input as the caller passes it), input_names, _bounds ({input position: (upper bound, ignore value or
+    None)}), _flag (the index-check flag's ia slot), _computed_checks (messages of checks on computed
+    indices), _hyper ({name: a slot}), _out (the loss / output view), n_fwd, n_bwd, n_rows, has_optimizer,
+    has_grad, params, _int_state (the step counter's ia slot), _state ([(name, offset)] of optimizer state,
+    params-span long), _span (params span length) -- and implement _exec(stop, split)."""
+
+    replicas = 1
+
+    # ------------------------------------------------------------------ running
+    def _load(self, batch):
+        if len(batch) != len(self._in):
+            raise TypeError(f"expected {len(self._in)} batch arguments ({', '.join(self.input_names)}), "
+                            f"got {len(batch)}")
+        i = 0
+        for x, dst, (shape, dt) in zip(batch, self._in, self._in_types):    # (the per-step path: kept lean)
+            if x.__class__ is not np.ndarray or x.dtype is not dt or x.shape != shape:
+                x = self._convert(i, x)
+            if self.replicas == 1:
+                dst[...] = x
+            else:
+                self._store_shards(i, x)
+            i += 1
+
+    def _convert(self, i, x):
+        """The slow path of _load: integer arrays of any int dtype are accepted; anything else must match."""
+        x = np.asarray(x)
+        shape, dt = self._in_types[i]
+        if x.shape != shape or (x.dtype.kind in "iu") != (dt.kind == "i") or (dt.kind == "f" and x.dtype != dt):
+            want = "int" if dt.kind == "i" else str(dt)
+            raise ValueError(f"batch argument {i} ({self.input_names[i]}): expected {want} array of "
+                             f"shape {shape}, got {x.dtype} {x.shape}")
+        if dt.kind == "i" and x.dtype != dt and x.size:      # would wrap around in the int32 copy
+            lo, hi = int(x.min()), int(x.max())
+            if lo < np.iinfo(np.int32).min or hi > np.iinfo(np.int32).max:
+                rng = allowed(*self._bounds[i]) if i in self._bounds else "in the int32 range"
+                raise ValueError(f"batch argument {i} ({self.input_names[i]}): index values must be "
+                                 f"{rng}, got min {lo} max {hi}")
+        return x
+
+    def _input_values(self, i):
+        return self._in[i].ravel()
+
+    def _clear_flag(self):
+        self.ia[self._flag] = 0
+
+    def _run_checked(self, stop, split=None):
+        """Rows [0, stop) (split: where the update starts, for replicas); a failed index check raises."""
+        self._exec(stop, split)
+        if self.ia[self._flag]:
+            for i, (hi, ok) in self._bounds.items():
+                x = self._input_values(i)
+                x = x[x != ok] if ok is not None else x
+                if x.size and (x.min() < 0 or x.max() >= hi):
+                    self._clear_flag()
+                    raise ValueError(f"batch argument {i} ({self.input_names[i]}): index values must be "
+                                     f"{allowed(hi, ok)}, got min {x.min()} max {x.max()}")
+            self._clear_flag()
+            raise ValueError("an integer index computed in the traced function is out of range: " +
+                             "; ".join(self._computed_checks))
+
+    def step(self, *batch) -> float:
+        """Forward, backward and optimizer update in one native call; returns the loss."""
+        if not self.has_optimizer:
+            raise RuntimeError("this program was traced without an optimizer; use forward() or value_and_grad()")
+        self._load(batch)
+        self._run_checked(self.n_rows, self.n_bwd)
+        return float(self._out)
+
+    def value_and_grad(self, *batch) -> float:
+        """Loss and gradients (in `grads`), no update."""
+        if not self.has_grad:
+            raise RuntimeError("this program has no gradient (traced with grad=False)")
+        self._load(batch)
+        self._run_checked(self.n_bwd)
+        return float(self._out)
+
+    def forward(self, *batch):
+        """Evaluate the traced function: a float for a scalar output, else a copy of the output array."""
+        self._load(batch)
+        self._run_checked(self.n_fwd)
+        return float(self._out) if self._out.shape == () else self._out.copy()
+
+    __call__ = forward
+
+    # ------------------------------------------------------------------ state
+    @property
+    def lr(self) -> float:
+        return float(self.a[self._hyper["lr"]])
+
+    @lr.setter
+    def lr(self, v):
+        self.a[self._hyper["lr"]] = v
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """True if the last step() found a non-finite gradient and skipped the update (skip_nonfinite)."""
+        return bool(np.isnan(self.a[self._hyper["clip_scale"]]))
+
+    @property
+    def step_count(self) -> int:
+        return int(self.ia[self._int_state])
+
+    def _state_views(self):
+        return {name: self.a[off:off + self._span] for name, off in self._state}
+
+    def state_dict(self) -> dict:
+        d = {f"param/{k}": v.copy() for k, v in self.params.items()}
+        d.update({k: v.copy() for k, v in self._state_views().items()})
+        d["opt/step"] = np.array(self.ia[self._int_state], np.int64)
+        return d
+
+    def load_state_dict(self, d: dict):
+        for k, v in self.params.items():
+            src = np.asarray(d[f"param/{k}"])
+            if src.shape != v.shape:
+                raise ValueError(f"parameter {k!r}: checkpoint has shape {src.shape}, program has {v.shape}")
+            v[...] = src
+        for k, v in self._state_views().items():
+            if k in d:
+                v[...] = d[k]
+        if "opt/step" in d:
+            self.ia[self._int_state] = int(d["opt/step"])
+
+    @property
+    def n_params(self) -> int:
+        return int(sum(v.size for v in self.params.values()))

@@ -1,0 +1,57 @@
+/* examples/c/train.c -- run a btjit export from C, no Python: train a tensor program, or evaluate a
+ * scalar one (trace_scalar). Build against an export dir DIR (what prog.export(DIR) / btjit export wrote):
+ *
+ *     cc -O2 -I DIR -o train examples/c/train.c DIR/libbtjit.so -Wl,-rpath,DIR
+ *     ./train DIR [STEPS] [BATCHES]
+ *
+ * Tensor program: STEPS steps (default 100), each feeding one batch -- read from the file BATCHES (every
+ * input's values in order, int32 or BTJIT_FLOAT, one batch after another) or, without it, random valid
+ * values -- and printing "step i loss L". Scalar function: STEPS calls of btjit_scalar_many on one random
+ * row (BurTorch's E1 loop), printing the last value and gradients.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include "btjit_program.h"
+
+static double uniform(unsigned long long *s) { *s = *s * 6364136223846793005ULL + 1442695040888963407ULL; return (double)(*s >> 11) / 9007199254740992.0; }
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) { fprintf(stderr, "usage: %s EXPORT_DIR [STEPS] [BATCHES]\n", argv[0]); return 2; }
+    long steps = argc > 2 ? atol(argv[2]) : 100;
+    unsigned long long seed = 1;
+#ifdef BTJIT_TENSOR
+    btjit_program p;
+    const char *err = btjit_open(argv[1], &p);
+    if (err) { fprintf(stderr, "%s\n", err); return 1; }
+    FILE *batches = argc > 3 ? fopen(argv[3], "rb") : NULL;
+    if (argc > 3 && !batches) { fprintf(stderr, "%s: cannot open\n", argv[3]); return 1; }
+    for (long s = 0; s < steps; s++) {
+        for (int64_t i = 0; i < btjit_n_inputs; i++) {
+            const btjit_input *in = &btjit_inputs[i];
+            int32_t *ints = p.ia + in->offset;
+            BTJIT_FLOAT *floats = (BTJIT_FLOAT *)p.a + in->offset;
+            size_t got = !batches ? (size_t)in->size : in->is_int ? fread(ints, 4, in->size, batches)
+                                                                 : fread(floats, sizeof *floats, in->size, batches);
+            if (got != (size_t)in->size) { fprintf(stderr, "%s: no batch for step %ld\n", argv[3], s); return 1; }
+            for (int64_t j = 0; !batches && j < in->size; j++) {
+                if (in->is_int) ints[j] = (int32_t)(uniform(&seed) * (in->bound ? in->bound : 2));
+                else floats[j] = (BTJIT_FLOAT)(2 * uniform(&seed) - 1);
+            }
+        }
+        int rc = btjit_step(&p);
+        if (rc) { fprintf(stderr, "step %ld: %s\n", s, rc == 1 ? "an index is out of range" : "a kernel failed"); return 1; }
+        printf("step %ld loss %.9g\n", s, (double)((BTJIT_FLOAT *)p.a)[BTJIT_OUT_OFFSET]);
+    }
+    btjit_close(&p);
+#else
+    const char *cpu = btjit_check_cpu();
+    if (cpu) { fprintf(stderr, "%s: built for a CPU with %s, which this one lacks\n", argv[1], cpu); return 1; }
+    BTJIT_FLOAT x[BTJIT_N_INPUTS], v[BTJIT_N_OUTPUTS], g[BTJIT_N_INPUTS];
+    for (int i = 0; i < BTJIT_N_INPUTS; i++) x[i] = (BTJIT_FLOAT)(2 * uniform(&seed) - 1);
+    for (long s = 0; s < steps; s++) btjit_scalar_many(x, 1, v, g);
+    printf("value %.17g\n", (double)v[0]);
+    for (int i = 0; i < BTJIT_N_INPUTS; i++) printf("grad %d %.17g\n", i, (double)g[i]);
+#endif
+    return 0;
+}
