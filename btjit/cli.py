@@ -275,6 +275,45 @@ def bench(suite, only, peers, threads, reps, json_path, use_compile, profile, de
     click.echo(harness.format_table(rows))
 
 
+@cli.command("export")
+@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--data", "data_path", type=click.Path(path_type=Path),
+              help="The data the model's batches are shaped by (default: as `btjit train` finds it).")
+@debug_option
+def export_cmd(source, out, data_path, debug):
+    """Write a model's training program as a native library dir OUT (btjit.runtime.load, examples/c/train.c).
+    SOURCE: a TOML config (the model as initialised) or a checkpoint / run dir (as trained, with its optimizer
+    state and the learning rate its schedule had)."""
+    import json
+    import numpy as np
+    from btjit import config as config_mod, data as data_mod, schedule, usermodel
+    from btjit.models.registry import model_for
+    from btjit.train import build_program, seeds, set_threads
+    set_threads(1)                                  # an export is one thread
+    ck = None
+    if source.suffix == ".toml":
+        cfg, vocab, model_file = config_mod.load(source), None, None
+        if cfg.model.kind == "python":
+            model_file = usermodel.read(cfg.model.file)
+    else:
+        ck = _load_checkpoint(source)
+        cfg = config_mod.Config.from_dict(ck.meta["config"], source=f"config in {ck.path}")
+        vocab = data_mod.Vocab(ck.meta["vocab"])
+        model_file = usermodel.from_checkpoint(ck) if cfg.model.kind == "python" else None
+    ds = data_mod.load(cfg, data_path, vocab)
+    model = model_for(cfg.model, len(ds.vocab), model_file, cfg.data.format)
+    x, y = ds.batch("train", cfg.train.batch_size, np.random.default_rng(0))
+    prog = build_program(cfg, model, model.init_params(seeds(cfg.train.seed)[0]), x, y)
+    if ck is not None:
+        prog.load_state_dict({k: v for k, v in ck.state.items() if not k.startswith("dist/")})
+        prog.lr = schedule.for_config(cfg)(ck.step)
+    path = prog.export(out, {"vocab.json": json.dumps(ds.vocab.chars).encode()})
+    click.echo(f"exported {model.arch} ({prog.n_params:,} params" + (f", step {ck.step}" if ck else "") +
+               f", lr {prog.lr:g}, batch {tuple(x.shape)}) to {path}: load it with btjit.runtime.load({str(path)!r}),"
+               f" or from C (examples/c/train.c)")
+
+
 @cli.command()
 @debug_option
 def precompile(debug):

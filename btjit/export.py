@@ -71,39 +71,39 @@ def cpu_info() -> dict:
             "features": sorted(f for f in CPU_FEATURES if f in feats)}
 
 
-def _blas(objects, fd) -> dict | None:
-    """The OpenBLAS a tape's GEMM calls (scipy's, loaded in this process), if any object refers to it."""
-    sym = "btjit_sgemm" if fd == "f32" else "btjit_dgemm"
-    if not any(sym.encode() in o for o in objects):
+def _blas(objects) -> dict | None:
+    """The OpenBLAS the tape's GEMMs call (scipy's, loaded in this process), if any object refers to it:
+    {"path", "gemm": {shim symbol: the library's symbol}, "set_threads"}."""
+    shims = [s for s in ("btjit_sgemm", "btjit_dgemm") if any(s.encode() in o for o in objects)]
+    if not shims:
         return None
     import ctypes
     from .threads import _openblas_libs
     for path in _openblas_libs(scipy_only=True):
         lib = ctypes.CDLL(path)
         for prefix in ("scipy_", ""):
-            gemm = f"{prefix}{sym[6:]}_"
-            if hasattr(lib, gemm):
+            if all(hasattr(lib, f"{prefix}{s[6:]}_") for s in shims):
                 threads = next((n for n in (f"{prefix}openblas_set_num_threads", "openblas_set_num_threads")
                                 if hasattr(lib, n)), None)
-                return {"path": path, "shim": sym, "gemm": gemm, "set_threads": threads}
-    raise ExportError("the tape calls BLAS (a large matrix product), but no OpenBLAS library with "
-                      f"{sym[6:]}_ is loaded in this process (scipy's is expected)")
+                return {"path": path, "gemm": {s: f"{prefix}{s[6:]}_" for s in shims}, "set_threads": threads}
+    raise ExportError("the tape calls BLAS (a large or float64 matrix product), but no OpenBLAS library with "
+                      f"{' and '.join(s[6:] + '_' for s in shims)} is loaded in this process (scipy's is expected)")
 
 
 def _blas_c(blas) -> str:
     if not blas:
         return "void btjit_init(void) {}\n"
-    args = "char *ta, char *tb, int *m, int *n, int *k, {t} *al, {t} *a, int *lda, {t} *b, int *ldb, " \
-           "{t} *be, {t} *c, int *ldc"
-    t = "float" if blas["shim"] == "btjit_sgemm" else "double"
-    call = "ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc"
-    out = f"void {blas['gemm']}({args.format(t=t)});\n" \
-          f"void {blas['shim']}({args.format(t=t)}) {{ {blas['gemm']}({call}); }}\n"
+    out = ""
+    for shim, gemm in blas["gemm"].items():
+        t = "float" if shim == "btjit_sgemm" else "double"
+        args = f"char *ta, char *tb, int *m, int *n, int *k, {t} *al, {t} *a, int *lda, {t} *b, int *ldb, " \
+               f"{t} *be, {t} *c, int *ldc"
+        out += f"void {gemm}({args});\nvoid {shim}({args}) {{ {gemm}(ta, tb, m, n, k, al, a, lda, b, ldb, be, c, " \
+               "ldc); }\n"
+    init = f"{blas['set_threads']}(1);" if blas["set_threads"] else ""
     if blas["set_threads"]:
-        out += f"void {blas['set_threads']}(int);\nvoid btjit_init(void) {{ {blas['set_threads']}(1); }}\n"
-    else:
-        out += "void btjit_init(void) {}\n"
-    return out
+        out += f"void {blas['set_threads']}(int);\n"
+    return out + f"void btjit_init(void) {{ {init} }}\n"
 
 
 def _cpu_c(cpu) -> str:
@@ -158,6 +158,8 @@ _TENSOR_DECLS = [
 _SCALAR_DECLS = [
     "/* X (N, BTJIT_N_INPUTS) -> values OV (N, BTJIT_N_OUTPUTS), grads OG (N, BTJIT_N_INPUTS); C order */",
     "int btjit_scalar_many(const BTJIT_FLOAT *X, int64_t N, BTJIT_FLOAT *OV, BTJIT_FLOAT *OG);"]
+_ONE_DECL = ["/* f(x...): out = the values, then the grads (BTJIT_N_OUTPUTS + BTJIT_N_INPUTS); the code f(...) runs */",
+             "int btjit_scalar_one(const BTJIT_FLOAT *x, BTJIT_FLOAT *out);"]
 
 
 STAND_IN = ("Py", "_Py", "NRT_", "numba_")      # prefixes of the symbols numba's code needs from its runtime
@@ -238,7 +240,7 @@ def _base_manifest(kind, dtype, symbols, blas, cpu) -> dict:
 
 
 # ----------------------------------------------------------------------------- tensor programs
-def export_program(prog, path) -> Path:
+def export_program(prog, path, extra_files=None) -> Path:
     """Write `prog` (a btjit.Program) to the dir `path`; see the module docstring."""
     from .kernels.library import LIBRARY
     if prog.replicas > 1:
@@ -258,7 +260,7 @@ def export_program(prog, path) -> Path:
     remap[ops] = np.arange(len(ops))
     tape = prog.tape.copy()
     tape[:, 0] = remap[tape[:, 0]]
-    blas, cpu = _blas(objects, fd), cpu_info()
+    blas, cpu = _blas(objects), cpu_info()
     ctype = "float" if fd == "f32" else "double"
 
     def off(view, base):
@@ -287,7 +289,7 @@ def export_program(prog, path) -> Path:
         "hyper": prog._hyper, "state": [[n, int(o)] for n, o in prog._state], "span": int(prog._span),
         "flag": int(prog._flag), "int_state": int(prog._int_state), "computed_checks": prog._computed_checks})
     files = {"tape.bin": tape.astype("<i8").tobytes(), "arena.bin": prog.a.tobytes(),
-             "iarena.bin": prog.ia.tobytes()}
+             "iarena.bin": prog.ia.tobytes(), **(extra_files or {})}
     out_slot = man["outputs"]["out"]
     defines = {"ARENA_FLOATS": prog.a.size, "ARENA_INTS": prog.ia.size, "TAPE_ROWS": tape.shape[0],
                "TAPE_COLS": tape.shape[1], "N_FWD": prog.n_fwd, "N_BWD": prog.n_bwd,
@@ -314,60 +316,81 @@ def _overload(disp, ndim_dtypes):
     return None
 
 
+def _native(disp, sig):
+    """(object code, symbol) of a dispatcher's compiled overload: its numba-ABI native function."""
+    return _object_code(disp, sig), disp.overloads[sig].fndesc.llvm_func_name
+
+
+def _arrays_c(shapes) -> tuple:
+    """(parameter types, arguments) of numba's calling convention for C-contiguous arrays, each given as
+    (C expr of its data pointer, C type, shape exprs): meminfo, parent, nitems, itemsize, data, shape...,
+    strides... per array."""
+    out, types = [], []
+    for data, ctype, shape in shapes:
+        types += ["void *", "void *", "int64_t", "int64_t", "void *"] + ["int64_t"] * (2 * len(shape))
+        size = f"(int64_t)sizeof({ctype})"
+        strides = [" * ".join([size, *[f"(int64_t)({d})" for d in shape[i + 1:]]]) for i in range(len(shape))]
+        out += ["0", "0", " * ".join(f"(int64_t)({d})" for d in shape), size, f"(void *)({data})",
+                *[f"(int64_t)({d})" for d in shape], *strides]
+    return ", ".join(["void *", "void *"] + types), ", ".join(out)
+
+
+def _decl(name, params, symbol) -> str:
+    return f'int32_t {name}({params}) __asm__("{symbol}");' 
+
+
 def export_scalar(f, path) -> Path:
-    """Write a trace_scalar function (straight-line or tape lowering) to the dir `path`: its libbtjit.so
-    exports btjit_scalar_many(X, N, OV, OG), what f.many computes, from the same machine code."""
-    from numba import carray, cfunc, types as nt
+    """Write a trace_scalar function (straight-line or tape lowering) to the dir `path`. Its libbtjit.so
+    exports btjit_scalar_many(X, N, OV, OG) -- f.many's machine code -- and, for a straight-line function
+    of at most ARGS_MAX inputs, btjit_scalar_one(x, out) -- f(...)'s -- both called as numba calls them
+    (its calling convention, from C), so an export computes bit for bit what the function does."""
     from .graph import scalar as S
     prog, dt = f.program, f.dtype
-    T = nt.float32 if dt == np.float32 else nt.float64
     ctype = "float" if dt == np.float32 else "double"
     n, k = prog.n_in, len(prog.values)
-    P = nt.CPointer
+    natives, decls = [], []
+    f.compile(many=True)
     if f._straight is not None:
         many = f._straight.get("many")
-        sig = next(iter(many.overloads))
-
-        def entry(xp, N, ovp, ogp):
-            many(carray(xp, (N, n)), carray(ovp, (N, k)), carray(ogp, (N, n)))
-            return 0
-        cf = cfunc(nt.int32(P(T), nt.int64, P(T), P(T)), error_model="numpy")(entry)
-        objects = [_object_code(cf), _object_code(many, sig)]
-        body = f"return btjit_scalar_entry((void *)X, N, OV, OG);"
+        natives.append(_native(many, next(iter(many.overloads))))
+        many_params, many_args = _arrays_c([("X", ctype, ["N", n]), ("OV", ctype, ["N", k]), ("OG", ctype, ["N", n])])
+        body = [f"    return btjit_many(&ret, &exc, {many_args});"]
         arrays = ""
+        one = n <= S.ARGS_MAX
+        if one:
+            disp = f._straight.get("one")
+            natives.append(_native(disp, next(iter(disp.overloads))))
+            xs = ", ".join(f"x[{i}]" for i in range(n))
+            decls.append(_decl("btjit_one", ", ".join(["void *", "void *"] + [ctype] * n), natives[-1][1]))
+            body_one = [f"    return btjit_one((void *)out, &exc, {xs});"]
     else:
-        f.compile()
-        tp = f.tape
-        fd = str(dt)
-        many_sig = _overload(S.tape_many, [("int32", 2), (fd, 1), (fd, 1), ("int32", 1), (fd, 2), ("int32", 1),
-                                           (fd, 2), ("int32", 1), (fd, 2), ("int32", 1), (fd, 2)])
-        run_sig = _overload(S.tape_run, [("int32", 2), (fd, 1), (fd, 1)])
-        tape_many = S.tape_many
-        nc, nr, nv, ng = tp.code.shape[0], tp.regs.size, tp.vslots.size, tp.gslots.size
-
-        def entry(cp, rp, kp, ip, vp, gp, xp, N, ovp, ogp):
-            tape_many(carray(cp, (nc, 4)), carray(rp, (nr,)), carray(kp, (6,)), carray(ip, (n,)),
-                      carray(xp, (N, n)), carray(vp, (nv,)), carray(ovp, (N, nv)), carray(gp, (ng,)),
-                      carray(ogp, (N, ng)), carray(gp, (0,)), carray(ogp, (N, 0)))
-            return 0
-        I32 = P(nt.int32)
-        cf = cfunc(nt.int32(I32, P(T), P(T), I32, I32, I32, P(T), nt.int64, P(T), P(T)), error_model="numpy")(entry)
-        objects = [_object_code(cf), _object_code(S.tape_many, many_sig)]
-        if run_sig is not None:            # compiled on its own (else its code is in tape_many's)
-            objects.append(_object_code(S.tape_run, run_sig))
+        tp, fd = f.tape, str(dt)
+        sig = next(s for s in S.tape_many.overloads if str(s[1].dtype) == fd and s[6].layout == "C")
+        natives.append(_native(S.tape_many, sig))
+        run = next((s for s in S.tape_run.overloads if str(s[1].dtype) == fd), None)
+        if run is not None:                        # compiled on its own (else its code is in tape_many's)
+            natives.append(_native(S.tape_run, run))
         ints = lambda name, a: f"static int32_t {name}[] = {{{', '.join(map(str, a.ravel().tolist())) or '0'}}};"
         flts = lambda name, a: f"static {ctype} {name}[] = {{{', '.join(_c_float(x, ctype) for x in a) or '0'}}};"
-        arrays = "\n".join([ints("code", tp.code), flts("regs", tp.regs), flts("K", tp.K), ints("in_slots", tp.in_slots),
-                            ints("vslots", tp.vslots), ints("gslots", tp.gslots)])
-        body = "return btjit_scalar_entry(code, regs, K, in_slots, vslots, gslots, (void *)X, N, OV, OG);"
+        arrays = "\n".join([ints("code", tp.code), flts("regs", tp.regs), flts("K", tp.K),
+                            ints("in_slots", tp.in_slots), ints("vslots", tp.vslots), ints("gslots", tp.gslots)])
+        many_params, many_args = _arrays_c([("code", "int32_t", [tp.code.shape[0], 4]), ("regs", ctype, [tp.regs.size]),
+                               ("K", ctype, [tp.K.size]), ("in_slots", "int32_t", [n]), ("X", ctype, ["N", n]),
+                               ("vslots", "int32_t", [k]), ("OV", ctype, ["N", k]), ("gslots", "int32_t", [n]),
+                               ("OG", ctype, ["N", n]), ("gslots", "int32_t", [0]), ("OG", ctype, ["N", 0])])
+        body = [f"    return btjit_many(&ret, &exc, {many_args});"]
+        one = False
+    decls.append(_decl("btjit_many", many_params, natives[0][1]))
+    fn = [f"int btjit_scalar_many(const {ctype} *X, int64_t N, {ctype} *OV, {ctype} *OG)", "{",
+          "    void *ret = 0, *exc = 0;", *body, "}"]
+    if one:
+        fn += [f"int btjit_scalar_one(const {ctype} *x, {ctype} *out)", "{", "    void *exc = 0;", *body_one, "}"]
     cpu = cpu_info()
-    decl = f'int32_t btjit_scalar_entry() __asm__("{cf.native_name}");'
     program_c = "\n".join(["/* generated by btjit.export */", "#include <stdint.h>", "#include <math.h>",
-                           '#include "btjit_program.h"', decl, arrays,
-                           f"int btjit_scalar_many(const {ctype} *X, int64_t N, {ctype} *OV, {ctype} *OG)\n{{\n"
-                           f"    {body}\n}}", _cpu_c(cpu), _blas_c(None)])
-    header = _header("scalar", ctype, {"N_INPUTS": n, "N_OUTPUTS": k}, _SCALAR_DECLS)
-    man = _base_manifest("scalar", dt.name, [cf.native_name], None, cpu)
+                           '#include "btjit_program.h"', *decls, arrays, *fn, _cpu_c(cpu), _blas_c(None)])
+    defines = {"N_INPUTS": n, "N_OUTPUTS": k, "HAS_ONE": int(one)}
+    header = _header("scalar", ctype, defines, _SCALAR_DECLS + (_ONE_DECL if one else []))
+    man = _base_manifest("scalar", dt.name, [s for _, s in natives], None, cpu)
     man.update({"arg_names": list(f.arg_names), "n_inputs": n, "n_outputs": k, "multi": bool(f.multi),
-                "lowering": f.lowering})
-    return _build(Path(path), program_c, header, objects, None, {}, man)
+                "lowering": f.lowering, "one": one})
+    return _build(Path(path), program_c, header, [o for o, _ in natives], None, {}, man)

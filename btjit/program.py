@@ -240,10 +240,12 @@ class Program(Runner):
     def _clear_flag(self):
         self._IA[:, self._flag] = 0
 
-    def export(self, path):
-        """Write this program as a self-contained native library (see btjit/export.py); returns the dir."""
+    def export(self, path, extra_files=None):
+        """Write this program as a self-contained native library dir (btjit/export.py): btjit.runtime.load(path)
+        runs it without numba, examples/c/train.c from C. extra_files: {name: bytes} also written. Returns
+        the dir."""
         from .export import export_program
-        return export_program(self, path)
+        return export_program(self, path, extra_files)
 
     def _run(self, a, ia, tape, start, stop):
         X.run(a, ia, tape, self._table, start, stop)

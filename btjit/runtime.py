@@ -97,6 +97,11 @@ def load(path):
         lib = ctypes.CDLL(str((d / "libbtjit.so").resolve()))
     except OSError as e:
         raise LoadError(f"{d / 'libbtjit.so'}: cannot be loaded ({e})") from None
+    lib.btjit_check_cpu.restype = ctypes.c_char_p
+    lacks = lib.btjit_check_cpu()
+    if lacks:
+        raise LoadError(f"{d / 'libbtjit.so'}: built for a CPU with {lacks.decode()}, which this one lacks")
+    lib.btjit_init()                              # BLAS (if linked) to one thread
     return (Exported if m["kind"] == "tensor" else ExportedScalar)(d, m, lib)
 
 
@@ -173,16 +178,29 @@ class ExportedScalar:
         self._fn.restype = ctypes.c_int
         n, k = self.n_inputs, self.n_outputs
         self._one = (np.empty((1, n), self.dtype), np.empty((1, k), self.dtype), np.empty((1, n), self.dtype))
+        self._x, self._vg = np.empty(n, self.dtype), np.empty(k + n, self.dtype)
+        self._call = None
+        if m["one"]:                 # f(...)'s own code (straight-line): values then grads into one buffer
+            self._call = lib.btjit_scalar_one
+            self._call.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            self._call.restype = ctypes.c_int
+            self._args = (self._x.ctypes.data, self._vg.ctypes.data)
 
     def __call__(self, *args):
         """-> (value, (d/d arg0, ...)); value is a tuple with several outputs."""
         if len(args) != self.n_inputs:
             raise TypeError(f"expected {self.n_inputs} arguments ({', '.join(self.arg_names)}), got {len(args)}")
-        X, OV, OG = self._one
-        X[0] = args
-        self._fn(X.ctypes.data, 1, OV.ctypes.data, OG.ctypes.data)
-        v = OV[0].tolist()
-        return (tuple(v) if self.multi else v[0]), tuple(OG[0].tolist())
+        if self._call is not None:
+            self._x[:] = args
+            self._call(*self._args)
+            vg = self._vg.tolist()
+            v, g = vg[:self.n_outputs], tuple(vg[self.n_outputs:])
+        else:
+            X, OV, OG = self._one
+            X[0] = args
+            self._fn(X.ctypes.data, 1, OV.ctypes.data, OG.ctypes.data)
+            v, g = OV[0].tolist(), tuple(OG[0].tolist())
+        return (tuple(v) if self.multi else v[0]), g
 
     def many(self, X, out=None):
         """X (N, n_inputs) (or (N,) for one input) -> (values (N,) or (N, n_outputs), grads (N, n_inputs)).

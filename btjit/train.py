@@ -65,6 +65,21 @@ def first_nonfinite(arrays: dict) -> str | None:
 trim_metrics = rundir.trim_metrics
 
 
+def build_program(cfg: Config, model, params, x, y, replicas=1):
+    """The training program of a config: the model's loss traced on a batch like (x, y) with the config's
+    optimizer, clipping and dtype (`btjit train` and `btjit export`)."""
+    o = cfg.optim
+    if o.name == "sgd":
+        opt = btjit.optim.SGD(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    else:
+        opt = btjit.optim.AdamW(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    with model.guard("tracing loss(p, x, y)"):
+        return btjit.trace(model.loss, params, x, y, optimizer=opt, clip_norm=o.clip_norm or None,
+                           dtype=cfg.train.dtype,
+                           skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
+                           replicas=replicas)      # replicas average losses: only for a mean over the batch
+
+
 class Trainer:
     def __init__(self, cfg: Config, run_dir, data_path=None, resume=False, threads=None,
                  echo=None, resume_hint="--resume"):
@@ -158,23 +173,14 @@ class Trainer:
 
     def _build_program(self):
         from btjit.models.registry import model_for
-        cfg, t, o = self.cfg, self.cfg.train, self.cfg.optim
+        cfg = self.cfg
         self.model = model_for(cfg.model, len(self.ds.vocab), self.model_file, cfg.data.format)
-        params = self.model.init_params(self.param_rng)
-        if o.name == "sgd":
-            opt = btjit.optim.SGD(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-        else:
-            opt = btjit.optim.AdamW(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
         x, y = self.ds.batch("train", self.local_batch_size, np.random.default_rng(0))
         replicas = btjit.replicas_for(len(y), y.size, self.threads) if self.model.mean_over_batch else 1
         t0 = time.perf_counter()
-        with self.model.guard("tracing loss(p, x, y)"):
-            self.prog = btjit.trace(self.model.loss, params, x, y, optimizer=opt,
-                                    clip_norm=o.clip_norm or None, dtype=t.dtype,
-                                    skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
-                                    replicas=replicas)      # replicas average losses: only for a mean over the batch
+        self.prog = build_program(cfg, self.model, self.model.init_params(self.param_rng), x, y, replicas)
         self.build_seconds = time.perf_counter() - t0
-        self.tokens_per_step = (len(y) if self.model.format == "lines" else x.size) * t.grad_accum   # all micro-batches
+        self.tokens_per_step = (len(y) if self.model.format == "lines" else x.size) * cfg.train.grad_accum
 
     def banner(self):
         import numba

@@ -7,7 +7,7 @@
  * Tensor program: STEPS steps (default 100), each feeding one batch -- read from the file BATCHES (every
  * input's values in order, int32 or BTJIT_FLOAT, one batch after another) or, without it, random valid
  * values -- and printing "step i loss L". Scalar function: STEPS calls of btjit_scalar_many on one random
- * row (BurTorch's E1 loop), printing the last value and gradients.
+ * row (BurTorch's E1 loop), printing the row, the value and the gradients.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,6 +50,7 @@ int main(int argc, char **argv)
     BTJIT_FLOAT x[BTJIT_N_INPUTS], v[BTJIT_N_OUTPUTS], g[BTJIT_N_INPUTS];
     for (int i = 0; i < BTJIT_N_INPUTS; i++) x[i] = (BTJIT_FLOAT)(2 * uniform(&seed) - 1);
     for (long s = 0; s < steps; s++) btjit_scalar_many(x, 1, v, g);
+    for (int i = 0; i < BTJIT_N_INPUTS; i++) printf("x %d %.17g\n", i, (double)x[i]);
     printf("value %.17g\n", (double)v[0]);
     for (int i = 0; i < BTJIT_N_INPUTS; i++) printf("grad %d %.17g\n", i, (double)g[i]);
 #endif
