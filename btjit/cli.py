@@ -236,7 +236,8 @@ def plot(run_dir, out, debug):
 @cli.command()
 @click.option("--suite", default="paper", show_default=True,
               help="Workload suite: paper, mpi (E6 data-parallel at 1 and 2 MPI ranks; needs btjit[mpi]), "
-                   "or compile (start -> first step of new programs, P1-P6: --only P1,P6).")
+                   "compile (start -> first step of new programs, P1-P6: --only P1,P6), or footprint (peak RSS and "
+                   "step of E1, E6b64 in-process, exported to btjit.runtime and to the C host, beside the peers).")
 @click.option("--only", default=None, metavar="E1,E6b1,...", help="Only these workloads.")
 @click.option("--peers", default=None, metavar="torch,jax,micrograd,autograd|none",
               help="Peers to run beside btjit (default: every installed one).")
@@ -263,6 +264,13 @@ def bench(suite, only, peers, threads, reps, json_path, use_compile, profile, de
         from btjit.bench import compile_suite
         rows = compile_suite.run(json_path=json_path, progress=lambda s: click.echo(s, err=True), only=only)
         click.echo(compile_suite.format_table(rows))
+        return
+    if suite == "footprint":            # in-process / btjit.runtime / C host, peak RSS and step (issue 18)
+        from btjit.bench import footprint
+        rows = footprint.run(only=only, peers=peers, reps=reps, progress=lambda s: click.echo(s, err=True))
+        if json_path:
+            json_path.write_text(json.dumps(rows, indent=1))
+        click.echo(footprint.format_table(rows))
         return
     if profile:
         from btjit.bench.btjit_impl import profile as run_profile

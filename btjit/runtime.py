@@ -178,13 +178,14 @@ class ExportedScalar:
         self._fn.restype = ctypes.c_int
         n, k = self.n_inputs, self.n_outputs
         self._one = (np.empty((1, n), self.dtype), np.empty((1, k), self.dtype), np.empty((1, n), self.dtype))
-        self._x, self._vg = np.empty(n, self.dtype), np.empty(k + n, self.dtype)
         self._call = None
         if m["one"]:                 # f(...)'s own code (straight-line): values then grads into one buffer
+            c = ctypes.c_float if self.dtype == np.float32 else ctypes.c_double
+            self._x, self._vg = (c * n)(), (c * (k + n))()
             self._call = lib.btjit_scalar_one
             self._call.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
             self._call.restype = ctypes.c_int
-            self._args = (self._x.ctypes.data, self._vg.ctypes.data)
+            self._args = (ctypes.addressof(self._x), ctypes.addressof(self._vg))
 
     def __call__(self, *args):
         """-> (value, (d/d arg0, ...)); value is a tuple with several outputs."""
@@ -193,7 +194,7 @@ class ExportedScalar:
         if self._call is not None:
             self._x[:] = args
             self._call(*self._args)
-            vg = self._vg.tolist()
+            vg = self._vg[:]
             v, g = vg[:self.n_outputs], tuple(vg[self.n_outputs:])
         else:
             X, OV, OG = self._one

@@ -256,8 +256,8 @@ def test_the_c_host_evaluates_a_scalar_export(tmp_path):
     r = subprocess.run([str(tmp_path / "run"), str(tmp_path / "s"), "1000"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     vals = {" ".join(ln.split()[:-1]): float(ln.split()[-1]) for ln in r.stdout.splitlines()}
-    v, g = f.many(np.array([[vals["x 0"], vals["x 1"], vals["x 2"]]]))        # the C host calls many's code
-    assert vals["value"] == v[0] and [vals[f"grad {i}"] for i in range(3)] == g[0].tolist()
+    v, g = f(vals["x 0"], vals["x 1"], vals["x 2"])                 # the C host calls f(...)'s code
+    assert vals["value"] == v and [vals[f"grad {i}"] for i in range(3)] == list(g)
 
 
 def test_btjit_export_writes_a_trained_run(tmp_path):
@@ -280,3 +280,22 @@ def test_btjit_export_writes_a_trained_run(tmp_path):
         assert (rt.params[k] == v).all()
     assert rt.step_count == 3 and rt.inputs["idx"].shape == (4, 8)
     assert len(json.loads((tmp_path / "ex" / "vocab.json").read_text())) == rt.params["wte"].shape[0]
+
+
+def test_forward_only_and_grad_only_programs_export(tmp_path):
+    p = gpt.init_params(CFG, np.random.default_rng(1))
+    (x, y), (x2, _) = batches(2)
+    logits = btjit.trace(lambda p, idx: gpt.logits_fn(CFG)(p, idx), p, x)
+    logits.export(tmp_path / "fwd")
+    rt = R.load(tmp_path / "fwd")
+    out = rt.forward(x2)
+    assert out.shape == (3, CFG.block_size, CFG.vocab_size) and (out == logits.forward(x2)).all()
+    with pytest.raises(RuntimeError, match="without an optimizer"):
+        rt.step(x2)
+    with pytest.raises(RuntimeError, match="no gradient"):
+        rt.value_and_grad(x2)
+    vg = btjit.trace(gpt.loss_fn(CFG), p, x, y, grad=True)
+    vg.export(tmp_path / "vg")
+    rt = R.load(tmp_path / "vg")
+    assert rt.value_and_grad(x, y) == vg.value_and_grad(x, y)
+    assert all((rt.grads[k] == vg.grads[k]).all() for k in vg.grads)

@@ -7,11 +7,15 @@
  * Tensor program: STEPS steps (default 100), each feeding one batch -- read from the file BATCHES (every
  * input's values in order, int32 or BTJIT_FLOAT, one batch after another) or, without it, random valid
  * values -- and printing "step i loss L". Scalar function: STEPS calls of btjit_scalar_many on one random
- * row (BurTorch's E1 loop), printing the row, the value and the gradients.
+ * row (BurTorch's E1 loop), printing the row, the value and the gradients. Either way the last line, on
+ * stderr, gives the seconds spent in the library's calls and in all.
  */
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 #include "btjit_program.h"
+
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
 
 static double uniform(unsigned long long *s) { *s = *s * 6364136223846793005ULL + 1442695040888963407ULL; return (double)(*s >> 11) / 9007199254740992.0; }
 
@@ -20,6 +24,7 @@ int main(int argc, char **argv)
     if (argc < 2) { fprintf(stderr, "usage: %s EXPORT_DIR [STEPS] [BATCHES]\n", argv[0]); return 2; }
     long steps = argc > 2 ? atol(argv[2]) : 100;
     unsigned long long seed = 1;
+    double t0 = now(), busy = 0;                        /* busy: time inside the library's calls */
 #ifdef BTJIT_TENSOR
     btjit_program p;
     const char *err = btjit_open(argv[1], &p);
@@ -39,7 +44,9 @@ int main(int argc, char **argv)
                 else floats[j] = (BTJIT_FLOAT)(2 * uniform(&seed) - 1);
             }
         }
+        double t = now();
         int rc = btjit_step(&p);
+        busy += now() - t;
         if (rc) { fprintf(stderr, "step %ld: %s\n", s, rc == 1 ? "an index is out of range" : "a kernel failed"); return 1; }
         printf("step %ld loss %.9g\n", s, (double)((BTJIT_FLOAT *)p.a)[BTJIT_OUT_OFFSET]);
     }
@@ -47,12 +54,20 @@ int main(int argc, char **argv)
 #else
     const char *cpu = btjit_check_cpu();
     if (cpu) { fprintf(stderr, "%s: built for a CPU with %s, which this one lacks\n", argv[1], cpu); return 1; }
-    BTJIT_FLOAT x[BTJIT_N_INPUTS], v[BTJIT_N_OUTPUTS], g[BTJIT_N_INPUTS];
+    BTJIT_FLOAT x[BTJIT_N_INPUTS], v[BTJIT_N_OUTPUTS + BTJIT_N_INPUTS], *g = v + BTJIT_N_OUTPUTS;
     for (int i = 0; i < BTJIT_N_INPUTS; i++) x[i] = (BTJIT_FLOAT)(2 * uniform(&seed) - 1);
-    for (long s = 0; s < steps; s++) btjit_scalar_many(x, 1, v, g);
+    for (long s = 0; s < steps; s++) {         /* f(x): the code f(...) runs in Python, else f.many's */
+#if BTJIT_HAS_ONE
+        btjit_scalar_one(x, v);
+#else
+        btjit_scalar_many(x, 1, v, g);
+#endif
+    }
+    busy = now() - t0;
     for (int i = 0; i < BTJIT_N_INPUTS; i++) printf("x %d %.17g\n", i, (double)x[i]);
     printf("value %.17g\n", (double)v[0]);
     for (int i = 0; i < BTJIT_N_INPUTS; i++) printf("grad %d %.17g\n", i, (double)g[i]);
 #endif
+    fprintf(stderr, "%ld steps: %.6g s in btjit, %.6g s in all\n", steps, busy, now() - t0);
     return 0;
 }
