@@ -89,6 +89,22 @@ def _read_manifest(d: Path) -> dict:
     return m
 
 
+def _pycall(d: Path, m: dict, lib):
+    """The export's CPython call module's call (a scalar export's f(*args) without ctypes' per-call cost),
+    bound to lib's functions, when it was built for this Python; else None."""
+    import importlib.machinery
+    import importlib.util
+    name = m.get("pycall")
+    if not name or not name.endswith(importlib.machinery.EXTENSION_SUFFIXES[0]):
+        return None
+    spec = importlib.util.spec_from_file_location("btjit_pycall", d / name)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value or 0    # noqa: E731
+    mod.bind(addr(lib.btjit_scalar_one) if m["one"] else 0, addr(lib.btjit_scalar_many))
+    return mod.call
+
+
 def load(path):
     """Load an export dir: an `Exported` (tensor program) or an `ExportedScalar` (trace_scalar function)."""
     d = Path(path)
@@ -102,7 +118,14 @@ def load(path):
     if lacks:
         raise LoadError(f"{d / 'libbtjit.so'}: built for a CPU with {lacks.decode()}, which this one lacks")
     lib.btjit_init()                              # BLAS (if linked) to one thread
-    return (Exported if m["kind"] == "tensor" else ExportedScalar)(d, m, lib)
+    if m["kind"] == "tensor":
+        return Exported(d, m, lib)
+    f = ExportedScalar(d, m, lib)
+    call = _pycall(d, m, lib)
+    if call is not None:        # f(...) goes straight to C, as a ScalarFunction's goes straight to numba
+        f.__class__ = type("ExportedScalar", (ExportedScalar,), {"__call__": staticmethod(call),
+                                                                 "__doc__": ExportedScalar.__doc__})
+    return f
 
 
 def _aligned(path: Path, dtype) -> np.ndarray:
@@ -130,11 +153,13 @@ class Exported(Runner):
         if self.a.size != m["arena"]["floats"] or self.ia.size != m["arena"]["ints"] or \
                 (self.tape[:, 0] >= len(m["kernels"])).any() or (self.tape[:, 0] < 0).any():
             raise LoadError(f"{d}: the arena or tape does not match the manifest")
-        self._fn = lib.btjit_run
-        self._fn.argtypes = [*_c, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *(ctypes.c_int64,) * 3]
+        # one struct for the arenas and the tape, so a call passes two arguments (ctypes' cost is per argument)
+        self._prog = (ctypes.c_int64 * 7)(self.a.ctypes.data, self.a.size, self.ia.ctypes.data, self.ia.size,
+                                          self.tape.ctypes.data, t["rows"], t["cols"])
+        self._fn = lib.btjit_run_to
+        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         self._fn.restype = ctypes.c_int
-        self._args = (self.a.ctypes.data, self.a.size, self.ia.ctypes.data, self.ia.size, self.tape.ctypes.data,
-                      t["cols"], 0)
+        self._pp = ctypes.addressof(self._prog)
 
         def view(s):
             arena = self.ia if s["dtype"] == "int32" else self.a
@@ -156,7 +181,7 @@ class Exported(Runner):
         self._int_state, self._state, self._span = m["int_state"], [tuple(s) for s in m["state"]], m["span"]
 
     def _exec(self, stop, split=None):
-        rc = self._fn(*self._args, stop)
+        rc = self._fn(self._pp, stop)
         if rc == 2:
             raise RuntimeError(f"{self.dir / 'libbtjit.so'}: a kernel failed (see the message above)")
 

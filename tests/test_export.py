@@ -299,3 +299,17 @@ def test_forward_only_and_grad_only_programs_export(tmp_path):
     rt = R.load(tmp_path / "vg")
     assert rt.value_and_grad(x, y) == vg.value_and_grad(x, y)
     assert all((rt.grads[k] == vg.grads[k]).all() for k in vg.grads)
+
+
+def test_a_scalar_export_without_its_python_call_module_calls_through_ctypes(tmp_path):
+    f = scalar_fn("straight", "float64")
+    f.export(tmp_path / "s")
+    fast = R.load(tmp_path / "s")
+    rewrite_manifest(tmp_path / "s", lambda m: m.update(pycall=None))
+    slow = R.load(tmp_path / "s")
+    assert type(slow) is R.ExportedScalar and type(fast) is not R.ExportedScalar    # (where Python.h exists)
+    for row in np.random.default_rng(3).normal(size=(4, 3)).tolist():
+        assert fast(*row) == slow(*row) == f(*row)
+    for g in (fast, slow):
+        with pytest.raises(TypeError, match=r"expected 3 arguments \(a, b, c\), got 1"):
+            g(1.0)

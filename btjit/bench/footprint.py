@@ -7,7 +7,7 @@ same program, params and batch). The export is written by a child process (the b
 program or scalar function, with its batch); the runtime row is a fresh interpreter that imports only
 btjit.runtime, loads the export, warms up and times `reps` loops of steps (median per step); the C host is
 compiled with the system C compiler and run for a fixed number of steps, its time the seconds it reports
-inside the library, its peak RSS from wait4. BurTorch is not installed here: its peak RSS is the issue's
+inside the library. The runtime's and the C host's peak RSS are GNU time's. BurTorch is not installed here: its peak RSS is the issue's
 measurement on this project's machines (E1 3.6 MB, E6 batch 64 18.4 MB), shown for reference.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ else:
 """
 
 RUNTIME_CHILD = r"""
-import json, resource, statistics, sys, time
+import json, sys, time
 from pathlib import Path
 import numpy as np
 import btjit.runtime as R
@@ -64,8 +64,7 @@ for _ in range(reps):
         step()
     times.append((time.perf_counter() - t) / n)
 mods = [m for m in ("numba", "llvmlite", "scipy") if m in sys.modules]
-print(json.dumps({"time_s": statistics.median(times), "times_s": times,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "imported": mods}))
+print(json.dumps({"time_s": sorted(times)[len(times) // 2], "times_s": times, "imported": mods}))
 """
 
 
@@ -81,6 +80,18 @@ def _child(args, env, cwd=None):
     return p.stdout
 
 
+def _timed(cmd, env):
+    """(stdout, stderr, peak RSS MB or None) of cmd, the RSS by GNU time (a small parent: a child forked from
+    this interpreter counts, in its own ru_maxrss, the interpreter's pages it held before exec)."""
+    timer = shutil.which("time") or ("/usr/bin/time" if os.path.exists("/usr/bin/time") else None)
+    p = subprocess.run(([timer, "-f", "maxrss_kb %M"] if timer else []) + cmd, capture_output=True, text=True,
+                       env=env)
+    if p.returncode:
+        raise RuntimeError(" | ".join(p.stderr.strip().splitlines()[-3:])[:400])
+    rss = round(float(p.stderr.rsplit("maxrss_kb ", 1)[1].split()[0]) / 1024, 1) if timer else None
+    return p.stdout, p.stderr, rss
+
+
 def measure_export(wid, reps, tmp: Path) -> list:
     """The runtime row and the C host row of workload wid (exported into tmp)."""
     env = thread_env(1)
@@ -92,12 +103,11 @@ def measure_export(wid, reps, tmp: Path) -> list:
         return [_row(wid, "btjit.runtime", f"error: export: {e}"), _row(wid, "btjit C host", "error: no export")]
     rows = []
     try:
-        r = json.loads(_child(["taskset", "-c", "0", sys.executable, "-c", RUNTIME_CHILD, str(out), str(reps)]
-                              if shutil.which("taskset") else [sys.executable, "-c", RUNTIME_CHILD, str(out),
-                                                                str(reps)], env).strip().splitlines()[-1])
+        pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
+        stdout, _, rss = _timed(pin + [sys.executable, "-c", RUNTIME_CHILD, str(out), str(reps)], env)
+        r = json.loads(stdout.strip().splitlines()[-1])
         note = "imported " + ", ".join(r["imported"]) if r["imported"] else "no numba, llvmlite or scipy imported"
-        rows.append(_row(wid, "btjit.runtime", time_s=r["time_s"], peak_rss_mb=round(r["peak_rss_mb"], 1),
-                         note=note))
+        rows.append(_row(wid, "btjit.runtime", time_s=r["time_s"], peak_rss_mb=rss, note=note))
     except (RuntimeError, ValueError, IndexError) as e:
         rows.append(_row(wid, "btjit.runtime", f"error: {e}"))
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -107,18 +117,10 @@ def measure_export(wid, reps, tmp: Path) -> list:
     try:
         _child([cc, "-O2", "-I", str(out), "-o", str(exe), str(REPO / "examples/c/train.c"),
                 str(out / "libbtjit.so"), f"-Wl,-rpath,{out}"], env)
-        # the peak RSS by GNU time (a small parent): a child forked from this interpreter would count the
-        # interpreter's pages it held before exec
-        timer = shutil.which("time") or ("/usr/bin/time" if os.path.exists("/usr/bin/time") else None)
-        cmd = [str(exe), str(out), str(C_STEPS[wid])]
-        proc = subprocess.run(([timer, "-f", "maxrss_kb %M"] if timer else []) + cmd, capture_output=True,
-                              text=True, env=env)
-        if proc.returncode:
-            raise RuntimeError(proc.stderr.strip()[-300:])
-        busy = float(proc.stderr.split("steps: ")[1].split()[0])   # "N steps: S s in btjit, T s in all"
-        rss = float(proc.stderr.split("maxrss_kb ")[1].split()[0]) / 1024 if timer else None
-        rows.append(_row(wid, "btjit C host", time_s=busy / C_STEPS[wid], peak_rss_mb=rss and round(rss, 1),
-                         note=f"examples/c/train.c, {C_STEPS[wid]} steps" + ("" if timer else "; no GNU time")))
+        _, err, rss = _timed([str(exe), str(out), str(C_STEPS[wid])], env)
+        busy = float(err.split("steps: ")[1].split()[0])        # "N steps: S s in btjit, T s in all"
+        rows.append(_row(wid, "btjit C host", time_s=busy / C_STEPS[wid], peak_rss_mb=rss,
+                         note=f"examples/c/train.c, {C_STEPS[wid]} steps"))
     except (RuntimeError, IndexError, ValueError, OSError) as e:
         rows.append(_row(wid, "btjit C host", f"error: {e}"))
     return rows

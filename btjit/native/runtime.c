@@ -163,6 +163,8 @@ const char *btjit_open(const char *dir, btjit_program *p)
 
 int btjit_step(btjit_program *p) { return btjit_run(p->a, p->na, p->ia, p->nia, p->tape, p->cols, 0, p->rows); }
 
+int btjit_run_to(btjit_program *p, int64_t stop) { return btjit_run(p->a, p->na, p->ia, p->nia, p->tape, p->cols, 0, stop); }
+
 void btjit_close(btjit_program *p)
 {
     free(p->a);
