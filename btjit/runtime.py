@@ -98,8 +98,11 @@ def _pycall(d: Path, m: dict, lib):
     if not name or not name.endswith(importlib.machinery.EXTENSION_SUFFIXES[0]):
         return None
     spec = importlib.util.spec_from_file_location("btjit_pycall", d / name)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    try:
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    except ImportError:             # e.g. built against another libpython: the ctypes path does the same
+        return None
     addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value or 0    # noqa: E731
     mod.bind(addr(lib.btjit_scalar_one) if m["one"] else 0, addr(lib.btjit_scalar_many))
     return mod.call
