@@ -205,9 +205,9 @@ class ScalarFunction:
         return self
 
     def export(self, path):
-        """Write this function as a self-contained native library (btjit/export.py); btjit.runtime.load(path)
+        """Write this function as a self-contained native library (btjit/export_scalar.py); btjit.runtime.load(path)
         gives the same callable without numba. Returns the dir."""
-        from .export import export_scalar
+        from .export_scalar import export_scalar
         return export_scalar(self, path)
 
     # -- evaluation
