@@ -237,7 +237,8 @@ def plot(run_dir, out, debug):
 @click.option("--suite", default="paper", show_default=True,
               help="Workload suite: paper, mpi (E6 data-parallel at 1 and 2 MPI ranks; needs btjit[mpi]), "
                    "compile (start -> first step of new programs, P1-P6: --only P1,P6), or footprint (peak RSS and "
-                   "step of E1, E6b64 in-process, exported to btjit.runtime and to the C host, beside the peers).")
+                   "step of E1, E6b64 in-process, exported to btjit.runtime and to the C host, beside the peers), "
+                   "or scale (the GPT at E6 and S1-S4 against torch, JAX, torch.compile with --compile).")
 @click.option("--only", default=None, metavar="E1,E6b1,...", help="Only these workloads.")
 @click.option("--peers", default=None, metavar="torch,jax,micrograd,autograd|none",
               help="Peers to run beside btjit (default: every installed one).")
@@ -264,6 +265,16 @@ def bench(suite, only, peers, threads, reps, json_path, use_compile, profile, de
         from btjit.bench import compile_suite
         rows = compile_suite.run(json_path=json_path, progress=lambda s: click.echo(s, err=True), only=only)
         click.echo(compile_suite.format_table(rows))
+        return
+    if suite == "scale":                # the GPT grown: E6, S1-S4 (issue 16)
+        from btjit.bench import scale_suite
+        rows = scale_suite.run(only=only, threads=threads, reps=reps, compile=use_compile,
+                               impls=None if peers is None else ["btjit"] + [p for p in peers.split(",")
+                                                                             if p and p != "none"],
+                               progress=lambda s: click.echo(s, err=True))
+        if json_path:
+            json_path.write_text(json.dumps(rows, indent=1))
+        click.echo(scale_suite.format_table(rows))
         return
     if suite == "footprint":            # in-process / btjit.runtime / C host, peak RSS and step (issue 18)
         from btjit.bench import footprint

@@ -80,7 +80,7 @@ def _child(args, env, cwd=None):
     return p.stdout
 
 
-def _timed(cmd, env):
+def timed_run(cmd, env):
     """(stdout, stderr, peak RSS MB or None) of cmd, the RSS by GNU time (a small parent: a child forked from
     this interpreter counts, in its own ru_maxrss, the interpreter's pages it held before exec)."""
     timer = shutil.which("time") or ("/usr/bin/time" if os.path.exists("/usr/bin/time") else None)
@@ -104,7 +104,7 @@ def measure_export(wid, reps, tmp: Path) -> list:
     rows = []
     try:
         pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
-        stdout, _, rss = _timed(pin + [sys.executable, "-c", RUNTIME_CHILD, str(out), str(reps)], env)
+        stdout, _, rss = timed_run(pin + [sys.executable, "-c", RUNTIME_CHILD, str(out), str(reps)], env)
         r = json.loads(stdout.strip().splitlines()[-1])
         note = "imported " + ", ".join(r["imported"]) if r["imported"] else "no numba, llvmlite or scipy imported"
         rows.append(_row(wid, "btjit.runtime", time_s=r["time_s"], peak_rss_mb=rss, note=note))
@@ -117,7 +117,7 @@ def measure_export(wid, reps, tmp: Path) -> list:
     try:
         _child([cc, "-O2", "-I", str(out), "-o", str(exe), str(REPO / "examples/c/train.c"),
                 str(out / "libbtjit.so"), f"-Wl,-rpath,{out}"], env)
-        _, err, rss = _timed([str(exe), str(out), str(C_STEPS[wid])], env)
+        _, err, rss = timed_run([str(exe), str(out), str(C_STEPS[wid])], env)
         busy = float(err.split("steps: ")[1].split()[0])        # "N steps: S s in btjit, T s in all"
         rows.append(_row(wid, "btjit C host", time_s=busy / C_STEPS[wid], peak_rss_mb=rss,
                          note=f"examples/c/train.c, {C_STEPS[wid]} steps"))
