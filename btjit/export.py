@@ -73,22 +73,16 @@ def cpu_info() -> dict:
 
 
 def _blas(objects) -> dict | None:
-    """The OpenBLAS the tape's GEMMs call (scipy's, loaded in this process), if any object refers to it:
-    {"path", "gemm": {shim symbol: the library's symbol}, "set_threads"}."""
+    """The BLAS the tape's GEMMs call in this process (btjit/kernels/blas.py: OpenBLAS or MKL), if any object
+    refers to it: {"path", "gemm": {btjit's symbol: the library's}, "init": [C function, int arg] or None}."""
+    from .kernels.blas import CHOICE
     shims = [s for s in ("btjit_sgemm", "btjit_dgemm") if any(s.encode() in o for o in objects)]
     if not shims:
         return None
-    import ctypes
-    from .threads import _openblas_libs
-    for path in _openblas_libs(scipy_only=True):
-        lib = ctypes.CDLL(path)
-        for prefix in ("scipy_", ""):
-            if all(hasattr(lib, f"{prefix}{s[6:]}_") for s in shims):
-                threads = next((n for n in (f"{prefix}openblas_set_num_threads", "openblas_set_num_threads")
-                                if hasattr(lib, n)), None)
-                return {"path": path, "gemm": {s: f"{prefix}{s[6:]}_" for s in shims}, "set_threads": threads}
-    raise ExportError("the tape calls BLAS (a large or float64 matrix product), but no OpenBLAS library with "
-                      f"{' and '.join(s[6:] + '_' for s in shims)} is loaded in this process (scipy's is expected)")
+    if not CHOICE["path"] or not CHOICE["symbols"]:
+        raise ExportError(f"the tape calls BLAS (a large or float64 matrix product), but the {CHOICE['name']} "
+                          "library this process uses was not found as a file to link")
+    return {"path": CHOICE["path"], "gemm": {s: CHOICE["symbols"][s] for s in shims}, "init": CHOICE["init"]}
 
 
 def _blas_c(blas) -> str:
@@ -101,10 +95,10 @@ def _blas_c(blas) -> str:
                f"{t} *be, {t} *c, int *ldc"
         out += f"void {gemm}({args});\nvoid {shim}({args}) {{ {gemm}(ta, tb, m, n, k, al, a, lda, b, ldb, be, c, " \
                "ldc); }\n"
-    init = f"{blas['set_threads']}(1);" if blas["set_threads"] else ""
-    if blas["set_threads"]:
-        out += f"void {blas['set_threads']}(int);\n"
-    return out + f"void btjit_init(void) {{ {init} }}\n"
+    if not blas["init"]:                   # one thread (OpenBLAS) / the sequential layer (MKL)
+        return out + "void btjit_init(void) {}\n"
+    fn, arg = blas["init"]
+    return out + f"int {fn}(int);\nvoid btjit_init(void) {{ {fn}({arg}); }}\n"
 
 
 def _cpu_c(cpu) -> str:

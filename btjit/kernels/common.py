@@ -7,10 +7,9 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import njit, types
-from numba.extending import get_cython_function_address, intrinsic, overload
+from numba.extending import intrinsic, overload
 
 FM_FLAGS = ("nsz", "arcp", "contract", "afn", "reassoc")   # fast-math set: no nnan/ninf, NaNs propagate
 FM = dict(fastmath=set(FM_FLAGS), error_model='numpy', boundscheck=False)
@@ -218,11 +217,10 @@ def transpose(src, osrc, dst, odst, R, C):
 
 
 # ---------------------------------------------------------------- direct BLAS gemm
-# The BLAS entry points are bound as named external symbols (llvmlite.add_symbol), not ctypes pointers:
-# a ctypes pointer is a "dynamic global" that stops numba from caching every caller on disk, and a
-# baked-in address would be wrong in the next process. The symbols are re-registered at every import.
-llvm.add_symbol("btjit_sgemm", get_cython_function_address('scipy.linalg.cython_blas', 'sgemm'))
-llvm.add_symbol("btjit_dgemm", get_cython_function_address('scipy.linalg.cython_blas', 'dgemm'))
+# The BLAS entry points are bound as named external symbols (llvmlite.add_symbol, by btjit/kernels/blas.py:
+# OpenBLAS or MKL, measured), not ctypes pointers: a ctypes pointer is a "dynamic global" that stops numba
+# from caching every caller on disk, and a baked-in address would be wrong in the next process.
+from btjit.kernels import blas as _blas  # noqa: E402,F401 -- binds btjit_sgemm / btjit_dgemm
 _sgemm = types.ExternalFunction("btjit_sgemm", types.void(*([types.voidptr] * 13)))
 _dgemm = types.ExternalFunction("btjit_dgemm", types.void(*([types.voidptr] * 13)))
 

@@ -34,6 +34,7 @@ import numba
 import numpy as np
 
 from btjit.kernels import attn_lanes, common, elementwise, fused, linalg, nn, optim, reduce
+from btjit.cachedir import cache_dir
 from btjit.kernels.common import ROW, ROWS
 
 MODULES = (elementwise, fused, reduce, linalg, nn, optim)
@@ -60,14 +61,6 @@ def entry(ap, na, iap, nia, rp):
     {name}(a, ia, r)
     return {ret}
 '''
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("BTJIT_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "btjit"
 
 
 def library_key() -> str:

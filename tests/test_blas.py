@@ -1,0 +1,65 @@
+"""btjit/kernels/blas.py: the BLAS the GEMM kernels call -- OpenBLAS always, MKL where installed and measured
+faster (or forced by $BTJIT_BLAS) -- computes the same products, and the choice is remembered."""
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_MKL = bool(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")))
+
+CHILD = r"""
+import json, numpy as np, btjit
+from btjit.kernels import blas
+rng = np.random.default_rng(0)
+out = {"choice": blas.CHOICE["name"]}
+for dt in ("float32", "float64"):
+    p = {"w": rng.normal(size=(96, 80)).astype(dt)}
+    x = rng.normal(size=(200, 96)).astype(dt)                  # large enough for sgemm, not the micro-kernels
+    f = btjit.trace(lambda p, x: btjit.sum(btjit.tanh(x @ p["w"])), p, x, grad=True, dtype=dt)
+    v = f.value_and_grad(x)
+    ref = np.tanh(x.astype(np.float64) @ p["w"].astype(np.float64))
+    out[dt] = [abs(v - ref.sum()) / abs(ref.sum()),
+               float(np.abs(f.grads["w"] - x.T.astype(np.float64) @ (1 - ref ** 2)).max())]
+print(json.dumps(out))
+"""
+
+
+def run(tmp_path, blas=None):
+    env = dict(os.environ, BTJIT_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    env.pop("BTJIT_BLAS", None)
+    if blas:
+        env["BTJIT_BLAS"] = blas
+    r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+@pytest.mark.parametrize("blas", ["openblas", pytest.param("mkl", marks=pytest.mark.skipif(
+    not HAS_MKL, reason="the mkl wheel is not installed (pip install 'btjit[mkl]')"))])
+def test_each_blas_computes_the_products(tmp_path, blas):
+    got, _ = run(tmp_path, blas)
+    assert got["choice"] == blas
+    assert got["float32"][0] < 1e-5 and got["float32"][1] < 1e-3
+    assert got["float64"][0] < 1e-12 and got["float64"][1] < 1e-10
+
+
+def test_the_measured_choice_is_remembered(tmp_path):
+    got, _ = run(tmp_path)
+    saved = json.loads((tmp_path / "cache" / "blas.json").read_text()) if HAS_MKL else None
+    if HAS_MKL:                             # measured once, then read back
+        assert saved["choice"] == got["choice"] and set(saved["seconds"]) == {"openblas", "mkl"}
+        (tmp_path / "cache" / "blas.json").write_text(json.dumps(dict(saved, choice="openblas")))
+        assert run(tmp_path)[0]["choice"] == "openblas"
+    else:
+        assert got["choice"] == "openblas"
+
+
+def test_asking_for_a_missing_blas_warns_and_uses_openblas(tmp_path):
+    got, err = run(tmp_path, "essl")
+    assert got["choice"] == "openblas" and "BTJIT_BLAS='essl' is not installed here" in err
