@@ -91,8 +91,8 @@ def _key(cands) -> str:
 def choose() -> dict:
     """The BLAS to bind (see the module docstring)."""
     from btjit.cachedir import cache_dir
-    cands = [c for c in (_openblas(), _mkl()) if c]
     want = os.environ.get("BTJIT_BLAS", "").lower()
+    cands = [c for c in (_openblas(), _mkl() if want != "openblas" else None) if c]
     if want:
         for c in cands:
             if c["name"] == want:
