@@ -154,13 +154,29 @@ def copy_rows(L, e, out_off, out_strides, in_off, in_strides, shape=None):
                         ints=e.ins[0].dtype == "i32")
 
 
+def _row_broadcast(v, shape) -> bool:
+    """Whether v, broadcast to `shape`, is one row repeated: its shape (leading 1s dropped) ends `shape`."""
+    s = tuple(v.shape)
+    while s and s[0] == 1:
+        s = s[1:]
+    return 0 < len(s) <= len(shape) and tuple(shape[len(shape) - len(s):]) == s
+
+
 def lower_elementwise(sub, eqn, L):
-    """Same-size or scalar operands -> one flat k_binary loop; anything else (and integers) -> k_strided."""
+    """The common arithmetic on whole operands or one broadcast row -> k_binary_rows; other same-size or
+    scalar operands -> one flat k_binary loop; anything else (and integers) -> k_strided."""
     out = eqn.outs[0]
     n = out.size
     if eqn.ins[0].dtype == "i32":
         return strided_rows(L, sub, out.shape, (L.off(out), cstrides(out.shape)),
                             [(L.off(v), bstrides(v.shape, out.shape)) for v in eqn.ins], ints=True)
+    if len(eqn.ins) == 2 and sub in EW.ROWS_SUBS and n > 0:
+        x, y = eqn.ins
+        whole = [v.size == n for v in (x, y)]
+        if all(whole) or (whole[0] and _row_broadcast(y, out.shape)) or (whole[1] and _row_broadcast(x, out.shape)):
+            cols = n if all(whole) else min(x.size, y.size)
+            return [L.row("k_binary_rows", sub=sub, oout=L.off(out), o1=L.off(x), o2=L.off(y), rows=n // cols,
+                          cols=cols, sx=cols if whole[0] else 0, sy=cols if whole[1] else 0)]
     if len(eqn.ins) == 2 and all(v.size in (n, 1) for v in eqn.ins):
         x, y = eqn.ins
         mode = 0 if x.size == n and y.size == n else (1 if x.size == n else 2)
@@ -177,7 +193,7 @@ def _binary(name, sub, fn, vjp=None, cases=(), nondiff=False, internal=False, in
        nondiff=nondiff, internal=internal)
 
 
-_bc = [F(3, 4), F(4)], [F(2, 1, 3), F(4, 1)], [F(), F(3, 2)]
+_bc = [F(3, 4), F(4)], [F(2, 1, 3), F(4, 1)], [F(), F(3, 2)], [F(1, 4), F(2, 3, 4)], [F(2, 3), F(2, 3)]
 _binary("add", EW.B_ADD, np.add, lambda g, x, o, a: [g[0], g[0]], [Case(c) for c in _bc], ints=True)
 _binary("sub", EW.B_SUB, np.subtract, lambda g, x, o, a: [g[0], -g[0]], [Case(c) for c in _bc], ints=True)
 _binary("mul", EW.B_MUL, np.multiply, lambda g, x, o, a: [g[0] * x[1], g[0] * x[0]], [Case(c) for c in _bc],
@@ -273,6 +289,8 @@ def _lower_reduce(sub):
     def lower(e, L):
         s, lo, hi = e.ins[0].shape, e.attrs["lo"], e.attrs["hi"]
         n0, n1, n2 = (int(np.prod(s[:lo])), int(np.prod(s[lo:hi])), int(np.prod(s[hi:])))
+        if sub == R_SUM and n0 == 1 and n1 > 1 and n2 > 1:        # leading axes: k_sum_rows (elementwise.py)
+            return [L.row("k_sum_rows", oout=L.off(e.outs[0]), oin=L.off(e.ins[0]), rows=n1, cols=n2)]
         return [L.row("k_reduce", sub=sub, oout=L.off(e.outs[0]), oin=L.off(e.ins[0]), n0=n0, n1=n1, n2=n2)]
     return lower
 
@@ -293,7 +311,7 @@ _rcases = [Case((F(3, 4, 5),), {"lo": 1, "hi": 2}), Case((F(3, 4, 5),), {"lo": 0
            Case((F(3, 4, 5),), {"lo": 2, "hi": 3}), Case((F(6, 4),), {"lo": 0, "hi": 1}),
            # k_reduce's paths: rows folded m at a time plus leftovers (70x3, 5x33x7), column blocks (130 > 128)
            Case((F(70, 3),), {"lo": 0, "hi": 1}), Case((F(5, 33, 7),), {"lo": 1, "hi": 2}),
-           Case((F(2, 3, 130),), {"lo": 1, "hi": 2})]
+           Case((F(2, 3, 130),), {"lo": 1, "hi": 2}), Case((F(2, 70, 3),), {"lo": 1, "hi": 2})]
 op("sum", infer=_reduce_rule, ref=lambda xs, a: (xs[0].sum(axis=tuple(range(a["lo"], a["hi"]))),),
    lower=_lower_reduce(R_SUM), cases=_rcases,
    vjp=lambda g, x, o, a: [T.broadcast_to(_keep(g[0], x[0], a), x[0].shape)])

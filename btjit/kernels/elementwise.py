@@ -7,6 +7,12 @@ What the rows mean (each kernel's row is its @row declaration; see notes/CONVENT
   k_strided 4-D loop nest with element strides for the output and up to three inputs (stride 0 = broadcast).
             sub < 32: binary op of in1, in2 (COPY uses in1 only); SELECT: out = in2 if in1 != 0 else in3.
   k_fill    out[:n] = a[oc]
+  k_binary_rows  out (rows x cols) = f(x, y) for the common arithmetic (ROWS_SUBS) with x or y whole or one
+            row broadcast over the rows (a bias, a position embedding): a small kernel of its own, so programs
+            that need nothing else of k_binary / k_strided do not compile those (measured cold: 9-10 s each,
+            this one ~2 s)
+  k_sum_rows out (cols) = the sum of the rows of in (rows x cols): the leading-axes reduction (a broadcast's
+            gradient), small for the same reason
 """
 import math
 
@@ -169,6 +175,43 @@ def _binary_loop(sub, out, x, y, mode):
         sy = 0 if mode == 1 else 1
         for i in range(out.shape[0]):
             out[i] = _binary(sub, x[i * sx], y[i * sy])
+
+
+ROWS_SUBS = (B_ADD, B_SUB, B_MUL, B_RELU_GRAD, B_TANH_GRAD)
+
+
+@row("sub oout o1 o2 rows cols sx sy")
+@njit(**FM)
+def k_binary_rows(a, ia, r):
+    sub, oout, o1, o2, rows, cols, sx, sy = r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]
+    for i in range(rows):
+        out = a[oout + i * cols:oout + (i + 1) * cols]
+        x = a[o1 + i * sx:o1 + i * sx + cols]
+        y = a[o2 + i * sy:o2 + i * sy + cols]
+        if sub == B_ADD:
+            _b_add(out, x, y)
+        elif sub == B_SUB:
+            _b_sub(out, x, y)
+        elif sub == B_MUL:
+            _b_mul(out, x, y)
+        elif sub == B_RELU_GRAD:
+            _b_relu_grad(out, x, y)
+        else:
+            _b_tanh_grad(out, x, y)
+
+
+@row("oout oin rows cols")
+@njit(**FM)
+def k_sum_rows(a, ia, r):
+    oout, oin, rows, cols = r[1], r[2], r[3], r[4]
+    out = a[oout:oout + cols]
+    x = a[oin:oin + rows * cols]
+    for j in range(cols):
+        out[j] = x[j]
+    for i in range(1, rows):
+        xi = x[i * cols:(i + 1) * cols]
+        for j in range(cols):
+            out[j] += xi[j]
 
 
 @row("sub oout oin n oc")
