@@ -93,6 +93,8 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         raise T.TraceError(f"replicas={replicas} averages one scalar over the replicas; the traced function "
                            f"returns {'outputs ' + ', '.join(map(repr, aux)) if aux else f'shape {out.shape}'}")
     g.outputs = {"out": out.var, **{k: v.var for k, v in aux.items()}}
+    fuse.fuse_attention(g, TABLE)
+    fuse.fuse_gelu(g)
     fuse.fold_embedding_matmul(g)
     fuse.fuse_linear(g)
     fuse.fuse_residual(g)

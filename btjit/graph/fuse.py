@@ -9,6 +9,9 @@ keeps the graph in SSA form and replaces a pattern whose intermediate value is u
                                                        its gradient reads the output, as relu's does)
   take(table, idx) -> reshape -> matmul(., W)  ->  take_sum(matmul(table, W as (P, E, N)), idx)
                                                   (an embedding table with fewer rows than the batch)
+  q @ k^T * scale, causal masked_fill, softmax, @ v (split / reshape / swapaxes heads)  ->  causal_attention
+                                                  (attention written out by hand, as makemore writes it)
+  0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))  ->  gelu(x)   (NewGELU written out)
   backward: layernorm_grad(...) -> dx, then add(dx, acc)  ->  layernorm_grad(..., acc)
                                                   (x's other gradient, e.g. from its residual connection,
                                                    added by the LayerNorm backward kernel as it stores)
@@ -119,3 +122,145 @@ def fuse_grad_accumulation(graph: Graph) -> None:
                 drop.add(id(e))
                 break
     graph.eqns = [fused.get(id(e), e) for e in graph.eqns if id(e) not in drop]
+
+
+def fuse_attention(graph: Graph, table) -> None:
+    """Causal self-attention written out by hand, as makemore and nanoGPT's slow path write it --
+        q, k, v = split(qkv (B, T, 3C), 3, axis=2), each reshaped to (B, T, nh, hs) and swapped to (B, nh, T, hs)
+        att = (q @ k.swapaxes(-2, -1)) * (1 / sqrt(hs))        (or / sqrt(hs))
+        att = masked_fill(att, causal mask == 0, -inf); att = softmax(att, -1)
+        y = (att @ v).swapaxes(1, 2).reshape(B, T, C)
+    -- becomes one causal_attention(qkv) (its kernels, its VJP), when every intermediate is used only in the
+    pattern, the mask is a constant that hides exactly the future, and the scale is 1/sqrt(hs). `table`: the
+    op table (for the fused op's output types)."""
+    import math
+    import numpy as np
+    uses = _uses(graph)
+    producer = {o.id: e for e in graph.eqns for o in e.outs}
+    consts = {v.id: np.asarray(c) for v, c in graph.consts.items()}
+    replace, drop = {}, set()
+
+    def single(v, op):
+        e = producer.get(v.id)
+        return e if e is not None and e.op == op and uses[v.id] == 1 else None
+
+    def head_split(v, perm, which):            # v = transpose(reshape(slice(qkv, block `which`)))
+        tr = single(v, "transpose")
+        rs = single(tr.ins[0], "reshape") if tr is not None and tr.attrs["perm"] == perm else None
+        sl = single(rs.ins[0], "slice") if rs is not None else None
+        if sl is None or len(sl.ins[0].shape) != 3 or any(s != 1 for s in sl.attrs["steps"]):
+            return None
+        B, T_, C3 = sl.ins[0].shape
+        C = C3 // 3
+        if C3 % 3 or sl.attrs["starts"] != (0, 0, which * C) or sl.attrs["stops"] != (B, T_, (which + 1) * C) \
+                or len(rs.attrs["shape"]) != 4 or rs.attrs["shape"][:2] != (B, T_):
+            return None
+        return sl.ins[0], rs.attrs["shape"][2], [tr, rs, sl]
+
+    def const_value(v):
+        c = consts.get(v.id)
+        return float(c) if c is not None and c.size == 1 else None
+
+    for e in graph.eqns:
+        out = e.outs[0]
+        if e.op != "reshape" or len(out.shape) != 3:
+            continue
+        tr = single(e.ins[0], "transpose")
+        mm2 = single(tr.ins[0], "matmul") if tr is not None and tr.attrs["perm"] == (0, 2, 1, 3) else None
+        sm = single(mm2.ins[0], "softmax") if mm2 is not None and not (mm2.attrs["ta"] or mm2.attrs["tb"]) else None
+        wh = single(sm.ins[0], "where") if sm is not None else None
+        if wh is None:
+            continue
+        cond, a, b = wh.ins
+        mask = consts.get(cond.id)
+        inf_first = const_value(a) == -math.inf
+        scores = b if inf_first else a
+        if mask is None or not (inf_first or const_value(b) == -math.inf) or len(mask.shape) < 2:
+            continue
+        sc = producer.get(scores.id) if uses[scores.id] == 1 else None
+        if sc is None or sc.op not in ("mul", "div") or const_value(sc.ins[1]) is None:
+            continue
+        mm1 = single(sc.ins[0], "matmul")
+        if mm1 is None or mm1.attrs["ta"] or mm1.attrs["tb"]:
+            continue
+        kt = single(mm1.ins[1], "transpose")
+        parts = [head_split(mm1.ins[0], (0, 2, 1, 3), 0),
+                 head_split(kt.ins[0], (0, 2, 1, 3), 1) if kt is not None and kt.attrs["perm"] == (0, 1, 3, 2) else None,
+                 head_split(mm2.ins[1], (0, 2, 1, 3), 2)]
+        if any(p is None for p in parts) or len({id(p[0]) for p in parts}) != 1 or len({p[1] for p in parts}) != 1:
+            continue
+        qkv, nh = parts[0][0], parts[0][1]
+        B, T_, C3 = qkv.shape
+        hs = C3 // 3 // nh
+        scale = const_value(sc.ins[1]) if sc.op == "mul" else 1.0 / const_value(sc.ins[1])
+        future = np.triu(np.ones((T_, T_), bool), 1)
+        hidden = (mask != 0) if inf_first else (mask == 0)
+        if out.shape != (B, T_, C3 // 3) or not math.isclose(scale, 1.0 / math.sqrt(hs), rel_tol=1e-6) \
+                or hidden.shape[-2:] != (T_, T_) or not (np.broadcast_to(hidden, hidden.shape) == future).all():
+            continue
+        types = table["causal_attention"].infer([(qkv.shape, qkv.dtype)], {"n_head": nh}, qkv.dtype)
+        outs = (out,) + tuple(graph.new_var(s, d) for s, d in types[1:])
+        replace[id(e)] = Eqn("causal_attention", (qkv,), outs, {"n_head": nh}, e.src)
+        drop |= {id(x) for x in (tr, mm2, sm, wh, sc, mm1, kt)} | {id(x) for p in parts for x in p[2]}
+    graph.eqns = [replace.get(id(e), e) for e in graph.eqns if id(e) not in drop]
+
+
+GELU_C0, GELU_C1 = 0.7978845608028654, 0.044715      # sqrt(2 / pi) and the cubic's coefficient
+
+
+def fuse_gelu(graph: Graph) -> None:
+    """GELU's tanh approximation written out, 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3))) --
+    makemore's and nanoGPT's NewGELU, in any order and association of its products and sums (x**3 traced as
+    products) -- becomes one gelu(x) (one kernel forward, one backward) when its intermediates are used only
+    in it."""
+    import math
+    import numpy as np
+    uses = _uses(graph)
+    producer = {o.id: e for e in graph.eqns for o in e.outs}
+    consts = {v.id: float(np.asarray(c)) for v, c in graph.consts.items() if np.asarray(c).size == 1}
+    replace, drop = {}, set()
+
+    def flat(v, op, inner):
+        """v as a product / sum: (the constant factor / term, the other operands, the eqns inside)."""
+        e = producer.get(v.id)
+        if e is None or e.op != op or (inner and uses[v.id] != 1):
+            return (consts[v.id], [], []) if v.id in consts else (1.0 if op == "mul" else 0.0, [v], [])
+        c, rest, eqns = (1.0 if op == "mul" else 0.0), [], [e]
+        for x in e.ins:
+            xc, xr, xe = flat(x, op, True)
+            c = c * xc if op == "mul" else c + xc
+            rest += xr
+            eqns += xe
+        return c, rest, eqns
+
+    def close(a, b):
+        return math.isclose(a, b, rel_tol=1e-6)
+
+    for e in graph.eqns:
+        if e.op != "mul" or id(e) in drop:
+            continue
+        c, fs, eqns = flat(e.outs[0], "mul", False)          # 0.5 * x * s
+        if len(fs) != 2 or not close(c, 0.5):
+            continue
+        for x, s in (fs, fs[::-1]):
+            c1, terms, e1 = flat(s, "add", True)              # s = 1 + tanh(u)
+            th = producer.get(terms[0].id) if len(terms) == 1 else None
+            if not close(c1, 1.0) or th is None or th.op != "tanh" or uses[terms[0].id] != 1:
+                continue
+            c2, us, e2 = flat(th.ins[0], "mul", True)         # u = sqrt(2/pi) * w
+            if len(us) != 1 or not close(c2, GELU_C0):
+                continue
+            c3, ws, e3 = flat(us[0], "add", True)             # w = x + 0.044715 * x^3
+            if c3 != 0.0 or len(ws) != 2:
+                continue
+            cube = [w for w in ws if w is not x]
+            if len(cube) != 1 or len(ws) - 1 != 1:
+                continue
+            c4, xs, e4 = flat(cube[0], "mul", True)
+            if not close(c4, GELU_C1) or len(xs) != 3 or any(v is not x for v in xs):
+                continue
+            inner = eqns[1:] + e1 + [th] + e2 + e3 + e4
+            replace[id(e)] = Eqn("gelu", (x,), e.outs, {}, e.src)
+            drop |= {id(q) for q in inner}
+            break
+    graph.eqns = [replace.get(id(e), e) for e in graph.eqns if id(e) not in drop]
