@@ -30,6 +30,13 @@ BK = 64             # keys per tile (a multiple of V)
 TILE = R * BK       # floats of one stack tile (scores / probabilities, or dP / dS)
 FWD_BUF = TILE + 3 * R   # the forward's stack buffer: one tile, then the running max, sum and rescale of R rows
 BWD_BUF = 2 * TILE       # the backward's: the P and dS tiles
+FLASH_MIN_T = 64          # the lowering rule (flash below)
+
+
+def flash(T, hs) -> bool:
+    """Whether causal_attention of sequence length T and head size hs uses this file's kernels (the lowering
+    rule, btjit/graph/ops.py's _attn_lower): from FLASH_MIN_T tokens on, any batch and head size."""
+    return T >= FLASH_MIN_T
 
 
 @njit(**FM)

@@ -33,10 +33,10 @@ import llvmlite
 import numba
 import numpy as np
 
-from btjit.kernels import attn_lanes, common, elementwise, fused, linalg, nn, optim, reduce
+from btjit.kernels import attention, attn_lanes, common, elementwise, fused, linalg, nn, optim, reduce
 from btjit.kernels.common import ROW, ROWS
 
-MODULES = (elementwise, fused, reduce, linalg, nn, optim)
+MODULES = (elementwise, fused, reduce, linalg, nn, optim, attention)
 STATIC = [(m.__name__, n) for m in MODULES for n in sorted(vars(m)) if n in ROWS]
 GENERATED = attn_lanes.KERNEL_NAMES             # entries per (T, hs), float32 only
 KERNELS = [n for _, n in STATIC] + list(GENERATED)
