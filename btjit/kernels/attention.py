@@ -17,18 +17,14 @@
 import math
 
 import numpy as np
-from llvmlite import ir
-from numba import carray, njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import carray, njit
 
-from btjit.kernels.common import FM, FM_FLAGS, cvt, fexp, row, stack_buf, tile16
+from btjit.kernels.common import FM, cvt, fexp, row, stack_buf, tile16
+from btjit.kernels.tiles import R, V, mk_add, mk_set, prob_row, softmax_row
 
-R = 4               # query rows per tile = rows of the register tile
-V = 16              # columns of the register tile (keys or head dims)
 BK = 64             # keys per tile (a multiple of V)
 TILE = R * BK       # floats of one stack tile (scores / probabilities, or dP / dS)
-FWD_BUF = TILE + 3 * R   # the forward's stack buffer: one tile, then the running max, sum and rescale of R rows
+FWD_BUF = TILE + 3 * R + 2   # the forward's stack buffer: one tile, the running max and sum of R rows, 2 spare
 BWD_BUF = 2 * TILE       # the backward's: the P and dS tiles
 FLASH_MIN_T = 64          # the lowering rule (flash below)
 
@@ -56,51 +52,6 @@ def bwd_scratch(B, T, C, NH) -> int:
     (Tp x hsp), the scaled q, dO and dQ blocks (R x hsp), D (R)."""
     hs = C // NH
     return 2 * hs * _up(T) + 3 * _up(T) * _up(hs) + 3 * R * _up(hs) + R
-
-
-def _mk(add):
-    """Intrinsic mk(A, oA, lda, sak, B, oB, ldb, K, C, oC, ldc): for r < R, c < V:
-    C[oC + r*ldc + c] (+)= sum_{k<K} A[oA + r*lda + k*sak] * B[oB + k*ldb + c]  (arrays of one dtype)."""
-    @intrinsic
-    def mk(typingctx, A, oA, lda, sak, Bm, oB, ldb, K, Cm, oC, ldc):
-        if not (isinstance(A, types.Array) and A.dtype == Bm.dtype == Cm.dtype):
-            return None
-        i = types.int64
-        sig = types.void(A, i, i, i, Bm, i, i, i, Cm, i, i)
-
-        def impl(context, builder, sig, args):
-            _, oA, lda, sak, _, oB, ldb, K, _, oC, ldc = args
-            pa, pb, pc = (context.make_array(sig.args[j])(context, builder, args[j]).data for j in (0, 4, 8))
-            vt = ir.VectorType(context.get_data_type(sig.args[0].dtype), V)
-            al = sig.args[0].dtype.bitwidth // 8
-            i64, i32 = ir.IntType(64), ir.IntType(32)
-            bcast = ir.Constant(ir.VectorType(i32, V), [0] * V)
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(vt, None)) for _ in range(R)]
-            with cgutils.for_range(builder, K) as loop:
-                k = loop.index
-                bv = builder.load(builder.bitcast(builder.gep(pb, [builder.add(oB, builder.mul(k, ldb))]),
-                                                  vt.as_pointer()), align=al)
-                ka = builder.add(oA, builder.mul(k, sak))
-                for r in range(R):
-                    x = builder.load(builder.gep(pa, [builder.add(ka, builder.mul(ir.Constant(i64, r), lda))]))
-                    xv = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, ir.Undefined), x,
-                                                                       ir.Constant(i32, 0)),
-                                                ir.Constant(vt, ir.Undefined), bcast)
-                    builder.store(builder.fadd(builder.load(accs[r]), builder.fmul(xv, bv, flags=FM_FLAGS),
-                                               flags=FM_FLAGS), accs[r])
-            for r in range(R):
-                cp = builder.bitcast(builder.gep(pc, [builder.add(oC, builder.mul(ir.Constant(i64, r), ldc))]),
-                                     vt.as_pointer())
-                v = builder.load(accs[r])
-                if add:
-                    v = builder.fadd(builder.load(cp, align=al), v, flags=FM_FLAGS)
-                builder.store(v, cp, align=al)
-            return context.get_dummy_value()
-        return sig, impl
-    return mk
-
-
-mk_set, mk_add = _mk(False), _mk(True)
 
 
 @njit(**FM)
@@ -168,7 +119,6 @@ def _fwd_head(a, oqkv, oy, oL, oW, b, h, B, T, C, NH, scale):
     buf = carray(stack_buf(a, FWD_BUF), (FWD_BUF,))
     m = buf[TILE:TILE + R]
     l = buf[TILE + R:TILE + 2 * R]
-    al = buf[TILE + 2 * R:TILE + 3 * R]
     O = a[oo:oo + R * hsp]
     for t0 in range(0, T, R):
         nr = min(R, T - t0)
@@ -184,22 +134,12 @@ def _fwd_head(a, oqkv, oy, oL, oW, b, h, B, T, C, NH, scale):
             for c in range(0, n, V):                # S = (scale Q) K^T
                 mk_set(a, oq, hs, 1, a, okt + j0 + c, Tp, hs, buf, c, BK)
             for i in range(R):                      # online softmax of each row
-                p = buf[i * BK:i * BK + n]
                 nv = max(min(t0 + i - j0 + 1, n), 0) if i < nr else 0   # keys j0 + j <= t0 + i
-                mx = m[i]
-                for j in range(nv):
-                    x = p[j]
-                    mx = x if x > mx else mx
+                softmax_row(buf, i * BK, n, nv, m[i], TILE + 3 * R)
+                mx = buf[TILE + 3 * R]
                 alpha = fexp(m[i] - mx) if nv > 0 else one   # 0 on the first tile (m = -inf)
-                tot = zero
-                for j in range(nv):
-                    e = fexp(p[j] - mx)
-                    p[j] = e
-                    tot += e
-                for j in range(nv, n):
-                    p[j] = zero
-                l[i] = l[i] * alpha + tot
-                m[i] = mx
+                l[i] = l[i] * alpha + buf[TILE + 3 * R + 1]
+                m[i] = mx if nv > 0 else m[i]
                 o = O[i * hsp:i * hsp + hsp]
                 for d in range(hsp):
                     o[d] *= alpha
@@ -275,18 +215,9 @@ def _bwd_head(a, oqkv, oL, oW, ody, odqkv, oS, b, h, B, T, C, NH, scale):
                 mk_set(a, oq, hsp, 1, a, okt + j0 + c, Tp, hs, buf, c, BK)           # S = (scale Q) K^T
                 mk_set(a, og, hsp, 1, a, ovt + j0 + c, Tp, hs, buf, TILE + c, BK)    # dP = dO V^T
             for i in range(R):
-                p = buf[i * BK:i * BK + n]
-                g = buf[TILE + i * BK:TILE + i * BK + n]
                 nv = max(min(t0 + i - j0 + 1, n), 0) if i < nr else 0
                 lse = a[oL + (b * NH + h) * T + t0 + i] if i < nr else zero
-                Di = Dr[i]
-                for j in range(nv):
-                    e = fexp(p[j] - lse)
-                    p[j] = e
-                    g[j] = e * (g[j] - Di)                                           # dS
-                for j in range(nv, n):
-                    p[j] = zero
-                    g[j] = zero
+                prob_row(buf, i * BK, TILE + i * BK, n, nv, lse, Dr[i])     # P and dS = P (dP - D)
             for k0 in range(0, n, R):               # keys k0 .. k0+3 of the tile: dV += P^T dO, dK += dS^T Q
                 ok = (j0 + k0) * hsp
                 for d0 in range(0, hsp, V):

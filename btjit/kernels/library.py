@@ -33,7 +33,7 @@ import llvmlite
 import numba
 import numpy as np
 
-from btjit.kernels import attention, attn_lanes, common, elementwise, fused, linalg, nn, optim, reduce
+from btjit.kernels import attention, attn_lanes, common, elementwise, fused, linalg, nn, optim, reduce, tiles
 from btjit.kernels.common import ROW, ROWS
 
 MODULES = (elementwise, fused, reduce, linalg, nn, optim, attention)
@@ -72,7 +72,7 @@ def cache_dir() -> Path:
 
 def library_key() -> str:
     h = hashlib.sha256(_ENTRY.encode())
-    for m in MODULES + (attn_lanes, common):
+    for m in MODULES + (attn_lanes, common, tiles):
         h.update(inspect.getsource(m).encode())
     h.update(f"{numba.__version__} {np.__version__} {llvmlite.__version__}".encode())
     return h.hexdigest()[:16]
