@@ -91,15 +91,17 @@ def _program(B, T, C, NH, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("T", [A.FLASH_MIN_T - 1, A.FLASH_MIN_T])
-@pytest.mark.parametrize("B,C,NH", [(2, 24, 2), (17, 8, 2)])
-def test_lowering_rule_both_sides(dtype, T, B, C, NH):
-    """T below the threshold: today's kernels; from it on the flash pair; same values either way."""
+@pytest.mark.parametrize("B,T,C,NH", [(2, 15, 32, 2), (2, 16, 32, 2), (17, 15, 32, 2), (17, 16, 32, 2),
+                                      (3, 63, 8, 2), (3, 64, 8, 2), (1, 8, 64, 1)])
+def test_lowering_rule_both_sides(dtype, B, T, C, NH):
+    """Both sides of each threshold (T 15 / 16 at hs 16; T*hs 252 / 256 at hs 4; T 8 at hs 64): today's
+    kernels below, the flash pair from it on; the same values either way."""
     from btjit.graph.ops import TABLE
     prog, qkv, w = _program(B, T, C, NH, dtype)
     ops = {int(r[0]) for r in prog.tape}
     flash = {OPCODE["k_attn_fwd_flash"], OPCODE["k_attn_bwd_flash"]}
-    assert (flash <= ops) == (T >= A.FLASH_MIN_T) and (ops & flash or T < A.FLASH_MIN_T)
+    assert A.flash(T, C // NH) == (T >= 16 and T * C // NH >= 256)
+    assert (flash <= ops) == A.flash(T, C // NH) and (flash <= ops or not ops & flash)
     loss = prog.value_and_grad()
     y = TABLE["causal_attention"].ref([qkv], {"n_head": NH})[0]
     dq = TABLE["causal_attention_grad"].ref([qkv, None, None, w.astype(np.float64)], {"n_head": NH})[0]

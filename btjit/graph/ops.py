@@ -864,9 +864,9 @@ def _attn_grad_ref(xs, a):
 
 
 def _attn_lower(e, L):
-    """From attention.FLASH_MIN_T tokens on, the flash kernels (btjit/kernels/attention.py: P holds the rows'
-    logsumexps, W a copy of y and per-head scratch), whatever the batch and head size. Measured (one thread,
-    float32, fwd + bwd, against the kernels picked below): see FLASH_MIN_T's note in attention.py.
+    """Where attention.flash(T, hs) (T >= 16 and T*hs >= 256, any batch), the flash kernels
+    (btjit/kernels/attention.py: P holds the rows' logsumexps, W a copy of y and per-head scratch); the
+    measurement behind the rule (one thread, float32, fwd + bwd against the kernels below) is at FLASH_MIN_T.
     Below that, for fewer than BL_MIN_B sequences the generated "pairs" kernels (lanes over (sequence, head)
     pairs; they keep qkv and the probabilities in their scratch W, and leave P unused) or, where those do not
     apply, the per-head loops; from BL_MIN_B the sequence-vectorized ("bl") pair or its generated twin

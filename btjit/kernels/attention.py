@@ -26,13 +26,19 @@ BK = 64             # keys per tile (a multiple of V)
 TILE = R * BK       # floats of one stack tile (scores / probabilities, or dP / dS)
 FWD_BUF = TILE + 3 * R + 2   # the forward's stack buffer: one tile, the running max and sum of R rows, 2 spare
 BWD_BUF = 2 * TILE       # the backward's: the P and dS tiles
-FLASH_MIN_T = 64          # the lowering rule (flash below)
+# The lowering rule (flash below): T >= 16 and T*hs >= 256. Measured fwd + bwd through the library, one thread,
+# float32, old kernels / flash (> 1: flash faster): hs 16: T 16 1.30 (B 32), T 24 1.48, T 32 2.3; hs 32: T 16 5.5
+# (B 8), T 32 10.5, T 48 4.7 (B 16), T 64 5.3; hs 4: T 64 1.11, T 128 1.64, T 256 4.9, but T 16 0.22 and T 32 0.49
+# (B 64); hs 8, T 16 0.50 (B 32); T 8: hs 32 1.75 at B 8 but 0.65 at B 64, hs 16 0.43 at B 64 (E6, T 8 hs 4, keeps
+# its generated kernels).
+FLASH_MIN_T = 16
+FLASH_MIN_THS = 256
 
 
 def flash(T, hs) -> bool:
     """Whether causal_attention of sequence length T and head size hs uses this file's kernels (the lowering
-    rule, btjit/graph/ops.py's _attn_lower): from FLASH_MIN_T tokens on, any batch and head size."""
-    return T >= FLASH_MIN_T
+    rule, btjit/graph/ops.py's _attn_lower; any batch): T >= FLASH_MIN_T and T*hs >= FLASH_MIN_THS."""
+    return T >= FLASH_MIN_T and T * hs >= FLASH_MIN_THS
 
 
 @njit(**FM)
