@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from btjit.kernels import attn_lanes, linalg
+from btjit.kernels import attention, attn_lanes, linalg
 from btjit.kernels import elementwise as EW
 from btjit.kernels.common import MAX_THREADS
 from btjit.kernels.nn import BL_MIN_B, attn_blocks, attn_bwd_scratch_size, attn_scratch_size
@@ -812,13 +812,21 @@ op("layernorm_grad", infer=_ln_grad_rule, ref=_ln_grad_ref, internal=True,
           Case((F(3, 6), F(6), F(3), F(3, dom="pos"), F(3, 6), F(3, 6)), {"eps": 1e-5})])
 
 
+def _attn_flash(qkv_shape, nh) -> bool:
+    return attention.flash(qkv_shape[1], qkv_shape[2] // 3 // nh)
+
+
 def _attn_rule(types, attrs, fd):
+    """(qkv) -> (y, P, W). P: the probabilities (B, nh, T, T), or with the flash kernels the rows' logsumexps
+    (B, nh, T); W: the forward's scratch, kept for the backward (its size depends on the kernels)."""
     _float(types, "")
     (s, _), = types
     nh = attrs["n_head"]
     if len(s) != 3 or s[2] % 3 or (s[2] // 3) % nh:
         raise ShapeError(f"qkv must be (B, T, 3*C) with C divisible by n_head={nh}")
     B, T_, C3 = s
+    if _attn_flash(s, nh):
+        return [((B, T_, C3 // 3), fd), ((B, nh, T_), fd), ((attention.fwd_scratch(B, T_, C3 // 3, nh),), fd)]
     return [((B, T_, C3 // 3), fd), ((B, nh, T_, T_), fd), ((attn_scratch_size(B, T_, C3 // 3, nh, fd),), fd)]
 
 
@@ -826,43 +834,62 @@ def _fd(x):
     return "f32" if x.dtype == np.float32 else "f64"
 
 
+def _attn_probs(qkv, nh):
+    """q, k, v (B, nh, T, hs) and the scaled, masked scores and probabilities (B, nh, T, T)."""
+    B, T_, C3 = qkv.shape
+    C = C3 // 3
+    q, k, v = (qkv[..., i * C:(i + 1) * C].reshape(B, T_, nh, C // nh).transpose(0, 2, 1, 3) for i in range(3))
+    att = q @ k.transpose(0, 1, 3, 2) / math.sqrt(C // nh)
+    att = np.where(np.tril(np.ones((T_, T_), bool)), att, -np.inf)
+    return q, k, v, att, _softmax_ref(att)
+
+
 def _attn_ref(xs, a):
     qkv = xs[0]
     B, T_, C3 = qkv.shape
     C, nh = C3 // 3, a["n_head"]
-    q, k, v = (qkv[..., i * C:(i + 1) * C].reshape(B, T_, nh, C // nh).transpose(0, 2, 1, 3) for i in range(3))
-    att = q @ k.transpose(0, 1, 3, 2) / math.sqrt(C // nh)
-    att = np.where(np.tril(np.ones((T_, T_), bool)), att, -np.inf)
-    p = _softmax_ref(att)
-    return ((p @ v).transpose(0, 2, 1, 3).reshape(B, T_, C), p, np.zeros(attn_scratch_size(B, T_, C, nh, _fd(qkv))))
+    q, k, v, att, p = _attn_probs(qkv, nh)
+    y = (p @ v).transpose(0, 2, 1, 3).reshape(B, T_, C)
+    if _attn_flash(qkv.shape, nh):
+        mx = att.max(-1, keepdims=True)
+        lse = (mx + np.log(np.exp(att - mx).sum(-1, keepdims=True)))[..., 0]
+        return y, lse, np.zeros(attention.fwd_scratch(B, T_, C, nh))
+    return y, p, np.zeros(attn_scratch_size(B, T_, C, nh, _fd(qkv)))
 
 
 def _attn_grad_rule(types, attrs, fd):
     (s, _) = types[0]
-    return [(s, fd), ((attn_bwd_scratch_size(s[0], s[1], s[2] // 3, attrs["n_head"], fd),), fd)]
+    nh = attrs["n_head"]
+    if _attn_flash(s, nh):
+        return [(s, fd), ((attention.bwd_scratch(s[0], s[1], s[2] // 3, nh),), fd)]
+    return [(s, fd), ((attn_bwd_scratch_size(s[0], s[1], s[2] // 3, nh, fd),), fd)]
 
 
 def _attn_grad_ref(xs, a):
-    qkv, p, _, gy = xs
+    """The VJP from the probabilities recomputed from qkv (P itself is the rows' logsumexps when flash)."""
+    qkv, _, _, gy = xs
     B, T_, C3 = qkv.shape
     C, nh = C3 // 3, a["n_head"]
     hs = C // nh
-    q, k, v = (qkv[..., i * C:(i + 1) * C].reshape(B, T_, nh, hs).transpose(0, 2, 1, 3) for i in range(3))
+    q, k, v, _, p = _attn_probs(qkv, nh)
     gy = gy.reshape(B, T_, nh, hs).transpose(0, 2, 1, 3)
     dv = p.transpose(0, 1, 3, 2) @ gy
     dp = gy @ v.transpose(0, 1, 3, 2)
     ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / math.sqrt(hs)
     dq, dk = ds @ k, ds.transpose(0, 1, 3, 2) @ q
-    return (np.concatenate([d.transpose(0, 2, 1, 3).reshape(B, T_, C) for d in (dq, dk, dv)], -1),
-            np.zeros(attn_bwd_scratch_size(B, T_, C, nh, _fd(qkv))))
+    S = attention.bwd_scratch(B, T_, C, nh) if _attn_flash(qkv.shape, nh) else attn_bwd_scratch_size(B, T_, C, nh, _fd(qkv))
+    return (np.concatenate([d.transpose(0, 2, 1, 3).reshape(B, T_, C) for d in (dq, dk, dv)], -1), np.zeros(S))
 
 
 def _attn_lower(e, L):
-    """Below BL_MIN_B sequences the generated "pairs" kernels (lanes over (sequence, head) pairs; they keep
-    qkv and the probabilities in their scratch W, and leave P unused) or, where those do not apply, the
-    per-head loops; from BL_MIN_B the sequence-vectorized ("bl") pair or its generated twin ("lanes"), whose
-    forward saves the transposed qkv in W and the probabilities in P in its own layout for the backward. With
-    more than one thread the bl / lanes blocks are split over the thread pool."""
+    """Where attention.flash(T, hs) (T >= 16 and T*hs >= 256, any batch), the flash kernels
+    (btjit/kernels/attention.py: P holds the rows' logsumexps, W a copy of y and per-head scratch); the
+    measurement behind the rule (one thread, float32, fwd + bwd against the kernels below) is at FLASH_MIN_T.
+    Below that, for fewer than BL_MIN_B sequences the generated "pairs" kernels (lanes over (sequence, head)
+    pairs; they keep qkv and the probabilities in their scratch W, and leave P unused) or, where those do not
+    apply, the per-head loops; from BL_MIN_B the sequence-vectorized ("bl") pair or its generated twin
+    ("lanes"), whose forward saves the transposed qkv in W and the probabilities in P in its own layout for
+    the backward. With more than one thread the bl / lanes blocks are split over the thread pool."""
     B, T_ = e.ins[0].shape[:2]
     C, nh = e.ins[0].shape[2] // 3, e.attrs["n_head"]
     dims = dict(B=B, T=T_, C=C, NH=nh, oscale=L.const(1.0 / math.sqrt(C // nh)))
@@ -874,6 +901,11 @@ def _attn_lower(e, L):
     else:
         (qkv,), (y, P, W) = e.ins, e.outs
         offs = dict(oqkv=L.off(qkv), oy=L.off(y), oP=L.off(P), oW=L.off(W))
+    if _attn_flash(qkv.shape, nh):
+        if grad:
+            return [L.row("k_attn_bwd_flash", oqkv=L.off(qkv), oL=L.off(P), oW=L.off(W), ody=L.off(gy),
+                          odqkv=L.off(dqkv), oS=L.off(S), **dims)]
+        return [L.row("k_attn_fwd_flash", oqkv=L.off(qkv), oy=L.off(y), oL=L.off(P), oW=L.off(W), **dims)]
     if B < BL_MIN_B and attn_lanes.pairs_eligible(T_, C // nh, qkv.dtype):
         return [L.row(f"k_attn_{kind}_pairs", shape=(T_, C // nh), **{**offs, "oP": 0}, **dims)]   # P unused
     if B < BL_MIN_B:

@@ -33,11 +33,11 @@ import llvmlite
 import numba
 import numpy as np
 
-from btjit.kernels import attn_lanes, common, elementwise, fused, linalg, nn, optim, reduce
 from btjit.cachedir import cache_dir
+from btjit.kernels import attention, attn_lanes, common, elementwise, fused, linalg, nn, optim, reduce, tiles
 from btjit.kernels.common import ROW, ROWS
 
-MODULES = (elementwise, fused, reduce, linalg, nn, optim)
+MODULES = (elementwise, fused, reduce, linalg, nn, optim, attention)
 STATIC = [(m.__name__, n) for m in MODULES for n in sorted(vars(m)) if n in ROWS]
 GENERATED = attn_lanes.KERNEL_NAMES             # entries per (T, hs), float32 only
 KERNELS = [n for _, n in STATIC] + list(GENERATED)
@@ -65,7 +65,7 @@ def entry(ap, na, iap, nia, rp):
 
 def library_key() -> str:
     h = hashlib.sha256(_ENTRY.encode())
-    for m in MODULES + (attn_lanes, common):
+    for m in MODULES + (attn_lanes, common, tiles):
         h.update(inspect.getsource(m).encode())
     h.update(f"{numba.__version__} {np.__version__} {llvmlite.__version__}".encode())
     return h.hexdigest()[:16]

@@ -1,0 +1,142 @@
+# Tests for the flash-style causal attention (btjit/kernels/attention.py) and the lowering rule that picks it
+# (btjit/graph/ops.py _attn_lower): the kernels at many (T, hs) on float32 and float64 arenas against numpy
+# (forward, logsumexps, backward; finite differences in float64), writing nothing outside their outputs;
+# programs on both sides of the rule's threshold; the E6 shapes keeping their kernels; a whole GPT whose loss
+# and gradients match the non-flash kernels.
+import numpy as np
+import pytest
+
+import btjit
+from btjit.kernels import attention as A
+from btjit.kernels.library import OPCODE
+from test_kernels_nn import Arena, attn_bwd_ref, attn_ref, check, fd_grad, rnd, row
+
+DTS = [np.float32, np.float64]
+# every T of (1, 7, 8, 33, 64, 130, 256) and every hs of (4, 12, 16, 32, 64), 13 pairs
+PAIRS = [(1, 4), (1, 32), (7, 12), (7, 64), (8, 16), (8, 4), (33, 32), (33, 12), (64, 64), (64, 4),
+         (130, 16), (130, 12), (256, 32)]
+
+
+def lse_ref(qkv, B, T, C, NH, scale):
+    hs = C // NH
+    x = qkv.reshape(B, T, 3, NH, hs).transpose(2, 0, 3, 1, 4)
+    S = x[0] @ x[1].transpose(0, 1, 3, 2) * scale
+    S = np.where(np.tril(np.ones((T, T), bool)), S, -np.inf)
+    mx = S.max(-1, keepdims=True)
+    return (mx + np.log(np.exp(S - mx).sum(-1, keepdims=True))).ravel()
+
+
+def run_flash(dt, qkv, dy, B, T, C, NH, scale):
+    ar = Arena(dt)
+    osc = ar.put("scale", np.array([scale]))
+    oq, ody = ar.put("qkv", qkv), ar.put("dy", dy)
+    oy, oL = ar.put("y", size=B * T * C), ar.put("L", size=B * NH * T)
+    oW, odq = ar.put("W", size=A.fwd_scratch(B, T, C, NH)), ar.put("dqkv", size=B * T * 3 * C)
+    oS = ar.put("S", size=A.bwd_scratch(B, T, C, NH))
+    a = ar.build()
+    ia = np.zeros(1, np.int32)
+    A.k_attn_fwd_flash(a, ia, row(oq, oy, oL, oW, B, T, C, NH, osc))
+    ar.only_wrote("y", "L", "W")
+    A.k_attn_bwd_flash(a, ia, row(oq, oL, oW, ody, odq, oS, B, T, C, NH, osc))
+    ar.only_wrote("y", "L", "W", "dqkv", "S")
+    return ar
+
+
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("T,hs", PAIRS)
+def test_flash_kernels_match_numpy(dt, T, hs):
+    NH = 2 if T * hs <= 4096 else 1
+    B = 2 if T <= 64 else 1
+    C = NH * hs
+    rng = np.random.default_rng(T * 100 + hs)
+    qkv, dy = rnd(rng, (B * T, 3 * C), dt, 1.5), rnd(rng, (B * T, C), dt)
+    scale = float(dt(1.0 / np.sqrt(hs)))
+    ar = run_flash(dt, qkv, dy, B, T, C, NH, scale)
+    check(ar.get("y", (B * T, C)), attn_ref(qkv, B, T, C, NH, scale)[0], dt)
+    check(ar.get("L"), lse_ref(qkv, B, T, C, NH, scale), dt)
+    check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
+
+
+@pytest.mark.parametrize("T,hs", [(9, 4), (20, 3), (17, 16)])
+def test_flash_backward_finite_differences(T, hs):
+    B, NH = 1, 2
+    C = NH * hs
+    rng = np.random.default_rng(T)
+    qkv, dy = rnd(rng, (B * T, 3 * C), np.float64), rnd(rng, (B * T, C), np.float64)
+    scale = 1.0 / np.sqrt(hs)
+    ar = run_flash(np.float64, qkv, dy, B, T, C, NH, scale)
+    fd = fd_grad(lambda v: (attn_ref(v, B, T, C, NH, scale)[0] * dy).sum(), qkv)
+    check(ar.get("dqkv", qkv.shape), fd, np.float64, 1e-7)
+
+
+def test_flash_large_scores_stay_finite():
+    """Scores of +-60 (exp overflows float32 without the running max) and T spanning three key tiles."""
+    B, T, NH, hs = 1, 150, 1, 8
+    C = NH * hs
+    rng = np.random.default_rng(3)
+    qkv, dy = rnd(rng, (B * T, 3 * C), np.float32, 8.0), rnd(rng, (B * T, C), np.float32)
+    scale = float(np.float32(1.0 / np.sqrt(hs)))
+    ar = run_flash(np.float32, qkv, dy, B, T, C, NH, scale)
+    check(ar.get("y", (B * T, C)), attn_ref(qkv, B, T, C, NH, scale)[0], np.float32, 1e-4)
+    check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), np.float32, 1e-4)
+
+
+def _program(B, T, C, NH, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    qkv = rng.normal(size=(B, T, 3 * C)).astype(dtype)
+    w = rng.normal(size=(B, T, C)).astype(dtype)
+    prog = btjit.trace(lambda p: btjit.sum(btjit.causal_attention(p["qkv"], NH) * w), {"qkv": qkv}, dtype=dtype,
+                       grad=True)
+    return prog, qkv.astype(np.float64), w
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("B,T,C,NH", [(2, 15, 32, 2), (2, 16, 32, 2), (17, 15, 32, 2), (17, 16, 32, 2),
+                                      (3, 63, 8, 2), (3, 64, 8, 2), (1, 8, 64, 1)])
+def test_lowering_rule_both_sides(dtype, B, T, C, NH):
+    """Both sides of each threshold (T 15 / 16 at hs 16; T*hs 252 / 256 at hs 4; T 8 at hs 64): today's
+    kernels below, the flash pair from it on; the same values either way."""
+    from btjit.graph.ops import TABLE
+    prog, qkv, w = _program(B, T, C, NH, dtype)
+    ops = {int(r[0]) for r in prog.tape}
+    flash = {OPCODE["k_attn_fwd_flash"], OPCODE["k_attn_bwd_flash"]}
+    assert A.flash(T, C // NH) == (T >= 16 and T * C // NH >= 256)
+    assert (flash <= ops) == A.flash(T, C // NH) and (flash <= ops or not ops & flash)
+    loss = prog.value_and_grad()
+    y = TABLE["causal_attention"].ref([qkv], {"n_head": NH})[0]
+    dq = TABLE["causal_attention_grad"].ref([qkv, None, None, w.astype(np.float64)], {"n_head": NH})[0]
+    tol = 1e-10 if dtype == "float64" else 2e-4
+    assert loss == pytest.approx(float(np.sum(y * w)), rel=tol, abs=tol)
+    np.testing.assert_allclose(prog.grads["qkv"], dq, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("B,kernels", [(64, ("k_attn_fwd_lanes", "k_attn_bwd_lanes")),
+                                       (1, ("k_attn_fwd_pairs", "k_attn_bwd_pairs"))])
+def test_e6_shapes_keep_their_kernels(B, kernels):
+    """The paper's E6 attention (T 8, hs 4) at batch 64 and 1 runs exactly the kernels it ran before."""
+    from btjit.kernels.library import LIBRARY
+    prog, _, _ = _program(B, 8, 24, 6, "float32")
+    names = {LIBRARY.entry_of(int(r[0]))[0] for r in prog.tape}
+    assert {n for n in names if "attn" in n} == set(kernels)
+
+
+@pytest.mark.parametrize("block_size", [64, 130])
+def test_gpt_flash_matches_non_flash(monkeypatch, block_size):
+    """A whole GPT (2 layers, width 16, 2 heads) in float64: loss and every gradient with the flash kernels
+    equal those of the kernels below the threshold."""
+    from btjit.models import gpt
+    cfg = gpt.GPTConfig(vocab_size=11, n_layer=2, n_head=2, n_embd=16, block_size=block_size)
+    params = {k: v.astype(np.float64) for k, v in gpt.init_params(cfg, 0).items()}
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 11, (2, block_size)).astype(np.int32)
+    y = rng.integers(0, 11, (2, block_size)).astype(np.int32)
+    progs = []
+    for min_t in (A.FLASH_MIN_T, 10 ** 9):
+        monkeypatch.setattr(A, "FLASH_MIN_T", min_t)
+        progs.append(btjit.trace(gpt.loss_fn(cfg), params, x, y, dtype="float64", grad=True))
+    flash, ref = progs
+    assert OPCODE["k_attn_fwd_flash"] in {int(r[0]) for r in flash.tape}
+    assert OPCODE["k_attn_fwd_flash"] not in {int(r[0]) for r in ref.tape}
+    assert flash.value_and_grad(x, y) == pytest.approx(ref.value_and_grad(x, y), rel=1e-12)
+    for k in params:
+        np.testing.assert_allclose(flash.grads[k], ref.grads[k], rtol=1e-9, atol=1e-13, err_msg=k)
