@@ -288,7 +288,10 @@ def test_adamw_trajectory_matches_torch(kind, dtype):
         w = w.T if t else w
         keep = (gmax[name] >= 100 * 1e-8) | (gmax[name] == 0) if f32 else np.ones(v.shape, bool)
         left_out += (~keep).sum()
-        np.testing.assert_allclose(v[keep], w[keep], rtol=0, atol=3e-5 if f32 else 1e-10, err_msg=name)
+        # float32: 10 AdamW steps of lr 5e-4 move a param by up to 5e-3; the attention kernels' own summation
+        # order (flash tiles, a vector exp) leaves ~1e-7 in the grads, which Adam's normalisation amplifies on
+        # near-zero gradients: 6e-5 is ~1% of the distance moved
+        np.testing.assert_allclose(v[keep], w[keep], rtol=0, atol=6e-5 if f32 else 1e-10, err_msg=name)
         moved += np.abs(v - params[name]).max() > 1e-3      # AdamW moved it by ~steps * lr
     assert moved == len(params) and left_out < 0.01 * sum(v.size for v in params.values())
 

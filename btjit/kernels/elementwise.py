@@ -184,20 +184,25 @@ ROWS_SUBS = (B_ADD, B_SUB, B_MUL, B_RELU_GRAD, B_TANH_GRAD)
 @njit(**FM)
 def k_binary_rows(a, ia, r):
     sub, oout, o1, o2, rows, cols, sx, sy = r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]
-    for i in range(rows):
+    for i in range(rows):                 # the loops written out: ~2x faster to compile than _map2's closures
         out = a[oout + i * cols:oout + (i + 1) * cols]
         x = a[o1 + i * sx:o1 + i * sx + cols]
         y = a[o2 + i * sy:o2 + i * sy + cols]
         if sub == B_ADD:
-            _b_add(out, x, y)
+            for j in range(cols):
+                out[j] = x[j] + y[j]
         elif sub == B_SUB:
-            _b_sub(out, x, y)
+            for j in range(cols):
+                out[j] = x[j] - y[j]
         elif sub == B_MUL:
-            _b_mul(out, x, y)
+            for j in range(cols):
+                out[j] = x[j] * y[j]
         elif sub == B_RELU_GRAD:
-            _b_relu_grad(out, x, y)
+            for j in range(cols):
+                out[j] = y[j] if x[j] > _z else y[j] * _z
         else:
-            _b_tanh_grad(out, x, y)
+            for j in range(cols):
+                out[j] = y[j] * (_one - x[j] * x[j])
 
 
 @row("oout oin rows cols")

@@ -247,7 +247,7 @@ def _parse(s):
 
 
 # rough relative compile costs, only to balance the shares of parallel compiles (measured order, not seconds)
-HEAVY = {"k_binary": 5, "k_binary_rows": 2.5, "k_unary": 4, "k_matmul_micro": 5, "k_matmul": 3, "k_matmul_par": 3,
+HEAVY = {"k_binary": 5, "k_binary_rows": 1, "k_unary": 4, "k_matmul_micro": 5, "k_matmul": 3, "k_matmul_par": 3,
          "k_strided": 2,
          "k_reduce": 2, "k_ce_fwd": 1.5, "k_layernorm_bwd": 1.5, **{n: 4 for n in GENERATED}}
 
