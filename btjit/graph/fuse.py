@@ -159,7 +159,7 @@ def fuse_attention(graph: Graph, table) -> None:
 
     def const_value(v):
         c = consts.get(v.id)
-        return float(c) if c is not None and c.size == 1 else None
+        return float(c.ravel()[0]) if c is not None and c.size == 1 else None
 
     for e in graph.eqns:
         out = e.outs[0]
@@ -217,7 +217,7 @@ def fuse_gelu(graph: Graph) -> None:
     import numpy as np
     uses = _uses(graph)
     producer = {o.id: e for e in graph.eqns for o in e.outs}
-    consts = {v.id: float(np.asarray(c)) for v, c in graph.consts.items() if np.asarray(c).size == 1}
+    consts = {v.id: float(np.asarray(c).ravel()[0]) for v, c in graph.consts.items() if np.asarray(c).size == 1}
     replace, drop = {}, set()
 
     def flat(v, op, inner):
