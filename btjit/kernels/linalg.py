@@ -3,6 +3,7 @@
 # small B (the GPT's 24-96 wide layers) through register micro-kernels generated here: 8 rows x 48 columns
 # of C in registers over a loop on K. They run at 50-58 G multiply-adds/s on 512-row products (sgemm: 32-52)
 # and avoid sgemm's per-call work on 8-row ones (E6 batch 1: 0.1-0.4 us each).
+import numpy as np
 from llvmlite import ir
 from numba import carray, njit, prange, types
 from numba.core import cgutils
@@ -196,6 +197,7 @@ def k_matmul_micro(a, ia, r):
     lda = M if ta == 1 else K
     sar, sak = (1, lda) if ta == 1 else (lda, 1)
     wt = carray(stack_buf(a, WT_MAX), (WT_MAX,))
+    one, zero = np.int64(1), np.int64(0)     # not literals: a literal argument compiles gemm_micro a second time
     for i in range(nbatch):
         oa, ob, oc = oA + i * sA, oB + i * sB, oC + i * sC
         if tb == 0:
@@ -206,7 +208,7 @@ def k_matmul_micro(a, ia, r):
         else:
             if i == 0 or sB != 0:
                 transpose(a, ob, wt, 0, N, K)
-            gemm_micro(a, wt, oa, K, 1, 0, N, oc, N, M, N, K, 0, 0, 0, 0)
+            gemm_micro(a, wt, oa, K, one, zero, N, oc, N, M, N, K, zero, zero, zero, zero)
 
 
 @row("oA oB oC nbatch M N K sA sB sC ta tb beta osc oconst obias nparts")
@@ -264,6 +266,7 @@ def _matmul_part(a, ia, r, j, nparts):
         return
     sc = osc + 8 * j
     wt = carray(stack_buf(a, WT_MAX), (WT_MAX,))
+    one, zero = np.int64(1), np.int64(0)     # not literals: a literal argument compiles gemm_micro a second time
     for i in range(nbatch):
         oa, ob, oc = oA + i * sA, oB + i * sB, oC + i * sC
         if split_n:       # C[:, lo:lo+n] = op(A) @ op(B)[:, lo:lo+n]
