@@ -30,8 +30,17 @@ print(json.dumps(out))
 """
 
 
-def run(tmp_path, blas=None):
-    env = dict(os.environ, BTJIT_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One cache dir for the module: the kernels compile once (they call whichever BLAS is bound, so they are
+    the same for every choice); each test starts without a remembered choice (blas.json)."""
+    return tmp_path_factory.mktemp("blas") / "cache"
+
+
+def run(cache, blas=None, fresh=True):
+    if fresh:
+        (cache / "blas.json").unlink(missing_ok=True)
+    env = dict(os.environ, BTJIT_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
     env.pop("BTJIT_BLAS", None)
     if blas:
         env["BTJIT_BLAS"] = blas
@@ -42,24 +51,24 @@ def run(tmp_path, blas=None):
 
 @pytest.mark.parametrize("blas", ["openblas", pytest.param("mkl", marks=pytest.mark.skipif(
     not HAS_MKL, reason="the mkl wheel is not installed (pip install 'btjit[mkl]')"))])
-def test_each_blas_computes_the_products(tmp_path, blas):
-    got, _ = run(tmp_path, blas)
+def test_each_blas_computes_the_products(cache, blas):
+    got, _ = run(cache, blas)
     assert got["choice"] == blas
     assert got["float32"][0] < 1e-5 and got["float32"][1] < 1e-3
     assert got["float64"][0] < 1e-12 and got["float64"][1] < 1e-10
 
 
-def test_the_measured_choice_is_remembered(tmp_path):
-    got, _ = run(tmp_path)
-    saved = json.loads((tmp_path / "cache" / "blas.json").read_text()) if HAS_MKL else None
+def test_the_measured_choice_is_remembered(cache):
+    got, _ = run(cache)
+    saved = json.loads((cache / "blas.json").read_text()) if HAS_MKL else None
     if HAS_MKL:                             # measured once, then read back
         assert saved["choice"] == got["choice"] and set(saved["seconds"]) == {"openblas", "mkl"}
-        (tmp_path / "cache" / "blas.json").write_text(json.dumps(dict(saved, choice="openblas")))
-        assert run(tmp_path)[0]["choice"] == "openblas"
+        (cache / "blas.json").write_text(json.dumps(dict(saved, choice="openblas")))
+        assert run(cache, fresh=False)[0]["choice"] == "openblas"
     else:
         assert got["choice"] == "openblas"
 
 
-def test_asking_for_a_missing_blas_warns_and_uses_openblas(tmp_path):
-    got, err = run(tmp_path, "essl")
+def test_asking_for_a_missing_blas_warns_and_uses_openblas(cache):
+    got, err = run(cache, "essl")
     assert got["choice"] == "openblas" and "BTJIT_BLAS='essl' is not installed here" in err

@@ -95,85 +95,71 @@ def _binary(sub, x, y):
         return x
 
 
-# Compile time is the budget here: every specialized vectorized loop costs ~0.5-1 s of cold compile. So
+# Compile time is the budget here: every specialized vectorized loop costs ~0.2-0.5 s of cold compile. So
 # only the hot ops get one (same-shape operands, mode 0); scalar-operand modes and the cold ops (log,
-# sqrt, pow, abs, comparisons) share one scalar loop with the op switch inside.
-def _map1(f):
-    """A contiguous loop out[i] = f(x[i], c), specialized (and vectorized) for one scalar function f."""
-    @njit(**FM)
-    def loop(out, x, c):
-        for i in range(out.shape[0]):
-            out[i] = f(x[i], c)
-    return loop
-
-
-def _map2(f):
-    """A contiguous loop out[i] = f(x[i], y[i]), specialized (and vectorized) for one scalar function f."""
-    @njit(**FM)
-    def loop(out, x, y):
-        for i in range(out.shape[0]):
-            out[i] = f(x[i], y[i])
-    return loop
-
-
-def _u(sub):
-    return njit(inline="always", **FM)(lambda x, c: _unary(sub, x, c))
-
-
-def _b(sub):
-    return njit(inline="always", **FM)(lambda x, y: _binary(sub, x, y))
-
-
-_u_copy, _u_neg, _u_exp, _u_tanh, _u_relu, _u_sigmoid = [_map1(_u(s)) for s in (U_COPY, U_NEG, U_EXP, U_TANH,
-                                                                                   U_RELU, U_SIGMOID)]
-_b_add, _b_sub, _b_mul, _b_div, _b_max, _b_min, _b_tanh_grad, _b_relu_grad, _b_sigmoid_grad = [
-    _map2(_b(s)) for s in (B_ADD, B_SUB, B_MUL, B_DIV, B_MAX, B_MIN, B_TANH_GRAD, B_RELU_GRAD, B_SIGMOID_GRAD)]
-
-
+# sqrt, pow, abs, comparisons) share one scalar loop with the op switch inside. The loops are written out
+# (a function per op, as closures over a lambda, took ~2x the compile time: 6.9 s for k_binary).
 @njit(**FM)
 def _unary_loop(sub, out, x, c):
+    n = out.shape[0]
     if sub == U_COPY:
-        _u_copy(out, x, c)
+        for i in range(n):
+            out[i] = x[i]
     elif sub == U_NEG:
-        _u_neg(out, x, c)
+        for i in range(n):
+            out[i] = -x[i]
     elif sub == U_EXP:
-        _u_exp(out, x, c)
+        for i in range(n):
+            out[i] = fexp(x[i])
     elif sub == U_TANH:
-        _u_tanh(out, x, c)
+        for i in range(n):
+            out[i] = ftanh(x[i])
     elif sub == U_RELU:
-        _u_relu(out, x, c)
+        for i in range(n):
+            out[i] = x[i] if x[i] > _z else _z
     elif sub == U_SIGMOID:
-        _u_sigmoid(out, x, c)
+        for i in range(n):
+            out[i] = _one / (_one + fexp(-x[i]))
     else:
-        for i in range(out.shape[0]):
+        for i in range(n):
             out[i] = _unary(sub, x[i], c)
 
 
 @njit(**FM)
 def _binary_loop(sub, out, x, y, mode):
     """out = f_sub(x, y) over contiguous slices; mode 1: y is a 1-element slice, 2: x is."""
+    n = out.shape[0]
     if mode == 0 and sub == B_ADD:
-        _b_add(out, x, y)
+        for i in range(n):
+            out[i] = x[i] + y[i]
     elif mode == 0 and sub == B_SUB:
-        _b_sub(out, x, y)
+        for i in range(n):
+            out[i] = x[i] - y[i]
     elif mode == 0 and sub == B_MUL:
-        _b_mul(out, x, y)
+        for i in range(n):
+            out[i] = x[i] * y[i]
     elif mode == 0 and sub == B_DIV:
-        _b_div(out, x, y)
+        for i in range(n):
+            out[i] = x[i] / y[i]
     elif mode == 0 and sub == B_MAX:
-        _b_max(out, x, y)
+        for i in range(n):
+            out[i] = x[i] if x[i] >= y[i] else y[i]
     elif mode == 0 and sub == B_MIN:
-        _b_min(out, x, y)
+        for i in range(n):
+            out[i] = x[i] if x[i] <= y[i] else y[i]
     elif mode == 0 and sub == B_TANH_GRAD:
-        _b_tanh_grad(out, x, y)
+        for i in range(n):
+            out[i] = y[i] * (_one - x[i] * x[i])
     elif mode == 0 and sub == B_RELU_GRAD:
-        _b_relu_grad(out, x, y)
+        for i in range(n):
+            out[i] = y[i] if x[i] > _z else y[i] * _z
     elif mode == 0 and sub == B_SIGMOID_GRAD:
-        _b_sigmoid_grad(out, x, y)
+        for i in range(n):
+            out[i] = y[i] * x[i] * (_one - x[i])
     else:
         sx = 0 if mode == 2 else 1
         sy = 0 if mode == 1 else 1
-        for i in range(out.shape[0]):
+        for i in range(n):
             out[i] = _binary(sub, x[i * sx], y[i * sy])
 
 
@@ -184,7 +170,7 @@ ROWS_SUBS = (B_ADD, B_SUB, B_MUL, B_RELU_GRAD, B_TANH_GRAD)
 @njit(**FM)
 def k_binary_rows(a, ia, r):
     sub, oout, o1, o2, rows, cols, sx, sy = r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]
-    for i in range(rows):                 # the loops written out: ~2x faster to compile than _map2's closures
+    for i in range(rows):
         out = a[oout + i * cols:oout + (i + 1) * cols]
         x = a[o1 + i * sx:o1 + i * sx + cols]
         y = a[o2 + i * sy:o2 + i * sy + cols]
