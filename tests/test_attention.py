@@ -1,5 +1,5 @@
 # Tests for the flash-style causal attention (btjit/kernels/attention.py) and the lowering rule that picks it
-# (btjit/graph/ops.py _attn_lower): the kernels at many (T, hs) on float32 and float64 arenas against numpy
+# (btjit/graph/ops/nn.py _attn_lower): the kernels at many (T, hs) on float32 and float64 arenas against numpy
 # (forward, logsumexps, backward; finite differences in float64), writing nothing outside their outputs;
 # programs on both sides of the rule's threshold; the E6 shapes keeping their kernels; a whole GPT whose loss
 # and gradients match the non-flash kernels.

@@ -2,7 +2,7 @@
 
 `Var` is a value (integer id, shape, dtype); `Eqn` applies one op of the op table to input Vars and defines
 new output Vars; `Graph` is the ordered equation list plus the roles of its values (params, inputs,
-constants, outputs, grads). Nothing here knows how ops compute: see ops.py. `verify()` checks single
+constants, outputs, grads). Nothing here knows how ops compute: see ops/. `verify()` checks single
 assignment, that every use is defined before, and that shapes/dtypes agree with the op's shape rule.
 """
 from __future__ import annotations

@@ -73,7 +73,7 @@ class ScalarGraphError(Exception):
 (ADD, SUB, MUL, DIV, NEG, COPY, EXP, LOG, TANH, SQRT, ABS, RELU, SIGMOID, POW, MAXIMUM, MINIMUM, EQ, NE, GT,
  GE, LT, LE, TANH_GRAD, RELU_GRAD, SIGMOID_GRAD, WHERE, GELU, GELU_GRAD, ARG) = range(29)
 
-_G0 = 0.7978845608028654      # sqrt(2/pi), as in ops._gelu_ref
+_G0 = 0.7978845608028654      # sqrt(2/pi), as in graph/ops/elementwise.py's _gelu_ref
 _G1 = 0.044715
 
 OPS = {

@@ -3,7 +3,7 @@
 `Tracer` wraps a Var of the graph being built. Every operation goes through `emit()`, which asks the op
 table's shape rule for the output types; a shape or dtype error becomes a `TraceError` naming the op, the
 shapes and the user's source line. The public tensor functions (btjit.exp, btjit.matmul, ...) live here
-too, and the VJP rules in ops.py are written with them, so backward equations come from the same place.
+too, and the VJP rules in graph/ops/ are written with them, so backward equations come from the same place.
 """
 from __future__ import annotations
 

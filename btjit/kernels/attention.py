@@ -37,7 +37,7 @@ FLASH_MIN_THS = 256
 
 def flash(T, hs) -> bool:
     """Whether causal_attention of sequence length T and head size hs uses this file's kernels (the lowering
-    rule, btjit/graph/ops.py's _attn_lower; any batch): T >= FLASH_MIN_T and T*hs >= FLASH_MIN_THS."""
+    rule, btjit/graph/ops/nn.py's _attn_lower; any batch): T >= FLASH_MIN_T and T*hs >= FLASH_MIN_THS."""
     return T >= FLASH_MIN_T and T * hs >= FLASH_MIN_THS
 
 

@@ -8,9 +8,9 @@
 # out): forward 44 -> 18.5 us, backward 57 -> 19.6 us against the loop kernels; ~1.5 s compile each.
 #
 # The kernel library (btjit/kernels/library.py) gets, for each (T, hs) a program uses, the block functions
-# below (source text) and a kernel k_attn_{fwd,bwd}_lanes(_par) / _pairs as one entry each. ops.py picks them for a row
-# only when every lane block holds >= LANES sequences; the last chunk of a block then starts at L - LANES
-# and may redo lanes of the chunk before it, which is harmless: every store is an overwrite.
+# below (source text) and a kernel k_attn_{fwd,bwd}_lanes(_par) / _pairs as one entry each. graph/ops/nn.py
+# picks them for a row only when every lane block holds >= LANES sequences; the last chunk of a block then
+# starts at L - LANES and may redo lanes of the chunk before it, which is harmless: every store is an overwrite.
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils

@@ -1,5 +1,5 @@
 """Elementwise kernels: unary maps, same-shape / scalar-operand binary maps, a general strided kernel
-(broadcasting, transposes, slices, select) and fills. Sub-op codes below are shared with graph/ops.py.
+(broadcasting, transposes, slices, select) and fills. Sub-op codes below are shared with graph/ops/.
 
 What the rows mean (each kernel's row is its @row declaration; see notes/CONVENTIONS.md):
   k_unary   out = f(in) (a[oc] = exponent for POW)

@@ -1,0 +1,292 @@
+"""The softmax family, cross-entropy, the fused transformer ops (layernorm, causal attention) and the fused
+elementwise chains (graph/fuse_ew.py): shape rule, VJP, numpy reference, lowering, gradient cases."""
+from __future__ import annotations
+
+import math
+import numpy as np
+
+from btjit.graph import trace as T
+from btjit.kernels import attention, attn_lanes
+from btjit.kernels.nn import BL_MIN_B, attn_blocks, attn_bwd_scratch_size, attn_scratch_size
+
+from .table import Case, F, ShapeError, TABLE, _float, bstrides, cstrides, loop_nest, op, same_as_input
+
+
+# ----------------------------------------------------------------------------- softmax family
+def _offs(L, names, vs):
+    """{name: offset} for the space-separated names and vars vs, in order."""
+    return {n: L.off(v) for n, v in zip(names.split(), vs, strict=True)}
+
+
+def _rows(v, names="MN"):
+    """A value as rows: {M: rows, N: row length} (other names for other kernels' rows)."""
+    return {names[0]: v.size // v.shape[-1], names[1]: v.shape[-1]}
+
+
+def _softmax_ref(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _logsoftmax_ref(x):
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def _softmax_op(name, sub, ref, gref):
+    op(name, infer=same_as_input, ref=lambda xs, a: (ref(xs[0]),),
+       lower=lambda e, L: [L.row("k_softmax", sub=sub, oout=L.off(e.outs[0]), oin=L.off(e.ins[0]),
+                                 **_rows(e.ins[0]))],
+       vjp=lambda g, x, o, a: [T.emit(name + "_grad", (o[0], g[0]))], cases=[Case((F(3, 5),)), Case((F(2, 3, 4),))])
+    op(name + "_grad", infer=same_as_input, ref=lambda xs, a: (gref(*xs),), internal=True,
+       lower=lambda e, L: [L.row("k_softmax_bwd", sub=sub, odx=L.off(e.outs[0]), oout=L.off(e.ins[0]),
+                                 og=L.off(e.ins[1]), **_rows(e.ins[0]))], cases=[Case((F(3, 5), F(3, 5)))])
+
+
+_softmax_op("softmax", 0, _softmax_ref, lambda y, g: y * (g - (g * y).sum(-1, keepdims=True)))
+_softmax_op("log_softmax", 1, _logsoftmax_ref, lambda y, g: g - np.exp(y) * g.sum(-1, keepdims=True))
+
+
+def _ce_rule(types, attrs, fd):
+    (sl, dl), (st, dt) = types
+    if dl == "i32" or dt != "i32":
+        raise ShapeError("cross_entropy needs float logits and integer targets")
+    if tuple(sl[:-1]) != tuple(st):
+        raise ShapeError(f"targets shape {st} must equal logits shape {sl} without its last axis")
+    return [((), fd), (tuple(sl), fd)]
+
+
+IGNORE_NONE = -2 ** 40     # the row's ignore value when nothing is ignored: no int32 target equals it
+
+
+def ce_ignore(a) -> int:
+    return IGNORE_NONE if a.get("ignore_index") is None else int(a["ignore_index"])
+
+
+def _ce_kept(t, a):
+    keep = t.ravel() != ce_ignore(a)
+    return keep, (1.0 if a.get("reduction") == "sum" else (1.0 / keep.sum() if keep.any() else np.nan))
+
+
+def _ce_ref(xs, a):
+    logits, t = xs
+    lp = _logsoftmax_ref(logits).reshape(-1, logits.shape[-1])
+    keep, scale = _ce_kept(t, a)
+    rows = np.flatnonzero(keep)
+    return (np.asarray(-lp[rows, t.ravel()[rows]].sum() * scale), np.exp(lp).reshape(logits.shape))
+
+
+def _ce_grad_ref(xs, a):
+    p, t, g = xs
+    keep, scale = _ce_kept(t, a)
+    p2 = p.reshape(-1, p.shape[-1]).copy()
+    rows = np.flatnonzero(keep)
+    p2[rows, t.ravel()[rows]] -= 1
+    p2[~keep] = 0
+    return ((p2 * g * (scale if keep.any() else 0.0)).reshape(p.shape),)
+
+
+def _lower_ce(e, L):
+    ign, red = ce_ignore(e.attrs), int(e.attrs.get("reduction") == "sum")
+    if e.op == "cross_entropy":
+        return L.index_check(e, e.ins[1], e.ins[0].shape[-1], e.attrs.get("ignore_index")) + [L.row("k_ce_fwd", ol=L.off(e.ins[0]), ot=L.off(e.ins[1]), oloss=L.off(e.outs[0]),
+                      op_=L.off(e.outs[1]), **_rows(e.ins[0], "MV"), ign=ign, red=red)]
+    return [L.row("k_ce_bwd", op_=L.off(e.ins[0]), ot=L.off(e.ins[1]), og=L.off(e.ins[2]), od=L.off(e.outs[0]),
+                  **_rows(e.ins[0], "MV"), ign=ign, red=red)]
+
+
+_ce_cases = [{}, {"ignore_index": 2}, {"ignore_index": 2, "reduction": "sum"}, {"reduction": "sum"}]
+op("cross_entropy", infer=_ce_rule, ref=_ce_ref, lower=_lower_ce,
+   vjp=lambda g, x, o, a: [T.emit("cross_entropy_grad", (o[1], x[1], g[0]), **a), None],
+   cases=[Case((F(4, 5), ("i", (4,), 5))), Case((F(2, 3, 7), ("i", (2, 3), 7)))] +
+   [Case((F(9, 5), ("i", (9,), 5)), at) for at in _ce_cases[1:]])
+op("cross_entropy_grad", infer=lambda t, a, fd: [(t[0][0], fd)], ref=_ce_grad_ref, internal=True,
+   lower=_lower_ce, cases=[Case((F(4, 5), ("i", (4,), 5), F()), at) for at in _ce_cases])
+
+
+# ----------------------------------------------------------------------------- fused transformer ops
+def _ln_rule(types, attrs, fd):
+    _float(types, "")
+    (sx, _), (sw, _), (sb, _) = types
+    if not sx or tuple(sw) != sx[-1:] or tuple(sb) != sx[-1:]:
+        raise ShapeError(f"weight and bias must have shape ({sx[-1] if sx else '?'},)")
+    m = int(np.prod(sx[:-1], dtype=np.int64))
+    return [(tuple(sx), fd), ((m,), fd), ((m,), fd)]
+
+
+def _ln_ref(xs, a):
+    x, w, b = xs
+    mu = x.mean(-1, keepdims=True)
+    rs = 1.0 / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + a["eps"])
+    return ((x - mu) * rs * w + b, mu.ravel(), rs.ravel())
+
+
+def _ln_grad_ref(xs, a):
+    x, w, mu, rs, gy = xs[:5]
+    C = x.shape[-1]
+    x2, g2 = x.reshape(-1, C), gy.reshape(-1, C)
+    xh = (x2 - mu[:, None]) * rs[:, None]
+    gx = g2 * w
+    dx = rs[:, None] * (gx - gx.mean(-1, keepdims=True) - xh * (gx * xh).mean(-1, keepdims=True))
+    return (dx.reshape(x.shape) + (xs[5] if len(xs) > 5 else 0), (g2 * xh).sum(0), g2.sum(0))
+
+
+def _ln_grad_rule(types, attrs, fd):
+    """(x, w, mean, rstd, dy[, acc]) -> (dx [+ acc], dw, db): acc, of x's shape, is another gradient of x
+    (fuse.fuse_grad_accumulation)."""
+    if len(types) > 5 and tuple(types[5][0]) != tuple(types[0][0]):
+        raise ShapeError(f"layernorm_grad: acc must have x's shape {types[0][0]}, got {types[5][0]}")
+    return [(types[0][0], fd), (types[1][0], fd), (types[1][0], fd)]
+
+
+op("layernorm", infer=_ln_rule, ref=_ln_ref,
+   lower=lambda e, L: [L.row("k_layernorm_fwd", **_offs(L, "ox og ob", e.ins), **_offs(L, "oy omean orstd", e.outs),
+                             **_rows(e.ins[0], "MC"), oeps=L.const(e.attrs["eps"]))],
+   vjp=lambda g, x, o, a: list(T.emit("layernorm_grad", (x[0], x[1], o[1], o[2], g[0]), **a)),
+   cases=[Case((F(3, 6), F(6), F(6)), {"eps": 1e-5}), Case((F(2, 3, 5), F(5), F(5)), {"eps": 1e-5})])
+op("layernorm_grad", infer=_ln_grad_rule, ref=_ln_grad_ref, internal=True,
+   lower=lambda e, L: [L.row("k_layernorm_bwd", **_offs(L, "ox og omean orstd ody", e.ins[:5]),
+                             **_offs(L, "odx odg odb", e.outs), **_rows(e.ins[0], "MC"),
+                             oacc=L.off(e.ins[5]) if len(e.ins) > 5 else 0)],
+   cases=[Case((F(3, 6), F(6), F(3), F(3, dom="pos"), F(3, 6)), {"eps": 1e-5}),
+          Case((F(3, 6), F(6), F(3), F(3, dom="pos"), F(3, 6), F(3, 6)), {"eps": 1e-5})])
+
+
+def _attn_flash(qkv_shape, nh) -> bool:
+    return attention.flash(qkv_shape[1], qkv_shape[2] // 3 // nh)
+
+
+def _attn_rule(types, attrs, fd):
+    """(qkv) -> (y, P, W). P: the probabilities (B, nh, T, T), or with the flash kernels the rows' logsumexps
+    (B, nh, T); W: the forward's scratch, kept for the backward (its size depends on the kernels)."""
+    _float(types, "")
+    (s, _), = types
+    nh = attrs["n_head"]
+    if len(s) != 3 or s[2] % 3 or (s[2] // 3) % nh:
+        raise ShapeError(f"qkv must be (B, T, 3*C) with C divisible by n_head={nh}")
+    B, T_, C3 = s
+    if _attn_flash(s, nh):
+        return [((B, T_, C3 // 3), fd), ((B, nh, T_), fd), ((attention.fwd_scratch(B, T_, C3 // 3, nh),), fd)]
+    return [((B, T_, C3 // 3), fd), ((B, nh, T_, T_), fd), ((attn_scratch_size(B, T_, C3 // 3, nh, fd),), fd)]
+
+
+def _fd(x):
+    return "f32" if x.dtype == np.float32 else "f64"
+
+
+def _attn_probs(qkv, nh):
+    """q, k, v (B, nh, T, hs) and the scaled, masked scores and probabilities (B, nh, T, T)."""
+    B, T_, C3 = qkv.shape
+    C = C3 // 3
+    q, k, v = (qkv[..., i * C:(i + 1) * C].reshape(B, T_, nh, C // nh).transpose(0, 2, 1, 3) for i in range(3))
+    att = q @ k.transpose(0, 1, 3, 2) / math.sqrt(C // nh)
+    att = np.where(np.tril(np.ones((T_, T_), bool)), att, -np.inf)
+    return q, k, v, att, _softmax_ref(att)
+
+
+def _attn_ref(xs, a):
+    qkv = xs[0]
+    B, T_, C3 = qkv.shape
+    C, nh = C3 // 3, a["n_head"]
+    q, k, v, att, p = _attn_probs(qkv, nh)
+    y = (p @ v).transpose(0, 2, 1, 3).reshape(B, T_, C)
+    if _attn_flash(qkv.shape, nh):
+        mx = att.max(-1, keepdims=True)
+        lse = (mx + np.log(np.exp(att - mx).sum(-1, keepdims=True)))[..., 0]
+        return y, lse, np.zeros(attention.fwd_scratch(B, T_, C, nh))
+    return y, p, np.zeros(attn_scratch_size(B, T_, C, nh, _fd(qkv)))
+
+
+def _attn_grad_rule(types, attrs, fd):
+    (s, _) = types[0]
+    nh = attrs["n_head"]
+    if _attn_flash(s, nh):
+        return [(s, fd), ((attention.bwd_scratch(s[0], s[1], s[2] // 3, nh),), fd)]
+    return [(s, fd), ((attn_bwd_scratch_size(s[0], s[1], s[2] // 3, nh, fd),), fd)]
+
+
+def _attn_grad_ref(xs, a):
+    """The VJP from the probabilities recomputed from qkv (P itself is the rows' logsumexps when flash)."""
+    qkv, _, _, gy = xs
+    B, T_, C3 = qkv.shape
+    C, nh = C3 // 3, a["n_head"]
+    hs = C // nh
+    q, k, v, _, p = _attn_probs(qkv, nh)
+    gy = gy.reshape(B, T_, nh, hs).transpose(0, 2, 1, 3)
+    dv = p.transpose(0, 1, 3, 2) @ gy
+    dp = gy @ v.transpose(0, 1, 3, 2)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / math.sqrt(hs)
+    dq, dk = ds @ k, ds.transpose(0, 1, 3, 2) @ q
+    S = attention.bwd_scratch(B, T_, C, nh) if _attn_flash(qkv.shape, nh) else attn_bwd_scratch_size(B, T_, C, nh, _fd(qkv))
+    return (np.concatenate([d.transpose(0, 2, 1, 3).reshape(B, T_, C) for d in (dq, dk, dv)], -1), np.zeros(S))
+
+
+def _attn_lower(e, L):
+    """Where attention.flash(T, hs) (T >= 16 and T*hs >= 256, any batch), the flash kernels
+    (btjit/kernels/attention.py: P holds the rows' logsumexps, W a copy of y and per-head scratch); the
+    measurement behind the rule (one thread, float32, fwd + bwd against the kernels below) is at FLASH_MIN_T.
+    Below that, for fewer than BL_MIN_B sequences the generated "pairs" kernels (lanes over (sequence, head)
+    pairs; they keep qkv and the probabilities in their scratch W, and leave P unused) or, where those do not
+    apply, the per-head loops; from BL_MIN_B the sequence-vectorized ("bl") pair or its generated twin
+    ("lanes"), whose forward saves the transposed qkv in W and the probabilities in P in its own layout for
+    the backward. With more than one thread the bl / lanes blocks are split over the thread pool."""
+    B, T_ = e.ins[0].shape[:2]
+    C, nh = e.ins[0].shape[2] // 3, e.attrs["n_head"]
+    dims = dict(B=B, T=T_, C=C, NH=nh, oscale=L.const(1.0 / math.sqrt(C // nh)))
+    grad = e.op == "causal_attention_grad"
+    kind = "fwd" if not grad else "bwd"
+    if grad:
+        (qkv, P, W, gy), (dqkv, S) = e.ins, e.outs
+        offs = dict(oP=L.off(P), oW=L.off(W), ody=L.off(gy), odqkv=L.off(dqkv), oS=L.off(S))
+    else:
+        (qkv,), (y, P, W) = e.ins, e.outs
+        offs = dict(oqkv=L.off(qkv), oy=L.off(y), oP=L.off(P), oW=L.off(W))
+    if _attn_flash(qkv.shape, nh):
+        if grad:
+            return [L.row("k_attn_bwd_flash", oqkv=L.off(qkv), oL=L.off(P), oW=L.off(W), ody=L.off(gy),
+                          odqkv=L.off(dqkv), oS=L.off(S), **dims)]
+        return [L.row("k_attn_fwd_flash", oqkv=L.off(qkv), oy=L.off(y), oL=L.off(P), oW=L.off(W), **dims)]
+    if B < BL_MIN_B and attn_lanes.pairs_eligible(T_, C // nh, qkv.dtype):
+        return [L.row(f"k_attn_{kind}_pairs", shape=(T_, C // nh), **{**offs, "oP": 0}, **dims)]   # P unused
+    if B < BL_MIN_B:
+        offs = dict(oqkv=L.off(qkv), oP=L.off(P), ody=L.off(gy), odqkv=L.off(dqkv)) if grad else \
+            dict(oqkv=L.off(qkv), oy=L.off(y), oP=L.off(P))
+        return [L.row(f"k_attn_{kind}", **offs, **dims)]
+    par = "_par" if L.threads > 1 else ""
+    nb = attn_blocks(B, L.threads)
+    if attn_lanes.eligible(T_, C // nh, B, nb, qkv.dtype):    # same rows and layouts, generated per (T, hs)
+        return [L.row(f"k_attn_{kind}_lanes{par}", shape=(T_, C // nh), **offs, **dims, nb=nb)]
+    return [L.row(f"k_attn_{kind}_bl{par}", **offs, **dims, nb=nb)]
+
+
+op("causal_attention", infer=_attn_rule, ref=_attn_ref, lower=_attn_lower,
+   vjp=lambda g, x, o, a: [T.emit("causal_attention_grad", (x[0], o[1], o[2], g[0]), **a)[0]],
+   cases=[Case((F(2, 4, 12),), {"n_head": 2}), Case((F(1, 3, 6),), {"n_head": 1}), Case((F(17, 3, 6),), {"n_head": 2}),
+          Case((F(67, 2, 6),), {"n_head": 2}), Case((F(2, 5, 24),), {"n_head": 2})])
+op("causal_attention_grad", infer=_attn_grad_rule, ref=_attn_grad_ref, internal=True,
+   lower=_attn_lower, cases=[])
+
+
+# ----------------------------------------------------------------------------- fused elementwise chains
+def _ew_ref(xs, a):
+    """Evaluate a fused chain's body with the members' own references (xs[0] is its program)."""
+    env = dict(zip(a["ins"], xs[1:]))
+    for op_, attrs, ins, out in a["body"]:
+        env[out] = TABLE[op_].ref([env[i] for i in ins], dict(attrs))[0]
+    return tuple(np.broadcast_to(env[o], a["shape"]).copy() for o in a["outs"])
+
+
+def _lower_ew(e, L):
+    """One k_ew_program row per outer index beyond the program's 4 dims (usually one row)."""
+    from btjit.kernels.fused import MAX_OPERANDS
+    shape = e.attrs["shape"]
+    opers = [(L.off(v), bstrides(v.shape, shape) or (0,)) for v in e.ins[1:]] + \
+        [(L.off(o), cstrides(shape) or (0,)) for o in e.outs]
+    return [L.row("k_ew_program", oprog=L.off(e.ins[0]), **{f"o{k}": offs[k] if k < len(offs) else 0
+                                                             for k in range(MAX_OPERANDS)})
+            for offs, _ in loop_nest(shape or (1,), opers, 4)]
+
+
+# made by graph/fuse_ew.py after autodiff: attrs shape (the iteration space), ins / outs (var ids), body
+op("ew_fused", internal=True, infer=lambda t, a, fd: [(tuple(a["shape"]), fd)] * len(a["outs"]), ref=_ew_ref,
+   lower=_lower_ew)
