@@ -7,6 +7,7 @@ from numba import njit
 
 from btjit.kernels.common import FM, cvt, fexp, ftanh, transpose
 from btjit.kernels.linalg import k_matmul
+from btjit.kernels import attn_loops as KA
 from btjit.kernels import nn as K
 
 DTS = [np.float32, np.float64]
@@ -339,8 +340,8 @@ def run_attn(dt, qkv, dy, B, T, C, NH, scale):
     oy, oP, odq = ar.put("y", size=B * T * C), ar.put("P", size=B * NH * T * T), ar.put("dqkv", size=B * T * 3 * C)
     a = ar.build()
     ia = np.zeros(1, np.int32)
-    K.k_attn_fwd(a, ia, row(oq, oy, oP, B, T, C, NH, osc))
-    K.k_attn_bwd(a, ia, row(oq, oP, ody, odq, B, T, C, NH, osc))
+    KA.k_attn_fwd(a, ia, row(oq, oy, oP, B, T, C, NH, osc))
+    KA.k_attn_bwd(a, ia, row(oq, oP, ody, odq, B, T, C, NH, osc))
     ar.only_wrote("y", "P", "dqkv")
     return ar
 
@@ -372,8 +373,8 @@ def check_bl_pair(dt, B, T, C, NH, nb, fwd, bwd, seed, wrote_P=True):
     oq, ody = ar.put("qkv", qkv), ar.put("dy", dy)
     oy, oP = ar.put("y", size=B * T * C), ar.put("P", size=B * NH * T * T)
     fd = "f32" if dt == np.float32 else "f64"
-    oW, odq = ar.put("W", size=K.attn_scratch_size(B, T, C, NH, fd)), ar.put("dqkv", size=B * T * 3 * C)
-    oS = ar.put("S", size=K.attn_bwd_scratch_size(B, T, C, NH, fd))
+    oW, odq = ar.put("W", size=KA.attn_scratch_size(B, T, C, NH, fd)), ar.put("dqkv", size=B * T * 3 * C)
+    oS = ar.put("S", size=KA.attn_bwd_scratch_size(B, T, C, NH, fd))
     a = ar.build()
     ia = np.zeros(1, np.int32)
     fwd(a, ia, row(oq, oy, oP, oW, B, T, C, NH, osc, nb))
@@ -397,7 +398,7 @@ def _generated(name, T, hs):
 @pytest.mark.parametrize("B,T,C,NH,nb", [(16, 8, 24, 6, 1), (17, 8, 24, 6, 3), (20, 5, 6, 3, 2), (16, 1, 4, 1, 4)])
 def test_attention_sequence_vectorized_pair(dt, B, T, C, NH, nb):
     """k_attn_fwd_bl / k_attn_bwd_bl, nb lane blocks (the last one shorter when nb does not divide B)."""
-    check_bl_pair(dt, B, T, C, NH, nb, K.k_attn_fwd_bl, K.k_attn_bwd_bl, B * 100 + nb)
+    check_bl_pair(dt, B, T, C, NH, nb, KA.k_attn_fwd_bl, KA.k_attn_bwd_bl, B * 100 + nb)
 
 
 @pytest.mark.parametrize("B,T,C,NH,nb", [(16, 8, 24, 6, 1), (67, 8, 24, 6, 2), (64, 8, 24, 6, 2), (20, 5, 6, 3, 1),
@@ -419,7 +420,7 @@ def test_attention_generated_pairs(B, T, C, NH):
     """The small-batch generated kernels (lanes over (sequence, head) pairs, 8 wide): padded lanes (B*NH < 8),
     exactly 8, several chunks with the last overlapping (12, 90), and T = 1. They leave P alone."""
     from btjit.kernels import attn_lanes
-    assert attn_lanes.pairs_eligible(T, C // NH, "f32") and B < K.BL_MIN_B
+    assert attn_lanes.pairs_eligible(T, C // NH, "f32") and B < KA.BL_MIN_B
     fwd, bwd = (_generated(f"k_attn_{k}_pairs", T, C // NH) for k in ("fwd", "bwd"))
     check_bl_pair(np.float32, B, T, C, NH, 1, fwd, bwd, B * 100 + T, wrote_P=False)
 
@@ -427,7 +428,7 @@ def test_attention_generated_pairs(B, T, C, NH):
 @pytest.mark.parametrize("hs", [1, 2, 3, 4, 5, 8])
 def test_pairs_block_moves_what_pairs_copy_moves(hs):
     """attn_lanes.pairs_block (the one-sequence layout change by masked vector loads / stores and shuffles)
-    writes exactly what nn.pairs_copy writes, both ways, for every head count up to 8, and nothing else."""
+    writes exactly what attn_loops.pairs_copy writes, both ways, for every head count up to 8, and nothing else."""
     from numba import njit
     from btjit.kernels import attn_lanes
     to, back = attn_lanes.pairs_block(hs, True), attn_lanes.pairs_block(hs, False)
@@ -445,7 +446,7 @@ def test_pairs_block_moves_what_pairs_copy_moves(hs):
             for to_pairs in (True, False):
                 a = rng.normal(size=3000).astype(np.float32)
                 want = a.copy()
-                K.pairs_copy(want, 7, 1500, 1, 5, NH, hs, parts, 8, to_pairs)
+                KA.pairs_copy(want, 7, 1500, 1, 5, NH, hs, parts, 8, to_pairs)
                 convert(a, 7, 1500, NH, 5, parts, to_pairs)
                 np.testing.assert_array_equal(a, want)
 

@@ -12,7 +12,7 @@
 # rows for dV += P^T dO and dK += dS^T Q; Tp and hsp are T and hs rounded up to 16, the padding zero. The
 # scores / probabilities and dP / dS tiles live in one stack buffer (R x BK each), softmax runs on them.
 #
-# Layouts (as k_attn_fwd in nn.py): qkv (B*T, 3C), q cols [0,C), k [C,2C), v [2C,3C), head h at
+# Layouts (as k_attn_fwd in attn_loops.py): qkv (B*T, 3C), q cols [0,C), k [C,2C), v [2C,3C), head h at
 # h*hs..h*hs+hs-1 of each; y, dy (B*T, C); L (B*NH*T) logsumexp of row (b*NH+h)*T+t of the scaled scores.
 import math
 

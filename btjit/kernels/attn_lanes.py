@@ -1,5 +1,5 @@
 # Causal attention at batch >= 16 for one (T, hs), as explicit 16-lane vector code (float32 arenas). Same
-# layouts as the "bl" pair in btjit/kernels/nn.py (qkv transposed into W, probabilities lane-major in P),
+# layouts as the "bl" pair in btjit/kernels/attn_loops.py (qkv transposed into W, probabilities lane-major in P),
 # but a chunk of LANES sequences x one head is ONE LLVM IR block built here with llvmlite: every q/k/v row
 # is loaded once as a <16 x float>, the whole T x T problem (scores, max, exp, sums, products, and in the
 # backward all of dq/dk/dv) runs in registers, and only P rows, y and dqkv are stored. Numba's front end
@@ -23,7 +23,7 @@ PAIR_LANES = 8        # the small-batch "pairs" kernels: lanes are (sequence, he
 KERNEL_NAMES = ("k_attn_bwd_lanes", "k_attn_bwd_lanes_par", "k_attn_bwd_pairs", "k_attn_fwd_lanes",
                 "k_attn_fwd_lanes_par", "k_attn_fwd_pairs")
 _F = ir.FloatType()
-for _p in ("", "_par"):                 # the rows of the bl pair in btjit/kernels/nn.py
+for _p in ("", "_par"):                 # the rows of the bl pair in btjit/kernels/attn_loops.py
     declare(f"k_attn_fwd_lanes{_p}", "oqkv oy oP oW B T C NH oscale nb")
     declare(f"k_attn_bwd_lanes{_p}", "oP oW ody odqkv oS B T C NH oscale nb")
 declare("k_attn_fwd_pairs", "oqkv oy oP oW B T C NH oscale")
@@ -266,7 +266,7 @@ _to_pairs_{T}_{hs}, _from_pairs_{T}_{hs} = ({FAST} and pairs_block({hs}, True), 
 
 
 @njit(**FM)
-def _pairs_copy_{T}_{hs}(a, orows, opairs, B, NH, parts, Lp, to_pairs):    # nn.pairs_copy; B = 1 by pairs_block
+def _pairs_copy_{T}_{hs}(a, orows, opairs, B, NH, parts, Lp, to_pairs):    # attn_loops.pairs_copy; B = 1 by pairs_block
     if {FAST} and B == 1 and Lp == {P}:
         for tp in range({T} * parts):
             if to_pairs:
@@ -308,7 +308,7 @@ def pairs_block(hs, to_pairs):
     """Intrinsic f(a, orow, opair, NH) for one sequence (B = 1, NH <= PAIR_LANES) and one (t, part): between
     the NH*hs floats of a row, head h element d at a[orow + h*hs + d], and the pairs layout's hs rows of 8
     lanes, lane h at a[opair + d*8 + h] (lanes NH.. zero). One masked vector load, hs shuffles and hs stores
-    (or hs loads, one shuffle and a masked store) in place of 8*hs scalar moves (nn.pairs_copy)."""
+    (or hs loads, one shuffle and a masked store) in place of 8*hs scalar moves (attn_loops.pairs_copy)."""
     n = PAIR_LANES * hs
 
     @intrinsic
@@ -362,7 +362,7 @@ def kernel_source(name, T, hs) -> str:
     out = ["from numba import njit, prange",
            "from btjit.kernels.attn_lanes import bwd_chunk, fwd_chunk, pairs_block",
            "from btjit.kernels.common import FM, FM_PAR",
-           "from btjit.kernels.nn import bl_in, bl_out, bl_span, pairs_copy",
+           "from btjit.kernels.attn_loops import bl_in, bl_out, bl_span, pairs_copy",
            _BLOCKS.format(T=T, hs=hs, TT=T * T, V=LANES, V1=LANES - 1, P=PAIR_LANES, P1=PAIR_LANES - 1,
                           FAST=hs <= PAIR_LANES)]
     if family == "lanes":

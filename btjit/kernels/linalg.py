@@ -266,7 +266,6 @@ def _matmul_part(a, ia, r, j, nparts):
         return
     sc = osc + 8 * j
     wt = carray(stack_buf(a, WT_MAX), (WT_MAX,))
-    one, zero = np.int64(1), np.int64(0)     # not literals: a literal argument compiles gemm_micro a second time
     for i in range(nbatch):
         oa, ob, oc = oA + i * sA, oB + i * sB, oC + i * sC
         if split_n:       # C[:, lo:lo+n] = op(A) @ op(B)[:, lo:lo+n]
