@@ -102,7 +102,7 @@ def _plant_stale_entry(cache_dir):
     return path
 
 
-@pytest.mark.parametrize("start", ["fresh", "stale"])
+@pytest.mark.parametrize("start", ["fresh", pytest.param("stale", marks=pytest.mark.slow)])
 def test_concurrent_compile_gives_right_results_then_a_third_process_hits(tmp_path, start):
     """Two processes compile the library entries of one program at once into a fresh cache dir (or one holding
     a stale entry); both are right; a third loads every entry from the cache. Before entry files got a

@@ -1,6 +1,9 @@
-# Tests for btjit/kernels/{common,linalg,nn}.py: every kernel on float32 and float64 arenas against float64 numpy
-# references (written here), backward kernels also against central finite differences of the numpy forward.
+# Tests for btjit/kernels/{common,linalg,nn,attn_loops,attn_lanes}.py: every kernel on float32 and float64
+# arenas against float64 numpy references (written here), backward kernels also against central finite
+# differences of the numpy forward.
 # Each test also checks that a kernel writes nothing outside its declared outputs.
+import functools
+
 import numpy as np
 import pytest
 from numba import njit
@@ -386,8 +389,10 @@ def check_bl_pair(dt, B, T, C, NH, nb, fwd, bwd, seed, wrote_P=True):
     check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
 
 
+@functools.lru_cache(maxsize=None)
 def _generated(name, T, hs):
-    """The generated kernel `name` for (T, hs) as its library entry's source defines it (callable here)."""
+    """The generated kernel `name` for (T, hs) as its library entry's source defines it (callable here; compiled
+    once per (name, T, hs) for the whole module)."""
     from btjit.kernels import attn_lanes
     ns = {}
     exec(attn_lanes.kernel_source(name, T, hs), ns)
