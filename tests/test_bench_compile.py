@@ -3,9 +3,12 @@ tanh RNN) on an empty cache dir compiles kernel entries, the same child again co
 the same first-step loss, and the table names the program. No timing assertions."""
 import math
 
+import pytest
+
 from btjit.bench import compile_suite as C
 
 
+@pytest.mark.slow        # two cold compiles of P6 (~45 s); the cache's cold/cached paths are in test_cache.py
 def test_p6_cold_then_cached(tmp_path):
     cold = C.measure("P6", tmp_path / "cache")
     assert cold["status"] == "ok", cold["status"]

@@ -228,6 +228,7 @@ def test_one_rank_is_the_single_process_run(setup):
 
 
 @needs_mpi
+@pytest.mark.slow        # the dense-average run's resume is test_cli_two_ranks_log_checkpoint_and_resume_bit_exact
 def test_cli_topk_resume_bit_exact_with_error_feedback_state(setup):
     cfg, data, tmp = setup
     comp = ["--set", 'distributed.compressor="topk"', "--set", "distributed.ratio=0.05",

@@ -1,6 +1,7 @@
 # Shared kernel machinery: the FM njit options, dtype-generic scalar helpers usable inside njit
-# (`cvt` cast-to-arena-dtype, `fexp` / `fexp_in_range` vectorizable exp, `ftanh` vectorizable tanh) and `gemm`, a row-major
-# GEMM that calls OpenBLAS sgemm/dgemm directly through scipy.linalg.cython_blas (KERNEL_NOTES §7).
+# (`cvt` cast-to-arena-dtype, `fexp` / `fexp_in_range` vectorizable exp, `ftanh` vectorizable tanh) and
+# `gemm`, a row-major GEMM that calls OpenBLAS sgemm/dgemm directly through scipy.linalg.cython_blas
+# (KERNEL_NOTES §7).
 from __future__ import annotations
 
 import math
