@@ -232,7 +232,7 @@ _fwd_chunk_{T}_{hs} = fwd_chunk({T}, {hs})
 _bwd_chunk_{T}_{hs} = bwd_chunk({T}, {hs})
 
 
-@njit(**FM)
+@njit(**{OPTS})
 def _lanes_fwd_{T}_{hs}(a, r, i):
     oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; C = r[7]; NH = r[8]
     b0, L = bl_span(B, r[10], i)
@@ -245,7 +245,7 @@ def _lanes_fwd_{T}_{hs}(a, r, i):
                                oP + (b0 * NH + h * L) * {TT} + l0, oy + (b0 + l0) * {T} * C + h * {hs}, {T} * C, C, r[9])
 
 
-@njit(**FM)
+@njit(**{OPTS})
 def _lanes_bwd_{T}_{hs}(a, r, i):
     oP = r[1]; oW = r[2]; ody = r[3]; odqkv = r[4]; oS = r[5]; B = r[6]; C = r[8]; NH = r[9]
     b0, L = bl_span(B, r[11], i)
@@ -277,7 +277,7 @@ def _pairs_copy_{T}_{hs}(a, orows, opairs, B, NH, parts, Lp, to_pairs):    # att
         pairs_copy(a, orows, opairs, B, {T}, NH, {hs}, parts, Lp, to_pairs)
 
 
-@njit(**FM)
+@njit(**{OPTS})
 def _pairs_fwd_{T}_{hs}(a, r, i):
     oqkv = r[1]; oy = r[2]; oW = r[4]; B = r[5]; NH = r[8]
     Lp = max(B * NH, {P})
@@ -290,7 +290,7 @@ def _pairs_fwd_{T}_{hs}(a, r, i):
     _pairs_copy_{T}_{hs}(a, oy, oY, B, NH, 1, Lp, False)
 
 
-@njit(**FM)
+@njit(**{OPTS})
 def _pairs_bwd_{T}_{hs}(a, r, i):
     oW = r[2]; ody = r[3]; odqkv = r[4]; oS = r[5]; B = r[6]; NH = r[9]
     Lp = max(B * NH, {P})
@@ -359,16 +359,17 @@ def kernel_source(name, T, hs) -> str:
     of the file calls are never compiled."""
     kind, family = name.split("_")[2:4]
     par = "_par" if name.endswith("_par") else ""
+    inl = 'dict(FM, inline="always")'      # the kernel and its block inlined into the entry (common.inlined)
     out = ["from numba import njit, prange",
            "from btjit.kernels.attn_lanes import bwd_chunk, fwd_chunk, pairs_block",
            "from btjit.kernels.common import FM, FM_PAR",
            "from btjit.kernels.attn_loops import bl_in, bl_out, bl_span, pairs_copy",
            _BLOCKS.format(T=T, hs=hs, TT=T * T, V=LANES, V1=LANES - 1, P=PAIR_LANES, P1=PAIR_LANES - 1,
-                          FAST=hs <= PAIR_LANES)]
+                          FAST=hs <= PAIR_LANES, OPTS="FM" if par else inl)]
     if family == "lanes":
         body = (f"for i in {'prange' if par else 'range'}(r[{ROWS[name].args.index('nb') + 1}]):\n"
                 f"        _lanes_{kind}_{T}_{hs}(a, r, i)")
     else:
         body = f"_pairs_{kind}_{T}_{hs}(a, r, 0)"
-    out.append(f"\n@njit(**FM{par.upper()})\ndef {name}(a, ia, r):\n    {body}\n")
+    out.append(f"\n@njit(**{'FM_PAR' if par else inl})\ndef {name}(a, ia, r):\n    {body}\n")
     return "\n".join(out)

@@ -54,7 +54,7 @@ SIG = types.int32(types.CPointer(types.{dtype}), types.int64, types.CPointer(typ
                   types.CPointer(types.int64))
 
 
-@cfunc(SIG, cache={cache}, error_model="numpy", boundscheck=False)
+@cfunc(SIG, cache={cache}, error_model="numpy", boundscheck=False, fastmath=set({fastmath}))
 def entry(ap, na, iap, nia, rp):
     a = carray(ap, (na,))
     ia = carray(iap, (nia,))
@@ -78,14 +78,16 @@ def entry_name(name, fd, shape=None) -> str:
 
 def entry_source(name, fd, shape=None, cache=True) -> str:
     """The source of one entry: the cfunc around kernel `name` (for a generated kernel, its (T, hs) code)."""
+    # the kernel is inlined into the entry (common.inlined), so the entry compiles with the kernel's fast-math flags
     if name in GENERATED:
-        imports = attn_lanes.kernel_source(name, *shape)
+        imports, fastmath = attn_lanes.kernel_source(name, *shape), set(common.FM_FLAGS)
     else:
-        imports = f"from {MODULE_OF[name]} import {name}"
+        imports = f"from btjit.kernels.common import inlined\nfrom {MODULE_OF[name]} import {name}\n{name} = inlined({name})"
+        fastmath = set(vars(sys.modules[MODULE_OF[name]])[name].targetoptions.get("fastmath", ()))
     stop = ROWS[name].stop
     ret = f"ia[r[{ROWS[name].args.index(stop) + 1}]]" if stop else "0"
     return _ENTRY.format(name=name, variant=f" (T {shape[0]}, hs {shape[1]})" if shape else "", dtype=DTYPES[fd],
-                         imports=imports, cache=cache, row=ROW, ret=ret)
+                         imports=imports, cache=cache, row=ROW, ret=ret, fastmath=sorted(fastmath))
 
 
 def _import_file(name: str, path: Path):
