@@ -188,7 +188,7 @@ class Library:
                                   "discarding it and compiling")
                     for f in (d / "__pycache__").glob(f"{stem}.*"):
                         f.unlink(missing_ok=True)
-                    compile_in_process([k]).wait()
+                    compile_entries([k])
         if fn is None:
             path = Path(tempfile.mkdtemp(prefix="btjit_")) / f"{stem}.py"
             path.write_text(entry_source(name, fd, shape, cache=False))
@@ -210,8 +210,7 @@ class Library:
         uses = [(n, fd, s) for n, s in (self.entry_of(op) for op in sorted(set(int(o) for o in opcodes)))]
         want = [w for w in uses if w not in self.loaded]
         missing = [w for w in want if not self.cached(*w)] if self.dir() else []
-        for p in [compile_in_process(share) for share in shares(missing, workers(len(missing))) if share]:
-            p.wait()
+        compile_entries(missing)
         compiled = [w for w in want if self.load(*w) or w in missing]
         return Report([entry_name(*w) for w in uses], [entry_name(*w) for w in compiled],
                       time.perf_counter() - t0)
@@ -249,35 +248,68 @@ def _parse(s):
     return name, fd, tuple(int(x) for x in sh) if sh else None
 
 
-# rough relative compile costs, only to balance the shares of parallel compiles (measured order, not seconds)
-HEAVY = {"k_binary": 5, "k_binary_rows": 1, "k_unary": 4, "k_matmul_micro": 5, "k_matmul": 3, "k_matmul_par": 3,
-         "k_strided": 2,
-         "k_reduce": 2, "k_ce_fwd": 1.5, "k_layernorm_bwd": 1.5, **{n: 4 for n in GENERATED}}
+# rough relative compile costs (seconds on one machine, rounded): only the order the workers take groups in
+HEAVY = {"k_attn_bwd_bl_par": 7, "k_attn_fwd_bl_par": 6, "k_attn_bwd_lanes_par": 7, "k_attn_fwd_lanes_par": 6,
+         "k_ew_program": 6, "k_attn_bwd_flash": 6, "k_attn_fwd_flash": 4, "k_attn_bwd_bl": 4, "k_attn_fwd_bl": 4,
+         "k_matmul": 4, "k_matmul_par": 4, "k_matmul_micro": 4, "k_strided": 3, "k_binary": 3, "k_attn_bwd": 3,
+         "k_attn_fwd_lanes": 3, "k_attn_bwd_lanes": 3, "k_attn_fwd_pairs": 3, "k_attn_bwd_pairs": 3, "k_reduce": 2,
+         "k_unary": 2, "k_ce_fwd": 2, "k_layernorm_bwd": 2}
 
 
-def shares(entries, n) -> list:
-    """entries split into n lists of about equal compile cost, each kernel module's entries of one dtype kept
-    together (they compile shared helpers, which a process compiles once): largest group first onto the
-    lightest list."""
-    groups: dict = {}
+def groups(entries) -> list:
+    """entries as lists that compile best in one process -- each kernel module's entries of one dtype (they
+    compile shared helpers, which a process compiles once) -- costliest first."""
+    out: dict = {}
     for e in entries:
-        groups.setdefault((MODULE_OF.get(e[0], "generated"), e[1], e[2]), []).append(e)
-    out = [[] for _ in range(max(1, n))]
-    cost = [0.0] * len(out)
-    for g in sorted(groups.values(), key=lambda g: -sum(HEAVY.get(e[0], 1) for e in g)):
-        i = cost.index(min(cost))
-        out[i] += g
-        cost[i] += sum(HEAVY.get(e[0], 1) for e in g)
-    return out
+        out.setdefault((MODULE_OF.get(e[0], "generated"), e[1], e[2]), []).append(e)
+    return sorted(out.values(), key=lambda g: -sum(HEAVY.get(e[0], 1) for e in g))
 
 
-def compile_in_process(entries, stdout=subprocess.DEVNULL):
-    """A worker process compiling `entries` into the library dir (started, not waited for)."""
+def compile_entries(entries, echo=None) -> None:
+    """Compile `entries` into the library dir in worker processes (`python -m btjit.kernels -`), one per core
+    and at most one per group, each fed one group at a time, costliest first: a worker that finishes a group
+    takes the next, so the cores stay busy to the end whatever the real costs. echo(line) gets each worker's
+    report ("entry  seconds"). A worker that dies loses only its group; `Library.load` compiles what is
+    missing."""
+    import selectors
+    todo = groups(entries)
+    if not todo:
+        return
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, BTJIT_CACHE_DIR=str(cache_dir()),
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen([sys.executable, "-m", "btjit.kernels", *map(_spec, entries)],
-                            env=env, stdout=stdout, stderr=subprocess.DEVNULL)
+    sel = selectors.DefaultSelector()
+    left = {}                                   # worker -> entries of its group not reported yet
+
+    def feed(p):
+        try:
+            if todo:
+                g = todo.pop(0)
+                left[p] = len(g)
+                p.stdin.write("".join(f"{_spec(e)}\n" for e in g).encode())
+                p.stdin.flush()
+            else:
+                p.stdin.close()
+        except OSError:                         # the worker died; the end of its stdout unregisters it
+            pass
+    for _ in range(workers(len(todo))):
+        p = subprocess.Popen([sys.executable, "-m", "btjit.kernels", "-"], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        sel.register(p.stdout, selectors.EVENT_READ, p)
+        feed(p)
+    while sel.get_map():
+        for key, _ in sel.select():
+            p, line = key.data, key.fileobj.readline()
+            if not line:
+                sel.unregister(key.fileobj)
+                p.stdin.close()
+                p.wait()
+                continue
+            if echo:
+                echo(line.decode().rstrip())
+            left[p] -= 1
+            if left[p] == 0:
+                feed(p)
 
 
 def all_entries():
@@ -293,28 +325,8 @@ def precompile(echo=print) -> float:
     todo = [e for e in all_entries() if not LIBRARY.cached(*e)]
     echo(f"btjit precompile: {len(todo)} of {len(all_entries())} library entries to compile, "
          f"{workers(len(todo))} processes, into {LIBRARY.dir() or 'memory (cache dir not writable)'}")
-    procs = [compile_in_process(share, stdout=subprocess.PIPE) for share in shares(todo, workers(len(todo)))
-             if share]
-    for line in _lines(procs):
-        echo(line)
+    compile_entries(todo, echo)
     return time.perf_counter() - t0
-
-
-def _lines(procs):
-    """The output lines of the processes as they come, until all have ended."""
-    import selectors
-    sel = selectors.DefaultSelector()
-    for p in procs:
-        sel.register(p.stdout, selectors.EVENT_READ)
-    while sel.get_map():
-        for key, _ in sel.select():
-            line = key.fileobj.readline()
-            if line:
-                yield line.decode().rstrip()
-            else:
-                sel.unregister(key.fileobj)
-    for p in procs:
-        p.wait()
 
 
 def cache_entries() -> list:
@@ -383,7 +395,7 @@ LIBRARY = Library()
 def main(argv):
     """Worker: compile (or load) each entry, printing its name and seconds."""
     import btjit.kernels.linalg  # noqa: F401 -- registers the BLAS symbols before any cache load
-    for s in argv:
+    for s in (ln.strip() for ln in sys.stdin) if argv == ["-"] else argv:
         e = _parse(s)
         t0 = time.perf_counter()
         hit = not LIBRARY.load(*e)
