@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -62,6 +63,15 @@ def _object_code(fn, sig=None) -> bytes:
         pass
     lib = fn._library if sig is None else fn.overloads[sig].library
     return codegen._tm.emit_object(lib._final_module)
+
+
+def _entry_symbol(obj: bytes, native_name: str) -> str:
+    """The name of the entry function in the object code `obj`. The loaded function's own name may differ:
+    numba's mangled names carry a per-process counter, and when two processes compiled one entry at once the
+    cache may hold the other's object (the same code under another name)."""
+    head = native_name.encode().split(b"5entry")[0] + b"5entry"
+    found = re.search(re.escape(head) + rb"[^\x00]*", obj)
+    return found.group().decode() if found else native_name
 
 
 def cpu_info() -> dict:
@@ -248,7 +258,7 @@ def export_program(prog, path, extra_files=None) -> Path:
                           "is one thread: btjit.set_num_threads(1) before btjit.trace to export it")
     fns = [LIBRARY.loaded[(n, fd, s)] for n, s in entries]
     objects = [_object_code(fn) for fn in fns]
-    symbols = [fn.native_name for fn in fns]
+    symbols = [_entry_symbol(o, fn.native_name) for o, fn in zip(objects, fns)]
     remap = np.zeros(max(ops) + 1, np.int64)
     remap[ops] = np.arange(len(ops))
     tape = prog.tape.copy()

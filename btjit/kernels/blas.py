@@ -28,8 +28,13 @@ def _openblas():
     """scipy's OpenBLAS: {name, path, sgemm, dgemm (addresses), symbols (btjit's -> the library's, for an
     export; None if the library file is not found), init (the C call an export makes at load)}."""
     from btjit.threads import _openblas_libs, set_blas_threads
-    s = get_cython_function_address("scipy.linalg.cython_blas", "sgemm")     # (loads scipy's OpenBLAS)
-    d = get_cython_function_address("scipy.linalg.cython_blas", "dgemm")
+    wheel = _wheel_openblas()
+    if wheel:                       # the library file of scipy's wheel, loaded without importing scipy.linalg
+        lib = ctypes.CDLL(wheel)    # (0.25 s of every process start, measured)
+        s, d = (ctypes.cast(getattr(lib, f"scipy_{n}gemm_"), ctypes.c_void_p).value for n in "sd")
+    else:                           # scipy built otherwise: its cython_blas wrappers (loads its BLAS)
+        s = get_cython_function_address("scipy.linalg.cython_blas", "sgemm")
+        d = get_cython_function_address("scipy.linalg.cython_blas", "dgemm")
     set_blas_threads(1)             # btjit calls it single-threaded (btjit/threads.py); so is it measured
     out = {"name": "openblas", "path": None, "sgemm": s, "dgemm": d, "symbols": None, "init": None}
     for path in _openblas_libs(scipy_only=True):
@@ -42,6 +47,22 @@ def _openblas():
                        init=threads and [threads, 1])
             break
     return out
+
+
+def _wheel_openblas():
+    """The OpenBLAS of scipy's PyPI wheel (scipy.libs/libscipy_openblas*.so, exporting scipy_sgemm_ and
+    scipy_dgemm_, the functions scipy.linalg.cython_blas wraps), or None."""
+    import importlib.util
+    spec = importlib.util.find_spec("scipy")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        for path in sorted(glob.glob(os.path.join(os.path.dirname(loc), "scipy.libs", "libscipy_openblas*.so"))):
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            if hasattr(lib, "scipy_sgemm_") and hasattr(lib, "scipy_dgemm_"):
+                return path
+    return None
 
 
 def _mkl():
