@@ -107,6 +107,12 @@ def test_fexp_ftanh_cvt(dt):
     x = np.linspace(-12, 12, 20001).astype(dt)
     _map(x, y, 1)
     assert np.max(np.abs(y - np.tanh(x.astype(np.float64)))) < (5e-7 if dt == np.float32 else 1e-15)
+    # saturated where tanh rounds to +-1 in the dtype (a tanh gradient 1 - t^2 is then exactly 0), NaN kept
+    x = np.array([9.5, 12.0, 36.0, np.inf, -9.5, -40.0, -np.inf, np.nan], dt)
+    y = np.empty_like(x)
+    _map(x, y, 1)
+    ref = np.tanh(x.astype(np.float64)).astype(dt)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=0 if dt == np.float32 else 1e-15)
     c = _cvt(np.zeros(1, dt))
     assert type(c) in (float, np.float32, np.float64) and c == dt(0.1)
 

@@ -132,13 +132,13 @@ def _ov_fexp_in_range(x):
 
 
 def ftanh(x):
-    """tanh(x). Inside njit: float32 -> Eigen's rational approximation (abs err ~3e-7, vectorizes);
-    float64 -> math.tanh."""
+    """tanh(x). Inside njit: float32 -> Eigen's rational approximation (abs err ~3e-7, vectorizes), +-1
+    exactly from |x| = 9.1 (float32's tanh rounds to 1 beyond 9.01); float64 -> math.tanh."""
     return np.tanh(x)
 
 
 def _ftanh32(x):
-    x = min(max(x, f32(-7.90531110763549805)), f32(7.90531110763549805))
+    x0, x = x, min(max(x, f32(-7.90531110763549805)), f32(7.90531110763549805))
     x2 = x * x
     p = f32(-2.76076847742355e-16)
     p = p * x2 + f32(2.00018790482477e-13)
@@ -151,7 +151,8 @@ def _ftanh32(x):
     q = q * x2 + f32(1.18534705686654e-04)
     q = q * x2 + f32(2.26843463243900e-03)
     q = q * x2 + f32(4.89352518554385e-03)
-    return x * p / q
+    t = x * p / q           # 0.99999976 at the clamp; beyond |x| 9.01 float32's tanh is exactly +-1 (its gradient
+    return (f32(1.0) if x0 > 0 else f32(-1.0)) if abs(x0) >= f32(9.1) else t   # 1 - t^2 then 0); NaN stays NaN
 
 
 def _tanh64(x):
