@@ -74,6 +74,14 @@ def _entry_symbol(obj: bytes, native_name: str) -> str:
     return found.group().decode() if found else native_name
 
 
+def _code(fn) -> tuple:
+    """(object code, symbol) of a loaded library entry: a numba cfunc, or a generated entry (its own)."""
+    if hasattr(fn, "object_code"):
+        return fn.object_code, fn.symbol
+    obj = _object_code(fn)
+    return obj, _entry_symbol(obj, fn.native_name)
+
+
 def cpu_info() -> dict:
     """The build machine's CPU as numba compiles for it: LLVM's name and the CPU_FEATURES it has."""
     import llvmlite.binding as llvm
@@ -256,9 +264,7 @@ def export_program(prog, path, extra_files=None) -> Path:
     if par:
         raise ExportError(f"this program runs multi-threaded kernels ({', '.join(sorted(set(par)))}); an export "
                           "is one thread: btjit.set_num_threads(1) before btjit.trace to export it")
-    fns = [LIBRARY.loaded[(n, fd, s)] for n, s in entries]
-    objects = [_object_code(fn) for fn in fns]
-    symbols = [_entry_symbol(o, fn.native_name) for o, fn in zip(objects, fns)]
+    objects, symbols = zip(*(_code(LIBRARY.loaded[(n, fd, s)]) for n, s in entries))
     remap = np.zeros(max(ops) + 1, np.int64)
     remap[ops] = np.arange(len(ops))
     tape = prog.tape.copy()

@@ -86,6 +86,25 @@ def test_tensor_exports_reproduce_the_trajectory_bitwise_without_numba(tmp_path)
     assert json.loads((tmp_path / "sgd_float32" / "manifest.json").read_text())["blas"] is None
 
 
+
+def test_exports_link_the_generated_attention_entries(tmp_path):
+    """Batch 16 (the lanes kernels) and 1 (the pairs kernels moving one sequence themselves): entries that are
+    llvmlite's object code, not numba's, linked into the export and run bitwise as in-process."""
+    jobs, expect = {}, {}
+    for B, kernel in ((16, "k_attn_fwd_lanes"), (1, "k_attn_fwd_pairs")):
+        data = batches(3, B, seed=B)
+        np.savez(tmp_path / f"b{B}.npz", **{f"x{i}": x for i, (x, _) in enumerate(data)},
+                 **{f"y{i}": y for i, (_, y) in enumerate(data)})
+        prog = gpt_program(btjit.optim.AdamW(lr=1e-2), B=B)
+        assert any(e.startswith(kernel) for e in prog.kernels.entries)
+        prog.export(tmp_path / f"B{B}")
+        expect[f"B{B}"] = [prog.step(x, y) for x, y in data]
+        jobs[f"B{B}"] = {"kind": "tensor", "dir": str(tmp_path / f"B{B}"), "batches": str(tmp_path / f"b{B}.npz"),
+                         "steps": len(data)}
+    got = run_fresh(jobs)
+    for name, losses in expect.items():
+        assert got[name]["losses"] == losses, name
+
 def scalar_fn(lowering, dtype):
     return btjit.trace_scalar(lambda a, b, c: (btjit.tanh(a * b + b ** 3) / 2 + btjit.where(a > c, a * c, b)
                                                + btjit.exp(-c * c) - btjit.relu(a - b)),

@@ -10,7 +10,7 @@ from numba import njit
 
 from btjit.kernels.common import FM, cvt, fexp, ftanh, transpose
 from btjit.kernels.linalg import k_matmul
-from btjit.kernels import attn_loops as KA
+from btjit.kernels import attn_lanes, attn_loops as KA
 from btjit.kernels import nn as K
 
 DTS = [np.float32, np.float64]
@@ -397,12 +397,47 @@ def check_bl_pair(dt, B, T, C, NH, nb, fwd, bwd, seed, wrote_P=True):
 
 @functools.lru_cache(maxsize=None)
 def _generated(name, T, hs):
-    """The generated kernel `name` for (T, hs) as its library entry's source defines it (callable here; compiled
-    once per (name, T, hs) for the whole module)."""
-    from btjit.kernels import attn_lanes
-    ns = {}
-    exec(attn_lanes.kernel_source(name, T, hs), ns)
-    return ns[name]
+    """The generated entry `name` for (T, hs) as the library loads it (its object code, called through its
+    address), as f(a, ia, r)."""
+    import ctypes
+    from btjit.kernels.library import LIBRARY
+    LIBRARY.load(name, "f32", (T, hs))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn = ctypes.CFUNCTYPE(ctypes.c_int32, p, i64, p, i64, p)(LIBRARY.loaded[(name, "f32", (T, hs))].address)
+    return lambda a, ia, r: fn(a.ctypes.data, a.size, ia.ctypes.data, ia.size, r.ctypes.data)
+
+
+def _lanes_pair(T, hs):
+    """The rows the lowering gives a lanes attention (k_attn_bl_in, the generated entry, k_attn_bl_out) as one
+    forward / backward pair taking the bl pair's rows."""
+    gf, gb = _generated("k_attn_fwd_lanes", T, hs), _generated("k_attn_bwd_lanes", T, hs)
+
+    def fwd(a, ia, r):
+        oq, oy, oP, oW, B, T_, C, NH, osc, nb = r[1:11]
+        KA.k_attn_bl_in(a, ia, row(oq, oW, B, 3 * T_ * C, nb))
+        gf(a, ia, row(oW, oP, oy, B, T_, C, NH, osc, nb))
+
+    def bwd(a, ia, r):
+        oP, oW, ody, odq, oS, B, T_, C, NH, osc, nb = r[1:12]
+        oD = oS + B * T_ * C
+        KA.k_attn_bl_in(a, ia, row(ody, oS, B, T_ * C, nb))
+        gb(a, ia, row(oW, oP, oS, oD, B, T_, C, NH, osc, nb))
+        KA.k_attn_bl_out(a, ia, row(oD, odq, B, 3 * T_ * C, nb))
+    return fwd, bwd
+
+
+def _pairs_pair(T, hs):
+    """The generated pairs entries as a forward / backward pair taking the bl pair's rows."""
+    gf, gb = _generated("k_attn_fwd_pairs", T, hs), _generated("k_attn_bwd_pairs", T, hs)
+
+    def fwd(a, ia, r):
+        oq, oy, oP, oW, B, T_, C, NH, osc = r[1:10]
+        gf(a, ia, row(oq, oy, oW, B, T_, C, NH, osc))
+
+    def bwd(a, ia, r):
+        oP, oW, ody, odq, oS, B, T_, C, NH, osc = r[1:11]
+        gb(a, ia, row(ody, odq, oW, oS, B, T_, C, NH, osc))
+    return fwd, bwd
 
 
 @pytest.mark.parametrize("dt", DTS)
@@ -413,59 +448,33 @@ def test_attention_sequence_vectorized_pair(dt, B, T, C, NH, nb):
 
 
 @pytest.mark.parametrize("B,T,C,NH,nb", [(16, 8, 24, 6, 1), (67, 8, 24, 6, 2), (64, 8, 24, 6, 2), (20, 5, 6, 3, 1),
-                                         (40, 3, 4, 2, 2), (33, 1, 4, 1, 1), (16, 2, 40, 4, 1)])
-@pytest.mark.parametrize("par", ["", "_par"])
-def test_attention_generated_lanes(B, T, C, NH, nb, par):
-    """The vector kernels generated for (T, hs) (kernels/attn_lanes.py), as their library entries define them, in
-    the bl pair's rows and layouts: blocks of 16 lanes exactly, of 34/33 (the last chunk overlapping the one
-    before), and of 20 and 33 (one overlap each)."""
+                                         (40, 3, 4, 2, 2), (33, 1, 4, 1, 1), (16, 2, 40, 4, 1), (48, 8, 64, 8, 1)])
+def test_attention_generated_lanes(B, T, C, NH, nb):
+    """The vector kernels generated for (T, hs) (kernels/attn_lanes.py), as the library loads them, with the
+    layout rows around them, in the bl pair's layouts: blocks of 16 lanes exactly, of 34/33 (the last chunk
+    overlapping the one before), and of 20 and 33 (one overlap each)."""
     from btjit.kernels import attn_lanes
     assert attn_lanes.eligible(T, C // NH, B, nb, "f32")
-    fwd, bwd = (_generated(f"k_attn_{k}_lanes{par}", T, C // NH) for k in ("fwd", "bwd"))
+    fwd, bwd = _lanes_pair(T, C // NH)
     check_bl_pair(np.float32, B, T, C, NH, nb, fwd, bwd, B * 100 + T)
 
 
 @pytest.mark.parametrize("B,T,C,NH", [(1, 8, 24, 6), (2, 8, 24, 6), (15, 8, 24, 6), (1, 8, 32, 8), (3, 5, 6, 3),
-                                     (1, 1, 4, 1), (5, 3, 8, 2), (4, 8, 24, 6), (1, 4, 9, 3), (1, 3, 20, 2)])
+                                     (1, 1, 4, 1), (5, 3, 8, 2), (4, 8, 24, 6), (1, 4, 9, 3), (1, 3, 20, 2),
+                                     (1, 2, 5, 5), (1, 3, 16, 2), (1, 2, 10, 5), (1, 2, 15, 3), (1, 4, 56, 7)])
 def test_attention_generated_pairs(B, T, C, NH):
     """The small-batch generated kernels (lanes over (sequence, head) pairs, 8 wide): padded lanes (B*NH < 8),
-    exactly 8, several chunks with the last overlapping (12, 90), and T = 1. They leave P alone."""
-    from btjit.kernels import attn_lanes
+    exactly 8, several chunks with the last overlapping (12, 90), T = 1, head sizes 1-10; one sequence of
+    <= 8 heads of <= 8 moved between the layouts by vector shuffles, the rest by scalar moves. They leave P
+    alone."""
     assert attn_lanes.pairs_eligible(T, C // NH, "f32") and B < KA.BL_MIN_B
-    fwd, bwd = (_generated(f"k_attn_{k}_pairs", T, C // NH) for k in ("fwd", "bwd"))
+    fwd, bwd = _pairs_pair(T, C // NH)
     check_bl_pair(np.float32, B, T, C, NH, 1, fwd, bwd, B * 100 + T, wrote_P=False)
-
-
-@pytest.mark.parametrize("hs", [1, 2, 3, 4, 5, 8])
-def test_pairs_block_moves_what_pairs_copy_moves(hs):
-    """attn_lanes.pairs_block (the one-sequence layout change by masked vector loads / stores and shuffles)
-    writes exactly what attn_loops.pairs_copy writes, both ways, for every head count up to 8, and nothing else."""
-    from numba import njit
-    from btjit.kernels import attn_lanes
-    to, back = attn_lanes.pairs_block(hs, True), attn_lanes.pairs_block(hs, False)
-
-    @njit
-    def convert(a, orows, opairs, NH, T, parts, to_pairs):
-        for tp in range(T * parts):
-            if to_pairs:
-                to(a, orows + tp * NH * hs, opairs + tp * hs * 8, NH)
-            else:
-                back(a, orows + tp * NH * hs, opairs + tp * hs * 8, NH)
-    rng = np.random.default_rng(hs)
-    for NH in range(1, 9):
-        for parts in (1, 3):
-            for to_pairs in (True, False):
-                a = rng.normal(size=3000).astype(np.float32)
-                want = a.copy()
-                KA.pairs_copy(want, 7, 1500, 1, 5, NH, hs, parts, 8, to_pairs)
-                convert(a, 7, 1500, NH, 5, parts, to_pairs)
-                np.testing.assert_array_equal(a, want)
 
 
 def test_attention_generated_lanes_eligibility():
     """Used for float32 when every lane block holds >= 16 sequences and the body is bounded; otherwise the
     loop kernels run."""
-    from btjit.kernels import attn_lanes
     assert attn_lanes.eligible(8, 4, 64, 1, "f32") and attn_lanes.eligible(8, 4, 32, 2, "f32")
     assert not attn_lanes.eligible(8, 4, 64, 1, "f64")
     assert not attn_lanes.eligible(8, 4, 31, 2, "f32")        # blocks of 16 and 15

@@ -1,8 +1,9 @@
 # Causal multi-head self-attention as loop kernels, generic over float32/float64 arenas (q, k, v as column
 # blocks of one qkv buffer): the per-sequence pair (k_attn_fwd / k_attn_bwd, any batch) and the
 # sequence-vectorized "bl" pair (batch >= BL_MIN_B: sequences in the vector lanes, a lane-major copy of qkv in
-# scratch), with the copies the generated kernels of attn_lanes.py share and the scratch sizes the lowering
-# reserves. Long sequences run the flash kernels of attention.py instead (the rule in attention.flash).
+# scratch), with the layout changes the generated lanes kernels of attn_lanes.py run around them and the
+# scratch sizes the lowering reserves. Long sequences run the flash kernels of attention.py instead (the rule
+# in attention.flash).
 
 import numpy as np
 from numba import njit, prange
@@ -202,29 +203,25 @@ def bl_out(a, osrc, odst, b0, L, n):
     transpose(a, osrc + b0 * n, a, odst + b0 * n, n, L)
 
 
+# the layout changes around the generated lanes kernels (attn_lanes.py), rows of their own
+@row("osrc odst B n nb")
 @njit(**FM)
-def pairs_copy(a, orows, opairs, B, T, NH, hs, parts, Lp, to_pairs):
-    """Between the (B, T, parts*C) rows at orows (C = NH*hs; part p, head h, element d at column
-    p*C + h*hs + d) and the pairs layout of the generated small-batch attention (attn_lanes.py) at opairs:
-    row (t*parts + p)*hs + d, lane q = b*NH + h of a (T*parts*hs, Lp) matrix. to_pairs: rows -> pairs, with
-    lanes B*NH .. Lp-1 zeroed; else pairs -> rows."""
-    C = NH * hs
-    n = parts * C
-    if to_pairs:
-        for row in range(T * parts * hs):
-            for q in range(B * NH, Lp):
-                a[opairs + row * Lp + q] = 0
-    for b in range(B):
-        for t in range(T):
-            rows = a[orows + (b * T + t) * n:orows + (b * T + t + 1) * n]
-            for p in range(parts):
-                for h in range(NH):
-                    lanes = a[opairs + (t * parts + p) * hs * Lp + b * NH + h:]
-                    for d in range(hs):
-                        if to_pairs:
-                            lanes[d * Lp] = rows[p * C + h * hs + d]
-                        else:
-                            rows[p * C + h * hs + d] = lanes[d * Lp]
+def k_attn_bl_in(a, ia, r):
+    """bl_in for each of the nb lane blocks: the (B, n) matrix at osrc into the bl layout at odst."""
+    osrc = r[1]; odst = r[2]; B = r[3]; n = r[4]; nb = r[5]
+    for i in range(nb):
+        b0, L = bl_span(B, nb, i)
+        bl_in(a, osrc, odst, b0, L, n)
+
+
+@row("osrc odst B n nb")
+@njit(**FM)
+def k_attn_bl_out(a, ia, r):
+    """The inverse of k_attn_bl_in: the bl layout at osrc into the (B, n) matrix at odst."""
+    osrc = r[1]; odst = r[2]; B = r[3]; n = r[4]; nb = r[5]
+    for i in range(nb):
+        b0, L = bl_span(B, nb, i)
+        bl_out(a, osrc, odst, b0, L, n)
 
 
 @njit(**FM)

@@ -6,9 +6,11 @@ makes a new library and the old one is removed) holding ONE `numba.cfunc(cache=T
 `int32 entry(float *a, int64 na, int32 *ia, int64 nia, int64 *row)`, which calls the `@njit` kernel on the
 arenas and the row. The one fixed executor (btjit/executor.py) calls entries by address through a table per
 dtype, so a new program, optimizer or shape loads the entries it needs (ms each) and compiles none that
-another program compiled before. Only the generated attention kernels (btjit/kernels/attn_lanes.py) are
-entries per (T, hs). Entries an `ensure` call finds missing compile in worker processes over the cores,
-then load from the disk cache like every other entry (so a first run computes exactly what later ones do).
+another program compiled before. Entries an `ensure` call finds missing compile in worker processes over
+the cores, then load from the disk cache like every other entry (so a first run computes exactly what later
+ones do). Only the generated attention kernels (btjit/kernels/attn_lanes.py) are entries per (T, hs): LLVM IR
+compiled by llvmlite in this process (~0.3 s each), their object code cached as `<entry>.o` in the library
+dir and loaded into an MCJIT engine of their own (class Generated).
 
 Faults: a corrupt or stale cache entry is discarded and compiled again, an unwritable cache dir compiles in
 memory -- each with a warning, never a wrong result. `python -m btjit.kernels ENTRY...` compiles entries
@@ -77,17 +79,68 @@ def entry_name(name, fd, shape=None) -> str:
 
 
 def entry_source(name, fd, shape=None, cache=True) -> str:
-    """The source of one entry: the cfunc around kernel `name` (for a generated kernel, its (T, hs) code)."""
+    """The source of one (numba-compiled) entry: the cfunc around kernel `name`."""
     # the kernel is inlined into the entry (common.inlined), so the entry compiles with the kernel's fast-math flags
-    if name in GENERATED:
-        imports, fastmath = attn_lanes.kernel_source(name, *shape), set(common.FM_FLAGS)
-    else:
-        imports = f"from btjit.kernels.common import inlined\nfrom {MODULE_OF[name]} import {name}\n{name} = inlined({name})"
-        fastmath = set(vars(sys.modules[MODULE_OF[name]])[name].targetoptions.get("fastmath", ()))
+    imports = f"from btjit.kernels.common import inlined\nfrom {MODULE_OF[name]} import {name}\n{name} = inlined({name})"
+    fastmath = set(vars(sys.modules[MODULE_OF[name]])[name].targetoptions.get("fastmath", ()))
     stop = ROWS[name].stop
     ret = f"ia[r[{ROWS[name].args.index(stop) + 1}]]" if stop else "0"
     return _ENTRY.format(name=name, variant=f" (T {shape[0]}, hs {shape[1]})" if shape else "", dtype=DTYPES[fd],
                          imports=imports, cache=cache, row=ROW, ret=ret, fastmath=sorted(fastmath))
+
+
+class Generated:
+    """A loaded generated entry: its address, object code and symbol (btjit/export.py links the same code)."""
+
+    def __init__(self, address, object_code, symbol):
+        self.address, self.object_code, self.symbol = address, object_code, symbol
+
+
+_MAGIC = b"btjit-entry-1\n"
+_JIT: list = []            # [target machine, MCJIT engine] for the generated entries, made on first use
+
+
+def _target_machine():
+    """A target machine as numba's own (CPU, features, relocation, code model), so generated code runs and
+    exports like the numba-compiled entries."""
+    import llvmlite.binding as llvm
+    from numba.core.registry import cpu_target
+    cg = cpu_target.target_context.codegen()
+    return llvm.Target.from_triple(llvm.get_process_triple()).create_target_machine(
+        cpu=cg._get_host_cpu_name(), features=cg._tm_features, opt=3, reloc="static", codemodel="jitdefault",
+        jit=True)
+
+
+def _jit():
+    if not _JIT:
+        import llvmlite.binding as llvm
+        _JIT.extend([_target_machine(), llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine())])
+    return _JIT
+
+
+def _compile_generated(name, shape) -> bytes:
+    """A generated entry's object code, with its header: magic, sha256 of the code."""
+    obj = attn_lanes.compile_entry(name, *shape, _jit()[0])
+    return _MAGIC + hashlib.sha256(obj).digest() + obj
+
+
+def _object_of(blob: bytes) -> bytes:
+    """The object code of a cached generated entry; ValueError if the file is not one (corrupt, truncated)."""
+    head, digest, obj = blob[:len(_MAGIC)], blob[len(_MAGIC):len(_MAGIC) + 32], blob[len(_MAGIC) + 32:]
+    if head != _MAGIC or hashlib.sha256(obj).digest() != digest:
+        raise ValueError("not a btjit generated entry (bad header or checksum)")
+    return obj
+
+
+def _load_object(obj: bytes, symbol: str) -> int:
+    import llvmlite.binding as llvm
+    engine = _jit()[1]
+    engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
+    engine.finalize_object()
+    addr = engine.get_function_address(symbol)
+    if not addr:
+        raise ValueError(f"symbol {symbol} not in the object code")
+    return addr
 
 
 def _import_file(name: str, path: Path):
@@ -161,6 +214,8 @@ class Library:
     def cached(self, name, fd, shape=None) -> bool:
         """Whether the entry has a compiled index on disk (it may still turn out unusable)."""
         d = self.dir()
+        if name in GENERATED:
+            return bool(d) and (d / f"{entry_name(name, fd, shape)}.o").exists()
         return bool(d) and any((d / "__pycache__").glob(f"{entry_name(name, fd, shape)}.*.nbi"))
 
     # ------------------------------------------------------------------ loading
@@ -169,6 +224,8 @@ class Library:
         k = (name, fd, shape)
         if k in self.loaded:
             return False
+        if name in GENERATED:
+            return self._load_generated(k)
         stem = entry_name(name, fd, shape)
         modname = f"btjit_lib_{self.key}_{stem}"
         d = self.dir()
@@ -193,13 +250,46 @@ class Library:
             path = Path(tempfile.mkdtemp(prefix="btjit_")) / f"{stem}.py"
             path.write_text(entry_source(name, fd, shape, cache=False))
             fn = _import_file(modname, path).entry
+        self._put(k, fn)
+        return fn.cache_hits == 0
+
+    def _put(self, k, fn):
         self.loaded[k] = fn
-        op = self.opcode(name, shape)
-        if op >= len(self.tables[fd]):
+        op = self.opcode(k[0], k[2])
+        if op >= len(self.tables[k[1]]):
             for f in DTYPES:                     # grow; programs keep the old arrays, whose entries stay valid
                 self.tables[f] = np.concatenate([self.tables[f], np.zeros(len(self.tables[f]), np.int64)])
-        self.tables[fd][op] = fn.address
-        return fn.cache_hits == 0
+        self.tables[k[1]][op] = fn.address
+
+    def _load_generated(self, k) -> bool:
+        """Load a generated entry's object code from the library dir, or compile it here (and write it
+        atomically); a corrupt file is replaced, with a warning. True if compiled."""
+        name, fd, shape = k
+        stem = entry_name(*k)
+        d = self.dir()
+        path = d / f"{stem}.o" if d else None
+        blob = None
+        if path and path.exists():
+            try:
+                blob = path.read_bytes()
+                _object_of(blob)
+            except (OSError, ValueError) as e:
+                warnings.warn(f"btjit: kernel cache entry {path.name} in {d} unusable ({e}); compiling it again")
+                blob = None
+        compiled = blob is None
+        if compiled:
+            blob = _compile_generated(name, shape)
+            if path:
+                try:
+                    tmp = d / f"{stem}.o.tmp{os.getpid()}"
+                    tmp.write_bytes(blob)
+                    os.replace(tmp, path)
+                except OSError as e:
+                    warnings.warn(f"btjit: cannot write {path} ({e}); {stem} stays in memory")
+        obj = _object_of(blob)
+        symbol = attn_lanes.symbol(name, *shape)
+        self._put(k, Generated(_load_object(obj, symbol), obj, symbol))
+        return compiled
 
     def ensure(self, fd, opcodes) -> "Report":
         """Load the entries of these opcodes; entries missing on disk compile in parallel worker processes
@@ -209,7 +299,7 @@ class Library:
         t0 = time.perf_counter()
         uses = [(n, fd, s) for n, s in (self.entry_of(op) for op in sorted(set(int(o) for o in opcodes)))]
         want = [w for w in uses if w not in self.loaded]
-        missing = [w for w in want if not self.cached(*w)] if self.dir() else []
+        missing = [w for w in want if w[0] not in GENERATED and not self.cached(*w)] if self.dir() else []
         compile_entries(missing)
         compiled = [w for w in want if self.load(*w) or w in missing]
         return Report([entry_name(*w) for w in uses], [entry_name(*w) for w in compiled],
@@ -249,11 +339,10 @@ def _parse(s):
 
 
 # rough relative compile costs (seconds on one machine, rounded): only the order the workers take groups in
-HEAVY = {"k_attn_bwd_bl_par": 7, "k_attn_fwd_bl_par": 6, "k_attn_bwd_lanes_par": 7, "k_attn_fwd_lanes_par": 6,
-         "k_ew_program": 6, "k_attn_bwd_flash": 6, "k_attn_fwd_flash": 4, "k_attn_bwd_bl": 4, "k_attn_fwd_bl": 4,
-         "k_matmul": 4, "k_matmul_par": 4, "k_matmul_micro": 4, "k_strided": 3, "k_binary": 3, "k_attn_bwd": 3,
-         "k_attn_fwd_lanes": 3, "k_attn_bwd_lanes": 3, "k_attn_fwd_pairs": 3, "k_attn_bwd_pairs": 3, "k_reduce": 2,
-         "k_unary": 2, "k_ce_fwd": 2, "k_layernorm_bwd": 2}
+HEAVY = {"k_attn_bwd_bl_par": 7, "k_attn_fwd_bl_par": 6, "k_ew_program": 6, "k_attn_bwd_flash": 6,
+         "k_attn_fwd_flash": 4, "k_attn_bwd_bl": 4, "k_attn_fwd_bl": 4, "k_matmul": 4, "k_matmul_par": 4,
+         "k_matmul_micro": 4, "k_strided": 3, "k_binary": 3, "k_attn_bwd": 3, "k_reduce": 2, "k_unary": 2,
+         "k_ce_fwd": 2, "k_layernorm_bwd": 2}
 
 
 def groups(entries) -> list:
@@ -350,10 +439,9 @@ def check_rows(names=None) -> list:
     it passes r to. [] when every kernel agrees with its declaration."""
     problems = []
     for name in names or KERNELS:
-        if name in GENERATED:
-            src = attn_lanes.kernel_source(name, *PAPER_SHAPES[0])
-        else:
-            src = inspect.getsource(sys.modules[MODULE_OF[name]])
+        if name in GENERATED:        # attn_lanes.entry_ir reads every row field by its declared name
+            continue
+        src = inspect.getsource(sys.modules[MODULE_OF[name]])
         defs = {f.name: f for f in ast.walk(ast.parse(src)) if isinstance(f, ast.FunctionDef)}
         problems += _check_fn(name, defs, name, "r", ROWS[name].args, set())
     return problems

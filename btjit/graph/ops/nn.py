@@ -228,8 +228,8 @@ def _attn_lower(e, L):
     Below that, for fewer than BL_MIN_B sequences the generated "pairs" kernels (lanes over (sequence, head)
     pairs; they keep qkv and the probabilities in their scratch W, and leave P unused) or, where those do not
     apply, the per-head loops; from BL_MIN_B the sequence-vectorized ("bl") pair or its generated twin
-    ("lanes"), whose forward saves the transposed qkv in W and the probabilities in P in its own layout for
-    the backward. With more than one thread the bl / lanes blocks are split over the thread pool."""
+    ("lanes", one thread), whose forward saves the transposed qkv in W and the probabilities in P in its own
+    layout for the backward. With more than one thread the bl blocks are split over the thread pool."""
     B, T_ = e.ins[0].shape[:2]
     C, nh = e.ins[0].shape[2] // 3, e.attrs["n_head"]
     dims = dict(B=B, T=T_, C=C, NH=nh, oscale=L.const(1.0 / math.sqrt(C // nh)))
@@ -246,16 +246,26 @@ def _attn_lower(e, L):
             return [L.row("k_attn_bwd_flash", oqkv=L.off(qkv), oL=L.off(P), oW=L.off(W), ody=L.off(gy),
                           odqkv=L.off(dqkv), oS=L.off(S), **dims)]
         return [L.row("k_attn_fwd_flash", oqkv=L.off(qkv), oy=L.off(y), oL=L.off(P), oW=L.off(W), **dims)]
-    if B < BL_MIN_B and attn_lanes.pairs_eligible(T_, C // nh, qkv.dtype):
-        return [L.row(f"k_attn_{kind}_pairs", shape=(T_, C // nh), **{**offs, "oP": 0}, **dims)]   # P unused
+    hs = C // nh
+    if B < BL_MIN_B and attn_lanes.pairs_eligible(T_, hs, qkv.dtype):    # generated per (T, hs)
+        offs = dict(ody=L.off(gy), odqkv=L.off(dqkv), oW=L.off(W), oS=L.off(S)) if grad else \
+            dict(oqkv=L.off(qkv), oy=L.off(y), oW=L.off(W))
+        return [L.row(f"k_attn_{kind}_pairs", shape=(T_, hs), **offs, **dims)]
     if B < BL_MIN_B:
         offs = dict(oqkv=L.off(qkv), oP=L.off(P), ody=L.off(gy), odqkv=L.off(dqkv)) if grad else \
             dict(oqkv=L.off(qkv), oy=L.off(y), oP=L.off(P))
         return [L.row(f"k_attn_{kind}", **offs, **dims)]
     par = "_par" if L.threads > 1 else ""
     nb = attn_blocks(B, L.threads)
-    if attn_lanes.eligible(T_, C // nh, B, nb, qkv.dtype):    # same rows and layouts, generated per (T, hs)
-        return [L.row(f"k_attn_{kind}_lanes{par}", shape=(T_, C // nh), **offs, **dims, nb=nb)]
+    if not par and attn_lanes.eligible(T_, hs, B, nb, qkv.dtype):     # the bl layouts, generated per (T, hs)
+        if not grad:
+            return [L.row("k_attn_bl_in", osrc=L.off(qkv), odst=L.off(W), B=B, n=3 * T_ * C, nb=nb),
+                    L.row("k_attn_fwd_lanes", shape=(T_, hs), oW=L.off(W), oP=L.off(P), oy=L.off(y), **dims, nb=nb)]
+        oS = L.off(S)
+        oD = oS + B * T_ * C
+        return [L.row("k_attn_bl_in", osrc=L.off(gy), odst=oS, B=B, n=T_ * C, nb=nb),
+                L.row("k_attn_bwd_lanes", shape=(T_, hs), oW=L.off(W), oP=L.off(P), oS=oS, oD=oD, **dims, nb=nb),
+                L.row("k_attn_bl_out", osrc=oD, odst=L.off(dqkv), B=B, n=3 * T_ * C, nb=nb)]
     return [L.row(f"k_attn_{kind}_bl{par}", **offs, **dims, nb=nb)]
 
 
