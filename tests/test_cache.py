@@ -105,6 +105,32 @@ def test_precompiled_entries_are_what_a_new_program_loads(tmp_path, monkeypatch)
     assert out.exit_code == 0 and "removed" in out.output and not list(tmp_path.iterdir())
 
 
+
+def test_generated_entries_compile_here_load_from_disk_and_heal(tmp_path, monkeypatch):
+    """A generated attention entry (llvmlite's object code, per (T, hs)) compiles in this process, is written
+    to the library dir, is loaded from there by a later library (same code, not compiled), and a corrupt file
+    is replaced with a warning; with no writable cache dir it compiles in memory."""
+    from btjit.kernels import library
+    monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))
+    e = ("k_attn_fwd_lanes", "f32", (5, 3))
+    first = library.Library()
+    assert not first.cached(*e) and first.load(*e) and first.cached(*e)
+    path = _lib(tmp_path) / f"{library.entry_name(*e)}.o"
+    code = first.loaded[e].object_code
+    second = library.Library()
+    assert not second.load(*e) and second.loaded[e].object_code == code
+    assert second.tables["f32"][second.opcode("k_attn_fwd_lanes", (5, 3))] == first.loaded[e].address
+    path.write_bytes(path.read_bytes()[:100] + b"garbage")
+    with pytest.warns(UserWarning, match="unusable"):
+        assert library.Library().load(*e)
+    assert library.Library().load(*e) is False and path.read_bytes().endswith(code)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("BTJIT_CACHE_DIR", str(blocker / "cache"))
+    with pytest.warns(UserWarning, match="not writable"):
+        lib = library.Library()
+        assert lib.load(*e) and lib.loaded[e].object_code == code
+
 def test_rows_are_built_by_name_and_checked():
     from btjit.graph.lower import RowError, make_row
     from btjit.kernels.common import ROWS

@@ -97,7 +97,7 @@ class Generated:
 
 
 _MAGIC = b"btjit-entry-1\n"
-_JIT: list = []            # [target machine, MCJIT engine] for the generated entries, made on first use
+_LOADED: dict = {}         # sha256 of object code -> (address, its MCJIT engine, kept alive)
 
 
 def _target_machine():
@@ -111,16 +111,9 @@ def _target_machine():
         jit=True)
 
 
-def _jit():
-    if not _JIT:
-        import llvmlite.binding as llvm
-        _JIT.extend([_target_machine(), llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine())])
-    return _JIT
-
-
 def _compile_generated(name, shape) -> bytes:
     """A generated entry's object code, with its header: magic, sha256 of the code."""
-    obj = attn_lanes.compile_entry(name, *shape, _jit()[0])
+    obj = attn_lanes.compile_entry(name, *shape, _target_machine())
     return _MAGIC + hashlib.sha256(obj).digest() + obj
 
 
@@ -133,14 +126,19 @@ def _object_of(blob: bytes) -> bytes:
 
 
 def _load_object(obj: bytes, symbol: str) -> int:
+    """The address of `symbol` in object code loaded into an MCJIT engine of its own (no two objects share an
+    engine, so their symbols never clash); the same code is loaded once per process."""
     import llvmlite.binding as llvm
-    engine = _jit()[1]
-    engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
-    engine.finalize_object()
-    addr = engine.get_function_address(symbol)
-    if not addr:
-        raise ValueError(f"symbol {symbol} not in the object code")
-    return addr
+    key = hashlib.sha256(obj).digest()
+    if key not in _LOADED:
+        engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine())
+        engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
+        engine.finalize_object()
+        addr = engine.get_function_address(symbol)
+        if not addr:
+            raise ValueError(f"symbol {symbol} not in the object code")
+        _LOADED[key] = (addr, engine)
+    return _LOADED[key][0]
 
 
 def _import_file(name: str, path: Path):
@@ -263,33 +261,29 @@ class Library:
 
     def _load_generated(self, k) -> bool:
         """Load a generated entry's object code from the library dir, or compile it here (and write it
-        atomically); a corrupt file is replaced, with a warning. True if compiled."""
+        atomically); an unusable file is replaced, with a warning. True if compiled."""
         name, fd, shape = k
-        stem = entry_name(*k)
+        stem, symbol = entry_name(*k), attn_lanes.symbol(name, *shape)
         d = self.dir()
         path = d / f"{stem}.o" if d else None
-        blob = None
         if path and path.exists():
             try:
-                blob = path.read_bytes()
-                _object_of(blob)
-            except (OSError, ValueError) as e:
+                obj = _object_of(path.read_bytes())
+                self._put(k, Generated(_load_object(obj, symbol), obj, symbol))
+                return False
+            except (OSError, ValueError, RuntimeError) as e:
                 warnings.warn(f"btjit: kernel cache entry {path.name} in {d} unusable ({e}); compiling it again")
-                blob = None
-        compiled = blob is None
-        if compiled:
-            blob = _compile_generated(name, shape)
-            if path:
-                try:
-                    tmp = d / f"{stem}.o.tmp{os.getpid()}"
-                    tmp.write_bytes(blob)
-                    os.replace(tmp, path)
-                except OSError as e:
-                    warnings.warn(f"btjit: cannot write {path} ({e}); {stem} stays in memory")
+        blob = _compile_generated(name, shape)
+        if path:
+            try:
+                tmp = d / f"{stem}.o.tmp{os.getpid()}"
+                tmp.write_bytes(blob)
+                os.replace(tmp, path)
+            except OSError as e:
+                warnings.warn(f"btjit: cannot write {path} ({e}); {stem} stays in memory")
         obj = _object_of(blob)
-        symbol = attn_lanes.symbol(name, *shape)
         self._put(k, Generated(_load_object(obj, symbol), obj, symbol))
-        return compiled
+        return True
 
     def ensure(self, fd, opcodes) -> "Report":
         """Load the entries of these opcodes; entries missing on disk compile in parallel worker processes
