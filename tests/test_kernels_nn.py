@@ -480,6 +480,9 @@ def test_attention_generated_lanes_eligibility():
     assert not attn_lanes.eligible(8, 4, 31, 2, "f32")        # blocks of 16 and 15
     assert not attn_lanes.eligible(8, 4, 17, 3, "f32")
     assert not attn_lanes.eligible(64, 4, 64, 1, "f32")       # 2080 score terms
+    assert attn_lanes.eligible(8, 8, 16, 1, "f32") and attn_lanes.pairs_eligible(8, 8, "f32")   # 1296 <= 1400
+    assert not attn_lanes.pairs_eligible(16, 2, "f32")        # 136 scores x 24 operations
+    assert not attn_lanes.pairs_eligible(4, 48, "f32")        # T * hs > 64
 
 
 def test_attention_bwd_finite_diff():

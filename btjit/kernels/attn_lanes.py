@@ -33,8 +33,11 @@ _I64, _I32 = ir.IntType(64), ir.IntType(32)
 
 
 def _small(T, hs, float_dtype) -> bool:
-    """float32 and a body of bounded size (the GPT's T=8, hs=4 is 144 score terms of 4)."""
-    return float_dtype == "f32" and T * (T + 1) // 2 * hs <= 300
+    """float32 and a body of bounded size, so that an entry compiles in well under a second: per score 2*hs
+    multiply-adds and ~20 operations of exp and softmax, at most 1400 (T 8, hs 8: 1296, 0.6-0.7 s; T 16,
+    hs 2: 3264 took 1.3 s), and T*hs <= 64 (q, k, v and their gradients, 4*T*hs vectors, held at once:
+    T 4, hs 48 took 2.3 s)."""
+    return float_dtype == "f32" and T * (T + 1) // 2 * (2 * hs + 20) <= 1400 and T * hs <= 64
 
 
 def eligible(T, hs, B, nb, float_dtype) -> bool:
@@ -382,11 +385,15 @@ def entry_ir(name, T, hs) -> str:
 
 def compile_entry(name, T, hs, tm) -> bytes:
     """Object code of the generated entry for the target machine `tm` (numba's, so it runs and links as
-    the library's other entries do): the IR optimized at O3, emitted."""
+    the library's other entries do): the IR optimized at O3 without the loop vectorizer and unroller -- the
+    chunks are vector code already, and on the pairs entries' scalar layout loops those two took 5 of 5.6 s
+    (backward, T 8, hs 8) -- then emitted."""
     m = llvm.parse_assembly(entry_ir(name, T, hs))
     m.triple, m.data_layout = tm.triple, str(tm.target_data)
     m.verify()
-    pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
+    pto = llvm.create_pipeline_tuning_options(speed_level=3)
+    pto.loop_vectorization = pto.loop_unrolling = False
+    pb = llvm.create_pass_builder(tm, pto)
     pb.getModulePassManager().run(m, pb)
     return tm.emit_object(m)
 
