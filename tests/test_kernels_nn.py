@@ -194,7 +194,8 @@ def test_matmul_with_fused_bias(dt, nb, nparts):
     (96, 24, 8, 1, 0, 0), (24, 65, 8, 1, 0, 0), (9, 100, 7, 1, 0, 0), (17, 50, 3, 1, 0, 0),
     (8, 96, 24, 0, 1, 0), (8, 24, 24, 0, 1, 0), (13, 30, 5, 0, 1, 0), (16, 9, 3, 0, 1, 0),
     (8, 24, 96, 0, 1, 0), (8, 24, 65, 0, 1, 0), (10, 40, 30, 0, 1, 0), (8, 9, 50, 0, 1, 0),
-    (130, 96, 24, 0, 0, 1), (24, 96, 130, 1, 0, 0), (130, 24, 96, 0, 1, 0), (64, 65, 24, 0, 1, 0)])
+    (130, 96, 24, 0, 0, 1), (24, 96, 130, 1, 0, 0), (130, 24, 96, 0, 1, 0), (64, 65, 24, 0, 1, 0),
+    (40, 300, 520, 1, 0, 0), (33, 260, 530, 0, 0, 1)])       # B above MICRO_B_MAX (the measured limit's range)
 @pytest.mark.parametrize("nb,bcast", [(1, "none"), (3, "B"), (2, "none")])
 def test_matmul_micro_kernels(M, N, Kd, ta, tb, bias, nb, bcast):
     """k_matmul_micro, float32: every column-block width (48, 24, 16, 8) and the blocks moved back to end at
@@ -227,10 +228,17 @@ def test_matmul_micro_kernels(M, N, Kd, ta, tb, bias, nb, bcast):
     ar.only_wrote("C", *(("sum",) if colsum else ()))
 
 
-def test_micro_gemm_choice():
-    """Micro-kernels: float32, overwrite, C >= 8 x 8, B <= MICRO_B_MAX floats, not A^T B^T; B^T products
-    from 64 rows (B <= WT_MAX), or on fewer rows up to NT_MACS multiply-adds; no bias on B^T."""
+def test_micro_gemm_choice(monkeypatch):
+    """Micro-kernels: float32, overwrite, C >= 8 x 8, B <= MICRO_B_MAX floats (or the limit measured on the
+    machine), not A^T B^T; B^T products from 64 rows (B <= WT_MAX), or on fewer rows up to NT_MACS
+    multiply-adds; no bias on B^T."""
     from btjit.graph.ops import micro_gemm
+    from btjit.kernels import gemm_rule
+    monkeypatch.setattr(gemm_rule, "_VALUE", [262144])
+    assert micro_gemm(64, 256, 512, 1, 0, 0, 0, "f32") and micro_gemm(512, 1024, 256, 0, 0, 0, 1, "f32")
+    assert not micro_gemm(64, 1024, 512, 1, 0, 0, 0, "f32")
+    monkeypatch.setattr(gemm_rule, "_VALUE", [gemm_rule.MIN_LIMIT])
+    assert not micro_gemm(64, 256, 512, 1, 0, 0, 0, "f32") and micro_gemm(64, 128, 512, 1, 0, 0, 0, "f32")
     assert micro_gemm(8, 24, 24, 0, 1, 0, 0, "f32") and micro_gemm(8, 24, 96, 0, 1, 0, 0, "f32")
     assert not micro_gemm(8, 100, 100, 0, 1, 0, 0, "f32")                    # > NT_MACS on 8 rows: sgemm
     assert micro_gemm(512, 24, 96, 0, 1, 0, 0, "f32") and micro_gemm(512, 96, 24, 0, 0, 0, 1, "f32")
@@ -239,6 +247,32 @@ def test_micro_gemm_choice():
     assert not micro_gemm(8, 24, 8, 1, 1, 0, 0, "f32") and not micro_gemm(8, 24, 8, 0, 1, 0, 1, "f32")
     assert not micro_gemm(64, 200, 100, 0, 1, 0, 0, "f32")                    # B^T copy > WT_MAX
 
+
+
+def test_micro_gemm_limit_is_measured_once_and_remembered(tmp_path, monkeypatch):
+    """The limit comes from timing both kernels (a size they tried, or the minimum), is written to gemm.json
+    and read back by a later process instead of measuring again; $BTJIT_MICRO_B_MAX overrides it."""
+    import json
+    from btjit.kernels import gemm_rule
+    monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("BTJIT_MICRO_B_MAX", raising=False)
+    calls = []
+    real = gemm_rule.measure
+
+    def counted():
+        calls.append(1)
+        return real()
+    monkeypatch.setattr(gemm_rule, "measure", counted)
+    monkeypatch.setattr(gemm_rule, "_VALUE", [])
+    first = gemm_rule.micro_b_max()
+    saved = json.loads((tmp_path / "gemm.json").read_text())
+    assert first in (gemm_rule.MIN_LIMIT,) + gemm_rule.SIZES and saved["micro_b_max"] == first
+    assert all(len(v) == 2 and min(v) > 0 for v in saved["us"].values()) and "131072:1" in saved["us"]
+    monkeypatch.setattr(gemm_rule, "_VALUE", [])
+    assert gemm_rule.micro_b_max() == first and calls == [1]
+    monkeypatch.setattr(gemm_rule, "_VALUE", [])
+    monkeypatch.setenv("BTJIT_MICRO_B_MAX", "12345")
+    assert gemm_rule.micro_b_max() == 12345 and calls == [1]
 
 # ---------------------------------------------------------------- LayerNorm
 def ln_ref(x, g, b, eps):

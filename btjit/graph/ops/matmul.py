@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.graph import trace as T
-from btjit.kernels import linalg
+from btjit.kernels import gemm_rule, linalg
 from btjit.kernels.common import MAX_THREADS
 
 from .table import Case, F, ShapeError, TABLE, _bcast_shape, _float, bstrides, cstrides, loop_nest, op
@@ -44,11 +44,14 @@ def split_gemm(nb, M, N, K) -> int:
 
 def micro_gemm(M, N, K, ta, tb, beta, bias, float_dtype) -> bool:
     """Whether a product runs on k_matmul_micro's register micro-kernels instead of sgemm: float32, C
-    overwritten and at least 8 x 8, B (K x N) at most linalg.MICRO_B_MAX floats. They win every E6 product
+    overwritten and at least 8 x 8, B (K x N) at most linalg.MICRO_B_MAX floats or, above, the limit
+    measured on this machine (btjit/kernels/gemm_rule.py). They win every E6 product
     (512 rows: 50-58 against sgemm's 32-52 G multiply-adds/s; 8 rows: no per-call work; B^T on 8 rows:
     8 x 96 x 24 0.41 against 1.15 us, 8 x 24 x 72 0.33 against 0.40, 8 x 24 x 96 even at 0.45 against 0.43);
     a B^T product never has a bias (fuse_linear)."""
-    if float_dtype != "f32" or beta or M < linalg.MR or N < 8 or K * N > linalg.MICRO_B_MAX or (ta and tb):
+    if float_dtype != "f32" or beta or M < linalg.MR or N < 8 or (ta and tb):
+        return False
+    if K * N > linalg.MICRO_B_MAX and K * N > gemm_rule.micro_b_max():     # measured once per machine
         return False
     if not tb:
         return True

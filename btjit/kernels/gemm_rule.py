@@ -1,0 +1,116 @@
+"""How large a float32 product's B (K x N) may be for k_matmul_micro's register micro-kernels rather than BLAS
+(btjit/graph/ops/matmul.py's micro_gemm): measured once per machine, remembered in the cache dir.
+
+The micro-kernels re-read B from cache for every 8 rows of C, so from some size of B the chosen BLAS (which
+packs B into blocks) wins; where depends on the caches and on the BLAS. Measured here: products
+C (256, N) = A (256, 512) @ B (512, N), untransposed and as A^T (dW = X^T dY), for B of 128K floats upwards,
+each library entry called through its address, best of 3; the limit is the largest size up to which the
+micro-kernels are faster every time, MIN_LIMIT if they lose at the first one. (Zen 4, scipy's OpenBLAS:
+the micro-kernels won up to 2M floats, 1.2-1.6x on a transformer's dW products of 98K-131K floats.)
+Remembered in `gemm.json` keyed by the CPU and the BLAS choice; $BTJIT_MICRO_B_MAX (floats) overrides.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import time
+
+import llvmlite.binding as llvm
+import numpy as np
+
+from btjit.kernels.linalg import MICRO_B_MAX as MIN_LIMIT   # floats of B: the micro-kernels' L2-resident range
+
+SIZES = (131072, 262144, 524288, 1048576, 2097152)  # floats of B tried (N = size // 512)
+_M, _K = 256, 512
+_VALUE: list = []
+
+
+def micro_b_max() -> int:
+    """The largest B (floats) a product runs on the micro-kernels with."""
+    if not _VALUE:
+        env = os.environ.get("BTJIT_MICRO_B_MAX")
+        _VALUE.append(int(env) if env else _remembered())
+    return _VALUE[0]
+
+
+def _remembered() -> int:
+    from btjit.cachedir import cache_dir
+    from btjit.kernels import blas
+    key = json.dumps([llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(), blas.CHOICE["name"]])
+    path = cache_dir() / "gemm.json"
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            return int(saved["micro_b_max"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    stale = path.exists()
+    limit, times = measure()
+    try:       # the first process to finish a measurement sets the rule for all (so they compute alike)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"gemm.json.tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "micro_b_max": limit, "us": times}))
+        if stale:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                saved = json.loads(path.read_text())
+                limit = int(saved["micro_b_max"]) if saved.get("key") == key else limit
+            finally:
+                tmp.unlink()
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return limit
+
+
+def _entry(name):
+    """A library entry as a ctypes function (compiled by a worker if missing, loaded from the disk cache like
+    every entry a program runs)."""
+    from btjit.kernels.library import LIBRARY
+    LIBRARY.ensure("f32", [LIBRARY.opcode(name)])
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    return ctypes.CFUNCTYPE(ctypes.c_int32, p, i64, p, i64, p)(LIBRARY.loaded[(name, "f32", None)].address)
+
+
+def _row(name, **args):
+    from btjit.kernels.common import ROW, ROWS
+    from btjit.kernels.library import LIBRARY
+    r = np.zeros(ROW, np.int64)
+    r[0] = LIBRARY.opcode(name)
+    r[1:1 + len(ROWS[name].args)] = [args[n] for n in ROWS[name].args]
+    return r
+
+
+def measure() -> tuple:
+    """(limit, {size: [micro us, blas us] per transposition}) -- see the module docstring."""
+    micro, blas = _entry("k_matmul_micro"), _entry("k_matmul")
+    ia = np.zeros(64, np.int32)
+    limit, times = MIN_LIMIT, {}
+    for size in SIZES:
+        N = size // _K
+        oA, oB = 32, 32 + _M * _K
+        oC = oB + _K * N
+        a = np.random.default_rng(0).standard_normal(oC + _M * N).astype(np.float32)
+        a[16:18] = (1.0, 0.0)                                      # oconst: alpha, beta
+        common = dict(oA=oA, oB=oB, oC=oC, nbatch=1, M=_M, N=N, K=_K, sA=0, sB=0, sC=0, tb=0, obias=0)
+        won = True
+        for ta in (0, 1):
+            rows = (_row("k_matmul_micro", **common, ta=ta, osum=0, ores=0, relu=0),
+                    _row("k_matmul", **common, ta=ta, beta=0, osc=0, oconst=16, nparts=1))
+            best = []
+            for fn, r in zip((micro, blas), rows):
+                t = float("inf")
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    fn(a.ctypes.data, a.size, ia.ctypes.data, ia.size, r.ctypes.data)
+                    t = min(t, time.perf_counter() - t0)
+                best.append(round(t * 1e6, 1))
+            times[f"{size}:{ta}"] = best
+            won = won and best[0] < best[1]
+        if not won:
+            break
+        limit = size
+    return limit, times
