@@ -197,14 +197,16 @@ def test_matmul_with_fused_bias(dt, nb, nparts):
     (130, 96, 24, 0, 0, 1), (24, 96, 130, 1, 0, 0), (130, 24, 96, 0, 1, 0), (64, 65, 24, 0, 1, 0),
     (40, 300, 520, 1, 0, 0), (33, 260, 530, 0, 0, 1)])       # B above MICRO_B_MAX (the measured limit's range)
 @pytest.mark.parametrize("nb,bcast", [(1, "none"), (3, "B"), (2, "none")])
-def test_matmul_micro_kernels(M, N, Kd, ta, tb, bias, nb, bcast):
+def test_matmul_micro_kernels(M, N, Kd, ta, tb, bias, nb, bcast, monkeypatch):
     """k_matmul_micro, float32: every column-block width (48, 24, 16, 8) and the blocks moved back to end at
     M / N (13 x 30, 17 x 50, 9 x 100, 130 rows), plain, A^T (with B's column sums alongside) and B^T
     products (8-row ones in registers, from 64 rows on a transposed copy of B, once for a broadcast B), bias
     rows, batched; only C (and the sums) are written, and the lowering picks it for these shapes in float32
     only, never to accumulate."""
     from btjit.graph.ops import micro_gemm
+    from btjit.kernels import gemm_rule
     from btjit.kernels.linalg import k_matmul_micro
+    monkeypatch.setattr(gemm_rule, "_VALUE", [1 << 20])      # the measured limit, as on a machine where they win
     assert micro_gemm(M, N, Kd, ta, tb, 0, bias, "f32") and not micro_gemm(M, N, Kd, ta, tb, 0, bias, "f64")
     assert not micro_gemm(M, N, Kd, ta, tb, 1, bias, "f32")                  # accumulation: sgemm
     dt = np.float32
