@@ -2,11 +2,11 @@
 (btjit/graph/ops/matmul.py's micro_gemm): measured once per machine, remembered in the cache dir.
 
 The micro-kernels re-read B from cache for every 8 rows of C, so from some size of B the chosen BLAS (which
-packs B into blocks) wins; where depends on the caches and on the BLAS. Measured here: products
-C (256, N) = A (256, 512) @ B (512, N), untransposed and as A^T (dW = X^T dY), for B of 128K floats upwards,
-each library entry called through its address, best of 3; the limit is the largest size up to which the
-micro-kernels are faster every time, MIN_LIMIT if they lose at the first one. (Zen 4, scipy's OpenBLAS:
-the micro-kernels won up to 2M floats, 1.2-1.6x on a transformer's dW products of 98K-131K floats.)
+packs B into blocks) wins; where depends on the caches and on the BLAS. Measured here, for B of 128K floats
+upwards: a forward product (512 rows, K 256) and a dW = X^T dY (256 rows, K 512), each library entry called
+through its address, best of 3 (after a warm-up call); the limit is the largest size up to which the micro-kernels take less time
+for the two, MIN_LIMIT if they lose at the first. (Zen 4, scipy's OpenBLAS: 1.2-1.6x on a transformer's dW
+products of 98K-131K floats; the GPT at S1 and S3 7-8% faster with the limit at 2M floats than at 128K.)
 Remembered in `gemm.json` keyed by the CPU and the BLAS choice; $BTJIT_MICRO_B_MAX (floats) overrides.
 """
 from __future__ import annotations
@@ -85,32 +85,32 @@ def _row(name, **args):
 
 
 def measure() -> tuple:
-    """(limit, {size: [micro us, blas us] per transposition}) -- see the module docstring."""
+    """(limit, {"size:ta": [micro us, blas us]}) -- see the module docstring."""
     micro, blas = _entry("k_matmul_micro"), _entry("k_matmul")
     ia = np.zeros(64, np.int32)
     limit, times = MIN_LIMIT, {}
     for size in SIZES:
-        N = size // _K
-        oA, oB = 32, 32 + _M * _K
-        oC = oB + _K * N
-        a = np.random.default_rng(0).standard_normal(oC + _M * N).astype(np.float32)
-        a[16:18] = (1.0, 0.0)                                      # oconst: alpha, beta
-        common = dict(oA=oA, oB=oB, oC=oC, nbatch=1, M=_M, N=N, K=_K, sA=0, sB=0, sC=0, tb=0, obias=0)
-        won = True
-        for ta in (0, 1):
-            rows = (_row("k_matmul_micro", **common, ta=ta, osum=0, ores=0, relu=0),
-                    _row("k_matmul", **common, ta=ta, beta=0, osc=0, oconst=16, nparts=1))
+        total = [0.0, 0.0]
+        for ta, M, K in ((0, 512, 256), (1, 256, 512)):          # a forward product, a dW = X^T dY
+            N = size // K
+            oA, oB = 32, 32 + M * K
+            oC = oB + K * N
+            a = np.random.default_rng(0).standard_normal(oC + M * N).astype(np.float32)
+            a[16:18] = (1.0, 0.0)                                  # oconst: alpha, beta
+            common = dict(oA=oA, oB=oB, oC=oC, nbatch=1, M=M, N=N, K=K, sA=0, sB=0, sC=0, ta=ta, tb=0, obias=0)
+            rows = (_row("k_matmul_micro", **common, osum=0, ores=0, relu=0),
+                    _row("k_matmul", **common, beta=0, osc=0, oconst=16, nparts=1))
             best = []
             for fn, r in zip((micro, blas), rows):
                 t = float("inf")
-                for _ in range(3):
+                for _ in range(4 if size == SIZES[0] else 3):      # the first call of all warms up
                     t0 = time.perf_counter()
                     fn(a.ctypes.data, a.size, ia.ctypes.data, ia.size, r.ctypes.data)
                     t = min(t, time.perf_counter() - t0)
                 best.append(round(t * 1e6, 1))
             times[f"{size}:{ta}"] = best
-            won = won and best[0] < best[1]
-        if not won:
+            total = [total[0] + best[0], total[1] + best[1]]
+        if total[0] >= total[1]:
             break
         limit = size
     return limit, times
