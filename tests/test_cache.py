@@ -147,16 +147,16 @@ def test_rows_are_built_by_name_and_checked():
 
 
 def test_every_kernel_reads_its_row_as_declared(monkeypatch):
-    from btjit.kernels import library
+    from btjit.kernels import library, rowcheck
     from btjit.kernels.common import ROWS, RowDecl
-    assert library.check_rows() == []
+    assert rowcheck.check_rows() == []
     assert set(library.KERNELS) == set(ROWS)
     monkeypatch.setitem(ROWS, "k_gather_rows", RowDecl(("oidx", "otable", "oout", "n", "C"), None))
-    assert library.check_rows(["k_gather_rows"]) == [
+    assert rowcheck.check_rows(["k_gather_rows"]) == [
         "k_gather_rows: k_gather_rows names r[1] 'otable', its row declares 'oidx'",
         "k_gather_rows: k_gather_rows names r[2] 'oidx', its row declares 'otable'"]
     monkeypatch.setitem(ROWS, "k_attn_fwd_bl", RowDecl(ROWS["k_attn_fwd_bl"].args[:-1], None))
-    assert any("reads r[10], beyond its row" in p for p in library.check_rows(["k_attn_fwd_bl"]))
+    assert any("reads r[10], beyond its row" in p for p in rowcheck.check_rows(["k_attn_fwd_bl"]))
 
 
 def test_the_executor_runs_library_entries_through_the_table(tmp_path, monkeypatch):

@@ -42,7 +42,7 @@ def inlined(kernel):
 
 def row(args: str, stop: str | None = None):
     """Decorator declaring a tape kernel's row: `@row("ox og M C")` above `@njit` says r = [op, ox, og, M, C].
-    btjit.kernels.library checks each kernel's source reads r with these names (check_rows)."""
+    btjit.kernels.rowcheck checks each kernel's source reads r with these names (check_rows)."""
     def deco(k):
         declare(getattr(k, "py_func", k).__name__, args, stop)
         return k

@@ -10,7 +10,7 @@ another program compiled before. Entries an `ensure` call finds missing compile 
 the cores, then load from the disk cache like every other entry (so a first run computes exactly what later
 ones do). Only the generated attention kernels (btjit/kernels/attn_lanes.py) are entries per (T, hs): LLVM IR
 compiled by llvmlite in this process (~0.3 s each), their object code cached as `<entry>.o` in the library
-dir and loaded into an MCJIT engine of their own (class Generated).
+dir and loaded into MCJIT engines (btjit/kernels/objcode.py).
 
 Faults: a corrupt or stale cache entry is discarded and compiled again, an unwritable cache dir compiles in
 memory -- each with a warning, never a wrong result. `python -m btjit.kernels ENTRY...` compiles entries
@@ -18,7 +18,6 @@ memory -- each with a warning, never a wrong result. `python -m btjit.kernels EN
 """
 from __future__ import annotations
 
-import ast
 import hashlib
 import importlib.util
 import inspect
@@ -36,8 +35,8 @@ import numba
 import numpy as np
 
 from btjit.cachedir import cache_dir
-from btjit.kernels import (attention, attn_lanes, attn_loops, common, elementwise, fused, linalg, nn, optim, reduce,
-                           tiles)
+from btjit.kernels import (attention, attn_lanes, attn_loops, common, elementwise, fused, linalg, nn, objcode, optim,
+                           reduce, tiles)
 from btjit.kernels.common import ROW, ROWS
 
 MODULES = (elementwise, fused, reduce, linalg, nn, optim, attn_loops, attention)
@@ -68,7 +67,7 @@ def entry(ap, na, iap, nia, rp):
 
 def library_key() -> str:
     h = hashlib.sha256(_ENTRY.encode())
-    for m in MODULES + (attn_lanes, common, tiles):
+    for m in MODULES + (attn_lanes, common, objcode, tiles):
         h.update(inspect.getsource(m).encode())
     h.update(f"{numba.__version__} {np.__version__} {llvmlite.__version__}".encode())
     return h.hexdigest()[:16]
@@ -87,58 +86,6 @@ def entry_source(name, fd, shape=None, cache=True) -> str:
     ret = f"ia[r[{ROWS[name].args.index(stop) + 1}]]" if stop else "0"
     return _ENTRY.format(name=name, variant=f" (T {shape[0]}, hs {shape[1]})" if shape else "", dtype=DTYPES[fd],
                          imports=imports, cache=cache, row=ROW, ret=ret, fastmath=sorted(fastmath))
-
-
-class Generated:
-    """A loaded generated entry: its address, object code and symbol (btjit/export.py links the same code)."""
-
-    def __init__(self, address, object_code, symbol):
-        self.address, self.object_code, self.symbol = address, object_code, symbol
-
-
-_MAGIC = b"btjit-entry-1\n"
-_LOADED: dict = {}         # sha256 of object code -> (address, its MCJIT engine, kept alive)
-
-
-def _target_machine():
-    """A target machine as numba's own (CPU, features, relocation, code model), so generated code runs and
-    exports like the numba-compiled entries."""
-    import llvmlite.binding as llvm
-    from numba.core.registry import cpu_target
-    cg = cpu_target.target_context.codegen()
-    return llvm.Target.from_triple(llvm.get_process_triple()).create_target_machine(
-        cpu=cg._get_host_cpu_name(), features=cg._tm_features, opt=3, reloc="static", codemodel="jitdefault",
-        jit=True)
-
-
-def _compile_generated(name, shape) -> bytes:
-    """A generated entry's object code, with its header: magic, sha256 of the code."""
-    obj = attn_lanes.compile_entry(name, *shape, _target_machine())
-    return _MAGIC + hashlib.sha256(obj).digest() + obj
-
-
-def _object_of(blob: bytes) -> bytes:
-    """The object code of a cached generated entry; ValueError if the file is not one (corrupt, truncated)."""
-    head, digest, obj = blob[:len(_MAGIC)], blob[len(_MAGIC):len(_MAGIC) + 32], blob[len(_MAGIC) + 32:]
-    if head != _MAGIC or hashlib.sha256(obj).digest() != digest:
-        raise ValueError("not a btjit generated entry (bad header or checksum)")
-    return obj
-
-
-def _load_object(obj: bytes, symbol: str) -> int:
-    """The address of `symbol` in object code loaded into an MCJIT engine of its own (no two objects share an
-    engine, so their symbols never clash); the same code is loaded once per process."""
-    import llvmlite.binding as llvm
-    key = hashlib.sha256(obj).digest()
-    if key not in _LOADED:
-        engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine())
-        engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
-        engine.finalize_object()
-        addr = engine.get_function_address(symbol)
-        if not addr:
-            raise ValueError(f"symbol {symbol} not in the object code")
-        _LOADED[key] = (addr, engine)
-    return _LOADED[key][0]
 
 
 def _import_file(name: str, path: Path):
@@ -268,12 +215,12 @@ class Library:
         path = d / f"{stem}.o" if d else None
         if path and path.exists():
             try:
-                obj = _object_of(path.read_bytes())
-                self._put(k, Generated(_load_object(obj, symbol), obj, symbol))
+                obj = objcode.object_of(path.read_bytes())
+                self._put(k, objcode.Generated(objcode.load_object(obj, symbol), obj, symbol))
                 return False
             except (OSError, ValueError, RuntimeError) as e:
                 warnings.warn(f"btjit: kernel cache entry {path.name} in {d} unusable ({e}); compiling it again")
-        blob = _compile_generated(name, shape)
+        blob = objcode.compile_entry(name, shape)
         if path:
             try:
                 tmp = d / f"{stem}.o.tmp{os.getpid()}"
@@ -281,8 +228,8 @@ class Library:
                 os.replace(tmp, path)
             except OSError as e:
                 warnings.warn(f"btjit: cannot write {path} ({e}); {stem} stays in memory")
-        obj = _object_of(blob)
-        self._put(k, Generated(_load_object(obj, symbol), obj, symbol))
+        obj = objcode.object_of(blob)
+        self._put(k, objcode.Generated(objcode.load_object(obj, symbol), obj, symbol))
         return True
 
     def ensure(self, fd, opcodes) -> "Report":
@@ -425,50 +372,6 @@ def clear_cache() -> int:
     for child in d.iterdir() if d.is_dir() else ():
         shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
     return n
-
-
-def check_rows(names=None) -> list:
-    """Where a kernel reads its row otherwise than its declaration says: a name bound to r[i] that is not the
-    declared i-th argument, or an r[i] beyond the row -- in the kernel and in the functions of its source that
-    it passes r to. [] when every kernel agrees with its declaration."""
-    problems = []
-    for name in names or KERNELS:
-        if name in GENERATED:        # attn_lanes.entry_ir reads every row field by its declared name
-            continue
-        src = inspect.getsource(sys.modules[MODULE_OF[name]])
-        defs = {f.name: f for f in ast.walk(ast.parse(src)) if isinstance(f, ast.FunctionDef)}
-        problems += _check_fn(name, defs, name, "r", ROWS[name].args, set())
-    return problems
-
-
-def _check_fn(kernel, defs, fn, rname, args, seen):
-    if (fn, rname) in seen or fn not in defs:
-        return []
-    seen.add((fn, rname))
-    out = []
-
-    def index(node):
-        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == rname \
-                and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int):
-            return node.slice.value
-        return None
-    for node in ast.walk(defs[fn]):
-        i = index(node)
-        if i is not None and not 1 <= i <= len(args):
-            out.append(f"{kernel}: {fn} reads r[{i}], beyond its row [op, {', '.join(args)}]")
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            t, v = node.targets[0], node.value
-            pairs = zip(t.elts, v.elts) if isinstance(t, ast.Tuple) and isinstance(v, ast.Tuple) else [(t, v)]
-            for tgt, val in pairs:
-                i = index(val)
-                if i is not None and isinstance(tgt, ast.Name) and 1 <= i <= len(args) and tgt.id != args[i - 1]:
-                    out.append(f"{kernel}: {fn} names r[{i}] {tgt.id!r}, its row declares {args[i - 1]!r}")
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in defs:
-            params = [a.arg for a in defs[node.func.id].args.args]
-            for k, arg in enumerate(node.args):
-                if isinstance(arg, ast.Name) and arg.id == rname and k < len(params):
-                    out += _check_fn(kernel, defs, node.func.id, params[k], args, seen)
-    return out
 
 
 LIBRARY = Library()
