@@ -21,7 +21,8 @@ import numpy as np
 
 from btjit.kernels.linalg import MICRO_B_MAX as MIN_LIMIT   # floats of B: the micro-kernels' L2-resident range
 
-SIZES = (131072, 262144, 524288, 1048576, 2097152)  # floats of B tried (N = size // 512)
+SIZES = (131072, 262144, 524288, 1048576, 2097152)  # floats of B tried
+REPS = 5
 _M, _K = 256, 512
 _VALUE: list = []
 
@@ -98,19 +99,16 @@ def measure() -> tuple:
             a = np.random.default_rng(0).standard_normal(oC + M * N).astype(np.float32)
             a[16:18] = (1.0, 0.0)                                  # oconst: alpha, beta
             common = dict(oA=oA, oB=oB, oC=oC, nbatch=1, M=M, N=N, K=K, sA=0, sB=0, sC=0, ta=ta, tb=0, obias=0)
-            rows = (_row("k_matmul_micro", **common, osum=0, ores=0, relu=0),
-                    _row("k_matmul", **common, beta=0, osc=0, oconst=16, nparts=1))
-            best = []
-            for fn, r in zip((micro, blas), rows):
-                t = float("inf")
-                for _ in range(4 if size == SIZES[0] else 3):      # the first call of all warms up
+            calls = [(micro, _row("k_matmul_micro", **common, osum=0, ores=0, relu=0)),
+                     (blas, _row("k_matmul", **common, beta=0, osc=0, oconst=16, nparts=1))]
+            best = [float("inf")] * 2
+            for _ in range(REPS + (size == SIZES[0])):                # the first call of all warms up
+                for j, (fn, r) in enumerate(calls):                    # interleaved: drifts hit both alike
                     t0 = time.perf_counter()
                     fn(a.ctypes.data, a.size, ia.ctypes.data, ia.size, r.ctypes.data)
-                    t = min(t, time.perf_counter() - t0)
-                best.append(round(t * 1e6, 1))
-            times[f"{size}:{ta}"] = best
+                    best[j] = min(best[j], time.perf_counter() - t0)
+            times[f"{size}:{ta}"] = [round(t * 1e6, 1) for t in best]
             total = [total[0] + best[0], total[1] + best[1]]
-        if total[0] >= total[1]:
-            break
-        limit = size
+        if total[0] <= total[1]:
+            limit = size
     return limit, times
