@@ -110,7 +110,7 @@ def test_lowering_rule_both_sides(dtype, B, T, C, NH):
     np.testing.assert_allclose(prog.grads["qkv"], dq, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("B,kernels", [(64, ("k_attn_bl_in", "k_attn_fwd_lanes", "k_attn_bwd_lanes", "k_attn_bl_out")),
+@pytest.mark.parametrize("B,kernels", [(64, ("k_attn_bl_move", "k_attn_fwd_lanes", "k_attn_bwd_lanes")),
                                        (1, ("k_attn_fwd_pairs", "k_attn_bwd_pairs"))])
 def test_e6_shapes_keep_their_kernels(B, kernels):
     """The paper's E6 attention (T 8, hs 4) at batch 64 and 1 runs the generated kernels (at 64 with the bl

@@ -444,21 +444,21 @@ def _generated(name, T, hs):
 
 
 def _lanes_pair(T, hs):
-    """The rows the lowering gives a lanes attention (k_attn_bl_in, the generated entry, k_attn_bl_out) as one
+    """The rows the lowering gives a lanes attention (k_attn_bl_move in, the generated entry, k_attn_bl_move out) as one
     forward / backward pair taking the bl pair's rows."""
     gf, gb = _generated("k_attn_fwd_lanes", T, hs), _generated("k_attn_bwd_lanes", T, hs)
 
     def fwd(a, ia, r):
         oq, oy, oP, oW, B, T_, C, NH, osc, nb = r[1:11]
-        KA.k_attn_bl_in(a, ia, row(oq, oW, B, 3 * T_ * C, nb))
+        KA.k_attn_bl_move(a, ia, row(oq, oW, B, 3 * T_ * C, nb, 0))
         gf(a, ia, row(oW, oP, oy, B, T_, C, NH, osc, nb))
 
     def bwd(a, ia, r):
         oP, oW, ody, odq, oS, B, T_, C, NH, osc, nb = r[1:12]
         oD = oS + B * T_ * C
-        KA.k_attn_bl_in(a, ia, row(ody, oS, B, T_ * C, nb))
+        KA.k_attn_bl_move(a, ia, row(ody, oS, B, T_ * C, nb, 0))
         gb(a, ia, row(oW, oP, oS, oD, B, T_, C, NH, osc, nb))
-        KA.k_attn_bl_out(a, ia, row(oD, odq, B, 3 * T_ * C, nb))
+        KA.k_attn_bl_move(a, ia, row(oD, odq, B, 3 * T_ * C, nb, 1))
     return fwd, bwd
 
 

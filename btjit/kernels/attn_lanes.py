@@ -9,8 +9,8 @@
 #   int32 entry(float *a, int64 na, int32 *ia, int64 nia, int64 *row)
 # (btjit/kernels/library.py caches its object code and loads it). The layout changes around it are the
 # shape-generic library kernels of attn_loops.py, rows of their own:
-#   lanes (batch >= BL_MIN_B, one thread): the bl pair's layouts (attn_loops.py) -- k_attn_bl_in (qkv -> W),
-#     k_attn_fwd_lanes; k_attn_bl_in (dy -> S), k_attn_bwd_lanes, k_attn_bl_out (D -> dqkv). Every block
+#   lanes (batch >= BL_MIN_B, one thread): the bl pair's layouts (attn_loops.py) -- k_attn_bl_move (qkv -> W),
+#     k_attn_fwd_lanes; k_attn_bl_move (dy -> S), k_attn_bwd_lanes, k_attn_bl_move (D -> dqkv). Every block
 #     holds >= LANES sequences; its last chunk starts at L - LANES and may redo lanes of the chunk before it,
 #     which is harmless: every store is an overwrite.
 #   pairs (batch < BL_MIN_B): lanes are 8 (sequence, head) pairs, qkv / dy moved into that layout in W / S
@@ -187,7 +187,7 @@ def _emit_fwd(v, T, hs, x0, L, CL, p0, y0, TC, C, oscale, y_rows=False):
 def _emit_bwd(v, T, hs, x0, L, CL, g0, p0, d0, oscale):
     """One head x LANES sequences of the backward, from X and PL as in _emit_fwd and g0 = G[head's row 0, l0]
     (dy transposed, rows as X's); writes dqkv transposed (D, rows as X's, from d0 = D[head's row 0, l0]),
-    which k_attn_bl_out then transposes out: 16-lane scatters measured slower (29 against 26 us per layer).
+    which k_attn_bl_move then transposes out: 16-lane scatters measured slower (29 against 26 us per layer).
     Overwrites, so D needs no zeroing."""
     X = [[[v.load(v.off(x0, (3 * t + p, CL), (d, L))) for d in range(hs)] for p in range(3)] for t in range(T)]
     G = [[v.load(v.off(g0, (t, CL), (d, L))) for d in range(hs)] for t in range(T)]

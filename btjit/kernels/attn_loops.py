@@ -204,25 +204,18 @@ def bl_out(a, osrc, odst, b0, L, n):
 
 
 # the layout changes around the generated lanes kernels (attn_lanes.py), rows of their own
-@row("osrc odst B n nb")
+@row("osrc odst B n nb out")
 @njit(**FM)
-def k_attn_bl_in(a, ia, r):
-    """bl_in for each of the nb lane blocks: the (B, n) matrix at osrc into the bl layout at odst."""
-    osrc = r[1]; odst = r[2]; B = r[3]; n = r[4]; nb = r[5]
+def k_attn_bl_move(a, ia, r):
+    """For each of the nb lane blocks: bl_in (out 0: the (B, n) matrix at osrc into the bl layout at odst) or
+    bl_out (out 1: the inverse)."""
+    osrc = r[1]; odst = r[2]; B = r[3]; n = r[4]; nb = r[5]; out = r[6]
     for i in range(nb):
         b0, L = bl_span(B, nb, i)
-        bl_in(a, osrc, odst, b0, L, n)
-
-
-@row("osrc odst B n nb")
-@njit(**FM)
-def k_attn_bl_out(a, ia, r):
-    """The inverse of k_attn_bl_in: the bl layout at osrc into the (B, n) matrix at odst."""
-    osrc = r[1]; odst = r[2]; B = r[3]; n = r[4]; nb = r[5]
-    for i in range(nb):
-        b0, L = bl_span(B, nb, i)
-        bl_out(a, osrc, odst, b0, L, n)
-
+        if out:
+            bl_out(a, osrc, odst, b0, L, n)
+        else:
+            bl_in(a, osrc, odst, b0, L, n)
 
 @njit(**FM)
 def _attn_bl_fwd_block(a, r, i):

@@ -259,13 +259,13 @@ def _attn_lower(e, L):
     nb = attn_blocks(B, L.threads)
     if not par and attn_lanes.eligible(T_, hs, B, nb, qkv.dtype):     # the bl layouts, generated per (T, hs)
         if not grad:
-            return [L.row("k_attn_bl_in", osrc=L.off(qkv), odst=L.off(W), B=B, n=3 * T_ * C, nb=nb),
+            return [L.row("k_attn_bl_move", osrc=L.off(qkv), odst=L.off(W), B=B, n=3 * T_ * C, nb=nb, out=0),
                     L.row("k_attn_fwd_lanes", shape=(T_, hs), oW=L.off(W), oP=L.off(P), oy=L.off(y), **dims, nb=nb)]
         oS = L.off(S)
         oD = oS + B * T_ * C
-        return [L.row("k_attn_bl_in", osrc=L.off(gy), odst=oS, B=B, n=T_ * C, nb=nb),
+        return [L.row("k_attn_bl_move", osrc=L.off(gy), odst=oS, B=B, n=T_ * C, nb=nb, out=0),
                 L.row("k_attn_bwd_lanes", shape=(T_, hs), oW=L.off(W), oP=L.off(P), oS=oS, oD=oD, **dims, nb=nb),
-                L.row("k_attn_bl_out", osrc=oD, odst=L.off(dqkv), B=B, n=3 * T_ * C, nb=nb)]
+                L.row("k_attn_bl_move", osrc=oD, odst=L.off(dqkv), B=B, n=3 * T_ * C, nb=nb, out=1)]
     return [L.row(f"k_attn_{kind}_bl{par}", **offs, **dims, nb=nb)]
 
 
