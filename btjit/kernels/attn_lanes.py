@@ -32,12 +32,22 @@ _F = ir.FloatType()
 _I64, _I32 = ir.IntType(64), ir.IntType(32)
 
 
+FAST_CODEGEN_OPS = 1100     # bodies above this compile with LLVM's code generator at level 1, not 3: at T 8 and
+# hs 8 (1296) 0.25 s less per entry and the same speed (fwd 26.8 / 27.5 us, bwd 33.5 / 33.7 us, batch 32); at
+# T 8, hs 4 (1008) level 1 ran 7-11% slower (E6 batch 64), so it keeps level 3
+
+
+def body_ops(T, hs) -> int:
+    """Vector operations of a chunk body: per score 2*hs multiply-adds and ~20 of exp and softmax."""
+    return T * (T + 1) // 2 * (2 * hs + 20)
+
+
 def _small(T, hs, float_dtype) -> bool:
     """float32 and a body of bounded size, so that an entry compiles in well under a second: per score 2*hs
     multiply-adds and ~20 operations of exp and softmax, at most 1400 (T 8, hs 8: 1296, 0.6-0.7 s; T 16,
     hs 2: 3264 took 1.3 s), and T*hs <= 64 (q, k, v and their gradients, 4*T*hs vectors, held at once:
     T 4, hs 48 took 2.3 s)."""
-    return float_dtype == "f32" and T * (T + 1) // 2 * (2 * hs + 20) <= 1400 and T * hs <= 64
+    return float_dtype == "f32" and body_ops(T, hs) <= 1400 and T * hs <= 64
 
 
 def eligible(T, hs, B, nb, float_dtype) -> bool:

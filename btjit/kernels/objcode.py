@@ -21,19 +21,21 @@ MAGIC = b"btjit-entry-1\n"
 _LOADED: dict = {}         # sha256 of object code -> (address, its MCJIT engine, kept alive)
 
 
-def target_machine():
+def target_machine(opt=3):
     """A target machine as numba's own (CPU, features, relocation, code model), so generated code runs and
-    exports like the numba-compiled entries."""
+    exports like the numba-compiled entries; `opt` its code generator's level."""
     from numba.core.registry import cpu_target
     cg = cpu_target.target_context.codegen()
     return llvm.Target.from_triple(llvm.get_process_triple()).create_target_machine(
-        cpu=cg._get_host_cpu_name(), features=cg._tm_features, opt=3, reloc="static", codemodel="jitdefault",
+        cpu=cg._get_host_cpu_name(), features=cg._tm_features, opt=opt, reloc="static", codemodel="jitdefault",
         jit=True)
 
 
 def compile_entry(name, shape) -> bytes:
-    """A generated entry's object code, with its header: magic, sha256 of the code."""
-    obj = attn_lanes.compile_entry(name, *shape, target_machine())
+    """A generated entry's object code, with its header: magic, sha256 of the code. The largest bodies get the
+    code generator's level 1 (attn_lanes.FAST_CODEGEN_OPS)."""
+    big = attn_lanes.body_ops(*shape) > attn_lanes.FAST_CODEGEN_OPS
+    obj = attn_lanes.compile_entry(name, *shape, target_machine(1 if big else 3))
     return MAGIC + hashlib.sha256(obj).digest() + obj
 
 
