@@ -131,6 +131,33 @@ def test_generated_entries_compile_here_load_from_disk_and_heal(tmp_path, monkey
         lib = library.Library()
         assert lib.load(*e) and lib.loaded[e].object_code == code
 
+
+def test_workers_reporting_many_entries_at_once_are_all_heard(tmp_path):
+    """A worker that reports a whole group in one write is fed its next group: compile_entries reads what the
+    pipe holds, not a line at a time (a line read ahead into a buffer would never wake the selector again)."""
+    fake = ("import os, sys\n"
+            "while True:\n"
+            "    got = os.read(0, 65536)\n"
+            "    if not got: break\n"
+            "    os.write(1, b''.join(s.split(b':')[0] + b' 0.00 s\\n' for s in got.split()))\n")
+    script = textwrap.dedent(f"""
+        import sys
+        from btjit.kernels import library
+        library.WORKER = [sys.executable, "-c", {fake!r}]
+        es = [(n, fd, None) for n in ("k_unary", "k_binary", "k_matmul", "k_reduce", "k_adamw", "k_sgd")
+              for fd in ("f32", "f64")]
+        seen = []
+        library.compile_entries(es, seen.append)
+        print(len(es), len(seen), len(library.groups(es)))
+    """)
+    env = dict(os.environ, BTJIT_CACHE_DIR=str(tmp_path),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    n, seen, ngroups = map(int, out.stdout.split())
+    assert seen == n == 12 and ngroups > 2                  # more groups than workers: each fed several
+
+
 def test_rows_are_built_by_name_and_checked():
     from btjit.graph.lower import RowError, make_row
     from btjit.kernels.common import ROWS

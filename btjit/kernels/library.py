@@ -295,6 +295,9 @@ def groups(entries) -> list:
     return sorted(out.values(), key=lambda g: -sum(HEAVY.get(e[0], 1) for e in g))
 
 
+WORKER = [sys.executable, "-m", "btjit.kernels", "-"]
+
+
 def compile_entries(entries, echo=None) -> None:
     """Compile `entries` into the library dir in worker processes (`python -m btjit.kernels -`), one per core
     and at most one per group, each fed one group at a time, costliest first: a worker that finishes a group
@@ -323,23 +326,27 @@ def compile_entries(entries, echo=None) -> None:
         except OSError:                         # the worker died; the end of its stdout unregisters it
             pass
     for _ in range(workers(len(todo))):
-        p = subprocess.Popen([sys.executable, "-m", "btjit.kernels", "-"], env=env, stdin=subprocess.PIPE,
+        p = subprocess.Popen(WORKER, env=env, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         sel.register(p.stdout, selectors.EVENT_READ, p)
         feed(p)
+    partial = {}                                # worker -> bytes after its last newline
     while sel.get_map():
         for key, _ in sel.select():
-            p, line = key.data, key.fileobj.readline()
-            if not line:
+            p = key.data
+            chunk = os.read(key.fd, 65536)      # not readline(): lines it buffered would never wake select
+            if not chunk:
                 sel.unregister(key.fileobj)
                 p.stdin.close()
                 p.wait()
                 continue
-            if echo:
-                echo(line.decode().rstrip())
-            left[p] -= 1
-            if left[p] == 0:
-                feed(p)
+            *lines, partial[p] = (partial.get(p, b"") + chunk).split(b"\n")
+            for line in lines:
+                if echo:
+                    echo(line.decode().rstrip())
+                left[p] -= 1
+                if left[p] == 0:
+                    feed(p)
 
 
 def all_entries():
