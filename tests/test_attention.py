@@ -1,13 +1,15 @@
-# Tests for the flash-style causal attention (btjit/kernels/attention.py) and the lowering rule that picks it
-# (btjit/graph/ops/nn.py _attn_lower): the kernels at many (T, hs) on float32 and float64 arenas against numpy
-# (forward, logsumexps, backward; finite differences in float64), writing nothing outside their outputs;
-# programs on both sides of the rule's threshold; the E6 shapes keeping their kernels; a whole GPT whose loss
-# and gradients match the non-flash kernels.
+# Tests for the flash-style causal attention (btjit/kernels/attention.py), the kept-probabilities kernels
+# (btjit/kernels/attn_kept.py) and the lowering rule that picks them (attention.kind, btjit/graph/ops/nn.py
+# _attn_lower): the kernels at many (T, hs) on float32 and float64 arenas against numpy (forward, logsumexps or
+# probabilities, backward; finite differences in float64), writing nothing outside their outputs; programs on
+# both sides of each threshold of the rule; the E6 shapes keeping their kernels; whole GPTs whose loss and
+# gradients match across the kernels.
 import numpy as np
 import pytest
 
 import btjit
 from btjit.kernels import attention as A
+from btjit.kernels import attn_kept as K
 from btjit.kernels.library import OPCODE
 from test_kernels_nn import Arena, attn_bwd_ref, attn_ref, check, fd_grad, rnd, row
 
@@ -57,6 +59,59 @@ def test_flash_kernels_match_numpy(dt, T, hs):
     check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
 
 
+def run_kept(dt, qkv, dy, B, T, C, NH, scale):
+    ar = Arena(dt)
+    osc = ar.put("scale", np.array([scale]))
+    oq, ody = ar.put("qkv", qkv), ar.put("dy", dy)
+    oy, oP = ar.put("y", size=B * T * C), ar.put("P", size=B * NH * T * K.padded(T))
+    oW, odq = ar.put("W", size=K.fwd_scratch(B, T, C, NH)), ar.put("dqkv", size=B * T * 3 * C)
+    oS = ar.put("S", size=K.bwd_scratch(B, T, C, NH))
+    a = ar.build()
+    ia = np.zeros(1, np.int32)
+    K.k_attn_fwd_kept(a, ia, row(oq, oy, oP, oW, B, T, C, NH, osc))
+    ar.only_wrote("y", "P", "W")
+    K.k_attn_bwd_kept(a, ia, row(oq, oP, ody, odq, oS, B, T, C, NH, osc))
+    ar.only_wrote("y", "P", "W", "dqkv", "S")
+    return ar
+
+
+def probs_ref(qkv, B, T, C, NH, scale):
+    """The probabilities (B, NH, T, Tp), rows padded with zeros."""
+    hs = C // NH
+    x = qkv.astype(np.float64).reshape(B, T, 3, NH, hs).transpose(2, 0, 3, 1, 4)
+    S = np.where(np.tril(np.ones((T, T), bool)), x[0] @ x[1].transpose(0, 1, 3, 2) * scale, -np.inf)
+    P = np.exp(S - S.max(-1, keepdims=True))
+    P /= P.sum(-1, keepdims=True)
+    return np.concatenate([P, np.zeros((B, NH, T, K.padded(T) - T))], -1)
+
+
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("T,hs", [(T, hs) for T, hs in PAIRS if T >= 8 and hs >= 8] + [(16, 8), (23, 9), (200, 8)])
+def test_kept_kernels_match_numpy(dt, T, hs):
+    NH = 2 if T * hs <= 4096 else 1
+    B = 2 if T <= 64 else 1
+    C = NH * hs
+    rng = np.random.default_rng(T * 100 + hs)
+    qkv, dy = rnd(rng, (B * T, 3 * C), dt, 1.5), rnd(rng, (B * T, C), dt)
+    scale = float(dt(1.0 / np.sqrt(hs)))
+    ar = run_kept(dt, qkv, dy, B, T, C, NH, scale)
+    check(ar.get("y", (B * T, C)), attn_ref(qkv, B, T, C, NH, scale)[0], dt)
+    check(ar.get("P"), probs_ref(qkv, B, T, C, NH, scale).ravel(), dt)
+    check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
+
+
+@pytest.mark.parametrize("T,hs", [(8, 8), (20, 8), (17, 16), (35, 12)])
+def test_kept_backward_finite_differences(T, hs):
+    B, NH = 1, 2
+    C = NH * hs
+    rng = np.random.default_rng(T)
+    qkv, dy = rnd(rng, (B * T, 3 * C), np.float64), rnd(rng, (B * T, C), np.float64)
+    scale = 1.0 / np.sqrt(hs)
+    ar = run_kept(np.float64, qkv, dy, B, T, C, NH, scale)
+    fd = fd_grad(lambda v: (attn_ref(v, B, T, C, NH, scale)[0] * dy).sum(), qkv)
+    check(ar.get("dqkv", qkv.shape), fd, np.float64, 1e-7)
+
+
 @pytest.mark.parametrize("T,hs", [(9, 4), (20, 3), (17, 16)])
 def test_flash_backward_finite_differences(T, hs):
     B, NH = 1, 2
@@ -91,17 +146,21 @@ def _program(B, T, C, NH, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("B,T,C,NH", [(2, 15, 32, 2), (2, 16, 32, 2), (17, 15, 32, 2), (17, 16, 32, 2),
-                                      (3, 63, 8, 2), (3, 64, 8, 2), (1, 8, 64, 1)])
-def test_lowering_rule_both_sides(dtype, B, T, C, NH):
-    """Both sides of each threshold (T 15 / 16 at hs 16; T*hs 252 / 256 at hs 4; T 8 at hs 64): today's
-    kernels below, the flash pair from it on; the same values either way."""
+@pytest.mark.parametrize("B,T,C,NH,want", [
+    (2, 7, 32, 2, None), (2, 8, 32, 2, "kept"), (17, 7, 32, 2, None), (17, 8, 32, 2, "kept"),      # KEPT_MIN_T
+    (3, 63, 8, 2, None), (3, 64, 8, 2, "flash"), (3, 64, 14, 2, "flash"), (3, 64, 16, 2, "kept"),  # KEPT_MIN_HS
+    (2, 8, 16, 2, None), (2, 9, 16, 2, "kept"), (1, 8, 18, 2, "kept"), (1, 8, 64, 1, "kept"),     # KEPT_MIN_THS
+    (2, 16, 32, 2, "kept"), (1, 192, 16, 2, "kept"), (1, 193, 16, 2, "flash")])                   # KEPT_MAX_RATIO
+def test_lowering_rule_both_sides(dtype, B, T, C, NH, want):
+    """Both sides of each threshold of attention.kind: the small-T kernels, the kept pair or the flash pair,
+    the same values either way."""
     from btjit.graph.ops import TABLE
     prog, qkv, w = _program(B, T, C, NH, dtype)
     ops = {int(r[0]) for r in prog.tape}
-    flash = {OPCODE["k_attn_fwd_flash"], OPCODE["k_attn_bwd_flash"]}
-    assert A.flash(T, C // NH) == (T >= 16 and T * C // NH >= 256)
-    assert (flash <= ops) == A.flash(T, C // NH) and (flash <= ops or not ops & flash)
+    pairs = {k: {OPCODE[f"k_attn_fwd_{k}"], OPCODE[f"k_attn_bwd_{k}"]} for k in ("kept", "flash")}
+    assert A.kind(T, C // NH) == want
+    for k, p in pairs.items():
+        assert (p <= ops) == (want == k) and (p <= ops or not ops & p)
     loss = prog.value_and_grad()
     y = TABLE["causal_attention"].ref([qkv], {"n_head": NH})[0]
     dq = TABLE["causal_attention_grad"].ref([qkv, None, None, w.astype(np.float64)], {"n_head": NH})[0]
@@ -122,22 +181,24 @@ def test_e6_shapes_keep_their_kernels(B, kernels):
 
 
 @pytest.mark.parametrize("block_size", [64, 130])
-def test_gpt_flash_matches_non_flash(monkeypatch, block_size):
-    """A whole GPT (2 layers, width 16, 2 heads) in float64: loss and every gradient with the flash kernels
-    equal those of the kernels below the threshold."""
+@pytest.mark.parametrize("kind", ["kept", "flash"])
+def test_gpt_kernels_match_small_t_kernels(monkeypatch, block_size, kind):
+    """A whole GPT (2 layers, width 16, 2 heads) in float64: loss and every gradient with the kept or the flash
+    kernels equal those of the kernels below both thresholds."""
     from btjit.models import gpt
     cfg = gpt.GPTConfig(vocab_size=11, n_layer=2, n_head=2, n_embd=16, block_size=block_size)
     params = {k: v.astype(np.float64) for k, v in gpt.init_params(cfg, 0).items()}
     rng = np.random.default_rng(1)
     x = rng.integers(0, 11, (2, block_size)).astype(np.int32)
     y = rng.integers(0, 11, (2, block_size)).astype(np.int32)
-    progs = []
-    for min_t in (A.FLASH_MIN_T, 10 ** 9):
-        monkeypatch.setattr(A, "FLASH_MIN_T", min_t)
+    progs, kept_min, flash_min = [], A.KEPT_MIN_T, A.FLASH_MIN_T
+    for kept_t, flash_t in ((kept_min, flash_min) if kind == "kept" else (10 ** 9, flash_min), (10 ** 9, 10 ** 9)):
+        monkeypatch.setattr(A, "KEPT_MIN_T", kept_t)
+        monkeypatch.setattr(A, "FLASH_MIN_T", flash_t)
         progs.append(btjit.trace(gpt.loss_fn(cfg), params, x, y, dtype="float64", grad=True))
-    flash, ref = progs
-    assert OPCODE["k_attn_fwd_flash"] in {int(r[0]) for r in flash.tape}
-    assert OPCODE["k_attn_fwd_flash"] not in {int(r[0]) for r in ref.tape}
-    assert flash.value_and_grad(x, y) == pytest.approx(ref.value_and_grad(x, y), rel=1e-12)
+    fast, ref = progs
+    assert OPCODE[f"k_attn_fwd_{kind}"] in {int(r[0]) for r in fast.tape}
+    assert not {OPCODE["k_attn_fwd_kept"], OPCODE["k_attn_fwd_flash"]} & {int(r[0]) for r in ref.tape}
+    assert fast.value_and_grad(x, y) == pytest.approx(ref.value_and_grad(x, y), rel=1e-12)
     for k in params:
-        np.testing.assert_allclose(flash.grads[k], ref.grads[k], rtol=1e-9, atol=1e-13, err_msg=k)
+        np.testing.assert_allclose(fast.grads[k], ref.grads[k], rtol=1e-9, atol=1e-13, err_msg=k)

@@ -33,12 +33,30 @@ BWD_BUF = 2 * TILE       # the backward's: the P and dS tiles
 # its generated kernels).
 FLASH_MIN_T = 16
 FLASH_MIN_THS = 256
+# attn_kept.py's kernels (whole-head products on the GEMM micro-kernels, P kept: B*NH*T*Tp floats) where the
+# head has >= 8 dims, T >= 8, T*hs > 64 (at T 8, hs 8 the generated kernels of attn_lanes.py are 1.4-2.5x
+# faster at batch 4-64) and P is at most KEPT_MAX_RATIO times qkv's floats (Tp <= 3 hs x that). Measured
+# fwd + bwd through the library, one thread, float32, the kernels they replace / kept: flash: hs 16: T 16 2.7
+# (B 32), T 32 2.3; hs 32: T 64 1.9 (B 16), T 128 2.0 (B 8); hs 64: T 256 1.55 (B 4), T 1024 2.7 (B 2); hs 8:
+# T 32 2.4 (B 32); the small-T kernels: T 8 hs 16 2.4 (B 32), T 8 hs 32 3.5 (B 64), T 12 hs 16 2.1, T 16 hs 8
+# 1.9-2.7, T 9 hs 9 1.4 (B 16), T 10 hs 10 0.93 (B 32).
+KEPT_MIN_HS = 8
+KEPT_MIN_T = 8
+KEPT_MIN_THS = 65
+KEPT_MAX_RATIO = 8
 
 
 def flash(T, hs) -> bool:
-    """Whether causal_attention of sequence length T and head size hs uses this file's kernels (the lowering
-    rule, btjit/graph/ops/nn.py's _attn_lower; any batch): T >= FLASH_MIN_T and T*hs >= FLASH_MIN_THS."""
+    """Whether T and hs are in the flash kernels' domain: T >= FLASH_MIN_T and T*hs >= FLASH_MIN_THS."""
     return T >= FLASH_MIN_T and T * hs >= FLASH_MIN_THS
+
+
+def kind(T, hs) -> str | None:
+    """The lowering rule (btjit/graph/ops/nn.py's _attn_lower; any batch): "kept" (attn_kept.py), "flash"
+    (this file) or None (the small-T kernels of attn_loops.py / attn_lanes.py)."""
+    if hs >= KEPT_MIN_HS and T >= KEPT_MIN_T and T * hs >= KEPT_MIN_THS and _up(T) <= 3 * hs * KEPT_MAX_RATIO:
+        return "kept"
+    return "flash" if flash(T, hs) else None
 
 
 @njit(**FM)

@@ -198,3 +198,70 @@ def prob_row(typingctx, P, off, goff, n, nv, lse, D):
             v.store(builder.select(ok, g, v.const(0.0)), data, builder.add(goff, j0))
         return context.get_dummy_value()
     return sig, impl
+
+
+@intrinsic
+def softmax_norm_row(typingctx, P, off, n, nv, npad):
+    """One row of scores P[off:off+n] (n a multiple of V), keys j < nv valid, into its probabilities:
+    P[j] = exp(P[j] - max) / sum for j < nv, 0 for nv <= j < npad (npad a multiple of V)."""
+    if not isinstance(P, types.Array):
+        return None
+    i = types.int64
+    sig = types.void(P, i, i, i, i)
+
+    def impl(context, builder, sig, args):
+        _, off, n, nv, npad = args
+        v = _Vec(context, builder, sig.args[0].dtype)
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        nc = builder.sdiv(n, ir.Constant(_I64, V))
+        mxv = cgutils.alloca_once_value(builder, v.const(-math.inf))
+        with cgutils.for_range(builder, nc) as loop:
+            j0 = builder.mul(loop.index, ir.Constant(_I64, V))
+            x = builder.select(v.valid(j0, nv), v.load(data, builder.add(off, j0)), v.const(-math.inf))
+            builder.store(v.max(builder.load(mxv), x), mxv)
+        mxs = v.splat(v.reduce(builder.load(mxv), v.max))
+        tot = cgutils.alloca_once_value(builder, v.const(0.0))
+        with cgutils.for_range(builder, nc) as loop:
+            j0 = builder.mul(loop.index, ir.Constant(_I64, V))
+            e = builder.select(v.valid(j0, nv), v.exp(v.sub(v.load(data, builder.add(off, j0)), mxs)), v.const(0.0))
+            v.store(e, data, builder.add(off, j0))
+            builder.store(v.add(builder.load(tot), e), tot)
+        inv = v.splat(builder.fdiv(ir.Constant(v.et, 1.0), v.reduce(builder.load(tot), v.add)))
+        with cgutils.for_range(builder, nc) as loop:
+            o = builder.add(off, builder.mul(loop.index, ir.Constant(_I64, V)))
+            v.store(v.mul(v.load(data, o), inv), data, o)
+        with cgutils.for_range(builder, builder.sdiv(builder.sub(npad, n), ir.Constant(_I64, V))) as loop:
+            v.store(v.const(0.0), data, builder.add(builder.add(off, n), builder.mul(loop.index, ir.Constant(_I64, V))))
+        return context.get_dummy_value()
+    return sig, impl
+
+
+@intrinsic
+def dscore_row(typingctx, P, off, goff, n, npad, scale):
+    """One row of the kept backward: with the probabilities P[off:off+n] (n a multiple of V, zero past the
+    row's keys) and dP in P[goff:goff+n]: D = sum_j P[j] dP[j], then P[goff+j] = scale P[j] (dP[j] - D) (dS)
+    and, if n < npad, 0 for the V entries from goff+n."""
+    if not isinstance(P, types.Array):
+        return None
+    i = types.int64
+    sig = types.void(P, i, i, i, i, P.dtype)
+
+    def impl(context, builder, sig, args):
+        _, off, goff, n, npad, scale = args
+        v = _Vec(context, builder, sig.args[0].dtype)
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        nc = builder.sdiv(n, ir.Constant(_I64, V))
+        acc = cgutils.alloca_once_value(builder, v.const(0.0))
+        with cgutils.for_range(builder, nc) as loop:
+            j0 = builder.mul(loop.index, ir.Constant(_I64, V))
+            builder.store(v.add(builder.load(acc), v.mul(v.load(data, builder.add(off, j0)),
+                                                          v.load(data, builder.add(goff, j0)))), acc)
+        D, sc = v.splat(v.reduce(builder.load(acc), v.add)), v.splat(scale)
+        with cgutils.for_range(builder, nc) as loop:
+            j0 = builder.mul(loop.index, ir.Constant(_I64, V))
+            g = builder.add(goff, j0)
+            v.store(v.mul(v.mul(sc, v.load(data, builder.add(off, j0))), v.sub(v.load(data, g), D)), data, g)
+        with builder.if_then(builder.icmp_signed("<", n, npad)):
+            v.store(v.const(0.0), data, builder.add(goff, n))
+        return context.get_dummy_value()
+    return sig, impl

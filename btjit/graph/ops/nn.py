@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from btjit.graph import trace as T
-from btjit.kernels import attention, attn_lanes
+from btjit.kernels import attention, attn_kept, attn_lanes
 from btjit.kernels.attn_loops import BL_MIN_B, attn_blocks, attn_bwd_scratch_size, attn_scratch_size
 
 from .table import Case, F, ShapeError, TABLE, _float, bstrides, cstrides, loop_nest, op, same_as_input
@@ -152,22 +152,32 @@ op("layernorm_grad", infer=_ln_grad_rule, ref=_ln_grad_ref, internal=True,
           Case((F(3, 6), F(6), F(3), F(3, dom="pos"), F(3, 6), F(3, 6)), {"eps": 1e-5})])
 
 
-def _attn_flash(qkv_shape, nh) -> bool:
-    return attention.flash(qkv_shape[1], qkv_shape[2] // 3 // nh)
+def _attn_kind(qkv_shape, nh):
+    return attention.kind(qkv_shape[1], qkv_shape[2] // 3 // nh)
+
+
+def _attn_sizes(s, nh, fd):
+    """(P's shape, W's floats, S's floats) for qkv of shape s: W the forward's scratch, S the backward's."""
+    B, T_, C = s[0], s[1], s[2] // 3
+    k = _attn_kind(s, nh)
+    if k == "kept":
+        return (B, nh, T_, attn_kept.padded(T_)), attn_kept.fwd_scratch(B, T_, C, nh), attn_kept.bwd_scratch(B, T_, C, nh)
+    if k == "flash":
+        return (B, nh, T_), attention.fwd_scratch(B, T_, C, nh), attention.bwd_scratch(B, T_, C, nh)
+    return (B, nh, T_, T_), attn_scratch_size(B, T_, C, nh, fd), attn_bwd_scratch_size(B, T_, C, nh, fd)
 
 
 def _attn_rule(types, attrs, fd):
-    """(qkv) -> (y, P, W). P: the probabilities (B, nh, T, T), or with the flash kernels the rows' logsumexps
-    (B, nh, T); W: the forward's scratch, kept for the backward (its size depends on the kernels)."""
+    """(qkv) -> (y, P, W). P: the probabilities (B, nh, T, T) -- with the kept kernels (B, nh, T, Tp), rows
+    padded with zeros to a multiple of 16; with the flash kernels the rows' logsumexps (B, nh, T); W: the
+    forward's scratch, kept for the backward (its size depends on the kernels)."""
     _float(types, "")
     (s, _), = types
     nh = attrs["n_head"]
     if len(s) != 3 or s[2] % 3 or (s[2] // 3) % nh:
         raise ShapeError(f"qkv must be (B, T, 3*C) with C divisible by n_head={nh}")
-    B, T_, C3 = s
-    if _attn_flash(s, nh):
-        return [((B, T_, C3 // 3), fd), ((B, nh, T_), fd), ((attention.fwd_scratch(B, T_, C3 // 3, nh),), fd)]
-    return [((B, T_, C3 // 3), fd), ((B, nh, T_, T_), fd), ((attn_scratch_size(B, T_, C3 // 3, nh, fd),), fd)]
+    P, W, _ = _attn_sizes(s, nh, fd)
+    return [((s[0], s[1], s[2] // 3), fd), (P, fd), ((W,), fd)]
 
 
 def _fd(x):
@@ -190,19 +200,19 @@ def _attn_ref(xs, a):
     C, nh = C3 // 3, a["n_head"]
     q, k, v, att, p = _attn_probs(qkv, nh)
     y = (p @ v).transpose(0, 2, 1, 3).reshape(B, T_, C)
-    if _attn_flash(qkv.shape, nh):
+    P, W, _ = _attn_sizes(qkv.shape, nh, _fd(qkv))
+    kind = _attn_kind(qkv.shape, nh)
+    if kind == "flash":
         mx = att.max(-1, keepdims=True)
-        lse = (mx + np.log(np.exp(att - mx).sum(-1, keepdims=True)))[..., 0]
-        return y, lse, np.zeros(attention.fwd_scratch(B, T_, C, nh))
-    return y, p, np.zeros(attn_scratch_size(B, T_, C, nh, _fd(qkv)))
+        p = (mx + np.log(np.exp(att - mx).sum(-1, keepdims=True)))[..., 0]
+    elif kind == "kept":
+        p = np.concatenate([p, np.zeros(P[:3] + (P[3] - T_,))], -1)
+    return y, p, np.zeros(W)
 
 
 def _attn_grad_rule(types, attrs, fd):
     (s, _) = types[0]
-    nh = attrs["n_head"]
-    if _attn_flash(s, nh):
-        return [(s, fd), ((attention.bwd_scratch(s[0], s[1], s[2] // 3, nh),), fd)]
-    return [(s, fd), ((attn_bwd_scratch_size(s[0], s[1], s[2] // 3, nh, fd),), fd)]
+    return [(s, fd), ((_attn_sizes(s, attrs["n_head"], fd)[2],), fd)]
 
 
 def _attn_grad_ref(xs, a):
@@ -217,15 +227,14 @@ def _attn_grad_ref(xs, a):
     dp = gy @ v.transpose(0, 1, 3, 2)
     ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / math.sqrt(hs)
     dq, dk = ds @ k, ds.transpose(0, 1, 3, 2) @ q
-    S = attention.bwd_scratch(B, T_, C, nh) if _attn_flash(qkv.shape, nh) else attn_bwd_scratch_size(B, T_, C, nh, _fd(qkv))
+    S = _attn_sizes(qkv.shape, nh, _fd(qkv))[2]
     return (np.concatenate([d.transpose(0, 2, 1, 3).reshape(B, T_, C) for d in (dq, dk, dv)], -1), np.zeros(S))
 
 
 def _attn_lower(e, L):
-    """Where attention.flash(T, hs) (T >= 16 and T*hs >= 256, any batch), the flash kernels
-    (btjit/kernels/attention.py: P holds the rows' logsumexps, W a copy of y and per-head scratch); the
-    measurement behind the rule (one thread, float32, fwd + bwd against the kernels below) is at FLASH_MIN_T.
-    Below that, for fewer than BL_MIN_B sequences the generated "pairs" kernels (lanes over (sequence, head)
+    """By attention.kind (any batch; the measurements behind it are there): the kept kernels
+    (btjit/kernels/attn_kept.py: P holds the probabilities, rows padded to Tp) or the flash kernels
+    (btjit/kernels/attention.py: P holds the rows' logsumexps, W a copy of y and per-head scratch). Below both, for fewer than BL_MIN_B sequences the generated "pairs" kernels (lanes over (sequence, head)
     pairs; they keep qkv and the probabilities in their scratch W, and leave P unused) or, where those do not
     apply, the per-head loops; from BL_MIN_B the sequence-vectorized ("bl") pair or its generated twin
     ("lanes", one thread), whose forward saves the transposed qkv in W and the probabilities in P in its own
@@ -241,7 +250,13 @@ def _attn_lower(e, L):
     else:
         (qkv,), (y, P, W) = e.ins, e.outs
         offs = dict(oqkv=L.off(qkv), oy=L.off(y), oP=L.off(P), oW=L.off(W))
-    if _attn_flash(qkv.shape, nh):
+    impl = _attn_kind(qkv.shape, nh)
+    if impl == "kept":
+        if grad:
+            return [L.row("k_attn_bwd_kept", oqkv=L.off(qkv), oP=L.off(P), ody=L.off(gy), odqkv=L.off(dqkv),
+                          oS=L.off(S), **dims)]
+        return [L.row("k_attn_fwd_kept", oqkv=L.off(qkv), oy=L.off(y), oP=L.off(P), oW=L.off(W), **dims)]
+    if impl == "flash":
         if grad:
             return [L.row("k_attn_bwd_flash", oqkv=L.off(qkv), oL=L.off(P), oW=L.off(W), ody=L.off(gy),
                           odqkv=L.off(dqkv), oS=L.off(S), **dims)]

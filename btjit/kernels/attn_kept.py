@@ -1,0 +1,104 @@
+# Causal multi-head self-attention by whole-head products on the GEMM register micro-kernels
+# (linalg.gemm_micro: 8 query rows x up to 48 columns in registers), the probabilities kept for the backward
+# (float32 and float64, one library entry per dtype; every size from the row). Per (sequence, head) and block of
+# 8 query rows i0..i0+7 (the last block moved back to end at T): S = Q (scale K)^T over the keys 0 .. i0+7 only
+# (the blocks above the diagonal skipped), each row's softmax over its keys j <= t in 16-wide vectors, then
+# y = P V. The backward from P: dP = dO V^T, D = rowsum(P * dP), dS = scale P (dP - D), dQ = dS K row block by
+# row block, then dK = dS^T Q and dV = P^T dO key block by key block, each over the queries from the block on.
+# Where it runs instead of the flash kernels (attention.py, which keep only the rows' logsumexps) is
+# attention.kind: heads of at least 8 dims up to a measured T, the bytes of P (B*NH*T*Tp floats) then small.
+#
+# Layouts (as attention.py): qkv (B*T, 3C), q cols [0,C), k [C,2C), v [2C,3C), head h at h*hs..h*hs+hs-1 of
+# each; y, dy (B*T, C); P (B, NH, T, Tp), Tp = T rounded up to 16: row t of a head holds its probabilities at
+# keys j <= t, zeros from t+1 to Tp. W (fwd scratch): scale K^T of one head (hs x Tp);
+# S (bwd scratch): V^T of one head (hs x Tp), then dS of one head (T x Tp).
+from numba import njit
+
+from btjit.kernels.attention import _tr, _up
+from btjit.kernels.common import FM, row
+from btjit.kernels.linalg import MR, gemm_micro
+from btjit.kernels.tiles import dscore_row, softmax_norm_row
+
+
+def padded(T) -> int:
+    """Tp: the row length of P."""
+    return _up(T)
+
+
+def fwd_scratch(B, T, C, NH) -> int:
+    return C // NH * _up(T)
+
+
+def bwd_scratch(B, T, C, NH) -> int:
+    return C // NH * _up(T) + T * _up(T)
+
+
+@njit(**FM)
+def _fwd_head(a, oqkv, oy, oP, oW, b, h, T, C, NH, scale):
+    hs = C // NH
+    Tp = _up(T)
+    C3 = 3 * C
+    oq = oqkv + b * T * C3 + h * hs
+    _tr(a, oq + C, C3, oW, Tp, T, hs)                   # K^T, then scaled
+    kt = a[oW:oW + hs * Tp]
+    for c in range(hs * Tp):
+        kt[c] *= scale
+    oPh = oP + (b * NH + h) * T * Tp
+    for i in range(0, T, MR):
+        i0 = min(i, T - MR)
+        n = i0 + MR                                      # keys 0 .. i0+7
+        gemm_micro(a, a, oq + i0 * C3, C3, 1, oW, Tp, oPh + i0 * Tp, Tp, MR, n, hs, 0, 0, 0, 0)
+        for t in range(i0, n):
+            softmax_norm_row(a, oPh + t * Tp, _up(t + 1), t + 1, Tp)
+        gemm_micro(a, a, oPh + i0 * Tp, Tp, 1, oq + 2 * C, C3, oy + (b * T + i0) * C + h * hs, C, MR, hs, n,
+                   0, 0, 0, 0)
+
+
+@row("oqkv oy oP oW B T C NH oscale")
+@njit(**FM)
+def k_attn_fwd_kept(a, ia, r):
+    """Causal self-attention forward (see the top of the file): writes y, P (B, NH, T, Tp) and W
+    (fwd_scratch floats). T >= 8, head size >= 8."""
+    oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
+    scale = a[r[9]]
+    for b in range(B):
+        for h in range(NH):
+            _fwd_head(a, oqkv, oy, oP, oW, b, h, T, C, NH, scale)
+
+
+@njit(**FM)
+def _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, T, C, NH, scale):
+    hs = C // NH
+    Tp = _up(T)
+    C3 = 3 * C
+    oq = oqkv + b * T * C3 + h * hs
+    odq = odqkv + b * T * C3 + h * hs
+    og = ody + b * T * C + h * hs
+    oPh = oP + (b * NH + h) * T * Tp
+    odS = oS + hs * Tp
+    _tr(a, oq + 2 * C, C3, oS, Tp, T, hs)               # V^T
+    for i in range(0, T, MR):
+        i0 = min(i, T - MR)
+        n = i0 + MR
+        gemm_micro(a, a, og + i0 * C, C, 1, oS, Tp, odS + i0 * Tp, Tp, MR, n, hs, 0, 0, 0, 0)   # dP
+        for t in range(i0, n):
+            dscore_row(a, oPh + t * Tp, odS + t * Tp, _up(t + 1), Tp, scale)
+        gemm_micro(a, a, odS + i0 * Tp, Tp, 1, oq + C, C3, odq + i0 * C3, C3, MR, hs, n, 0, 0, 0, 0)  # dQ
+    for k in range(0, T, MR):
+        k0 = min(k, T - MR)                              # keys k0..k0+7, over the queries k0 .. T-1
+        gemm_micro(a, a, odS + k0 * Tp + k0, 1, Tp, oq + k0 * C3, C3, odq + C + k0 * C3, C3, MR, hs, T - k0,
+                   0, 0, 0, 0)                                                                       # dK
+        gemm_micro(a, a, oPh + k0 * Tp + k0, 1, Tp, og + k0 * C, C, odq + 2 * C + k0 * C3, C3, MR, hs, T - k0,
+                   0, 0, 0, 0)                                                                       # dV
+
+
+@row("oqkv oP ody odqkv oS B T C NH oscale")
+@njit(**FM)
+def k_attn_bwd_kept(a, ia, r):
+    """Backward of k_attn_fwd_kept from qkv and its P; writes dqkv (B*T, 3C) (overwrite) and S (bwd_scratch
+    floats)."""
+    oqkv = r[1]; oP = r[2]; ody = r[3]; odqkv = r[4]; oS = r[5]; B = r[6]; T = r[7]; C = r[8]; NH = r[9]
+    scale = a[r[10]]
+    for b in range(B):
+        for h in range(NH):
+            _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, T, C, NH, scale)
