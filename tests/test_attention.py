@@ -28,49 +28,22 @@ def lse_ref(qkv, B, T, C, NH, scale):
     return (mx + np.log(np.exp(S - mx).sum(-1, keepdims=True))).ravel()
 
 
-def run_flash(dt, qkv, dy, B, T, C, NH, scale):
+def run_pair(kind, dt, qkv, dy, B, T, C, NH, scale):
+    """The forward then the backward of the flash or the kept pair on an arena; its P holds the rows'
+    logsumexps (flash) or the probabilities, rows padded to Tp (kept)."""
+    M = A if kind == "flash" else K
     ar = Arena(dt)
     osc = ar.put("scale", np.array([scale]))
     oq, ody = ar.put("qkv", qkv), ar.put("dy", dy)
-    oy, oL = ar.put("y", size=B * T * C), ar.put("L", size=B * NH * T)
-    oW, odq = ar.put("W", size=A.fwd_scratch(B, T, C, NH)), ar.put("dqkv", size=B * T * 3 * C)
-    oS = ar.put("S", size=A.bwd_scratch(B, T, C, NH))
+    oy, oP = ar.put("y", size=B * T * C), ar.put("P", size=B * NH * T * (1 if kind == "flash" else K.padded(T)))
+    oW, odq = ar.put("W", size=M.fwd_scratch(B, T, C, NH)), ar.put("dqkv", size=B * T * 3 * C)
+    oS = ar.put("S", size=M.bwd_scratch(B, T, C, NH))
     a = ar.build()
     ia = np.zeros(1, np.int32)
-    A.k_attn_fwd_flash(a, ia, row(oq, oy, oL, oW, B, T, C, NH, osc))
-    ar.only_wrote("y", "L", "W")
-    A.k_attn_bwd_flash(a, ia, row(oq, oL, oW, ody, odq, oS, B, T, C, NH, osc))
-    ar.only_wrote("y", "L", "W", "dqkv", "S")
-    return ar
-
-
-@pytest.mark.parametrize("dt", DTS)
-@pytest.mark.parametrize("T,hs", PAIRS)
-def test_flash_kernels_match_numpy(dt, T, hs):
-    NH = 2 if T * hs <= 4096 else 1
-    B = 2 if T <= 64 else 1
-    C = NH * hs
-    rng = np.random.default_rng(T * 100 + hs)
-    qkv, dy = rnd(rng, (B * T, 3 * C), dt, 1.5), rnd(rng, (B * T, C), dt)
-    scale = float(dt(1.0 / np.sqrt(hs)))
-    ar = run_flash(dt, qkv, dy, B, T, C, NH, scale)
-    check(ar.get("y", (B * T, C)), attn_ref(qkv, B, T, C, NH, scale)[0], dt)
-    check(ar.get("L"), lse_ref(qkv, B, T, C, NH, scale), dt)
-    check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
-
-
-def run_kept(dt, qkv, dy, B, T, C, NH, scale):
-    ar = Arena(dt)
-    osc = ar.put("scale", np.array([scale]))
-    oq, ody = ar.put("qkv", qkv), ar.put("dy", dy)
-    oy, oP = ar.put("y", size=B * T * C), ar.put("P", size=B * NH * T * K.padded(T))
-    oW, odq = ar.put("W", size=K.fwd_scratch(B, T, C, NH)), ar.put("dqkv", size=B * T * 3 * C)
-    oS = ar.put("S", size=K.bwd_scratch(B, T, C, NH))
-    a = ar.build()
-    ia = np.zeros(1, np.int32)
-    K.k_attn_fwd_kept(a, ia, row(oq, oy, oP, oW, B, T, C, NH, osc))
+    getattr(M, f"k_attn_fwd_{kind}")(a, ia, row(oq, oy, oP, oW, B, T, C, NH, osc))
     ar.only_wrote("y", "P", "W")
-    K.k_attn_bwd_kept(a, ia, row(oq, oP, ody, odq, oS, B, T, C, NH, osc))
+    bwd = (oq, oP, oW, ody, odq, oS) if kind == "flash" else (oq, oP, ody, odq, oS)
+    getattr(M, f"k_attn_bwd_{kind}")(a, ia, row(*bwd, B, T, C, NH, osc))
     ar.only_wrote("y", "P", "W", "dqkv", "S")
     return ar
 
@@ -85,41 +58,35 @@ def probs_ref(qkv, B, T, C, NH, scale):
     return np.concatenate([P, np.zeros((B, NH, T, K.padded(T) - T))], -1)
 
 
+KERNEL_CASES = [("flash", T, hs) for T, hs in PAIRS] + \
+    [("kept", T, hs) for T, hs in PAIRS + [(16, 8), (23, 9), (200, 8)] if T >= 8 and hs >= 8]
+
+
 @pytest.mark.parametrize("dt", DTS)
-@pytest.mark.parametrize("T,hs", [(T, hs) for T, hs in PAIRS if T >= 8 and hs >= 8] + [(16, 8), (23, 9), (200, 8)])
-def test_kept_kernels_match_numpy(dt, T, hs):
+@pytest.mark.parametrize("kind,T,hs", KERNEL_CASES)
+def test_kernels_match_numpy(dt, kind, T, hs):
     NH = 2 if T * hs <= 4096 else 1
     B = 2 if T <= 64 else 1
     C = NH * hs
     rng = np.random.default_rng(T * 100 + hs)
     qkv, dy = rnd(rng, (B * T, 3 * C), dt, 1.5), rnd(rng, (B * T, C), dt)
     scale = float(dt(1.0 / np.sqrt(hs)))
-    ar = run_kept(dt, qkv, dy, B, T, C, NH, scale)
+    ar = run_pair(kind, dt, qkv, dy, B, T, C, NH, scale)
     check(ar.get("y", (B * T, C)), attn_ref(qkv, B, T, C, NH, scale)[0], dt)
-    check(ar.get("P"), probs_ref(qkv, B, T, C, NH, scale).ravel(), dt)
+    P = lse_ref(qkv, B, T, C, NH, scale) if kind == "flash" else probs_ref(qkv, B, T, C, NH, scale).ravel()
+    check(ar.get("P"), P, dt)
     check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), dt)
 
 
-@pytest.mark.parametrize("T,hs", [(8, 8), (20, 8), (17, 16), (35, 12)])
-def test_kept_backward_finite_differences(T, hs):
+@pytest.mark.parametrize("kind,T,hs", [("flash", 9, 4), ("flash", 20, 3), ("flash", 17, 16), ("kept", 8, 8),
+                                       ("kept", 20, 8), ("kept", 17, 16), ("kept", 35, 12)])
+def test_backward_finite_differences(kind, T, hs):
     B, NH = 1, 2
     C = NH * hs
     rng = np.random.default_rng(T)
     qkv, dy = rnd(rng, (B * T, 3 * C), np.float64), rnd(rng, (B * T, C), np.float64)
     scale = 1.0 / np.sqrt(hs)
-    ar = run_kept(np.float64, qkv, dy, B, T, C, NH, scale)
-    fd = fd_grad(lambda v: (attn_ref(v, B, T, C, NH, scale)[0] * dy).sum(), qkv)
-    check(ar.get("dqkv", qkv.shape), fd, np.float64, 1e-7)
-
-
-@pytest.mark.parametrize("T,hs", [(9, 4), (20, 3), (17, 16)])
-def test_flash_backward_finite_differences(T, hs):
-    B, NH = 1, 2
-    C = NH * hs
-    rng = np.random.default_rng(T)
-    qkv, dy = rnd(rng, (B * T, 3 * C), np.float64), rnd(rng, (B * T, C), np.float64)
-    scale = 1.0 / np.sqrt(hs)
-    ar = run_flash(np.float64, qkv, dy, B, T, C, NH, scale)
+    ar = run_pair(kind, np.float64, qkv, dy, B, T, C, NH, scale)
     fd = fd_grad(lambda v: (attn_ref(v, B, T, C, NH, scale)[0] * dy).sum(), qkv)
     check(ar.get("dqkv", qkv.shape), fd, np.float64, 1e-7)
 
@@ -131,7 +98,7 @@ def test_flash_large_scores_stay_finite():
     rng = np.random.default_rng(3)
     qkv, dy = rnd(rng, (B * T, 3 * C), np.float32, 8.0), rnd(rng, (B * T, C), np.float32)
     scale = float(np.float32(1.0 / np.sqrt(hs)))
-    ar = run_flash(np.float32, qkv, dy, B, T, C, NH, scale)
+    ar = run_pair("flash", np.float32, qkv, dy, B, T, C, NH, scale)
     check(ar.get("y", (B * T, C)), attn_ref(qkv, B, T, C, NH, scale)[0], np.float32, 1e-4)
     check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), np.float32, 1e-4)
 

@@ -1,6 +1,8 @@
-# Register-tile intrinsics for btjit/kernels/attention.py, generic over float32 / float64 arrays and over every
-# size (runtime trip counts: llvmlite loops, no per-shape code): `mk_set` / `mk_add`, an R x V tile of a
-# matrix product, and the softmax passes over one row of a score tile in V-wide vectors.
+# Register-tile intrinsics for btjit/kernels/attention.py and attn_kept.py, generic over float32 / float64 arrays
+# and over every size (runtime trip counts: llvmlite loops, no per-shape code): `mk_set` / `mk_add`, an R x V
+# tile of a matrix product, and the passes over one row of scores in V-wide vectors: the flash kernels' online
+# softmax (`softmax_row`, `prob_row`), the kept kernels' normalised softmax and dS (`softmax_norm_row`,
+# `dscore_row`).
 import math
 
 from llvmlite import ir

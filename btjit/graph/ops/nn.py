@@ -161,7 +161,8 @@ def _attn_sizes(s, nh, fd):
     B, T_, C = s[0], s[1], s[2] // 3
     k = _attn_kind(s, nh)
     if k == "kept":
-        return (B, nh, T_, attn_kept.padded(T_)), attn_kept.fwd_scratch(B, T_, C, nh), attn_kept.bwd_scratch(B, T_, C, nh)
+        K = attn_kept
+        return (B, nh, T_, K.padded(T_)), K.fwd_scratch(B, T_, C, nh), K.bwd_scratch(B, T_, C, nh)
     if k == "flash":
         return (B, nh, T_), attention.fwd_scratch(B, T_, C, nh), attention.bwd_scratch(B, T_, C, nh)
     return (B, nh, T_, T_), attn_scratch_size(B, T_, C, nh, fd), attn_bwd_scratch_size(B, T_, C, nh, fd)
@@ -234,11 +235,13 @@ def _attn_grad_ref(xs, a):
 def _attn_lower(e, L):
     """By attention.kind (any batch; the measurements behind it are there): the kept kernels
     (btjit/kernels/attn_kept.py: P holds the probabilities, rows padded to Tp) or the flash kernels
-    (btjit/kernels/attention.py: P holds the rows' logsumexps, W a copy of y and per-head scratch). Below both, for fewer than BL_MIN_B sequences the generated "pairs" kernels (lanes over (sequence, head)
+    (btjit/kernels/attention.py: P holds the rows' logsumexps, W a copy of y and per-head scratch). Below both,
+    for fewer than BL_MIN_B sequences the generated "pairs" kernels (lanes over (sequence, head)
     pairs; they keep qkv and the probabilities in their scratch W, and leave P unused) or, where those do not
     apply, the per-head loops; from BL_MIN_B the sequence-vectorized ("bl") pair or its generated twin
     ("lanes", one thread), whose forward saves the transposed qkv in W and the probabilities in P in its own
-    layout for the backward. With more than one thread the bl blocks are split over the thread pool."""
+    layout for the backward. With more than one thread the bl blocks are split over the thread pool; the kept
+    and flash kernels run on one (threaded programs at their sizes split the batch over replicas)."""
     B, T_ = e.ins[0].shape[:2]
     C, nh = e.ins[0].shape[2] // 3, e.attrs["n_head"]
     dims = dict(B=B, T=T_, C=C, NH=nh, oscale=L.const(1.0 / math.sqrt(C // nh)))
