@@ -195,12 +195,15 @@ def test_matmul_with_fused_bias(dt, nb, nparts):
     (8, 96, 24, 0, 1, 0), (8, 24, 24, 0, 1, 0), (13, 30, 5, 0, 1, 0), (16, 9, 3, 0, 1, 0),
     (8, 24, 96, 0, 1, 0), (8, 24, 65, 0, 1, 0), (10, 40, 30, 0, 1, 0), (8, 9, 50, 0, 1, 0),
     (130, 96, 24, 0, 0, 1), (24, 96, 130, 1, 0, 0), (130, 24, 96, 0, 1, 0), (64, 65, 24, 0, 1, 0),
-    (40, 300, 520, 1, 0, 0), (33, 260, 530, 0, 0, 1)])       # B above MICRO_B_MAX (the measured limit's range)
+    (40, 300, 520, 1, 0, 0), (33, 260, 530, 0, 0, 1),        # B above MICRO_B_MAX (the measured limit's range)
+    (16, 64, 24, 0, 0, 1), (24, 40, 16, 1, 0, 0), (9, 128, 20, 0, 0, 0),               # 32-wide blocks
+    (130, 200, 100, 0, 1, 0), (70, 520, 130, 0, 1, 0), (64, 300, 1024, 0, 1, 0)])  # B^T above WT_MAX: row blocks
 @pytest.mark.parametrize("nb,bcast", [(1, "none"), (3, "B"), (2, "none")])
 def test_matmul_micro_kernels(M, N, Kd, ta, tb, bias, nb, bcast, monkeypatch):
-    """k_matmul_micro, float32: every column-block width (48, 24, 16, 8) and the blocks moved back to end at
-    M / N (13 x 30, 17 x 50, 9 x 100, 130 rows), plain, A^T (with B's column sums alongside) and B^T
-    products (8-row ones in registers, from 64 rows on a transposed copy of B, once for a broadcast B), bias
+    """k_matmul_micro, float32: every column-block width (48, 32, 24, 16, 8) and the blocks moved back to end
+    at M / N (13 x 30, 17 x 50, 9 x 100, 130 rows), plain, A^T (with B's column sums alongside) and B^T
+    products (8-row ones in registers, from 64 rows on a transposed copy of B, once for a broadcast B, or
+    above WT_MAX of blocks of its rows, the last moved back to end at N), bias
     rows, batched; only C (and the sums) are written, and the lowering picks it for these shapes in float32
     only, never to accumulate."""
     from btjit.graph.ops import micro_gemm
@@ -232,7 +235,7 @@ def test_matmul_micro_kernels(M, N, Kd, ta, tb, bias, nb, bcast, monkeypatch):
 
 def test_micro_gemm_choice(monkeypatch):
     """Micro-kernels: float32, overwrite, C >= 8 x 8, B <= MICRO_B_MAX floats (or the limit measured on the
-    machine), not A^T B^T; B^T products from 64 rows (B <= WT_MAX), or on fewer rows up to NT_MACS
+    machine), not A^T B^T; B^T products from 64 rows (K <= WT_MAX / 16), or on fewer rows up to NT_MACS
     multiply-adds; no bias on B^T."""
     from btjit.graph.ops import micro_gemm
     from btjit.kernels import gemm_rule
@@ -247,7 +250,8 @@ def test_micro_gemm_choice(monkeypatch):
     assert micro_gemm(96, 24, 512, 1, 0, 0, 0, "f32") and not micro_gemm(64, 1024, 1024, 0, 0, 0, 0, "f32")
     assert not micro_gemm(7, 24, 24, 0, 0, 0, 0, "f32") and not micro_gemm(8, 7, 24, 0, 0, 0, 0, "f32")
     assert not micro_gemm(8, 24, 8, 1, 1, 0, 0, "f32") and not micro_gemm(8, 24, 8, 0, 1, 0, 1, "f32")
-    assert not micro_gemm(64, 200, 100, 0, 1, 0, 0, "f32")                    # B^T copy > WT_MAX
+    assert micro_gemm(64, 200, 100, 0, 1, 0, 0, "f32")                        # B^T > WT_MAX: blocks of rows
+    assert not micro_gemm(64, 20, 1100, 0, 1, 0, 0, "f32")                    # ... of < 16 rows: sgemm
 
 
 

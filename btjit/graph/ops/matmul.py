@@ -55,8 +55,8 @@ def micro_gemm(M, N, K, ta, tb, beta, bias, float_dtype) -> bool:
         return False
     if not tb:
         return True
-    if M >= linalg.COPY_MIN_ROWS:
-        return N * K <= linalg.WT_MAX and not bias
+    if M >= linalg.COPY_MIN_ROWS:      # B^T on a transposed copy of B or of blocks of >= 16 of its rows
+        return (N * K <= linalg.WT_MAX or K <= linalg.WT_MAX // 16) and not bias
     return not bias and M * N * K <= linalg.NT_MACS
 
 
