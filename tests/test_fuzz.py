@@ -537,6 +537,18 @@ def op_attention(bld: Builder):
                    f"causal_attention(v{k} as (1,{T},.) @ v{kw}, n_head={nh})")
 
 
+def op_attention_wide(bld: Builder):
+    """Attention at the sizes of the kept / flash kernels (T 8-20, head size 3-12): a value flattened and
+    projected to the (1, T, 3 C) qkv."""
+    k = bld.pick()
+    x = bld.vals[k]
+    T, nh, hs = bld.i(8, 20), bld.i(1, 2), bld.i(3, 12)
+    kw = bld.new_param((x.size, T * 3 * nh * hs))
+    return bld.add(lambda xp, env, P, B: xp.causal_attention(
+        xp.reshape(xp.reshape(env[k], (1, 1, -1)) @ env[kw], (1, T, -1)), nh),
+        f"causal_attention(v{k} as (1,1,.) @ v{kw} as (1,{T},.), n_head={nh})")
+
+
 def op_broadcast_to(bld: Builder):
     k = bld.pick()
     x = bld.vals[k]
@@ -599,7 +611,7 @@ def op_int_index(bld: Builder):
 
 OPS = [op_unary, op_unary, op_binary, op_binary, op_reduce, op_reshape, op_transpose, op_getitem, op_concat,
        op_split, op_matmul, op_softmax, op_where, op_take, op_layer_norm, op_cross_entropy, op_attention,
-       op_broadcast_to, op_chain, op_int_index]
+       op_attention_wide, op_broadcast_to, op_chain, op_int_index]
 
 
 @st.composite
