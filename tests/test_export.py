@@ -105,6 +105,29 @@ def test_exports_link_the_generated_attention_entries(tmp_path):
     for name, losses in expect.items():
         assert got[name]["losses"] == losses, name
 
+
+def test_exports_of_the_kept_and_flash_attention(tmp_path):
+    """A GPT whose attention runs the kept kernels (T 16, head size 8) and one on the flash kernels (T 64, head
+    size 4): exported, run bitwise as in-process."""
+    jobs, expect = {}, {}
+    for T, C, kernel in ((16, 16, "k_attn_fwd_kept"), (64, 8, "k_attn_fwd_flash")):
+        cfg = gpt.GPTConfig(vocab_size=11, n_layer=1, n_head=2, n_embd=C, block_size=T)
+        rng = np.random.default_rng(T)
+        data = [tuple(rng.integers(0, 11, (2, T)).astype(np.int32) for _ in "xy") for _ in range(3)]
+        np.savez(tmp_path / f"b{T}.npz", **{f"x{i}": x for i, (x, _) in enumerate(data)},
+                 **{f"y{i}": y for i, (_, y) in enumerate(data)})
+        prog = btjit.trace(gpt.loss_fn(cfg), gpt.init_params(cfg, np.random.default_rng(1)), *data[0],
+                           optimizer=btjit.optim.AdamW(lr=1e-2))
+        assert any(e.startswith(kernel) for e in prog.kernels.entries)
+        prog.export(tmp_path / f"T{T}")
+        expect[f"T{T}"] = [prog.step(x, y) for x, y in data]
+        jobs[f"T{T}"] = {"kind": "tensor", "dir": str(tmp_path / f"T{T}"), "batches": str(tmp_path / f"b{T}.npz"),
+                         "steps": len(data)}
+    got = run_fresh(jobs)
+    for name, losses in expect.items():
+        assert got[name]["losses"] == losses, name
+
+
 def scalar_fn(lowering, dtype):
     return btjit.trace_scalar(lambda a, b, c: (btjit.tanh(a * b + b ** 3) / 2 + btjit.where(a > c, a * c, b)
                                                + btjit.exp(-c * c) - btjit.relu(a - b)),
