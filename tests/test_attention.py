@@ -169,3 +169,24 @@ def test_gpt_kernels_match_small_t_kernels(monkeypatch, block_size, kind):
     assert fast.value_and_grad(x, y) == pytest.approx(ref.value_and_grad(x, y), rel=1e-12)
     for k in params:
         np.testing.assert_allclose(fast.grads[k], ref.grads[k], rtol=1e-9, atol=1e-13, err_msg=k)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("B", [1, 2, 5])
+def test_two_thread_kept_kernels_match_the_serial_ones(dtype, B):
+    """With 2 threads (no replicas) the kept pair runs its _par kernels over blocks of sequences (one block
+    when B is 1): the same values and gradients as on one thread, bit for bit."""
+    from btjit.kernels.library import LIBRARY
+    progs = []
+    for threads in (1, 2):
+        btjit.set_num_threads(threads)
+        try:
+            progs.append(_program(B, 24, 32, 2, dtype))
+        finally:
+            btjit.set_num_threads(1)
+    (serial, _, _), (par, _, _) = progs
+    names = {LIBRARY.entry_of(int(r[0]))[0] for r in par.tape}
+    kept = {"k_attn_fwd_kept", "k_attn_bwd_kept"}
+    assert {n for n in names if "attn" in n} == ({n + "_par" for n in kept} if B > 1 else kept)
+    assert par.value_and_grad() == serial.value_and_grad()
+    np.testing.assert_array_equal(par.grads["qkv"], serial.grads["qkv"])

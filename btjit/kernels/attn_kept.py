@@ -10,12 +10,13 @@
 #
 # Layouts (as attention.py): qkv (B*T, 3C), q cols [0,C), k [C,2C), v [2C,3C), head h at h*hs..h*hs+hs-1 of
 # each; y, dy (B*T, C); P (B, NH, T, Tp), Tp = T rounded up to 16: row t of a head holds its probabilities at
-# keys j <= t, zeros from t+1 to Tp. W (fwd scratch): scale K^T of one head (hs x Tp);
-# S (bwd scratch): V^T of one head (hs x Tp), then dS of one head (T x Tp).
-from numba import njit
+# keys j <= t, zeros from t+1 to Tp. W (fwd scratch): per slot, scale K^T of one head (hs x Tp); S (bwd
+# scratch): per slot, V^T of one head (hs x Tp), then dS of one head (T x Tp). The _par kernels run blocks of
+# sequences on the thread pool, one slot each (slots(B) = min(B, MAX_THREADS)).
+from numba import njit, prange
 
 from btjit.kernels.attention import _tr, _up
-from btjit.kernels.common import FM, row
+from btjit.kernels.common import FM, FM_PAR, MAX_THREADS, row
 from btjit.kernels.linalg import MR, gemm_micro
 from btjit.kernels.tiles import dscore_row, softmax_norm_row
 
@@ -25,12 +26,22 @@ def padded(T) -> int:
     return _up(T)
 
 
+def slots(B) -> int:
+    """Scratch slots: one per block of sequences the _par kernels run at once (the serial ones use the first)."""
+    return min(B, MAX_THREADS)
+
+
 def fwd_scratch(B, T, C, NH) -> int:
-    return C // NH * _up(T)
+    return slots(B) * (C // NH * _up(T))
 
 
 def bwd_scratch(B, T, C, NH) -> int:
-    return C // NH * _up(T) + T * _up(T)
+    return slots(B) * (C // NH * _up(T) + T * _up(T))
+
+
+def blocks(B, threads) -> int:
+    """Blocks of sequences of the _par kernels: one per thread, at most slots(B)."""
+    return min(threads, slots(B))
 
 
 @njit(**FM)
@@ -64,6 +75,20 @@ def k_attn_fwd_kept(a, ia, r):
     for b in range(B):
         for h in range(NH):
             _fwd_head(a, oqkv, oy, oP, oW, b, h, T, C, NH, scale)
+
+
+@row("oqkv oy oP oW B T C NH oscale nb")
+@njit(**FM_PAR)
+def k_attn_fwd_kept_par(a, ia, r):
+    """k_attn_fwd_kept with the sequences in nb blocks on the thread pool, block j on scratch slot j."""
+    oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
+    scale = a[r[9]]
+    nb = r[10]
+    per = C // NH * _up(T)
+    for j in prange(nb):
+        for b in range(j * B // nb, (j + 1) * B // nb):
+            for h in range(NH):
+                _fwd_head(a, oqkv, oy, oP, oW + j * per, b, h, T, C, NH, scale)
 
 
 @njit(**FM)
@@ -102,3 +127,17 @@ def k_attn_bwd_kept(a, ia, r):
     for b in range(B):
         for h in range(NH):
             _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, T, C, NH, scale)
+
+
+@row("oqkv oP ody odqkv oS B T C NH oscale nb")
+@njit(**FM_PAR)
+def k_attn_bwd_kept_par(a, ia, r):
+    """k_attn_bwd_kept with the sequences in nb blocks on the thread pool, block j on scratch slot j."""
+    oqkv = r[1]; oP = r[2]; ody = r[3]; odqkv = r[4]; oS = r[5]; B = r[6]; T = r[7]; C = r[8]; NH = r[9]
+    scale = a[r[10]]
+    nb = r[11]
+    per = C // NH * _up(T) + T * _up(T)
+    for j in prange(nb):
+        for b in range(j * B // nb, (j + 1) * B // nb):
+            for h in range(NH):
+                _bwd_head(a, oqkv, oP, ody, odqkv, oS + j * per, b, h, T, C, NH, scale)

@@ -281,9 +281,10 @@ def _parse(s):
 
 # rough relative compile costs (seconds on one machine, rounded): only the order the workers take groups in
 HEAVY = {"k_attn_bwd_bl_par": 7, "k_attn_fwd_bl_par": 6, "k_ew_program": 6, "k_attn_bwd_flash": 6,
-         "k_attn_fwd_flash": 4, "k_attn_bwd_bl": 4, "k_attn_fwd_bl": 4, "k_matmul": 4, "k_matmul_par": 4,
-         "k_matmul_micro": 4, "k_attn_bwd_kept": 3, "k_attn_fwd_kept": 3, "k_strided": 3, "k_binary": 3,
-         "k_attn_bwd": 3, "k_reduce": 2, "k_unary": 2, "k_ce_fwd": 2, "k_layernorm_bwd": 2}
+         "k_attn_bwd_kept_par": 5, "k_attn_fwd_kept_par": 5, "k_attn_fwd_flash": 4, "k_attn_bwd_bl": 4,
+         "k_attn_fwd_bl": 4, "k_matmul": 4, "k_matmul_par": 4, "k_matmul_micro": 4, "k_attn_bwd_kept": 3,
+         "k_attn_fwd_kept": 3, "k_strided": 3, "k_binary": 3, "k_attn_bwd": 3, "k_reduce": 2, "k_unary": 2,
+         "k_ce_fwd": 2, "k_layernorm_bwd": 2}
 
 
 def groups(entries) -> list:

@@ -240,8 +240,8 @@ def _attn_lower(e, L):
     pairs; they keep qkv and the probabilities in their scratch W, and leave P unused) or, where those do not
     apply, the per-head loops; from BL_MIN_B the sequence-vectorized ("bl") pair or its generated twin
     ("lanes", one thread), whose forward saves the transposed qkv in W and the probabilities in P in its own
-    layout for the backward. With more than one thread the bl blocks are split over the thread pool; the kept
-    and flash kernels run on one (threaded programs at their sizes split the batch over replicas)."""
+    layout for the backward. With more than one thread the bl blocks and the kept kernels' blocks of sequences
+    are split over the thread pool; the flash kernels run on one."""
     B, T_ = e.ins[0].shape[:2]
     C, nh = e.ins[0].shape[2] // 3, e.attrs["n_head"]
     dims = dict(B=B, T=T_, C=C, NH=nh, oscale=L.const(1.0 / math.sqrt(C // nh)))
@@ -255,10 +255,13 @@ def _attn_lower(e, L):
         offs = dict(oqkv=L.off(qkv), oy=L.off(y), oP=L.off(P), oW=L.off(W))
     impl = _attn_kind(qkv.shape, nh)
     if impl == "kept":
+        nb = attn_kept.blocks(B, L.threads)
+        par = dict(nb=nb) if nb > 1 else {}
         if grad:
-            return [L.row("k_attn_bwd_kept", oqkv=L.off(qkv), oP=L.off(P), ody=L.off(gy), odqkv=L.off(dqkv),
-                          oS=L.off(S), **dims)]
-        return [L.row("k_attn_fwd_kept", oqkv=L.off(qkv), oy=L.off(y), oP=L.off(P), oW=L.off(W), **dims)]
+            return [L.row("k_attn_bwd_kept" + "_par" * (nb > 1), oqkv=L.off(qkv), oP=L.off(P), ody=L.off(gy),
+                          odqkv=L.off(dqkv), oS=L.off(S), **dims, **par)]
+        return [L.row("k_attn_fwd_kept" + "_par" * (nb > 1), oqkv=L.off(qkv), oy=L.off(y), oP=L.off(P), oW=L.off(W),
+                      **dims, **par)]
     if impl == "flash":
         if grad:
             return [L.row("k_attn_bwd_flash", oqkv=L.off(qkv), oL=L.off(P), oW=L.off(W), ody=L.off(gy),
