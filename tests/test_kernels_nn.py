@@ -236,16 +236,20 @@ def test_matmul_micro_kernels(M, N, Kd, ta, tb, bias, nb, bcast, monkeypatch):
 def test_micro_gemm_choice(monkeypatch):
     """Micro-kernels: float32, overwrite, C >= 8 x 8, B <= MICRO_B_MAX floats (or the limit measured on the
     machine), not A^T B^T; B^T products from 64 rows (K <= WT_MAX / 16), or on fewer rows up to NT_MACS
-    multiply-adds; no bias on B^T."""
+    multiply-adds (or the limit measured on the machine); no bias on B^T."""
     from btjit.graph.ops import micro_gemm
-    from btjit.kernels import gemm_rule
+    from btjit.kernels import gemm_rule, linalg
     monkeypatch.setattr(gemm_rule, "_VALUE", [262144])
     assert micro_gemm(64, 256, 512, 1, 0, 0, 0, "f32") and micro_gemm(512, 1024, 256, 0, 0, 0, 1, "f32")
     assert not micro_gemm(64, 1024, 512, 1, 0, 0, 0, "f32")
     monkeypatch.setattr(gemm_rule, "_VALUE", [gemm_rule.MIN_LIMIT])
     assert not micro_gemm(64, 256, 512, 1, 0, 0, 0, "f32") and micro_gemm(64, 128, 512, 1, 0, 0, 0, "f32")
     assert micro_gemm(8, 24, 24, 0, 1, 0, 0, "f32") and micro_gemm(8, 24, 96, 0, 1, 0, 0, "f32")
+    monkeypatch.setattr(gemm_rule, "_NT", [linalg.NT_MACS])                 # the measured B^T limit: none
     assert not micro_gemm(8, 100, 100, 0, 1, 0, 0, "f32")                    # > NT_MACS on 8 rows: sgemm
+    monkeypatch.setattr(gemm_rule, "_NT", [1 << 20])                         # ... or 1M multiply-adds
+    assert micro_gemm(8, 100, 100, 0, 1, 0, 0, "f32") and micro_gemm(32, 128, 256, 0, 1, 0, 0, "f32")
+    assert not micro_gemm(32, 256, 256, 0, 1, 0, 0, "f32") and not micro_gemm(8, 8, 4000, 0, 1, 0, 0, "f32")
     assert micro_gemm(512, 24, 96, 0, 1, 0, 0, "f32") and micro_gemm(512, 96, 24, 0, 0, 0, 1, "f32")
     assert micro_gemm(96, 24, 512, 1, 0, 0, 0, "f32") and not micro_gemm(64, 1024, 1024, 0, 0, 0, 0, "f32")
     assert not micro_gemm(7, 24, 24, 0, 0, 0, 0, "f32") and not micro_gemm(8, 7, 24, 0, 0, 0, 0, "f32")
@@ -256,12 +260,13 @@ def test_micro_gemm_choice(monkeypatch):
 
 
 def test_micro_gemm_limit_is_measured_once_and_remembered(tmp_path, monkeypatch):
-    """The limit comes from timing both kernels (a size they tried, or the minimum), is written to gemm.json
-    and read back by a later process instead of measuring again; $BTJIT_MICRO_B_MAX overrides it."""
+    """The limits come from timing both kernels (a size they tried, or the minimum), are written to gemm.json
+    and read back by a later process instead of measuring again; $BTJIT_MICRO_B_MAX / $BTJIT_NT_MACS override."""
     import json
-    from btjit.kernels import gemm_rule
+    from btjit.kernels import gemm_rule, linalg
     monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("BTJIT_MICRO_B_MAX", raising=False)
+    monkeypatch.delenv("BTJIT_NT_MACS", raising=False)
     calls = []
     real = gemm_rule.measure
 
@@ -274,11 +279,16 @@ def test_micro_gemm_limit_is_measured_once_and_remembered(tmp_path, monkeypatch)
     saved = json.loads((tmp_path / "gemm.json").read_text())
     assert first in (gemm_rule.MIN_LIMIT,) + gemm_rule.SIZES and saved["micro_b_max"] == first
     assert all(len(v) == 2 and min(v) > 0 for v in saved["us"].values()) and "131072:1" in saved["us"]
+    probes = [M * N * K for M, N, K in gemm_rule.NT_PROBES]
+    assert saved["nt_macs"] in [linalg.NT_MACS] + probes and "32x128x64" in saved["us"]
     monkeypatch.setattr(gemm_rule, "_VALUE", [])
-    assert gemm_rule.micro_b_max() == first and calls == [1]
+    monkeypatch.setattr(gemm_rule, "_NT", [])
+    assert gemm_rule.micro_b_max() == first and gemm_rule.nt_macs() == saved["nt_macs"] and calls == [1]
     monkeypatch.setattr(gemm_rule, "_VALUE", [])
+    monkeypatch.setattr(gemm_rule, "_NT", [])
     monkeypatch.setenv("BTJIT_MICRO_B_MAX", "12345")
-    assert gemm_rule.micro_b_max() == 12345 and calls == [1]
+    monkeypatch.setenv("BTJIT_NT_MACS", "777")
+    assert gemm_rule.micro_b_max() == 12345 and gemm_rule.nt_macs() == 777 and calls == [1]
 
 # ---------------------------------------------------------------- LayerNorm
 def ln_ref(x, g, b, eps):

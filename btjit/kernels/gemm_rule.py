@@ -1,5 +1,6 @@
-"""How large a float32 product's B (K x N) may be for k_matmul_micro's register micro-kernels rather than BLAS
-(btjit/graph/ops/matmul.py's micro_gemm): measured once per machine, remembered in the cache dir.
+"""How large a float32 product's B (K x N) may be for k_matmul_micro's register micro-kernels rather than BLAS,
+and how large a B^T product on fewer than COPY_MIN_ROWS rows (btjit/graph/ops/matmul.py's micro_gemm):
+measured once per machine, remembered in the cache dir.
 
 The micro-kernels re-read B from cache for every 8 rows of C, so from some size of B the chosen BLAS (which
 packs B into blocks) wins; where depends on the caches and on the BLAS. Measured here, for B of 128K floats
@@ -7,7 +8,11 @@ upwards: a forward product (512 rows, K 256) and a dW = X^T dY (256 rows, K 512)
 through its address, best of 3 (after a warm-up call); the limit is the largest size up to which the micro-kernels take less time
 for the two, MIN_LIMIT if they lose at the first. (Zen 4, scipy's OpenBLAS: 1.2-1.6x on a transformer's dW
 products of 98K-131K floats; the GPT at S1 and S3 7-8% faster with the limit at 2M floats than at 128K.)
-Remembered in `gemm.json` keyed by the CPU and the BLAS choice; $BTJIT_MICRO_B_MAX (floats) overrides.
+The second: B^T products of 8-32 rows (NT_PROBES, 65K-1M multiply-adds) timed the same way; the limit is
+the largest probe up to which gemm_micro_nt takes no longer than BLAS, linalg.NT_MACS if it loses at the
+first (Zen 4, OpenBLAS: 32 x 128 x 64 in 5.4 against 8.1 us, 8 x 128 x 64 1.4 against 1.9 us).
+Remembered in `gemm.json` keyed by the CPU and the BLAS choice; $BTJIT_MICRO_B_MAX (floats) and
+$BTJIT_NT_MACS override.
 """
 from __future__ import annotations
 
@@ -20,22 +25,32 @@ import llvmlite.binding as llvm
 import numpy as np
 
 from btjit.kernels.linalg import MICRO_B_MAX as MIN_LIMIT   # floats of B: the micro-kernels' L2-resident range
+from btjit.kernels.linalg import NT_MACS
 
 SIZES = (131072, 262144, 524288, 1048576, 2097152)  # floats of B tried
 REPS = 5
-_M, _K = 256, 512
+NT_PROBES = ((8, 128, 64), (32, 128, 64), (32, 256, 128))   # (M, N, K) of the B^T products tried
 _VALUE: list = []
+_NT: list = []
 
 
 def micro_b_max() -> int:
     """The largest B (floats) a product runs on the micro-kernels with."""
     if not _VALUE:
         env = os.environ.get("BTJIT_MICRO_B_MAX")
-        _VALUE.append(int(env) if env else _remembered())
+        _VALUE.append(int(env) if env else _remembered()["micro_b_max"])
     return _VALUE[0]
 
 
-def _remembered() -> int:
+def nt_macs() -> int:
+    """The most multiply-adds a B^T product on fewer than COPY_MIN_ROWS rows runs on the micro-kernels with."""
+    if not _NT:
+        env = os.environ.get("BTJIT_NT_MACS")
+        _NT.append(int(env) if env else _remembered()["nt_macs"])
+    return _NT[0]
+
+
+def _remembered() -> dict:
     from btjit.cachedir import cache_dir
     from btjit.kernels import blas
     key = json.dumps([llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(), blas.CHOICE["name"]])
@@ -43,15 +58,16 @@ def _remembered() -> int:
     try:
         saved = json.loads(path.read_text())
         if saved.get("key") == key:
-            return int(saved["micro_b_max"])
+            return {"micro_b_max": int(saved["micro_b_max"]), "nt_macs": int(saved["nt_macs"])}
     except (OSError, ValueError, KeyError, TypeError):
         pass
     stale = path.exists()
-    limit, times = measure()
+    limit, nt, times = measure()
+    rule = {"micro_b_max": limit, "nt_macs": nt}
     try:       # the first process to finish a measurement sets the rule for all (so they compute alike)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"gemm.json.tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "micro_b_max": limit, "us": times}))
+        tmp.write_text(json.dumps({"key": key, **rule, "us": times}))
         if stale:
             os.replace(tmp, path)
         else:
@@ -59,12 +75,13 @@ def _remembered() -> int:
                 os.link(tmp, path)
             except FileExistsError:
                 saved = json.loads(path.read_text())
-                limit = int(saved["micro_b_max"]) if saved.get("key") == key else limit
+                if saved.get("key") == key:
+                    rule = {"micro_b_max": int(saved["micro_b_max"]), "nt_macs": int(saved["nt_macs"])}
             finally:
                 tmp.unlink()
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    return limit
+    return rule
 
 
 def _entry(name):
@@ -85,30 +102,46 @@ def _row(name, **args):
     return r
 
 
+def _race(calls, a, ia, reps):
+    """Best time of each (fn, row) over reps interleaved rounds (drifts hit all alike)."""
+    best = [float("inf")] * len(calls)
+    for _ in range(reps):
+        for j, (fn, r) in enumerate(calls):
+            t0 = time.perf_counter()
+            fn(a.ctypes.data, a.size, ia.ctypes.data, ia.size, r.ctypes.data)
+            best[j] = min(best[j], time.perf_counter() - t0)
+    return best
+
+
 def measure() -> tuple:
-    """(limit, {"size:ta": [micro us, blas us]}) -- see the module docstring."""
+    """(limit, nt limit, {"size:ta" or "MxNxK": [micro us, blas us]}) -- see the module docstring."""
     micro, blas = _entry("k_matmul_micro"), _entry("k_matmul")
     ia = np.zeros(64, np.int32)
     limit, times = MIN_LIMIT, {}
+
+    def calls(M, N, K, ta, tb):
+        oA, oB = 32, 32 + M * K
+        oC = oB + K * N
+        a = np.random.default_rng(0).standard_normal(oC + M * N).astype(np.float32)
+        a[16:18] = (1.0, 0.0)                                  # oconst: alpha, beta
+        common = dict(oA=oA, oB=oB, oC=oC, nbatch=1, M=M, N=N, K=K, sA=0, sB=0, sC=0, ta=ta, tb=tb, obias=0)
+        return a, [(micro, _row("k_matmul_micro", **common, osum=0, ores=0, relu=0)),
+                   (blas, _row("k_matmul", **common, beta=0, osc=0, oconst=16, nparts=1))]
     for size in SIZES:
         total = [0.0, 0.0]
         for ta, M, K in ((0, 512, 256), (1, 256, 512)):          # a forward product, a dW = X^T dY
-            N = size // K
-            oA, oB = 32, 32 + M * K
-            oC = oB + K * N
-            a = np.random.default_rng(0).standard_normal(oC + M * N).astype(np.float32)
-            a[16:18] = (1.0, 0.0)                                  # oconst: alpha, beta
-            common = dict(oA=oA, oB=oB, oC=oC, nbatch=1, M=M, N=N, K=K, sA=0, sB=0, sC=0, ta=ta, tb=0, obias=0)
-            calls = [(micro, _row("k_matmul_micro", **common, osum=0, ores=0, relu=0)),
-                     (blas, _row("k_matmul", **common, beta=0, osc=0, oconst=16, nparts=1))]
-            best = [float("inf")] * 2
-            for _ in range(REPS + (size == SIZES[0])):                # the first call of all warms up
-                for j, (fn, r) in enumerate(calls):                    # interleaved: drifts hit both alike
-                    t0 = time.perf_counter()
-                    fn(a.ctypes.data, a.size, ia.ctypes.data, ia.size, r.ctypes.data)
-                    best[j] = min(best[j], time.perf_counter() - t0)
+            a, c = calls(M, size // K, K, ta, 0)
+            best = _race(c, a, ia, REPS + (size == SIZES[0]))   # the first call of all warms up
             times[f"{size}:{ta}"] = [round(t * 1e6, 1) for t in best]
             total = [total[0] + best[0], total[1] + best[1]]
         if total[0] <= total[1]:
             limit = size
-    return limit, times
+    nt = NT_MACS
+    for M, N, K in NT_PROBES:
+        a, c = calls(M, N, K, 0, 1)
+        best = _race(c, a, ia, 4 * REPS)
+        times[f"{M}x{N}x{K}"] = [round(t * 1e6, 2) for t in best]
+        if best[0] > best[1]:
+            break
+        nt = M * N * K
+    return limit, nt, times

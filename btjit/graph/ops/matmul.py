@@ -45,7 +45,8 @@ def split_gemm(nb, M, N, K) -> int:
 def micro_gemm(M, N, K, ta, tb, beta, bias, float_dtype) -> bool:
     """Whether a product runs on k_matmul_micro's register micro-kernels instead of sgemm: float32, C
     overwritten and at least 8 x 8, B (K x N) at most linalg.MICRO_B_MAX floats or, above, the limit
-    measured on this machine (btjit/kernels/gemm_rule.py). They win every E6 product
+    measured on this machine (btjit/kernels/gemm_rule.py); B^T products on fewer than COPY_MIN_ROWS rows up to
+    NT_MACS multiply-adds or, above, the measured limit (gemm_rule.nt_macs). They win every E6 product
     (512 rows: 50-58 against sgemm's 32-52 G multiply-adds/s; 8 rows: no per-call work; B^T on 8 rows:
     8 x 96 x 24 0.41 against 1.15 us, 8 x 24 x 72 0.33 against 0.40, 8 x 24 x 96 even at 0.45 against 0.43);
     a B^T product never has a bias (fuse_linear)."""
@@ -57,7 +58,8 @@ def micro_gemm(M, N, K, ta, tb, beta, bias, float_dtype) -> bool:
         return True
     if M >= linalg.COPY_MIN_ROWS:      # B^T on a transposed copy of B or of blocks of >= 16 of its rows
         return (N * K <= linalg.WT_MAX or K <= linalg.WT_MAX // 16) and not bias
-    return not bias and M * N * K <= linalg.NT_MACS
+    macs = M * N * K                  # gemm_micro_nt: K x 8 floats of A^T on the stack
+    return not bias and (macs <= linalg.NT_MACS or (K <= linalg.WT_MAX // linalg.MR and macs <= gemm_rule.nt_macs()))
 
 
 def par_gemm(macs, threads) -> bool:
