@@ -163,6 +163,42 @@ def test_embedding_fold_only_when_the_table_is_smaller_than_the_batch(V, B, fold
     check_grads(loss, params, x, y)
 
 
+@pytest.mark.parametrize("V,B,folded", [(5, 8, True), (40, 2, False)])
+def test_embedding_fold_of_concatenated_takes(V, B, folded):
+    """makemore's MLP: one take per context position (of rolled indices, the blank token set) concatenated
+    along the last axis, then a linear: folded into take_sum when the table has fewer rows than the batch's
+    positions, with the same loss and gradients (numpy, finite differences)."""
+    T, E, N, P = 3, 2, 4, 3
+    rng = np.random.default_rng(V)
+    params = {"emb": rng.normal(size=(V, E)), "w": rng.normal(size=(P * E, N)), "b": rng.normal(size=N)}
+    x = rng.integers(0, V - 1, (B, T)).astype(np.int32)
+    y = rng.integers(0, N, (B, T)).astype(np.int32)
+
+    def loss(p, x, y):
+        embs = []
+        for _ in range(P):
+            embs.append(btjit.take(p["emb"], x))
+            x = btjit.roll(x, 1, 1)
+            x[:, 0] = V - 1
+        h = btjit.tanh(btjit.concatenate(embs, -1) @ p["w"] + p["b"])
+        return btjit.cross_entropy(h, y)
+
+    def ref(p):
+        xs, xk = [], x.copy()
+        for _ in range(P):
+            xs.append(p["emb"][xk])
+            xk = np.roll(xk, 1, 1)
+            xk[:, 0] = V - 1
+        h = np.tanh(np.concatenate(xs, -1) @ p["w"] + p["b"]).reshape(B * T, N)
+        z = h - h.max(1, keepdims=True)
+        return float(np.mean(np.log(np.exp(z).sum(1)) - z[np.arange(B * T), y.ravel()]))
+    prog = btjit.trace(loss, params, x, y, dtype="float64", grad=True)
+    ops = [e.op for e in prog.graph.eqns[:prog.graph.n_forward]]
+    assert ("take_sum" in ops) == folded and ("take" in ops) == (not folded)
+    assert prog.value_and_grad(x, y) == pytest.approx(ref(params), rel=1e-12)
+    check_grads(loss, params, x, y)
+
+
 def test_embedding_fold_keeps_a_gather_that_is_used_twice():
     params, loss, x, y, ref = _emb_mlp(5, 16)
 

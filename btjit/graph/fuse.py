@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
+
 from .ir import Eqn, Graph
 
 
@@ -83,11 +85,17 @@ def fold_embedding_matmul(graph: Graph) -> None:
     the P products table @ W[p*E:(p+1)*E] once per table row and gather-sum them per sample instead,
     take_sum(matmul(table, reshape(W, (P, E, N))), idx). Same function; the forward and both backward
     products then cost P*V*E*N instead of B*P*E*N multiply-adds (E5, the makemore MLP: 28M instead of 67M
-    each), and the (B, P*E) gathered activations are never built."""
+    each), and the (B, P*E) gathered activations are never built. The same for x = concatenate of P takes of
+    one table along the last axis (makemore's MLP: one take per context position, of rolled indices)."""
     uses = _uses(graph)
     producer = {o.id: e for e in graph.eqns for o in e.outs}
     drop, out = set(), []
     for e in graph.eqns:
+        folded = _fold_concatenated_takes(graph, e, producer, uses)
+        if folded:
+            out += folded[0]
+            drop |= folded[1]
+            continue
         rs = producer.get(e.ins[0].id) if e.op == "matmul" else None
         tk = producer.get(rs.ins[0].id) if rs is not None and rs.op == "reshape" else None
         if (tk is not None and tk.op == "take" and not e.attrs["ta"] and not e.attrs["tb"]
@@ -104,6 +112,39 @@ def fold_embedding_matmul(graph: Graph) -> None:
                 continue
         out.append(e)
     graph.eqns = [e for e in out if id(e) not in drop]
+
+
+def _fold_concatenated_takes(graph, e, producer, uses):
+    """matmul(concatenate([take(table, i_0), .., take(table, i_P-1)], -1) (S + (P*E,)), W (P*E, N)) ->
+    reshape(take_sum(matmul(table, W as (P, E, N)), the i_p stacked as (prod S, P)), S + (N,)); None if e is
+    not that, or the table has not fewer rows than prod S. -> (eqns, ids of the eqns it replaces)."""
+    cat = producer.get(e.ins[0].id) if e.op == "matmul" else None
+    if cat is None or cat.op != "concatenate" or e.attrs["ta"] or e.attrs["tb"] or len(e.ins[1].shape) != 2 \
+            or uses[cat.outs[0].id] != 1 or cat.attrs["axis"] != len(cat.outs[0].shape) - 1:
+        return None
+    tks = [producer.get(v.id) for v in cat.ins]
+    if not all(t is not None and t.op == "take" and uses[t.outs[0].id] == 1 for t in tks) \
+            or len({id(t) for t in tks}) != len(tks) or len({t.ins[0].id for t in tks}) != 1:
+        return None
+    table, W = tks[0].ins[0], e.ins[1]
+    S, P = tks[0].ins[1].shape, len(tks)
+    if len(table.shape) != 2 or any(t.ins[1].shape != S for t in tks):
+        return None
+    (V, E), N, R = table.shape, W.shape[1], int(np.prod(S, dtype=np.int64))
+    if W.shape[0] != P * E or V >= R:
+        return None
+    cols = [graph.new_var(S + (1,), "i32") for _ in tks]
+    idx, idx2 = graph.new_var(S + (P,), "i32"), graph.new_var((R, P), "i32")
+    W3, TW = graph.new_var((P, E, N), W.dtype), graph.new_var((P, V, N), e.outs[0].dtype)
+    y2 = graph.new_var((R, N), e.outs[0].dtype)
+    eqns = [Eqn("reshape", (t.ins[1],), (c,), {"shape": S + (1,)}, e.src) for t, c in zip(tks, cols)]
+    eqns += [Eqn("concatenate", tuple(cols), (idx,), {"axis": len(S)}, e.src),
+             Eqn("reshape", (idx,), (idx2,), {"shape": (R, P)}, e.src),
+             Eqn("reshape", (W,), (W3,), {"shape": (P, E, N)}, e.src),
+             Eqn("matmul", (table, W3), (TW,), {"ta": False, "tb": False}, e.src),
+             Eqn("take_sum", (TW, idx2), (y2,), {}, e.src),
+             Eqn("reshape", (y2,), e.outs, {"shape": e.outs[0].shape}, e.src)]
+    return eqns, {id(cat), *(id(t) for t in tks)}
 
 
 def fuse_grad_accumulation(graph: Graph) -> None:
@@ -134,7 +175,6 @@ def fuse_attention(graph: Graph, table) -> None:
     pattern, the mask is a constant that hides exactly the future, and the scale is 1/sqrt(hs). `table`: the
     op table (for the fused op's output types)."""
     import math
-    import numpy as np
     uses = _uses(graph)
     producer = {o.id: e for e in graph.eqns for o in e.outs}
     consts = {v.id: np.asarray(c) for v, c in graph.consts.items()}
@@ -214,7 +254,6 @@ def fuse_gelu(graph: Graph) -> None:
     products) -- becomes one gelu(x) (one kernel forward, one backward) when its intermediates are used only
     in it."""
     import math
-    import numpy as np
     uses = _uses(graph)
     producer = {o.id: e for e in graph.eqns for o in e.outs}
     consts = {v.id: float(np.asarray(c).ravel()[0]) for v, c in graph.consts.items() if np.asarray(c).size == 1}
