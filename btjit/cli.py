@@ -336,10 +336,16 @@ def export_cmd(source, out, data_path, debug):
 @cli.command()
 @debug_option
 def precompile(debug):
-    """Compile the whole kernel library (float32 and float64) in parallel processes; nothing requires it."""
-    from btjit.kernels import library
+    """Compile the whole kernel library (float32 and float64) in parallel processes, and measure the GEMM rules
+    (btjit/kernels/gemm_rule.py) programs would otherwise measure at their first use; nothing requires it."""
+    import time
+    from btjit.kernels import gemm_rule, library
     seconds = library.precompile(click.echo)
-    click.echo(f"done in {seconds:.1f} s; {len(library.cache_entries())} files in {library.cache_dir()}")
+    t0 = time.perf_counter()
+    click.echo(f"GEMM rules: micro-kernels up to B of {gemm_rule.micro_b_max()} floats, B^T on few rows up to "
+               f"{gemm_rule.nt_macs()} multiply-adds ({time.perf_counter() - t0:.1f} s)")
+    click.echo(f"done in {seconds + time.perf_counter() - t0:.1f} s; {len(library.cache_entries())} files in "
+               f"{library.cache_dir()}")
 
 
 @cli.group(invoke_without_command=True)

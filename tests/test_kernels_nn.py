@@ -279,11 +279,14 @@ def test_micro_gemm_limit_is_measured_once_and_remembered(tmp_path, monkeypatch)
     saved = json.loads((tmp_path / "gemm.json").read_text())
     assert first in (gemm_rule.MIN_LIMIT,) + gemm_rule.SIZES and saved["micro_b_max"] == first
     assert all(len(v) == 2 and min(v) > 0 for v in saved["us"].values()) and "131072:1" in saved["us"]
-    probes = [M * N * K for M, N, K in gemm_rule.NT_PROBES]
-    assert saved["nt_macs"] in [linalg.NT_MACS] + probes and "32x128x64" in saved["us"]
+    monkeypatch.setattr(gemm_rule, "_NT", [])
+    nt = gemm_rule.nt_macs()
+    saved_nt = json.loads((tmp_path / "gemm_nt.json").read_text())
+    assert nt == saved_nt["nt_macs"] in [linalg.NT_MACS] + [M * N * K for M, N, K in gemm_rule.NT_PROBES]
+    assert set(saved_nt["us"]) == {f"{M}x{N}x{K}" for M, N, K in gemm_rule.NT_PROBES}
     monkeypatch.setattr(gemm_rule, "_VALUE", [])
     monkeypatch.setattr(gemm_rule, "_NT", [])
-    assert gemm_rule.micro_b_max() == first and gemm_rule.nt_macs() == saved["nt_macs"] and calls == [1]
+    assert gemm_rule.micro_b_max() == first and gemm_rule.nt_macs() == nt and calls == [1]
     monkeypatch.setattr(gemm_rule, "_VALUE", [])
     monkeypatch.setattr(gemm_rule, "_NT", [])
     monkeypatch.setenv("BTJIT_MICRO_B_MAX", "12345")

@@ -5,14 +5,16 @@ measured once per machine, remembered in the cache dir.
 The micro-kernels re-read B from cache for every 8 rows of C, so from some size of B the chosen BLAS (which
 packs B into blocks) wins; where depends on the caches and on the BLAS. Measured here, for B of 128K floats
 upwards: a forward product (512 rows, K 256) and a dW = X^T dY (256 rows, K 512), each library entry called
-through its address, best of 3 (after a warm-up call); the limit is the largest size up to which the micro-kernels take less time
-for the two, MIN_LIMIT if they lose at the first. (Zen 4, scipy's OpenBLAS: 1.2-1.6x on a transformer's dW
-products of 98K-131K floats; the GPT at S1 and S3 7-8% faster with the limit at 2M floats than at 128K.)
-The second: B^T products of 8-32 rows (NT_PROBES, 65K-1M multiply-adds) timed the same way; the limit is
-the largest probe up to which gemm_micro_nt takes no longer than BLAS, linalg.NT_MACS if it loses at the
-first (Zen 4, OpenBLAS: 32 x 128 x 64 in 5.4 against 8.1 us, 8 x 128 x 64 1.4 against 1.9 us).
-Remembered in `gemm.json` keyed by the CPU and the BLAS choice; $BTJIT_MICRO_B_MAX (floats) and
-$BTJIT_NT_MACS override.
+through its address, best of 5 interleaved calls (after a warm-up call); the limit is the largest size up
+to which the micro-kernels take less time for the two, MIN_LIMIT if they lose at the first. (Zen 4, scipy's
+OpenBLAS: 1.2-1.6x on a transformer's dW products of 98K-131K floats; the GPT at S1 and S3 7-8% faster with
+the limit at 2M floats than at 128K.)
+Remembered in `gemm.json` keyed by the CPU and the BLAS choice; $BTJIT_MICRO_B_MAX (floats) overrides.
+The second, measured apart (k_matmul_micro and k_matmul compiled if missing; only programs with such
+products ask): B^T products of 8-32 rows (NT_PROBES, 65K-1M multiply-adds), best of 20 interleaved entry
+calls; the limit is the largest probe up to which gemm_micro_nt takes no longer than BLAS for the probes so
+far together, linalg.NT_MACS if none (Zen 4, OpenBLAS, timed in a loop: 32 x 128 x 64 in 5.4 against
+8.1 us, 8 x 128 x 64 1.4 against 1.9 us). Remembered in `gemm_nt.json`; $BTJIT_NT_MACS overrides.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def micro_b_max() -> int:
     """The largest B (floats) a product runs on the micro-kernels with."""
     if not _VALUE:
         env = os.environ.get("BTJIT_MICRO_B_MAX")
-        _VALUE.append(int(env) if env else _remembered()["micro_b_max"])
+        _VALUE.append(int(env) if env else _remembered("gemm.json", "micro_b_max", measure))
     return _VALUE[0]
 
 
@@ -46,28 +48,29 @@ def nt_macs() -> int:
     """The most multiply-adds a B^T product on fewer than COPY_MIN_ROWS rows runs on the micro-kernels with."""
     if not _NT:
         env = os.environ.get("BTJIT_NT_MACS")
-        _NT.append(int(env) if env else _remembered()["nt_macs"])
+        _NT.append(int(env) if env else _remembered("gemm_nt.json", "nt_macs", measure_nt))
     return _NT[0]
 
 
-def _remembered() -> dict:
+def _remembered(name, field, measure_fn) -> int:
+    """The value `field` of the cache dir's `name`, if measured for this CPU and BLAS; else measure_fn()
+    (-> (value, times)), written there."""
     from btjit.cachedir import cache_dir
     from btjit.kernels import blas
     key = json.dumps([llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(), blas.CHOICE["name"]])
-    path = cache_dir() / "gemm.json"
+    path = cache_dir() / name
     try:
         saved = json.loads(path.read_text())
         if saved.get("key") == key:
-            return {"micro_b_max": int(saved["micro_b_max"]), "nt_macs": int(saved["nt_macs"])}
+            return int(saved[field])
     except (OSError, ValueError, KeyError, TypeError):
         pass
     stale = path.exists()
-    limit, nt, times = measure()
-    rule = {"micro_b_max": limit, "nt_macs": nt}
+    value, times = measure_fn()
     try:       # the first process to finish a measurement sets the rule for all (so they compute alike)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"gemm.json.tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, **rule, "us": times}))
+        tmp = path.with_name(f"{name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, field: value, "us": times}))
         if stale:
             os.replace(tmp, path)
         else:
@@ -75,22 +78,22 @@ def _remembered() -> dict:
                 os.link(tmp, path)
             except FileExistsError:
                 saved = json.loads(path.read_text())
-                if saved.get("key") == key:
-                    rule = {"micro_b_max": int(saved["micro_b_max"]), "nt_macs": int(saved["nt_macs"])}
+                value = int(saved[field]) if saved.get("key") == key else value
             finally:
                 tmp.unlink()
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    return rule
+    return value
 
 
-def _entry(name):
-    """A library entry as a ctypes function (compiled by a worker if missing, loaded from the disk cache like
-    every entry a program runs)."""
+def _entries(names=("k_matmul_micro", "k_matmul")):
+    """Float32 library entries as ctypes functions, compiled together (by the library's workers) if missing,
+    else loaded from the disk cache like every entry a program runs."""
     from btjit.kernels.library import LIBRARY
-    LIBRARY.ensure("f32", [LIBRARY.opcode(name)])
+    LIBRARY.ensure("f32", [LIBRARY.opcode(n) for n in names])
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    return ctypes.CFUNCTYPE(ctypes.c_int32, p, i64, p, i64, p)(LIBRARY.loaded[(name, "f32", None)].address)
+    return [ctypes.CFUNCTYPE(ctypes.c_int32, p, i64, p, i64, p)(LIBRARY.loaded[(n, "f32", None)].address)
+            for n in names]
 
 
 def _row(name, **args):
@@ -102,46 +105,62 @@ def _row(name, **args):
     return r
 
 
-def _race(calls, a, ia, reps):
-    """Best time of each (fn, row) over reps interleaved rounds (drifts hit all alike)."""
+def _race(calls, reps):
+    """Best time of each zero-argument call over reps interleaved rounds (drifts hit all alike)."""
     best = [float("inf")] * len(calls)
     for _ in range(reps):
-        for j, (fn, r) in enumerate(calls):
+        for j, fn in enumerate(calls):
             t0 = time.perf_counter()
-            fn(a.ctypes.data, a.size, ia.ctypes.data, ia.size, r.ctypes.data)
+            fn()
             best[j] = min(best[j], time.perf_counter() - t0)
     return best
 
 
-def measure() -> tuple:
-    """(limit, nt limit, {"size:ta" or "MxNxK": [micro us, blas us]}) -- see the module docstring."""
-    micro, blas = _entry("k_matmul_micro"), _entry("k_matmul")
-    ia = np.zeros(64, np.int32)
-    limit, times = MIN_LIMIT, {}
+def _product(M, N, K, ta, tb):
+    """(arena, oA, oB, oC, the row fields) of a product C = op(A) @ op(B) laid out from offset 32."""
+    oA, oB = 32, 32 + M * K
+    oC = oB + K * N
+    a = np.random.default_rng(0).standard_normal(oC + M * N).astype(np.float32)
+    a[16:18] = (1.0, 0.0)                                  # oconst: alpha, beta
+    return a, oA, oB, oC, dict(oA=oA, oB=oB, oC=oC, nbatch=1, M=M, N=N, K=K, sA=0, sB=0, sC=0, ta=ta, tb=tb,
+                               obias=0)
 
-    def calls(M, N, K, ta, tb):
-        oA, oB = 32, 32 + M * K
-        oC = oB + K * N
-        a = np.random.default_rng(0).standard_normal(oC + M * N).astype(np.float32)
-        a[16:18] = (1.0, 0.0)                                  # oconst: alpha, beta
-        common = dict(oA=oA, oB=oB, oC=oC, nbatch=1, M=M, N=N, K=K, sA=0, sB=0, sC=0, ta=ta, tb=tb, obias=0)
-        return a, [(micro, _row("k_matmul_micro", **common, osum=0, ores=0, relu=0)),
-                   (blas, _row("k_matmul", **common, beta=0, osc=0, oconst=16, nparts=1))]
+
+def _call(fn, a, r):
+    """A zero-argument call of the library entry fn on arena a and row r."""
+    ia = np.zeros(64, np.int32)
+    return lambda: fn(a.ctypes.data, a.size, ia.ctypes.data, ia.size, r.ctypes.data)
+
+
+def measure() -> tuple:
+    """(the B limit, {"size:ta": [micro us, blas us]}) -- see the module docstring."""
+    micro, blas = _entries()
+    limit, times = MIN_LIMIT, {}
     for size in SIZES:
         total = [0.0, 0.0]
         for ta, M, K in ((0, 512, 256), (1, 256, 512)):          # a forward product, a dW = X^T dY
-            a, c = calls(M, size // K, K, ta, 0)
-            best = _race(c, a, ia, REPS + (size == SIZES[0]))   # the first call of all warms up
+            a, *_, f = _product(M, size // K, K, ta, 0)
+            calls = [_call(micro, a, _row("k_matmul_micro", **f, osum=0, ores=0, relu=0)),
+                     _call(blas, a, _row("k_matmul", **f, beta=0, osc=0, oconst=16, nparts=1))]
+            best = _race(calls, REPS + (size == SIZES[0]))        # the first call of all warms up
             times[f"{size}:{ta}"] = [round(t * 1e6, 1) for t in best]
             total = [total[0] + best[0], total[1] + best[1]]
         if total[0] <= total[1]:
             limit = size
-    nt = NT_MACS
+    return limit, times
+
+
+def measure_nt() -> tuple:
+    """(the B^T limit on few rows, {"MxNxK": [micro us, blas us]}) -- see the module docstring."""
+    micro, blas = _entries()
+    nt, times, total = NT_MACS, {}, [0.0, 0.0]
     for M, N, K in NT_PROBES:
-        a, c = calls(M, N, K, 0, 1)
-        best = _race(c, a, ia, 4 * REPS)
+        a, *_, f = _product(M, N, K, 0, 1)
+        calls = [_call(micro, a, _row("k_matmul_micro", **f, osum=0, ores=0, relu=0)),
+                 _call(blas, a, _row("k_matmul", **f, beta=0, osc=0, oconst=16, nparts=1))]
+        best = _race(calls, 4 * REPS)
         times[f"{M}x{N}x{K}"] = [round(t * 1e6, 2) for t in best]
-        if best[0] > best[1]:
-            break
-        nt = M * N * K
-    return limit, nt, times
+        total = [total[0] + best[0], total[1] + best[1]]
+        if total[0] <= total[1]:
+            nt = M * N * K
+    return nt, times
