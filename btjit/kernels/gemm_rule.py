@@ -10,8 +10,8 @@ to which the micro-kernels take less time for the two, MIN_LIMIT if they lose at
 OpenBLAS: 1.2-1.6x on a transformer's dW products of 98K-131K floats; the GPT at S1 and S3 7-8% faster with
 the limit at 2M floats than at 128K.)
 Remembered in `gemm.json` keyed by the CPU and the BLAS choice; $BTJIT_MICRO_B_MAX (floats) overrides.
-The second, measured apart (k_matmul_micro and k_matmul compiled if missing; only programs with such
-products ask): B^T products of 8-32 rows (NT_PROBES, 65K-1M multiply-adds), best of 20 interleaved entry
+The second, measured apart (k_matmul_micro against a direct sgemm call; only programs with such products
+ask): B^T products of 8-32 rows (NT_PROBES, 65K-1M multiply-adds), best of 20 interleaved
 calls; the limit is the largest probe up to which gemm_micro_nt takes no longer than BLAS for the probes so
 far together, linalg.NT_MACS if none (Zen 4, OpenBLAS, timed in a loop: 32 x 128 x 64 in 5.4 against
 8.1 us, 8 x 128 x 64 1.4 against 1.9 us). Remembered in `gemm_nt.json`; $BTJIT_NT_MACS overrides.
@@ -127,9 +127,11 @@ def _product(M, N, K, ta, tb):
 
 
 def _call(fn, a, r):
-    """A zero-argument call of the library entry fn on arena a and row r."""
+    """A zero-argument call of the library entry fn on arena a and row r (the pointers taken once: numpy's
+    .ctypes costs ~1 us a time)."""
     ia = np.zeros(64, np.int32)
-    return lambda: fn(a.ctypes.data, a.size, ia.ctypes.data, ia.size, r.ctypes.data)
+    args = (a.ctypes.data, a.size, ia.ctypes.data, ia.size, r.ctypes.data)
+    return lambda: fn(*args)
 
 
 def measure() -> tuple:
@@ -151,14 +153,23 @@ def measure() -> tuple:
 
 
 def measure_nt() -> tuple:
-    """(the B^T limit on few rows, {"MxNxK": [micro us, blas us]}) -- see the module docstring."""
-    micro, blas = _entries()
+    """(the B^T limit on few rows, {"MxNxK": [micro us, sgemm us]}) -- see the module docstring. The chosen
+    BLAS's sgemm is called directly (column-major C^T = B A^T, as common.gemm issues it), so only
+    k_matmul_micro, which such a program runs anyway, needs to be in the library; the entry's own call work
+    is on the micro-kernels' side."""
+    from btjit.kernels import blas
+    (micro,) = _entries(("k_matmul_micro",))
+    sgemm = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * 13))(blas.CHOICE["sgemm"])
     nt, times, total = NT_MACS, {}, [0.0, 0.0]
     for M, N, K in NT_PROBES:
-        a, *_, f = _product(M, N, K, 0, 1)
-        calls = [_call(micro, a, _row("k_matmul_micro", **f, osum=0, ores=0, relu=0)),
-                 _call(blas, a, _row("k_matmul", **f, beta=0, osc=0, oconst=16, nparts=1))]
-        best = _race(calls, 4 * REPS)
+        a, oA, oB, oC, f = _product(M, N, K, 0, 1)
+        keep = [ctypes.c_int(v) for v in (N, M, K, K, K, N)] + [ctypes.c_float(1.0), ctypes.c_float(0.0),
+                                                                  ctypes.c_char(b"T"), ctypes.c_char(b"N")]
+        n_, m_, k_, lda, ldb, ldc, one, zero, tr, no = (ctypes.addressof(x) for x in keep)
+        p = a.ctypes.data
+        args = (tr, no, n_, m_, k_, one, p + 4 * oB, lda, p + 4 * oA, ldb, zero, p + 4 * oC, ldc)
+        best = _race([_call(micro, a, _row("k_matmul_micro", **f, osum=0, ores=0, relu=0)),
+                      lambda args=args, keep=keep: sgemm(*args)], 4 * REPS)   # keep: the arguments' storage
         times[f"{M}x{N}x{K}"] = [round(t * 1e6, 2) for t in best]
         total = [total[0] + best[0], total[1] + best[1]]
         if total[0] <= total[1]:
