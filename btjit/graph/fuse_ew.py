@@ -167,8 +167,9 @@ def _fused_eqn(g, eqns, body, members, needed, dry=False):
                 op_ = UNARY.get(e.op, BIN + BINARY.get(e.op, 0))
                 instrs.append((WHERE, code[o.id], *srcs) if e.op == "where" else (op_, code[o.id], srcs[0], srcs[-1], 0))
             for v in set(e.ins):                         # registers read for the last time are free again
-                r = code[v.id]
-                if r >= 0 and last[v.id] == t and not any(c == r and last.get(w, -1) > t for w, c in code.items()):
+                r = code[v.id]                           # (once: aliases, e.g. x and broadcast_to(x), share one)
+                if r >= 0 and r not in free and last[v.id] == t \
+                        and not any(c == r and last.get(w, -1) > t for w, c in code.items()):
                     free.append(r)
     except IndexError:                                   # out of registers
         return None
