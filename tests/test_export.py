@@ -87,45 +87,42 @@ def test_tensor_exports_reproduce_the_trajectory_bitwise_without_numba(tmp_path)
 
 
 
-def test_exports_link_the_generated_attention_entries(tmp_path):
-    """Batch 16 (the lanes kernels) and 1 (the pairs kernels moving one sequence themselves): entries that are
-    llvmlite's object code, not numba's, linked into the export and run bitwise as in-process."""
+def _exports_run_bitwise(tmp_path, cases):
+    """cases: (name, program, its batches, an entry it must run): each exported, then stepped on its batches
+    in a fresh interpreter from the export; the losses must equal the in-process ones bit for bit."""
     jobs, expect = {}, {}
-    for B, kernel in ((16, "k_attn_fwd_lanes"), (1, "k_attn_fwd_pairs")):
-        data = batches(3, B, seed=B)
-        np.savez(tmp_path / f"b{B}.npz", **{f"x{i}": x for i, (x, _) in enumerate(data)},
-                 **{f"y{i}": y for i, (_, y) in enumerate(data)})
-        prog = gpt_program(btjit.optim.AdamW(lr=1e-2), B=B)
+    for name, prog, data, kernel in cases:
         assert any(e.startswith(kernel) for e in prog.kernels.entries)
-        prog.export(tmp_path / f"B{B}")
-        expect[f"B{B}"] = [prog.step(x, y) for x, y in data]
-        jobs[f"B{B}"] = {"kind": "tensor", "dir": str(tmp_path / f"B{B}"), "batches": str(tmp_path / f"b{B}.npz"),
-                         "steps": len(data)}
+        np.savez(tmp_path / f"{name}.npz", **{f"x{i}": x for i, (x, _) in enumerate(data)},
+                 **{f"y{i}": y for i, (_, y) in enumerate(data)})
+        prog.export(tmp_path / name)
+        expect[name] = [prog.step(x, y) for x, y in data]
+        jobs[name] = {"kind": "tensor", "dir": str(tmp_path / name), "batches": str(tmp_path / f"{name}.npz"),
+                      "steps": len(data)}
     got = run_fresh(jobs)
     for name, losses in expect.items():
         assert got[name]["losses"] == losses, name
+
+
+def test_exports_link_the_generated_attention_entries(tmp_path):
+    """Batch 16 (the lanes kernels) and 1 (the pairs kernels moving one sequence themselves): entries that are
+    llvmlite's object code, not numba's, linked into the export and run bitwise as in-process."""
+    _exports_run_bitwise(tmp_path, [(f"B{B}", gpt_program(btjit.optim.AdamW(lr=1e-2), B=B), batches(3, B, seed=B),
+                                     kernel) for B, kernel in ((16, "k_attn_fwd_lanes"), (1, "k_attn_fwd_pairs"))])
 
 
 def test_exports_of_the_kept_and_flash_attention(tmp_path):
     """A GPT whose attention runs the kept kernels (T 16, head size 8) and one on the flash kernels (T 64, head
     size 4): exported, run bitwise as in-process."""
-    jobs, expect = {}, {}
+    cases = []
     for T, C, kernel in ((16, 16, "k_attn_fwd_kept"), (64, 8, "k_attn_fwd_flash")):
         cfg = gpt.GPTConfig(vocab_size=11, n_layer=1, n_head=2, n_embd=C, block_size=T)
         rng = np.random.default_rng(T)
         data = [tuple(rng.integers(0, 11, (2, T)).astype(np.int32) for _ in "xy") for _ in range(3)]
-        np.savez(tmp_path / f"b{T}.npz", **{f"x{i}": x for i, (x, _) in enumerate(data)},
-                 **{f"y{i}": y for i, (_, y) in enumerate(data)})
         prog = btjit.trace(gpt.loss_fn(cfg), gpt.init_params(cfg, np.random.default_rng(1)), *data[0],
                            optimizer=btjit.optim.AdamW(lr=1e-2))
-        assert any(e.startswith(kernel) for e in prog.kernels.entries)
-        prog.export(tmp_path / f"T{T}")
-        expect[f"T{T}"] = [prog.step(x, y) for x, y in data]
-        jobs[f"T{T}"] = {"kind": "tensor", "dir": str(tmp_path / f"T{T}"), "batches": str(tmp_path / f"b{T}.npz"),
-                         "steps": len(data)}
-    got = run_fresh(jobs)
-    for name, losses in expect.items():
-        assert got[name]["losses"] == losses, name
+        cases.append((f"T{T}", prog, data, kernel))
+    _exports_run_bitwise(tmp_path, cases)
 
 
 def scalar_fn(lowering, dtype):
