@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from .ir import Eqn, Graph
-from . import ops as _ops
+from .optable import TABLE, ShapeError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _STACK: list = []          # graphs being built (innermost last)
@@ -82,8 +82,8 @@ def emit(op: str, ins, **attrs):
             raise TraceError(f"{op}: uses a traced value from another btjit.trace call (kept in a global or closure); "
                              f"tracers are only valid inside the function being traced — {user_src()}")
     try:
-        types = _ops.TABLE[op].infer([(t.var.shape, t.var.dtype) for t in ins], attrs, g.float_dtype)
-    except _ops.ShapeError as e:
+        types = TABLE[op].infer([(t.var.shape, t.var.dtype) for t in ins], attrs, g.float_dtype)
+    except ShapeError as e:
         shapes = " and ".join(str(t.var.shape) for t in ins)
         raise TraceError(f"{op}: {e} (input shapes {shapes}) — {user_src()}") from None
     outs = tuple(g.new_var(s, d) for s, d in types)

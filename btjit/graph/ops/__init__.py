@@ -10,4 +10,4 @@ kernel's row declaration (`@row` in btjit/kernels).
 from . import elementwise, layout, matmul, nn  # noqa: F401 -- each registers its ops in TABLE
 from .matmul import micro_gemm, split_gemm  # noqa: F401
 from .nn import IGNORE_NONE  # noqa: F401
-from .table import TABLE, Case, OpDef, ShapeError, bstrides, cstrides, loop_nest  # noqa: F401
+from ..optable import TABLE, Case, OpDef, ShapeError, bstrides, cstrides, loop_nest  # noqa: F401
