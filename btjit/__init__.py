@@ -16,7 +16,7 @@ __all__ = ["trace", "trace_scalar", "Program", "set_num_threads", "replicas_for"
 
 def __getattr__(name):
     if name in __all__:
-        from . import _api
+        from btjit import _api
         return getattr(_api, name)
     raise AttributeError(f"module 'btjit' has no attribute {name!r}")
 

@@ -75,7 +75,7 @@ class OptimConfig:
     betas: typing.Tuple[float, float] = (0.9, 0.999)   # adamw only
     eps: float = 1e-8                   # adamw only
     clip_norm: float = 0.0              # global gradient-norm clip; 0 = off
-    schedule: str = "constant"          # "constant", "cosine" or "linear" (btjit.schedule; nanoGPT's get_lr)
+    schedule: str = "constant"          # "constant", "cosine" or "linear" (btjit.train.schedule; nanoGPT's get_lr)
     warmup_steps: int = 0               # linear warm-up over the first steps (any schedule)
     decay_steps: int = 0                # cosine/linear: lr reaches lr_min at this step; 0 = train.steps
     lr_min: float = 0.0                 # cosine/linear: the final learning rate
@@ -125,7 +125,7 @@ CHOICES = {
     ("data", "format"): ("text", "lines", "words"), ("train", "dtype"): ("float32", "float64"),
     ("train", "on_nonfinite"): ("stop", "skip"), ("optim", "name"): ("sgd", "adamw"),
     ("optim", "schedule"): ("constant", "cosine", "linear"),
-    ("data", "corpus"): ("tinyshakespeare", "names", "pydoc"),     # btjit.data.CORPUS_NAMES; None allowed
+    ("data", "corpus"): ("tinyshakespeare", "names", "pydoc"),     # btjit.train.data.CORPUS_NAMES; None allowed
     ("distributed", "compressor"): ("none", "topk", "randk"),
 }
 POSITIVE = {  # must be >= 1
@@ -270,7 +270,7 @@ def validate(cfg: Config, source: str = "config") -> None:
 
 
 def _validate_schedule(cfg: Config, bad) -> None:
-    """The [optim] LR schedule must be possible within train.steps (btjit.schedule.lr_at)."""
+    """The [optim] LR schedule must be possible within train.steps (btjit.train.schedule.lr_at)."""
     o, steps = cfg.optim, cfg.train.steps
     if o.warmup_steps >= steps:
         bad(f"optim.warmup_steps = {o.warmup_steps} must be less than train.steps ({steps}): the warm-up "
