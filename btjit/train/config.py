@@ -50,18 +50,18 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 3000
-    batch_size: int = 64
+    steps: int = 3000                   # optimizer steps (updates) to train for
+    batch_size: int = 64                # sequences (or examples) per micro-batch
     grad_accum: int = 1                 # micro-batches of batch_size per update (gradient accumulation)
-    seed: int = 1337
+    seed: int = 1337                    # drives everything: init, batches, sampling
     dtype: str = "float32"              # "float32" or "float64"
     eval_interval: int = 250            # 0 = never (still evaluated at start and end)
-    eval_batches: int = 20
+    eval_batches: int = 20              # val batches averaged per evaluation
     sample_interval: int = 1000         # 0 = never
-    sample_chars: int = 200
-    log_interval: int = 100
+    sample_chars: int = 200             # characters per sample
+    log_interval: int = 100             # steps between progress lines (and train events in metrics.jsonl)
     checkpoint_interval: int = 500      # 0 = only at the end
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = 3           # newest checkpoints kept in the run dir (best.npz apart)
     on_nonfinite: str = "stop"          # "stop" or "skip"
     threads: int = 1                    # 0 = all cores
 
@@ -69,9 +69,9 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     name: str = "sgd"                   # "sgd" or "adamw"
-    lr: float = 3e-4
+    lr: float = 3e-4                    # peak learning rate (the schedule scales it per step)
     momentum: float = 0.0               # sgd only
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0           # decoupled (adamw) or L2 (sgd) weight decay
     betas: typing.Tuple[float, float] = (0.9, 0.999)   # adamw only
     eps: float = 1e-8                   # adamw only
     clip_norm: float = 0.0              # global gradient-norm clip; 0 = off
