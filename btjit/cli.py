@@ -83,7 +83,7 @@ def cli(debug):
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override a config value (a TOML value), e.g. --set train.steps=100. Repeatable.")
 @click.option("--resume", is_flag=True, help="Continue from the latest valid checkpoint of the run dir.")
-@click.option("--threads", type=int, help="Threads (overrides train.threads; 0 = all cores).")
+@click.option("--threads", type=int, help="Threads (overrides train.threads; 0 = every core, the default).")
 @click.option("--distributed/--no-distributed", default=None,
               help="Data-parallel over MPI: run as `mpiexec -n N btjit train ...` (needs mpi4py: pip install "
                    "'btjit[mpi]'). Default: on when an MPI launcher started more than one process.")
@@ -242,7 +242,8 @@ def plot(run_dir, out, debug):
 @click.option("--only", default=None, metavar="E1,E6b1,...", help="Only these workloads.")
 @click.option("--peers", default=None, metavar="torch,jax,micrograd,autograd|none",
               help="Peers to run beside btjit (default: every installed one).")
-@click.option("--threads", type=int, default=1, show_default=True, help="Threads for every measurement.")
+@click.option("--threads", type=int, default=None,
+              help="Threads for every measurement (default: every core the process may run on).")
 @click.option("--reps", type=int, default=5, show_default=True, help="Timed repetitions (median reported).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the rows as JSON.")
 @click.option("--compile", "use_compile", is_flag=True, help="Add torch.compile rows for E5/E6.")
@@ -251,6 +252,8 @@ def plot(run_dir, out, debug):
 def bench(suite, only, peers, threads, reps, json_path, use_compile, profile, debug):
     """Run the paper's workloads (E1-E6) for btjit and each installed peer, side by side."""
     from btjit.bench import harness
+    from btjit.host.threads import cores
+    threads = threads or cores()
     if suite == "mpi":                  # E6 data-parallel over MPI at 1 and 2 ranks (btjit/bench/mpi.py)
         from btjit.bench import mpi as mpi_bench
         from btjit.train.distributed import require_mpi
