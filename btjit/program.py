@@ -92,7 +92,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     if replicas > 1 and (aux or out.shape != ()):
         raise T.TraceError(f"replicas={replicas} averages one scalar over the replicas; the traced function "
                            f"returns {'outputs ' + ', '.join(map(repr, aux)) if aux else f'shape {out.shape}'}")
-    g.outputs = {"out": out.var, **{k: v.var for k, v in aux.items()}}
+    g.outputs = {"out": out.node, **{k: v.node for k, v in aux.items()}}
     fuse.fuse_attention(g, TABLE)
     fuse.fuse_gelu(g)
     fuse.fold_embedding_matmul(g)
@@ -102,9 +102,9 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     g.n_forward = len(g.eqns)
     grad = (optimizer is not None) if grad is None else grad
     if grad:
-        if out.shape != () or out.var.dtype == "i32":
+        if out.shape != () or out.node.dtype == "i32":
             raise T.TraceError(f"the loss must be a float scalar to differentiate, got shape {out.shape}")
-        g.loss = out.var
+        g.loss = out.node
         grads = autodiff.differentiate(g)
         fuse.fuse_grad_accumulation(g)
         for name in g.params:
@@ -138,7 +138,7 @@ def _pin(g: Graph, grads: dict) -> dict:
             with T.building(g):
                 c = T.copy(T.Tracer(v, g))
             copies.append(g.eqns.pop())
-            v, r = c.var, c.var.id
+            v, r = c.node, c.node.id
         pinned[r] = tag
         return v
 
