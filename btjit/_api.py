@@ -1,10 +1,11 @@
 """btjit's public API (what `import btjit` exposes), imported on first use by btjit/__init__.py so that
 `import btjit.runtime` -- an exported program, ctypes and numpy only -- never loads numba."""
 from . import optim, threads
-from .graph.trace import (TraceError, abs, arange, broadcast_to, causal_attention, concatenate, copy, cross_entropy,
-                          equal, exp, gelu, layer_norm, log, log_softmax, matmul, max, maximum, mean, minimum,
-                          relu, reshape, roll, setitem, sigmoid, softmax, split, sqrt, stack, sum, swapaxes, take,
-                          tanh, transpose, where)
+from .graph.functional import logsumexp, nll_loss, silu, softplus
+from .graph.trace import (TraceError, abs, arange, broadcast_to, causal_attention, clip, concatenate, copy,
+                          cross_entropy, equal, erf, exp, gelu, layer_norm, log, log1p, log_softmax, matmul, max,
+                          maximum, mean, minimum, relu, reshape, roll, setitem, sigmoid, softmax, split, sqrt, stack,
+                          std, sum, swapaxes, take, tanh, transpose, var, where)
 from .program import Program, trace
 from .scalar import trace_scalar
 from .threads import replicas_for, set_num_threads

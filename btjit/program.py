@@ -339,6 +339,8 @@ def _index_bounds(graph) -> dict:
             hi, idx = e.ins[0].shape[1], e.ins[1]
         elif e.op == "cross_entropy":
             hi, idx, ok = e.ins[0].shape[-1], e.ins[1], e.attrs.get("ignore_index")
+        elif e.op == "check_index":
+            hi, idx, ok = e.attrs["hi"], e.ins[0], e.attrs.get("ok")
         if idx is not None:
             r = root.get(idx.id, idx.id)
             i = pos.get(r)

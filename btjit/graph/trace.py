@@ -569,29 +569,37 @@ def _last_axis_only(op, x, axis):
         raise TraceError(f"{op}: only the last axis is supported (got axis={axis}); transpose first — {user_src()}")
 
 
+def class_targets(op, logits, targets, ignore_index, reduction, reductions):
+    """Check a loss's reduction, ignore_index and class-id targets for logits (..., C): constant targets
+    must be integers in [0, C) (or ignore_index) and become an int32 constant."""
+    if reduction not in reductions:
+        raise TraceError(f"{op}: reduction must be {' or '.join(map(repr, reductions))}, got {reduction!r} — "
+                         f"{user_src()}")
+    if ignore_index is not None and (not isinstance(ignore_index, (int, np.integer)) or isinstance(ignore_index, bool)
+                                     or not -2 ** 31 <= ignore_index < 2 ** 31):
+        raise TraceError(f"{op}: ignore_index must be an int32 class id or None, got {ignore_index!r} — "
+                         f"{user_src()}")
+    if isinstance(targets, Tracer):
+        return targets
+    t = np.asarray(targets)                  # constant targets: integer, in range (never read outside a row)
+    if t.dtype.kind not in "iu":
+        raise TraceError(f"{op}: targets must be integer class ids, got {t.dtype} — {user_src()}")
+    n = logits.shape[-1] if logits.ndim else 0
+    bad = t[(t != ignore_index) if ignore_index is not None else np.ones(t.shape, bool)]
+    if bad.size and (bad.min() < 0 or bad.max() >= n):
+        raise TraceError(f"{op}: target values must be in [0, {n})"
+                         f"{'' if ignore_index is None else f' or {ignore_index}'}, got min {bad.min()} max "
+                         f"{bad.max()} — {user_src()}")
+    return Tracer(current_graph().const(t, "i32"), current_graph())
+
+
 def cross_entropy(logits, targets, ignore_index=None, reduction="mean"):
     """Softmax cross-entropy of logits (..., V) against integer class ids (...), with torch's semantics:
     reduction "mean" (over the kept positions) or "sum"; positions whose target equals ignore_index (e.g. -1,
     makemore's and nanoGPT's padding) add nothing and get zero gradient. A batch with every position ignored
     gives NaN ("mean") or 0 ("sum"), and zero gradients -- as torch."""
     logits = lift(logits)
-    if reduction not in ("mean", "sum"):
-        raise TraceError(f"cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r} — {user_src()}")
-    if ignore_index is not None and (not isinstance(ignore_index, (int, np.integer)) or isinstance(ignore_index, bool)
-                                     or not -2 ** 31 <= ignore_index < 2 ** 31):
-        raise TraceError(f"cross_entropy: ignore_index must be an int32 class id or None, got {ignore_index!r} — "
-                         f"{user_src()}")
-    if not isinstance(targets, Tracer):      # constant targets: integer, in range (never read outside a row)
-        t = np.asarray(targets)
-        if t.dtype.kind not in "iu":
-            raise TraceError(f"cross_entropy: targets must be integer class ids, got {t.dtype} — {user_src()}")
-        n = logits.shape[-1] if logits.ndim else 0
-        bad = t[(t != ignore_index) if ignore_index is not None else np.ones(t.shape, bool)]
-        if bad.size and (bad.min() < 0 or bad.max() >= n):
-            raise TraceError(f"cross_entropy: target values must be in [0, {n})"
-                             f"{'' if ignore_index is None else f' or {ignore_index}'}, got min {bad.min()} max "
-                             f"{bad.max()} — {user_src()}")
-        targets = Tracer(current_graph().const(t, "i32"), current_graph())
+    targets = class_targets("cross_entropy", logits, targets, ignore_index, reduction, ("mean", "sum"))
     attrs = {k: v for k, v in (("ignore_index", None if ignore_index is None else int(ignore_index)),
                                ("reduction", reduction)) if v not in (None, "mean")}
     return emit("cross_entropy", (logits, targets), **attrs)[0]
