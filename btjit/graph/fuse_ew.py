@@ -19,6 +19,7 @@ from btjit.kernels.fused import BIN, LOAD, MAX_OPERANDS, NREG, WHERE
 
 from .ir import Eqn, Graph
 from .ops import bstrides, cstrides, loop_nest
+from .ops.layout import _slice_view
 
 UNARY = {"neg": EW.U_NEG, "exp": EW.U_EXP, "log": EW.U_LOG, "tanh": EW.U_TANH, "relu": EW.U_RELU,
          "sigmoid": EW.U_SIGMOID, "sqrt": EW.U_SQRT, "abs": EW.U_ABS, "erf": EW.U_ERF, "log1p": EW.U_LOG1P}
@@ -32,9 +33,23 @@ REMAT = 16
 
 
 def _fusable(e: Eqn) -> bool:
-    if e.op not in UNARY and e.op not in BINARY and e.op not in ALIAS and e.op not in ("where", "pow"):
+    if e.op not in UNARY and e.op not in BINARY and e.op not in ALIAS and e.op not in ("where", "pow", "slice"):
         return False
     return all(v.dtype != "i32" for v in e.ins + e.outs) and len(e.outs) == 1
+
+
+def _sink(e: Eqn, producer, group_of, groups, closed, region):
+    """The open group a concatenate of its values (each of the group's shape) can join: the group then writes
+    them into the concatenation's regions (the gradient of split gates). None if there is none."""
+    if e.op != "concatenate" or e.outs[0].dtype == "i32":
+        return None
+    ks = {group_of.get(producer.get(v.id)) for v in e.ins} - {None}
+    if len(ks) != 1:
+        return None
+    (k,) = ks
+    grp = groups[k]
+    ok = k not in closed and grp["fwd"] == region and all(v.shape == grp["shape"] for v in e.ins)
+    return k if ok and len(grp["members"]) < MAX_MEMBERS else None
 
 
 def fuse_elementwise(g: Graph) -> None:
@@ -46,7 +61,13 @@ def fuse_elementwise(g: Graph) -> None:
     for i, e in enumerate(eqns):
         region = i < n_fwd
         src_groups = {group_of[producer[v.id]] for v in e.ins if producer.get(v.id) in group_of}
-        if not _fusable(e) or e.op in ALIAS and any(producer.get(v.id) in group_of for v in e.ins):
+        k = _sink(e, producer, group_of, groups, closed, region)
+        if k is not None:
+            groups[k]["members"].append(i)
+            group_of[i] = k
+            closed.update(src_groups - {k})
+            continue
+        if not _fusable(e) or (e.op in ALIAS or e.op == "slice") and any(producer.get(v.id) in group_of for v in e.ins):
             closed.update(src_groups)
             continue
         shape = e.outs[0].shape
@@ -88,7 +109,8 @@ def fuse_elementwise(g: Graph) -> None:
         return v.id in keep or any(group_of.get(i) not in body or producer[v.id] not in body[group_of[i]]
                                    for i in readers.get(v.id, ()))
     while True:                                         # groups the kernel cannot hold stay unfused
-        bad = [k for k in body if _fused_eqn(g, eqns, body[k], groups[k]["members"], needed, dry=True) is None]
+        bad = [k for k in body if _fused_eqn(g, eqns, body[k], groups[k]["members"], needed, groups[k]["shape"],
+                                             dry=True) is None]
         if not bad:
             break
         for k in bad:
@@ -99,7 +121,7 @@ def fuse_elementwise(g: Graph) -> None:
         if k in body:
             if i != max(groups[k]["members"]):
                 continue
-            out = [_fused_eqn(g, eqns, body[k], groups[k]["members"], needed)]
+            out = [_fused_eqn(g, eqns, body[k], groups[k]["members"], needed, groups[k]["shape"])]
         else:
             out = [e]
         new += out
@@ -117,7 +139,8 @@ def _cone(eqns, producer, group_of, groups, j, shape):
         t = todo.pop()
         if t in cone:
             continue
-        if eqns[t].outs[0].shape != shape or eqns[t].op in ALIAS and eqns[t].ins[0].shape != shape:
+        if eqns[t].outs[0].shape != shape or eqns[t].op in ALIAS and eqns[t].ins[0].shape != shape \
+                or eqns[t].op == "concatenate":
             return None
         cone.add(t)
         if len(cone) > REMAT:
@@ -126,37 +149,82 @@ def _cone(eqns, producer, group_of, groups, j, shape):
     return cone
 
 
-def _fused_eqn(g, eqns, body, members, needed, dry=False):
-    """The ew_fused equation computing eqns[body] (in order), storing the values of its members `needed`
-    outside (the other body equations are recomputed forward values: their own group stores what is
-    needed); None if it needs more registers or operands than the kernel has (dry: only whether it fits)."""
+def _fused_eqn(g, eqns, body, members, needed, shape, dry=False):
+    """The ew_fused equation computing eqns[body] (in order) over `shape`, storing the values of its members
+    `needed` outside (the other body equations are recomputed forward values: their own group stores what is
+    needed); None if it needs more registers or operands than the kernel has (dry: only whether it fits).
+
+    Operands: a value read (its strides broadcast to the shape) or a slice's region of one, read in place
+    (iview: offset and strides per input operand); a value written, or one region of a concatenation
+    (oview: output index, offset and strides per output operand)."""
     members = set(members)
-    shape = eqns[body[-1]].outs[0].shape
     es = [Eqn("pow2", (e.ins[0], g.const(np.asarray(e.attrs["p"]), g.float_dtype)), e.outs) if e.op == "pow" else e
           for e in (eqns[j] for j in body)]
-    ins, outs, made = [], [], set()
+    ins, outs, oview, made = [], [], [], set()      # ins: (value id, var, offset, strides)
     for j, e in zip(body, es):
-        ins += [v for v in e.ins if v.id not in made and all(v.id != w.id for w in ins)]
-        made.add(e.outs[0].id)
-        if j in members and needed(e.outs[0]):
-            outs.append(e.outs[0])
-    if len(ins) + len(outs) > MAX_OPERANDS or not outs:
+        o = e.outs[0]
+        need = j in members and needed(o)
+        if e.op == "slice":                             # keyed -1 - id: the slice's value may be an output too
+            ins.append((-1 - o.id, e.ins[0], *_slice_view(e.ins[0].shape, e.attrs)))
+        elif e.op != "concatenate":
+            ins += [(v.id, v, 0, bstrides(v.shape, shape)) for v in e.ins
+                    if v.id not in made and all(v.id != w[0] for w in ins)]
+        made.add(o.id)
+        if need and e.op == "concatenate":
+            st, ax, lo = cstrides(o.shape), e.attrs["axis"], 0
+            for v in e.ins:
+                oview.append((len(outs), lo * st[ax], st))
+                lo += v.shape[ax]
+        elif need:
+            oview.append((len(outs), 0, cstrides(shape)))
+        if need:
+            outs.append(o)
+    if len(ins) + len(oview) > MAX_OPERANDS or not outs:
         return None
-    opers = [(0, bstrides(v.shape, shape) or (0,)) for v in ins] + [(0, cstrides(shape) or (0,)) for _ in outs]
+    opers = [(0, st or (0,)) for *_, st in ins] + [(0, st or (0,)) for *_, st in oview]
     (_, inner), *_ = loop_nest(shape or (1,), opers, 4)
-    code = {v.id: -1 - k for k, v in enumerate(ins) if inner[-1][1][k] == 1}     # read in place
-    code.update({o.id: -1 - len(ins) - k for k, o in enumerate(outs)})            # written in place
+    code = {vid: -1 - k for k, (vid, *_) in enumerate(ins) if inner[-1][1][k] == 1}     # read in place
+    region = {}                                   # (concat eqn index, input position) -> its output operand code
+    q = 0
+    for t, e in enumerate(es):
+        if e.op == "concatenate" and e.outs[0] in outs:
+            for p in range(len(e.ins)):
+                region[t, p] = -1 - len(ins) - q
+                q += 1
+        elif e.outs[0] in outs:
+            code[e.outs[0].id] = -1 - len(ins) - q                                          # written in place
+            q += 1
+    computed = {e.outs[0].id for e in es if e.op not in ALIAS and e.op not in ("slice", "concatenate")}
+    for (t, p), c in region.items():       # a value computed here for one region only: written there directly
+        v = es[t].ins[p]
+        if v.id in computed and v.id not in code and sum(v.id == w.id for e in es for w in e.ins) == 1:
+            code[v.id] = c
     last = {v.id: t for t, e in enumerate(es) for v in e.ins}
     free, instrs = list(range(NREG - 1, -1, -1)), []
     try:
         for t, e in enumerate(es):
+            o = e.outs[0]
+            if e.op == "slice":
+                key = -1 - o.id
+                if key not in code:                      # strided: into a register
+                    code[key] = free.pop()
+                    instrs.append((LOAD, code[key], next(k for k, w in enumerate(ins) if w[0] == key), 0, 0))
+                if o.id in code:                         # a needed slice: copied out, later reads from there
+                    instrs.append((EW.U_COPY, code[o.id], code[key], code[key], 0))
+                    if code[key] >= 0:
+                        free.append(code[key])
+                else:
+                    code[o.id] = code[key]
+                continue
             for v in e.ins:
                 if v.id not in code:                     # broadcast / strided operand: into a register
                     code[v.id] = free.pop()
-                    instrs.append((LOAD, code[v.id], ins.index(v), 0, 0))
+                    instrs.append((LOAD, code[v.id], next(k for k, w in enumerate(ins) if w[0] == v.id), 0, 0))
             srcs = [code[v.id] for v in e.ins]
-            o = e.outs[0]
-            if e.op in ALIAS:
+            if e.op == "concatenate":
+                instrs += [(EW.U_COPY, region[t, p], c, c, 0) for p, c in enumerate(srcs)
+                           if (t, p) in region and c != region[t, p]]
+            elif e.op in ALIAS:
                 if o.id in code:                         # a needed alias: copied out
                     instrs.append((EW.U_COPY, code[o.id], srcs[0], srcs[0], 0))
                 else:
@@ -178,7 +246,9 @@ def _fused_eqn(g, eqns, body, members, needed, dry=False):
     prog = [len(instrs), len(opers), *[n for n, _ in inner]] + \
         [st[q] for q in range(len(opers)) for _, st in inner] + [x for q in instrs for x in q]
     pvar = g.const(np.array(prog, np.int64).astype(np.int32), "i32")
-    return Eqn("ew_fused", (pvar, *ins), tuple(outs),
-               {"shape": shape, "outs": tuple(o.id for o in outs), "ins": tuple(v.id for v in ins),
+    return Eqn("ew_fused", (pvar, *[w[1] for w in ins]), tuple(outs),
+               {"shape": shape, "outs": tuple(o.id for o in outs), "ins": tuple(w[1].id for w in ins),
+                "oshapes": tuple(o.shape for o in outs), "iview": tuple((off, st) for _, _, off, st in ins),
+                "oview": tuple(oview),
                 "body": tuple((eqns[j].op, tuple(sorted(eqns[j].attrs.items())), tuple(v.id for v in eqns[j].ins),
                                eqns[j].outs[0].id) for j in body)}, eqns[body[-1]].src)
