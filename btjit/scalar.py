@@ -5,8 +5,9 @@
     values, grads = f.many(X)              # X (N, n_inputs) -> values (N,), grads (N, n_inputs); one native loop
 
 The function takes N positional scalars (named by its parameters: the graph's params; a `*args` function
-needs `n_args=`) and uses plain Python operators (+ - * / **, unary minus, comparisons inside btjit.where) and
-btjit.relu/tanh/exp/log/sigmoid/sqrt/abs/maximum/minimum/gelu/where on them; `x += y` rebinding works. It is
+needs `n_args=`) and uses plain Python operators (+ - * / **, unary minus, comparisons inside btjit.where),
+btjit.relu/tanh/exp/log/sigmoid/sqrt/abs/erf/log1p/maximum/minimum/gelu/where and the methods x.relu(),
+.tanh() .exp() .log() .sigmoid() .sqrt() .abs() on them; `x += y` rebinding works. It is
 traced once into the ordinary IR (shape () values), differentiated by the ordinary autodiff, dead code is
 removed, and it is lowered by btjit.graph.scalar: straight-line native code up to STRAIGHT_LINE_MAX
 instructions, a scalar tape run by one cached interpreter above it (`lowering=` forces either).
