@@ -96,8 +96,17 @@ def test_numpy_references():
     for fn, want in [(lambda v: np.var(v, axis=1, ddof=1), np.var(x, axis=1, ddof=1)),
                      (lambda v: v.std(axis=(0, 2), keepdims=True), x.std(axis=(0, 2), keepdims=True)),
                      (lambda v: np.clip(v, -0.3, 0.4), np.clip(x, -0.3, 0.4)),
-                     (lambda v: v.clip(-1.0, 0.1), x.clip(-1.0, 0.1))]:
+                     (lambda v: v.clip(-1.0, 0.1), x.clip(-1.0, 0.1)),
+                     (lambda v: np.log1p(v * v), np.log1p(x * x))] + _scipy_erf(x):
         np.testing.assert_allclose(_btjit(fn, x, "float64")[0], want, rtol=1e-12)
+
+
+def _scipy_erf(x):
+    try:
+        from scipy.special import erf
+    except ImportError:
+        return []
+    return [(lambda v: erf(v), erf(x))]          # a ufunc: __array_ufunc__ -> btjit.erf
 
 
 def test_logsumexp_infinities():

@@ -30,6 +30,9 @@ CHAINS = {
     # gradient of split pieces written into their concatenation (one piece's gradient an outside value)
     "slices": (lambda p: btjit.sum(btjit.tanh(p["g"][:, :4]) * p["g"][:, 8:] + btjit.sigmoid(p["g"][:, ::3])
                                    + (p["g"][:, :4] @ p["w"]) ** 2), {"g": (5, 12), "w": (4, 4)}),
+    "concatenation of a chain's value and another": (
+        lambda p: btjit.sum(btjit.concatenate([btjit.tanh(p["a"]) * p["b"], p["b"]], -1) @ p["w"]),
+        {"a": (4, 3), "b": (4, 3), "w": (6, 2)}),
     "split gradient": (lambda p: btjit.sum(_pieces(*btjit.split(p["g"] @ p["w"], 3, axis=-1))),
                        {"g": (6, 5), "w": (5, 12)}),
 }

@@ -166,7 +166,7 @@ def _fused_eqn(g, eqns, body, members, needed, shape, dry=False):
         need = j in members and needed(o)
         if e.op == "slice":                             # keyed -1 - id: the slice's value may be an output too
             ins.append((-1 - o.id, e.ins[0], *_slice_view(e.ins[0].shape, e.attrs)))
-        elif e.op != "concatenate":
+        else:
             ins += [(v.id, v, 0, bstrides(v.shape, shape)) for v in e.ins
                     if v.id not in made and all(v.id != w[0] for w in ins)]
         made.add(o.id)
