@@ -107,3 +107,37 @@ def test_gate_arithmetic_is_one_row_forward_and_one_backward(kind):
     assert len(gates) == 1, str(g)
     assert not any(e.op in ("slice", "slice_scatter", "concatenate") for e in g.eqns), str(g)
     assert any(s == (B, (4 if kind == "lstm" else 3) * H) for s in gates[0].attrs["oshapes"])
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_layer_against_torch_lstm_gru(kind):
+    from btjit.models.rnn_cells import gru, lstm
+    T_ = 4
+    mod = (torch.nn.LSTM if kind == "lstm" else torch.nn.GRU)(I, H).double()
+    rng = np.random.default_rng(5)
+    p = {k[:-3]: v.detach().numpy().copy() for k, v in mod.state_dict().items()}    # weight_ih_l0 -> weight_ih
+    p["h0"] = rng.normal(size=(B, H))
+    p["c0"] = rng.normal(size=(B, H))
+    xs, w = rng.normal(size=(T_, B, I)), rng.normal(size=(T_, B, H))
+
+    def loss(p):
+        args = (p["weight_ih"], p["weight_hh"], p["bias_ih"], p["bias_hh"])
+        ys, last = lstm(xs, (p["h0"], p["c0"]), *args) if kind == "lstm" else gru(xs, p["h0"], *args)
+        return btjit.sum(ys * w) + btjit.sum((last[1] if kind == "lstm" else last) * 0.3)
+    if kind == "gru":
+        del p["c0"]
+    prog = btjit.trace(loss, p, dtype="float64", grad=True)
+    got = prog.value_and_grad()
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in p.items()}
+    mod.load_state_dict({k + "_l0": torch.tensor(p[k]) for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")})
+    h0 = (tp["h0"][None], tp["c0"][None]) if kind == "lstm" else tp["h0"][None]
+    ys, last = mod(torch.tensor(xs), h0)
+    last = last[1][0] if kind == "lstm" else last[0]
+    want = (ys * torch.tensor(w)).sum() + (last * 0.3).sum()
+    want.backward()
+    assert abs(got - want.item()) < 1e-10 * max(1.0, abs(want.item()))
+    for k in ("h0", "c0") if kind == "lstm" else ("h0",):
+        np.testing.assert_allclose(prog.grads[k], tp[k].grad.numpy(), rtol=1e-10, atol=1e-12)
+    for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+        np.testing.assert_allclose(prog.grads[k], dict(mod.named_parameters())[k + "_l0"].grad.numpy(),
+                                   rtol=1e-10, atol=1e-12)

@@ -2,8 +2,10 @@
 row of the program-interpreting kernel (btjit/kernels/fused.py), so a new chain compiles nothing.
 
 Runs on the whole schedule after autodiff. A group is a set of float elementwise equations (unary, binary
-with broadcasting, where, the *_grad ops, broadcast_to and copy of an operand) with one output shape, the
-iteration space, inside one region (forward or backward). Equations join in schedule order; a group closes
+with broadcasting, where, the *_grad ops, broadcast_to and copy of an operand, a slice of a value made outside
+the group: read in place with the slice's offset and strides) with one output shape, the iteration space,
+inside one region (forward or backward), and concatenations of its values, which the group writes straight
+into their regions (an LSTM's gate gradients into one (B, 4H) array). Equations join in schedule order; a group closes
 as soon as an equation outside it reads one of its values (the fused equation sits at its last member's
 place, so every reader must come later). A backward group that needs a value computed inside a forward group
 recomputes it from that group's operands (up to REMAT equations) instead of reading it: the forward group

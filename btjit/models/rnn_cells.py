@@ -3,6 +3,7 @@ and semantics, so a torch state_dict's weight_ih / weight_hh / bias_ih / bias_hh
 
     h, c = lstm_cell(x, h, c, p["weight_ih"], p["weight_hh"], p["bias_ih"], p["bias_hh"])   # (B, H) each
     h = gru_cell(x, h, p["weight_ih"], p["weight_hh"], p["bias_ih"], p["bias_hh"])
+    ys, (h, c) = lstm(xs, (h, c), *weights)            # torch.nn.LSTM's one layer over xs (T, B, I)
 
 x (B, I), h and c (B, H); weight_ih (G*H, I), weight_hh (G*H, H), biases (G*H,) or None (torch's bias=False),
 G = 4 gates for the LSTM (input, forget, cell, output), 3 for the GRU (reset, update, new). The two products
@@ -37,3 +38,25 @@ def gru_cell(x, h, w_ih, w_hh, b_ih=None, b_hh=None):
     z = btjit.sigmoid(xz + hz)
     n = btjit.tanh(xn + r * hn)
     return (1.0 - z) * n + z * h
+
+
+def lstm(xs, state, w_ih, w_hh, b_ih=None, b_hh=None):
+    """One layer of torch.nn.LSTM (batch_first=False): xs (T, B, I), state (h, c) each (B, H) ->
+    (outputs (T, B, H), (h, c) after the last step). The loop unrolls into the graph, T cells."""
+    import btjit
+    h, c = state
+    ys = []
+    for t in range(xs.shape[0]):
+        h, c = lstm_cell(xs[t], h, c, w_ih, w_hh, b_ih, b_hh)
+        ys.append(h)
+    return btjit.stack(ys), (h, c)
+
+
+def gru(xs, h, w_ih, w_hh, b_ih=None, b_hh=None):
+    """One layer of torch.nn.GRU (batch_first=False): xs (T, B, I), h (B, H) -> (outputs (T, B, H), h)."""
+    import btjit
+    ys = []
+    for t in range(xs.shape[0]):
+        h = gru_cell(xs[t], h, w_ih, w_hh, b_ih, b_hh)
+        ys.append(h)
+    return btjit.stack(ys), h
