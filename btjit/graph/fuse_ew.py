@@ -41,17 +41,28 @@ def _fusable(e: Eqn) -> bool:
 
 
 def _sink(e: Eqn, producer, group_of, groups, closed, region):
-    """The open group a concatenate of its values (each of the group's shape) can join: the group then writes
-    them into the concatenation's regions (the gradient of split gates). None if there is none."""
+    """The open groups (one shape, one region) making the values a concatenate joins, which it can join: the
+    merged group then writes them into the concatenation's regions (the gradient of split gates); else None."""
     if e.op != "concatenate" or e.outs[0].dtype == "i32":
         return None
-    ks = {group_of.get(producer.get(v.id)) for v in e.ins} - {None}
-    if len(ks) != 1:
+    ks = sorted({group_of.get(producer.get(v.id)) for v in e.ins} - {None})
+    if not ks or any(k in closed or groups[k]["fwd"] != region for k in ks):
         return None
-    (k,) = ks
-    grp = groups[k]
-    ok = k not in closed and grp["fwd"] == region and all(v.shape == grp["shape"] for v in e.ins)
-    return k if ok and len(grp["members"]) < MAX_MEMBERS else None
+    ok = all(v.shape == groups[ks[0]]["shape"] for v in e.ins)
+    return ks if ok and sum(len(groups[k]["members"]) for k in ks) < MAX_MEMBERS else None
+
+
+def _merge(groups, group_of, closed, remat, ks):
+    """Merge the open groups ks into the first (safe: nothing outside has read their values yet)."""
+    k = ks[0]
+    for other in ks[1:]:
+        groups[k]["members"] += groups[other]["members"]
+        for j in groups[other]["members"]:
+            group_of[j] = k
+        groups[other]["members"] = []
+        remat.setdefault(k, set()).update(remat.pop(other, ()))
+        closed.add(other)
+    return k
 
 
 def fuse_elementwise(g: Graph) -> None:
@@ -63,8 +74,9 @@ def fuse_elementwise(g: Graph) -> None:
     for i, e in enumerate(eqns):
         region = i < n_fwd
         src_groups = {group_of[producer[v.id]] for v in e.ins if producer.get(v.id) in group_of}
-        k = _sink(e, producer, group_of, groups, closed, region)
-        if k is not None:
+        ks = _sink(e, producer, group_of, groups, closed, region)
+        if ks is not None:
+            k = _merge(groups, group_of, closed, remat, ks)
             groups[k]["members"].append(i)
             group_of[i] = k
             closed.update(src_groups - {k})
@@ -78,13 +90,7 @@ def fuse_elementwise(g: Graph) -> None:
         for k in src_groups - set(join):
             closed.add(k)
         if join and sum(len(groups[k]["members"]) for k in join) < MAX_MEMBERS:
-            k = join[0]
-            for other in join[1:]:                       # both open: merging them is safe
-                groups[k]["members"] += groups[other]["members"]
-                for j in groups[other]["members"]:
-                    group_of[j] = k
-                groups[other]["members"] = []
-                closed.add(other)
+            k = _merge(groups, group_of, closed, remat, join)
         else:
             closed.update(join)
             k = len(groups)
