@@ -11,7 +11,8 @@ __all__ = ["trace", "trace_scalar", "Program", "set_num_threads", "replicas_for"
            "abs", "arange", "broadcast_to", "causal_attention", "concatenate", "roll", "setitem", "stack",
            "copy", "cross_entropy", "equal", "exp", "gelu", "layer_norm", "log", "log_softmax", "matmul", "max",
            "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "split", "sqrt", "sum", "swapaxes",
-           "take", "tanh", "transpose", "where"]
+           "take", "tanh", "transpose", "where", "clip", "erf", "log1p", "logsumexp", "nll_loss", "silu", "softplus",
+           "std", "var"]
 
 
 def __getattr__(name):

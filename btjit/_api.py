@@ -2,10 +2,11 @@
 `import btjit.runtime` -- an exported program, ctypes and numpy only -- never loads numba."""
 from btjit import optim
 from btjit.host import threads
-from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, causal_attention, concatenate, copy, cross_entropy,
-                          equal, exp, gelu, layer_norm, log, log_softmax, matmul, max, maximum, mean, minimum,
-                          relu, reshape, roll, setitem, sigmoid, softmax, split, sqrt, stack, sum, swapaxes, take,
-                          tanh, transpose, where)
+from btjit.graph.functional import logsumexp, nll_loss, silu, softplus
+from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, causal_attention, clip, concatenate, copy,
+                          cross_entropy, equal, erf, exp, gelu, layer_norm, log, log1p, log_softmax, matmul, max,
+                          maximum, mean, minimum, relu, reshape, roll, setitem, sigmoid, softmax, split, sqrt, stack,
+                          std, sum, swapaxes, take, tanh, transpose, var, where)
 from btjit.core.program import Program, trace
 from btjit.scalar.front import trace_scalar
 from btjit.host.threads import replicas_for, set_num_threads

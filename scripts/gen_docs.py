@@ -16,6 +16,7 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))           # this tree's btjit, not an installed one
 NOT_TENSOR_FUNCTIONS = {"trace", "trace_scalar", "Program", "set_num_threads", "replicas_for", "optim", "TraceError"}
 
 

@@ -26,7 +26,20 @@ CHAINS = {
                   {"x": (9, 11)}),
     "long residual mlp": (lambda p: btjit.sum(btjit.tanh(gelu(p["x"] @ p["w1"] + p["b1"]) @ p["w2"] + p["x"]) ** 2),
                           {"x": (16, 12), "w1": (12, 20), "b1": (20,), "w2": (20, 12)}),
+    # slices of an outside value read in place (step 1) or loaded (step 2), one also read by a product; the
+    # gradient of split pieces written into their concatenation (one piece's gradient an outside value)
+    "slices": (lambda p: btjit.sum(btjit.tanh(p["g"][:, :4]) * p["g"][:, 8:] + btjit.sigmoid(p["g"][:, ::3])
+                                   + (p["g"][:, :4] @ p["w"]) ** 2), {"g": (5, 12), "w": (4, 4)}),
+    "concatenation of a chain's value and another": (
+        lambda p: btjit.sum(btjit.concatenate([btjit.tanh(p["a"]) * p["b"], p["b"]], -1) @ p["w"]),
+        {"a": (4, 3), "b": (4, 3), "w": (6, 2)}),
+    "split gradient": (lambda p: btjit.sum(_pieces(*btjit.split(p["g"] @ p["w"], 3, axis=-1))),
+                       {"g": (6, 5), "w": (5, 12)}),
 }
+
+
+def _pieces(a, b, c):
+    return btjit.sigmoid(a) * b + c * 2.0 + btjit.tanh(c) * a + b
 
 
 def _params(shapes, dtype, seed=0):
@@ -88,3 +101,12 @@ def test_a_new_chain_compiles_nothing_once_the_interpreter_is_loaded():
     x = p["x"].astype(np.float64)
     want = (1 / (1 + np.exp(-3 * x)) / (x + 2) - np.exp(-x)).sum()
     assert second.value_and_grad() == pytest.approx(want, rel=1e-5)
+
+
+def test_split_gates_are_read_in_place_and_their_gradient_written_as_one_array():
+    fn, shapes = CHAINS["split gradient"]
+    g = btjit.trace(fn, _params(shapes, "float64"), dtype="float64", grad=True).graph
+    ops = [e.op for e in g.eqns]
+    assert ops.count("ew_fused") == 2 and not {"slice", "slice_scatter", "concatenate", "add"} & set(ops), str(g)
+    bwd = next(e for e in g.eqns[g.n_forward:] if e.op == "ew_fused")
+    assert (6, 12) in bwd.attrs["oshapes"] and len(bwd.attrs["oview"]) == len(bwd.outs) + 2

@@ -75,7 +75,7 @@ class NP:
     max = staticmethod(lambda x, axis=None, keepdims=False: np.max(x, axis=axis, keepdims=keepdims))
     sigmoid = staticmethod(lambda x: 1.0 / (1.0 + np.exp(-x)))
     relu = staticmethod(lambda x: np.maximum(x, 0.0))
-    gelu = staticmethod(lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))))
+    gelu = staticmethod(lambda x, approximate: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))))
     where = staticmethod(lambda c, x, y: np.where(np.asarray(c) != 0, x, y))
     softmax = staticmethod(lambda x, axis=-1: _np_softmax(x))
     log_softmax = staticmethod(lambda x, axis=-1: _np_log_softmax(x))
@@ -240,7 +240,7 @@ def op_unary(bld: Builder):
         base = bld.choice([2.0, 0.5, 3.0])
         return bld.add(lambda xp, env, P, B: base ** env[k], f"{base} ** v{k}", kind="rpow")
     fns = {"neg": lambda xp, v: -v, "exp": lambda xp, v: xp.exp(v), "tanh": lambda xp, v: xp.tanh(v),
-           "sigmoid": lambda xp, v: xp.sigmoid(v), "gelu": lambda xp, v: xp.gelu(v),
+           "sigmoid": lambda xp, v: xp.sigmoid(v), "gelu": lambda xp, v: xp.gelu(v, approximate="tanh"),
            "relu": lambda xp, v: xp.relu(v), "abs": lambda xp, v: xp.abs(v), "abs()": lambda xp, v: abs(v),
            "copy": lambda xp, v: (btjit.copy(v) if xp is BT else v.copy()),
            "np.exp": lambda xp, v: np.exp(v), "np.tanh": lambda xp, v: np.tanh(v)}

@@ -18,7 +18,7 @@ LAYERS = [
     ["btjit.export"],                    # the runner a program and an export share, exports, the runtime
     ["btjit.core"],                      # trace() and Program
     ["btjit.scalar"],                    # scalar graphs
-    ["btjit", "btjit._api", "btjit.runtime", "btjit.testing"],   # the public API
+    ["btjit", "btjit._api", "btjit.runtime", "btjit.testing", "btjit.micrograd"],   # the public API
     ["btjit.models"],                    # built-in models, written with the public API
     ["btjit.train"],                     # the `btjit train` application
     ["btjit.bench"],                     # benchmarks

@@ -99,7 +99,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     if replicas > 1 and (aux or out.shape != ()):
         raise T.TraceError(f"replicas={replicas} averages one scalar over the replicas; the traced function "
                            f"returns {'outputs ' + ', '.join(map(repr, aux)) if aux else f'shape {out.shape}'}")
-    g.outputs = {"out": out.var, **{k: v.var for k, v in aux.items()}}
+    g.outputs = {"out": out.node, **{k: v.node for k, v in aux.items()}}
     fuse.fuse_attention(g, TABLE)
     fuse.fuse_gelu(g)
     fuse.fold_embedding_matmul(g)
@@ -109,11 +109,12 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     g.n_forward = len(g.eqns)
     grad = (optimizer is not None) if grad is None else grad
     if grad:
-        if out.shape != () or out.var.dtype == "i32":
+        if out.shape != () or out.node.dtype == "i32":
             raise T.TraceError(f"the loss must be a float scalar to differentiate, got shape {out.shape}")
-        g.loss = out.var
+        g.loss = out.node
         grads = autodiff.differentiate(g)
         fuse.fuse_grad_accumulation(g)
+        fuse.fuse_scatter_sum(g)
         for name in g.params:
             if name not in grads:
                 warnings.warn(f"btjit: parameter {name!r} does not reach the loss; its gradient is always zero",
@@ -146,7 +147,7 @@ def _pin(g: Graph, grads: dict) -> dict:
             with T.building(g):
                 c = T.copy(T.Tracer(v, g))
             copies.append(g.eqns.pop())
-            v, r = c.var, c.var.id
+            v, r = c.node, c.node.id
         pinned[r] = tag
         return v
 
@@ -348,6 +349,8 @@ def _index_bounds(graph) -> dict:
             hi, idx = e.ins[0].shape[1], e.ins[1]
         elif e.op == "cross_entropy":
             hi, idx, ok = e.ins[0].shape[-1], e.ins[1], e.attrs.get("ignore_index")
+        elif e.op == "check_index":
+            hi, idx, ok = e.attrs["hi"], e.ins[0], e.attrs.get("ok")
         if idx is not None:
             r = root.get(idx.id, idx.id)
             i = pos.get(r)

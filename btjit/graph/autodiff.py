@@ -63,7 +63,7 @@ def differentiate(graph: Graph) -> dict:
                         continue
                     g = unbroadcast(g, v.shape)
                     ct[v.id] = ct[v.id] + g if v.id in ct else g
-    return {name: ct[v.id].var for name, v in graph.params.items() if v.id in ct}
+    return {name: ct[v.id].node for name, v in graph.params.items() if v.id in ct}
 
 
 def eliminate_dead_code(graph: Graph, keep) -> None:

@@ -1,5 +1,5 @@
 """Graph fusions. The forward ones run after tracing and before autodiff (so the backward comes from the
-fused op's own VJP rule); fuse_grad_accumulation runs on the backward that autodiff appended. Each rewrite
+fused op's own VJP rule); fuse_grad_accumulation and fuse_scatter_sum run on the backward that autodiff appended. Each rewrite
 keeps the graph in SSA form and replaces a pattern whose intermediate value is used nowhere else.
 
   matmul(x, W) then add(., b)  ->  linear(x, W, b)     (W 2-D, b of shape (N,): bias pre-filled in the GEMM)
@@ -12,6 +12,8 @@ keeps the graph in SSA form and replaces a pattern whose intermediate value is u
   q @ k^T * scale, causal masked_fill, softmax, @ v (split / reshape / swapaxes heads)  ->  causal_attention
                                                   (attention written out by hand, as makemore writes it)
   0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))  ->  gelu(x)   (NewGELU written out)
+  backward: slice_scatter(g1) + ... + slice_scatter(gn) tiling one axis  ->  concatenate(g1, ..., gn)
+                                                  (the gradient of a value split into pieces: LSTM gates)
   backward: layernorm_grad(...) -> dx, then add(dx, acc)  ->  layernorm_grad(..., acc)
                                                   (x's other gradient, e.g. from its residual connection,
                                                    added by the LayerNorm backward kernel as it stores)
@@ -163,6 +165,59 @@ def fuse_grad_accumulation(graph: Graph) -> None:
                 drop.add(id(e))
                 break
     graph.eqns = [fused.get(id(e), e) for e in graph.eqns if id(e) not in drop]
+
+
+def fuse_scatter_sum(graph: Graph) -> None:
+    """backward: the sum of slice_scatters of g_1 .. g_n (each used once) whose regions tile their shape along
+    one axis -> concatenate(g_1 .. g_n) along it: the gradient of x split into pieces that are all used (LSTM /
+    GRU gates, q | k | v) is one copy of the pieces' gradients instead of n zero-filled arrays and n - 1 adds."""
+    uses = _uses(graph)
+    parts, inner = {}, {}           # var id -> the slice_scatter eqns summed into it; var id -> its add eqn
+    for e in graph.eqns[graph.n_forward:]:
+        o = e.outs[0]
+        if e.op == "slice_scatter":
+            parts[o.id] = [e]
+        elif e.op == "add" and e.ins[0].id != e.ins[1].id and all(
+                v.id in parts and uses[v.id] == 1 and v.shape == o.shape for v in e.ins):
+            parts[o.id] = parts[e.ins[0].id] + parts[e.ins[1].id]
+            inner[o.id] = e
+    absorbed = {v.id for e in inner.values() for v in e.ins}
+    replace, drop = {}, set()
+    for vid, e in inner.items():
+        axis = None if vid in absorbed else _tiling_axis(parts[vid])
+        if axis is None:
+            continue
+        ps = sorted(parts[vid], key=lambda q: q.attrs["starts"][axis])
+        replace[id(e)] = Eqn("concatenate", tuple(q.ins[0] for q in ps), e.outs, {"axis": axis}, e.src)
+        todo = list(e.ins)
+        while todo:                                      # the scatters and inner adds it replaces
+            v = todo.pop()
+            q = inner.get(v.id) or parts[v.id][0]
+            drop.add(id(q))
+            todo += list(q.ins) if q.op == "add" else []
+    # each concatenation as early as its inputs allow (right after the last is made), so that the elementwise
+    # group computing them can write it before any product reads another concatenation of theirs (GRU)
+    made = {o.id: i for i, e in enumerate(graph.eqns) for o in e.outs}
+    at: dict = {}
+    for c in replace.values():
+        at.setdefault(max([graph.n_forward - 1] + [made.get(v.id, -1) for v in c.ins]), []).append(c)
+    graph.eqns = [x for i, e in enumerate(graph.eqns)
+                  for x in ([e] if id(e) not in drop and id(e) not in replace else []) + at.get(i, [])]
+
+
+def _tiling_axis(scatters):
+    """The axis along which the slice_scatters' regions (step 1) tile their whole shape, else None."""
+    shape = scatters[0].attrs["shape"]
+    regions = [(q.attrs["starts"], q.attrs["stops"], q.attrs["steps"]) for q in scatters]
+    if any(q.attrs["shape"] != shape or any(s != 1 for s in st) for q, (_, _, st) in zip(scatters, regions)):
+        return None
+    cut = [d for d in range(len(shape)) if any((lo[d], hi[d]) != (0, shape[d]) for lo, hi, _ in regions)]
+    if len(cut) != 1:
+        return None
+    d = cut[0]
+    spans = sorted((lo[d], hi[d]) for lo, hi, _ in regions)
+    ok = spans[0][0] == 0 and spans[-1][1] == shape[d] and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    return d if ok else None
 
 
 def fuse_attention(graph: Graph, table) -> None:

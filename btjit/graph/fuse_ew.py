@@ -2,8 +2,10 @@
 row of the program-interpreting kernel (btjit/kernels/fused.py), so a new chain compiles nothing.
 
 Runs on the whole schedule after autodiff. A group is a set of float elementwise equations (unary, binary
-with broadcasting, where, the *_grad ops, broadcast_to and copy of an operand) with one output shape, the
-iteration space, inside one region (forward or backward). Equations join in schedule order; a group closes
+with broadcasting, where, the *_grad ops, broadcast_to and copy of an operand, a slice of a value made outside
+the group: read in place with the slice's offset and strides) with one output shape, the iteration space,
+inside one region (forward or backward), and concatenations of its values, which the group writes straight
+into their regions (an LSTM's gate gradients into one (B, 4H) array). Equations join in schedule order; a group closes
 as soon as an equation outside it reads one of its values (the fused equation sits at its last member's
 place, so every reader must come later). A backward group that needs a value computed inside a forward group
 recomputes it from that group's operands (up to REMAT equations) instead of reading it: the forward group
@@ -19,9 +21,10 @@ from btjit.kernels.fused import BIN, LOAD, MAX_OPERANDS, NREG, WHERE
 
 from btjit.graph.ir import Eqn, Graph
 from btjit.graph.ops import bstrides, cstrides, loop_nest
+from btjit.graph.ops.layout import _slice_view
 
 UNARY = {"neg": EW.U_NEG, "exp": EW.U_EXP, "log": EW.U_LOG, "tanh": EW.U_TANH, "relu": EW.U_RELU,
-         "sigmoid": EW.U_SIGMOID, "sqrt": EW.U_SQRT, "abs": EW.U_ABS}
+         "sigmoid": EW.U_SIGMOID, "sqrt": EW.U_SQRT, "abs": EW.U_ABS, "erf": EW.U_ERF, "log1p": EW.U_LOG1P}
 BINARY = {"add": EW.B_ADD, "sub": EW.B_SUB, "mul": EW.B_MUL, "div": EW.B_DIV, "maximum": EW.B_MAX,
           "minimum": EW.B_MIN, "pow2": EW.B_POW, "eq": EW.B_EQ, "gt": EW.B_GT, "ge": EW.B_GE, "lt": EW.B_LT,
           "le": EW.B_LE, "ne": EW.B_NE, "tanh_grad": EW.B_TANH_GRAD, "relu_grad": EW.B_RELU_GRAD,
@@ -32,9 +35,34 @@ REMAT = 16
 
 
 def _fusable(e: Eqn) -> bool:
-    if e.op not in UNARY and e.op not in BINARY and e.op not in ALIAS and e.op not in ("where", "pow"):
+    if e.op not in UNARY and e.op not in BINARY and e.op not in ALIAS and e.op not in ("where", "pow", "slice"):
         return False
     return all(v.dtype != "i32" for v in e.ins + e.outs) and len(e.outs) == 1
+
+
+def _sink(e: Eqn, producer, group_of, groups, closed, region):
+    """The open groups (one shape, one region) making the values a concatenate joins, which it can join: the
+    merged group then writes them into the concatenation's regions (the gradient of split gates); else None."""
+    if e.op != "concatenate" or e.outs[0].dtype == "i32":
+        return None
+    ks = sorted({group_of.get(producer.get(v.id)) for v in e.ins} - {None})
+    if not ks or any(k in closed or groups[k]["fwd"] != region for k in ks):
+        return None
+    ok = all(v.shape == groups[ks[0]]["shape"] for v in e.ins)
+    return ks if ok and sum(len(groups[k]["members"]) for k in ks) < MAX_MEMBERS else None
+
+
+def _merge(groups, group_of, closed, remat, ks):
+    """Merge the open groups ks into the first (safe: nothing outside has read their values yet)."""
+    k = ks[0]
+    for other in ks[1:]:
+        groups[k]["members"] += groups[other]["members"]
+        for j in groups[other]["members"]:
+            group_of[j] = k
+        groups[other]["members"] = []
+        remat.setdefault(k, set()).update(remat.pop(other, ()))
+        closed.add(other)
+    return k
 
 
 def fuse_elementwise(g: Graph) -> None:
@@ -46,7 +74,14 @@ def fuse_elementwise(g: Graph) -> None:
     for i, e in enumerate(eqns):
         region = i < n_fwd
         src_groups = {group_of[producer[v.id]] for v in e.ins if producer.get(v.id) in group_of}
-        if not _fusable(e) or e.op in ALIAS and any(producer.get(v.id) in group_of for v in e.ins):
+        ks = _sink(e, producer, group_of, groups, closed, region)
+        if ks is not None:
+            k = _merge(groups, group_of, closed, remat, ks)
+            groups[k]["members"].append(i)
+            group_of[i] = k
+            closed.update(src_groups - {k})
+            continue
+        if not _fusable(e) or (e.op in ALIAS or e.op == "slice") and any(producer.get(v.id) in group_of for v in e.ins):
             closed.update(src_groups)
             continue
         shape = e.outs[0].shape
@@ -55,13 +90,7 @@ def fuse_elementwise(g: Graph) -> None:
         for k in src_groups - set(join):
             closed.add(k)
         if join and sum(len(groups[k]["members"]) for k in join) < MAX_MEMBERS:
-            k = join[0]
-            for other in join[1:]:                       # both open: merging them is safe
-                groups[k]["members"] += groups[other]["members"]
-                for j in groups[other]["members"]:
-                    group_of[j] = k
-                groups[other]["members"] = []
-                closed.add(other)
+            k = _merge(groups, group_of, closed, remat, join)
         else:
             closed.update(join)
             k = len(groups)
@@ -88,7 +117,8 @@ def fuse_elementwise(g: Graph) -> None:
         return v.id in keep or any(group_of.get(i) not in body or producer[v.id] not in body[group_of[i]]
                                    for i in readers.get(v.id, ()))
     while True:                                         # groups the kernel cannot hold stay unfused
-        bad = [k for k in body if _fused_eqn(g, eqns, body[k], groups[k]["members"], needed, dry=True) is None]
+        bad = [k for k in body if _fused_eqn(g, eqns, body[k], groups[k]["members"], needed, groups[k]["shape"],
+                                             dry=True) is None]
         if not bad:
             break
         for k in bad:
@@ -99,7 +129,7 @@ def fuse_elementwise(g: Graph) -> None:
         if k in body:
             if i != max(groups[k]["members"]):
                 continue
-            out = [_fused_eqn(g, eqns, body[k], groups[k]["members"], needed)]
+            out = [_fused_eqn(g, eqns, body[k], groups[k]["members"], needed, groups[k]["shape"])]
         else:
             out = [e]
         new += out
@@ -117,7 +147,8 @@ def _cone(eqns, producer, group_of, groups, j, shape):
         t = todo.pop()
         if t in cone:
             continue
-        if eqns[t].outs[0].shape != shape or eqns[t].op in ALIAS and eqns[t].ins[0].shape != shape:
+        if eqns[t].outs[0].shape != shape or eqns[t].op in ALIAS and eqns[t].ins[0].shape != shape \
+                or eqns[t].op == "concatenate":
             return None
         cone.add(t)
         if len(cone) > REMAT:
@@ -126,37 +157,82 @@ def _cone(eqns, producer, group_of, groups, j, shape):
     return cone
 
 
-def _fused_eqn(g, eqns, body, members, needed, dry=False):
-    """The ew_fused equation computing eqns[body] (in order), storing the values of its members `needed`
-    outside (the other body equations are recomputed forward values: their own group stores what is
-    needed); None if it needs more registers or operands than the kernel has (dry: only whether it fits)."""
+def _fused_eqn(g, eqns, body, members, needed, shape, dry=False):
+    """The ew_fused equation computing eqns[body] (in order) over `shape`, storing the values of its members
+    `needed` outside (the other body equations are recomputed forward values: their own group stores what is
+    needed); None if it needs more registers or operands than the kernel has (dry: only whether it fits).
+
+    Operands: a value read (its strides broadcast to the shape) or a slice's region of one, read in place
+    (iview: offset and strides per input operand); a value written, or one region of a concatenation
+    (oview: output index, offset and strides per output operand)."""
     members = set(members)
-    shape = eqns[body[-1]].outs[0].shape
     es = [Eqn("pow2", (e.ins[0], g.const(np.asarray(e.attrs["p"]), g.float_dtype)), e.outs) if e.op == "pow" else e
           for e in (eqns[j] for j in body)]
-    ins, outs, made = [], [], set()
+    ins, outs, oview, made = [], [], [], set()      # ins: (value id, var, offset, strides)
     for j, e in zip(body, es):
-        ins += [v for v in e.ins if v.id not in made and all(v.id != w.id for w in ins)]
-        made.add(e.outs[0].id)
-        if j in members and needed(e.outs[0]):
-            outs.append(e.outs[0])
-    if len(ins) + len(outs) > MAX_OPERANDS or not outs:
+        o = e.outs[0]
+        need = j in members and needed(o)
+        if e.op == "slice":                             # keyed -1 - id: the slice's value may be an output too
+            ins.append((-1 - o.id, e.ins[0], *_slice_view(e.ins[0].shape, e.attrs)))
+        else:
+            ins += [(v.id, v, 0, bstrides(v.shape, shape)) for v in e.ins
+                    if v.id not in made and all(v.id != w[0] for w in ins)]
+        made.add(o.id)
+        if need and e.op == "concatenate":
+            st, ax, lo = cstrides(o.shape), e.attrs["axis"], 0
+            for v in e.ins:
+                oview.append((len(outs), lo * st[ax], st))
+                lo += v.shape[ax]
+        elif need:
+            oview.append((len(outs), 0, cstrides(shape)))
+        if need:
+            outs.append(o)
+    if len(ins) + len(oview) > MAX_OPERANDS or not outs:
         return None
-    opers = [(0, bstrides(v.shape, shape) or (0,)) for v in ins] + [(0, cstrides(shape) or (0,)) for _ in outs]
+    opers = [(0, st or (0,)) for *_, st in ins] + [(0, st or (0,)) for *_, st in oview]
     (_, inner), *_ = loop_nest(shape or (1,), opers, 4)
-    code = {v.id: -1 - k for k, v in enumerate(ins) if inner[-1][1][k] == 1}     # read in place
-    code.update({o.id: -1 - len(ins) - k for k, o in enumerate(outs)})            # written in place
+    code = {vid: -1 - k for k, (vid, *_) in enumerate(ins) if inner[-1][1][k] == 1}     # read in place
+    region = {}                                   # (concat eqn index, input position) -> its output operand code
+    q = 0
+    for t, e in enumerate(es):
+        if e.op == "concatenate" and e.outs[0] in outs:
+            for p in range(len(e.ins)):
+                region[t, p] = -1 - len(ins) - q
+                q += 1
+        elif e.outs[0] in outs:
+            code[e.outs[0].id] = -1 - len(ins) - q                                          # written in place
+            q += 1
+    computed = {e.outs[0].id for e in es if e.op not in ALIAS and e.op not in ("slice", "concatenate")}
+    for (t, p), c in region.items():       # a value computed here for one region only: written there directly
+        v = es[t].ins[p]
+        if v.id in computed and v.id not in code and sum(v.id == w.id for e in es for w in e.ins) == 1:
+            code[v.id] = c
     last = {v.id: t for t, e in enumerate(es) for v in e.ins}
     free, instrs = list(range(NREG - 1, -1, -1)), []
     try:
         for t, e in enumerate(es):
+            o = e.outs[0]
+            if e.op == "slice":
+                key = -1 - o.id
+                if key not in code:                      # strided: into a register
+                    code[key] = free.pop()
+                    instrs.append((LOAD, code[key], next(k for k, w in enumerate(ins) if w[0] == key), 0, 0))
+                if o.id in code:                         # a needed slice: copied out, later reads from there
+                    instrs.append((EW.U_COPY, code[o.id], code[key], code[key], 0))
+                    if code[key] >= 0:
+                        free.append(code[key])
+                else:
+                    code[o.id] = code[key]
+                continue
             for v in e.ins:
                 if v.id not in code:                     # broadcast / strided operand: into a register
                     code[v.id] = free.pop()
-                    instrs.append((LOAD, code[v.id], ins.index(v), 0, 0))
+                    instrs.append((LOAD, code[v.id], next(k for k, w in enumerate(ins) if w[0] == v.id), 0, 0))
             srcs = [code[v.id] for v in e.ins]
-            o = e.outs[0]
-            if e.op in ALIAS:
+            if e.op == "concatenate":
+                instrs += [(EW.U_COPY, region[t, p], c, c, 0) for p, c in enumerate(srcs)
+                           if (t, p) in region and c != region[t, p]]
+            elif e.op in ALIAS:
                 if o.id in code:                         # a needed alias: copied out
                     instrs.append((EW.U_COPY, code[o.id], srcs[0], srcs[0], 0))
                 else:
@@ -178,7 +254,9 @@ def _fused_eqn(g, eqns, body, members, needed, dry=False):
     prog = [len(instrs), len(opers), *[n for n, _ in inner]] + \
         [st[q] for q in range(len(opers)) for _, st in inner] + [x for q in instrs for x in q]
     pvar = g.const(np.array(prog, np.int64).astype(np.int32), "i32")
-    return Eqn("ew_fused", (pvar, *ins), tuple(outs),
-               {"shape": shape, "outs": tuple(o.id for o in outs), "ins": tuple(v.id for v in ins),
+    return Eqn("ew_fused", (pvar, *[w[1] for w in ins]), tuple(outs),
+               {"shape": shape, "outs": tuple(o.id for o in outs), "ins": tuple(w[1].id for w in ins),
+                "oshapes": tuple(o.shape for o in outs), "iview": tuple((off, st) for _, _, off, st in ins),
+                "oview": tuple(oview),
                 "body": tuple((eqns[j].op, tuple(sorted(eqns[j].attrs.items())), tuple(v.id for v in eqns[j].ins),
                                eqns[j].outs[0].id) for j in body)}, eqns[body[-1]].src)

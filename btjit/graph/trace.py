@@ -82,12 +82,12 @@ def emit(op: str, ins, **attrs):
             raise TraceError(f"{op}: uses a traced value from another btjit.trace call (kept in a global or closure); "
                              f"tracers are only valid inside the function being traced — {user_src()}")
     try:
-        types = TABLE[op].infer([(t.var.shape, t.var.dtype) for t in ins], attrs, g.float_dtype)
+        types = TABLE[op].infer([(t.node.shape, t.node.dtype) for t in ins], attrs, g.float_dtype)
     except ShapeError as e:
-        shapes = " and ".join(str(t.var.shape) for t in ins)
+        shapes = " and ".join(str(t.node.shape) for t in ins)
         raise TraceError(f"{op}: {e} (input shapes {shapes}) — {user_src()}") from None
     outs = tuple(g.new_var(s, d) for s, d in types)
-    g.eqns.append(Eqn(op, tuple(t.var for t in ins), outs, attrs, user_src()))
+    g.eqns.append(Eqn(op, tuple(t.node for t in ins), outs, attrs, user_src()))
     res = tuple(Tracer(v, g) for v in outs)
     return res[0] if len(res) == 1 else res
 
@@ -99,7 +99,7 @@ def lift(x, like=None) -> "Tracer":
     g = current_graph()
     if isinstance(x, (bool, int, float, np.number, np.ndarray, list)):
         arr = np.asarray(x)
-        if arr.dtype.kind in "iu" and (like.var.dtype == "i32" if like is not None else arr.ndim > 0):
+        if arr.dtype.kind in "iu" and (like.node.dtype == "i32" if like is not None else arr.ndim > 0):
             return Tracer(g.const(arr, "i32"), g)
         if arr.dtype.kind not in "iubf":
             raise TraceError(f"cannot use a {arr.dtype} array in a traced function — {user_src()}")
@@ -127,20 +127,20 @@ def _binop(op, x, y):
 
 class Tracer:
     """A traced array value. Supports numpy-style operators, methods and many numpy functions."""
-    __slots__ = ("var", "graph")
+    __slots__ = ("node", "graph")
     __array_priority__ = 1000
 
     def __init__(self, var, graph):
-        self.var, self.graph = var, graph
+        self.node, self.graph = var, graph
 
-    shape = property(lambda self: self.var.shape)
-    ndim = property(lambda self: len(self.var.shape))
-    size = property(lambda self: self.var.size)
-    dtype = property(lambda self: np.dtype({"f32": np.float32, "f64": np.float64, "i32": np.int32}[self.var.dtype]))
+    shape = property(lambda self: self.node.shape)
+    ndim = property(lambda self: len(self.node.shape))
+    size = property(lambda self: self.node.size)
+    dtype = property(lambda self: np.dtype({"f32": np.float32, "f64": np.float64, "i32": np.int32}[self.node.dtype]))
     T = property(lambda self: transpose(self))
 
     def __repr__(self):
-        return f"Tracer({self.var!r}: {self.var.type_str})"
+        return f"Tracer({self.node!r}: {self.node.type_str})"
 
     def __len__(self):
         if not self.shape:
@@ -240,14 +240,23 @@ class Tracer:
     def swapaxes(self, a1, a2):
         return swapaxes(self, a1, a2)
 
-    def exp(self):
-        return exp(self)
+    def var(self, axis=None, ddof=0, keepdims=False, **torch_kw):
+        return var(self, axis, ddof, keepdims, **torch_kw)
 
-    def log(self):
-        return log(self)
+    def std(self, axis=None, ddof=0, keepdims=False, **torch_kw):
+        return std(self, axis, ddof, keepdims, **torch_kw)
 
-    def tanh(self):
-        return tanh(self)
+    def clip(self, min=None, max=None):  # noqa: A002
+        return clip(self, min, max)
+
+    # torch-style methods (micrograd's x.relu(), torch's x.sigmoid())
+    exp = lambda s: exp(s)          # noqa: E731
+    log = lambda s: log(s)          # noqa: E731
+    tanh = lambda s: tanh(s)        # noqa: E731
+    relu = lambda s: relu(s)        # noqa: E731
+    sigmoid = lambda s: sigmoid(s)  # noqa: E731
+    sqrt = lambda s: sqrt(s)        # noqa: E731
+    abs = lambda s: abs(s)          # noqa: E731
 
     def __getitem__(self, idx):
         return getitem(self, idx)
@@ -255,13 +264,13 @@ class Tracer:
     def __setitem__(self, idx, value):
         """x[idx] = value, as torch and numpy write it: this tracer then holds the new value (functionally:
         a slice_set equation; other tracers of the old value keep it)."""
-        self.var = setitem(self, idx, value).var
+        self.node = setitem(self, idx, value).node
 
     def astype(self, dtype):
         """Integer -> the program's float dtype (float32 / float64 / float); float -> float is a no-op."""
         if np.dtype(dtype).kind != "f":
             raise TraceError(f"astype: only conversion to float is supported, got {dtype} — {user_src()}")
-        return emit("to_float", (self,)) if self.var.dtype == "i32" else self
+        return emit("to_float", (self,)) if self.node.dtype == "i32" else self
 
     def float(self):
         return self.astype(float)
@@ -281,7 +290,8 @@ def tanh(x): return emit("tanh", (lift(x),))
 def relu(x): return emit("relu", (lift(x),))
 def sigmoid(x): return emit("sigmoid", (lift(x),))
 def sqrt(x): return emit("sqrt", (lift(x),))
-def gelu(x): return emit("gelu", (lift(x),))
+def erf(x): return emit("erf", (lift(x),))
+def log1p(x): return emit("log1p", (lift(x),))
 def abs(x): return emit("abs", (lift(x),))  # noqa: A001
 def maximum(x, y): return _binop("maximum", x, y)
 def minimum(x, y): return _binop("minimum", x, y)
@@ -289,10 +299,31 @@ def equal(x, y): return _binop("eq", x, y)
 def copy(x): return emit("copy", (lift(x),))
 
 
+def gelu(x, approximate="none"):
+    """GELU as torch: "none" (torch's default) x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2)); "tanh" the tanh
+    approximation (GPT-2's NewGELU: one kernel forward, one backward)."""
+    if approximate == "tanh":
+        return emit("gelu", (lift(x),))
+    if approximate != "none":
+        raise TraceError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r} — {user_src()}")
+    x = lift(x)
+    return x * (0.5 + 0.5 * erf(x * 0.7071067811865476))
+
+
+def clip(x, lo=None, hi=None):
+    """numpy's clip / torch's clamp: min(max(x, lo), hi); either bound may be None (the gradient passes where
+    lo <= x <= hi, as torch)."""
+    if lo is None and hi is None:
+        raise TraceError(f"clip: give at least one of the bounds — {user_src()}")
+    x = lift(x)
+    x = x if lo is None else maximum(x, lo)
+    return x if hi is None else minimum(x, hi)
+
+
 def where(cond, x, y):
     """Select x where cond is true (nonzero), else y. cond is usually a constant numpy mask."""
     c = lift(np.asarray(cond, dtype=np.float64) if not isinstance(cond, Tracer) else cond)
-    if c.var.dtype == "i32":
+    if c.node.dtype == "i32":
         raise TraceError(f"where: the condition must be boolean/float, not integer — {user_src()}")
     x = lift(x, y if isinstance(y, Tracer) else None)
     return emit("where", (c, x, lift(y, x)))
@@ -311,6 +342,26 @@ def mean(x, axis=None, keepdims=False):
     axes = _norm_axes(axis, x.ndim, "mean")
     n = int(np.prod([x.shape[a] for a in axes]))
     return _reduce("sum", x, axes, keepdims) * (1.0 / n)
+
+
+def var(x, axis=None, ddof=0, keepdims=False, *, dim=None, keepdim=None, unbiased=None, correction=None):
+    """numpy's var: the mean squared deviation over `axis`, divided by n - ddof instead of n. torch's keywords
+    (dim, keepdim, unbiased, correction) select torch's default too: the unbiased estimate (ddof=1), as in
+    makemore's `hpreact.var(0, keepdim=True)`."""
+    if (dim, keepdim, unbiased, correction) != (None,) * 4:
+        axis = axis if dim is None else dim
+        keepdims = keepdims if keepdim is None else keepdim
+        ddof = correction if correction is not None else (0 if unbiased is False else 1)
+    x = lift(x)
+    axes = _norm_axes(axis, x.ndim, "var")
+    n = int(np.prod([x.shape[a] for a in axes]))
+    d = x - mean(x, axes, keepdims=True)
+    return sum(d * d, axes, keepdims) * (1.0 / (n - ddof) if n > ddof else float("inf"))
+
+
+def std(x, axis=None, ddof=0, keepdims=False, **torch_kw):
+    """numpy's std: sqrt(var(x, axis, ddof, keepdims)) (torch's keywords as var)."""
+    return sqrt(var(x, axis, ddof, keepdims, **torch_kw))
 
 
 def _reduce(op, x, axis, keepdims):
@@ -518,37 +569,50 @@ def _last_axis_only(op, x, axis):
         raise TraceError(f"{op}: only the last axis is supported (got axis={axis}); transpose first — {user_src()}")
 
 
+def class_targets(op, logits, targets, ignore_index, reduction, reductions):
+    """Check a loss's reduction, ignore_index and class-id targets for logits (..., C): constant targets
+    must be integers in [0, C) (or ignore_index) and become an int32 constant."""
+    if reduction not in reductions:
+        raise TraceError(f"{op}: reduction must be {' or '.join(map(repr, reductions))}, got {reduction!r} — "
+                         f"{user_src()}")
+    if ignore_index is not None and (not isinstance(ignore_index, (int, np.integer)) or isinstance(ignore_index, bool)
+                                     or not -2 ** 31 <= ignore_index < 2 ** 31):
+        raise TraceError(f"{op}: ignore_index must be an int32 class id or None, got {ignore_index!r} — "
+                         f"{user_src()}")
+    if isinstance(targets, Tracer):
+        return targets
+    t = np.asarray(targets)                  # constant targets: integer, in range (never read outside a row)
+    if t.dtype.kind not in "iu":
+        raise TraceError(f"{op}: targets must be integer class ids, got {t.dtype} — {user_src()}")
+    n = logits.shape[-1] if logits.ndim else 0
+    bad = t[(t != ignore_index) if ignore_index is not None else np.ones(t.shape, bool)]
+    if bad.size and (bad.min() < 0 or bad.max() >= n):
+        raise TraceError(f"{op}: target values must be in [0, {n})"
+                         f"{'' if ignore_index is None else f' or {ignore_index}'}, got min {bad.min()} max "
+                         f"{bad.max()} — {user_src()}")
+    return Tracer(current_graph().const(t, "i32"), current_graph())
+
+
 def cross_entropy(logits, targets, ignore_index=None, reduction="mean"):
     """Softmax cross-entropy of logits (..., V) against integer class ids (...), with torch's semantics:
     reduction "mean" (over the kept positions) or "sum"; positions whose target equals ignore_index (e.g. -1,
     makemore's and nanoGPT's padding) add nothing and get zero gradient. A batch with every position ignored
     gives NaN ("mean") or 0 ("sum"), and zero gradients -- as torch."""
     logits = lift(logits)
-    if reduction not in ("mean", "sum"):
-        raise TraceError(f"cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r} — {user_src()}")
-    if ignore_index is not None and (not isinstance(ignore_index, (int, np.integer)) or isinstance(ignore_index, bool)
-                                     or not -2 ** 31 <= ignore_index < 2 ** 31):
-        raise TraceError(f"cross_entropy: ignore_index must be an int32 class id or None, got {ignore_index!r} — "
-                         f"{user_src()}")
-    if not isinstance(targets, Tracer):      # constant targets: integer, in range (never read outside a row)
-        t = np.asarray(targets)
-        if t.dtype.kind not in "iu":
-            raise TraceError(f"cross_entropy: targets must be integer class ids, got {t.dtype} — {user_src()}")
-        n = logits.shape[-1] if logits.ndim else 0
-        bad = t[(t != ignore_index) if ignore_index is not None else np.ones(t.shape, bool)]
-        if bad.size and (bad.min() < 0 or bad.max() >= n):
-            raise TraceError(f"cross_entropy: target values must be in [0, {n})"
-                             f"{'' if ignore_index is None else f' or {ignore_index}'}, got min {bad.min()} max "
-                             f"{bad.max()} — {user_src()}")
-        targets = Tracer(current_graph().const(t, "i32"), current_graph())
+    targets = class_targets("cross_entropy", logits, targets, ignore_index, reduction, ("mean", "sum"))
     attrs = {k: v for k, v in (("ignore_index", None if ignore_index is None else int(ignore_index)),
                                ("reduction", reduction)) if v not in (None, "mean")}
     return emit("cross_entropy", (logits, targets), **attrs)[0]
 
 
 def layer_norm(x, weight, bias, eps=1e-5):
-    """LayerNorm over the last axis (biased variance, as torch)."""
-    return emit("layernorm", (lift(x), lift(weight), lift(bias)), eps=float(eps))[0]
+    """LayerNorm over the last axis (biased variance, as torch); weight or bias None: none (nanoGPT's
+    bias=False), computed as ones / zeros."""
+    x = lift(x)
+    C = x.shape[-1] if x.ndim else 1
+    w = lift(np.ones(C) if weight is None else weight)
+    b = lift(np.zeros(C) if bias is None else bias)
+    return emit("layernorm", (x, w, b), eps=float(eps))[0]
 
 
 def causal_attention(qkv, n_head):
@@ -559,7 +623,8 @@ def causal_attention(qkv, n_head):
 _UFUNCS = {"add": lambda x, y: _binop("add", x, y), "subtract": lambda x, y: _binop("sub", x, y),
            "multiply": lambda x, y: _binop("mul", x, y), "divide": lambda x, y: _binop("div", x, y),
            "true_divide": lambda x, y: _binop("div", x, y), "negative": lambda x: emit("neg", (lift(x),)),
-           "exp": exp, "log": log, "tanh": tanh, "sqrt": sqrt, "absolute": abs, "maximum": maximum,
+           "exp": exp, "log": log, "tanh": tanh, "sqrt": sqrt, "absolute": abs, "maximum": maximum, "erf": erf,
+           "log1p": log1p,
            "minimum": minimum, "matmul": matmul, "power": lambda x, y: lift(x) ** y,
            "equal": equal, "greater": lambda x, y: _binop("gt", x, y), "less": lambda x, y: _binop("lt", x, y),
            "not_equal": lambda x, y: _binop("ne", x, y), "greater_equal": lambda x, y: _binop("ge", x, y),
@@ -567,7 +632,10 @@ _UFUNCS = {"add": lambda x, y: _binop("add", x, y), "subtract": lambda x, y: _bi
 _FUNCS = {"sum": sum, "mean": mean, "max": max, "amax": max, "reshape": reshape, "transpose": transpose,
           "swapaxes": swapaxes, "concatenate": concatenate, "split": split, "where": where, "matmul": matmul,
           "exp": exp, "log": log, "tanh": tanh, "sqrt": sqrt, "maximum": maximum, "broadcast_to": broadcast_to,
-          "take": lambda a, idx, axis=None: _np_take(a, idx, axis), "stack": stack, "roll": roll}
+          "take": lambda a, idx, axis=None: _np_take(a, idx, axis), "stack": stack, "roll": roll,
+          "clip": lambda a, a_min=None, a_max=None, min=None, max=None: clip(  # noqa: A002
+              a, min if a_min is None else a_min, max if a_max is None else a_max),
+          "var": var, "std": std, "log1p": log1p}
 
 
 def _np_take(a, idx, axis=None):

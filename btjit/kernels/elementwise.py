@@ -22,7 +22,7 @@ from numba import njit
 from btjit.kernels.common import FM, cvt, fexp, ftanh, row
 
 # unary sub-ops
-U_COPY, U_NEG, U_EXP, U_LOG, U_TANH, U_RELU, U_SIGMOID, U_SQRT, U_POW, U_ABS = range(10)
+U_COPY, U_NEG, U_EXP, U_LOG, U_TANH, U_RELU, U_SIGMOID, U_SQRT, U_POW, U_ABS, U_ERF, U_LOG1P = range(12)
 # binary sub-ops (also used by k_strided); COPY = unary copy of in1
 (B_ADD, B_SUB, B_MUL, B_DIV, B_MAX, B_MIN, B_POW, B_EQ, B_GT, B_GE, B_LT, B_LE, B_NE,
  B_TANH_GRAD, B_RELU_GRAD, B_SIGMOID_GRAD, B_COPY) = range(17)
@@ -53,6 +53,10 @@ def _unary(sub, x, c):
         return math.sqrt(x)
     elif sub == U_POW:
         return x ** c
+    elif sub == U_ERF:
+        return math.erf(x)
+    elif sub == U_LOG1P:
+        return math.log1p(x)
     else:
         return abs(x)
 

@@ -21,8 +21,8 @@ from numba import carray, njit
 
 from btjit.kernels.common import FM, fexp, ftanh, row, stack_buf
 from btjit.kernels.elementwise import (B_ADD, B_DIV, B_EQ, B_GE, B_GT, B_LE, B_LT, B_MAX, B_MIN, B_MUL, B_NE, B_POW,
-                          B_RELU_GRAD, B_SIGMOID_GRAD, B_SUB, B_TANH_GRAD, U_ABS, U_COPY, U_EXP, U_LOG, U_NEG,
-                          U_RELU, U_SIGMOID, U_SQRT, U_TANH)
+                          B_RELU_GRAD, B_SIGMOID_GRAD, B_SUB, B_TANH_GRAD, U_ABS, U_COPY, U_ERF, U_EXP, U_LOG,
+                          U_LOG1P, U_NEG, U_RELU, U_SIGMOID, U_SQRT, U_TANH)
 
 BLOCK = 1024         # elements per register
 NREG = 16            # registers (BLOCK * NREG floats of stack: 64 KB in float32)
@@ -80,6 +80,12 @@ def _op(op, d, x, y, m):
     elif op == U_ABS:
         for j in range(m):
             d[j] = abs(x[j])
+    elif op == U_ERF:
+        for j in range(m):
+            d[j] = math.erf(x[j])
+    elif op == U_LOG1P:
+        for j in range(m):
+            d[j] = math.log1p(x[j])
     elif op == BIN + B_ADD:
         for j in range(m):
             d[j] = x[j] + y[j]

@@ -62,7 +62,7 @@ def init_params(cfg: GPTConfig, rng) -> dict:
 
 def logits_fn(cfg: GPTConfig):
     import btjit       # here, not at module level: the bench's peer processes import init_params without numba
-    act = btjit.relu if cfg.activation == "relu" else btjit.gelu
+    act = btjit.relu if cfg.activation == "relu" else (lambda v: btjit.gelu(v, approximate="tanh"))
 
     def logits(p, idx):                                     # idx (B, T) int
         T = idx.shape[1]

@@ -5,8 +5,9 @@
     values, grads = f.many(X)              # X (N, n_inputs) -> values (N,), grads (N, n_inputs); one native loop
 
 The function takes N positional scalars (named by its parameters: the graph's params; a `*args` function
-needs `n_args=`) and uses plain Python operators (+ - * / **, unary minus, comparisons inside btjit.where) and
-btjit.relu/tanh/exp/log/sigmoid/sqrt/abs/maximum/minimum/gelu/where on them; `x += y` rebinding works. It is
+needs `n_args=`) and uses plain Python operators (+ - * / **, unary minus, comparisons inside btjit.where),
+btjit.relu/tanh/exp/log/sigmoid/sqrt/abs/erf/log1p/maximum/minimum/gelu/where and the methods x.relu(),
+.tanh() .exp() .log() .sigmoid() .sqrt() .abs() on them; `x += y` rebinding works. It is
 traced once into the ordinary IR (shape () values), differentiated by the ordinary autodiff, dead code is
 removed, and it is lowered by btjit.scalar.lower: straight-line native code up to STRAIGHT_LINE_MAX
 instructions, a scalar tape run by one cached interpreter above it (`lowering=` forces either).
@@ -105,26 +106,26 @@ def trace_scalar(fn, dtype="float64", *, n_args=None, lowering="auto", compile=T
         if not outs:
             raise T.TraceError("trace_scalar: the function returned no output")
         for t in [*outs, *named.values()]:
-            if t.shape != () or t.var.dtype == "i32":
-                raise T.TraceError(f"trace_scalar: outputs must be float scalars, got {t.var.type_str}")
+            if t.shape != () or t.node.dtype == "i32":
+                raise T.TraceError(f"trace_scalar: outputs must be float scalars, got {t.node.type_str}")
         g.n_forward = len(g.eqns)
         loss = outs[0]
         for o in outs[1:]:                      # the gradient of several outputs is the gradient of their sum
             loss = loss + o
-    g.loss = loss.var
+    g.loss = loss.node
     grads = autodiff.differentiate(g)
     grad_vars = [grads.get(n) for n in names]
-    autodiff.eliminate_dead_code(g, [o.var for o in outs] + [t.var for t in named.values()] +
+    autodiff.eliminate_dead_code(g, [o.node for o in outs] + [t.node for t in named.values()] +
                                  [v for v in grad_vars if v is not None])
     g.n_backward = len(g.eqns)
     if len(outs) > 1:
         g.loss = None                           # the sum of the outputs was only needed for autodiff
-    g.outputs = {**{k: t.var for k, t in named.items()}, **{f"<out{i}>": o.var for i, o in enumerate(outs)}}
+    g.outputs = {**{k: t.node for k, t in named.items()}, **{f"<out{i}>": o.node for i, o in enumerate(outs)}}
     g.grads = {n: v for n, v in zip(names, grad_vars) if v is not None}
     verify(g, TABLE)
     try:
-        prog = ScalarProgram(g, list(g.params.values()), [o.var for o in outs], grad_vars,
-                             [(k, t.var) for k, t in named.items()])
+        prog = ScalarProgram(g, list(g.params.values()), [o.node for o in outs], grad_vars,
+                             [(k, t.node) for k, t in named.items()])
     except ScalarGraphError as e:
         raise T.TraceError(str(e)) from None
     trace_seconds = time.perf_counter() - t0

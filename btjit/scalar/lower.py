@@ -71,7 +71,7 @@ class ScalarGraphError(Exception):
 # opcode of the tape interpreter; the generated-code expression uses {0},{1},{2} for the operands, ONE/ZERO/
 # HALF for dtype-correct literals, and may be a list of statements with {o} the result and {t} a temp prefix.
 (ADD, SUB, MUL, DIV, NEG, COPY, EXP, LOG, TANH, SQRT, ABS, RELU, SIGMOID, POW, MAXIMUM, MINIMUM, EQ, NE, GT,
- GE, LT, LE, TANH_GRAD, RELU_GRAD, SIGMOID_GRAD, WHERE, GELU, GELU_GRAD, ARG) = range(29)
+ GE, LT, LE, TANH_GRAD, RELU_GRAD, SIGMOID_GRAD, WHERE, GELU, GELU_GRAD, ARG, ERF, LOG1P) = range(31)
 
 _G0 = 0.7978845608028654      # sqrt(2/pi), as in graph/ops/elementwise.py's _gelu_ref
 _G1 = 0.044715
@@ -87,6 +87,8 @@ OPS = {
     "log": (LOG, "math.log({0})"),
     "tanh": (TANH, "math.tanh({0})"),
     "sqrt": (SQRT, "math.sqrt({0})"),
+    "erf": (ERF, "math.erf({0})"),
+    "log1p": (LOG1P, "math.log1p({0})"),
     "abs": (ABS, "abs({0})"),
     "relu": (RELU, "{0} if not ({0} <= ZERO) else ZERO"),            # max(x, 0); NaN stays NaN as np.maximum
     "sigmoid": (SIGMOID, "ONE / (ONE + math.exp(-{0}))"),
@@ -438,6 +440,10 @@ def tape_run(code, r, K):
             r[o] = r[b] * y * (one - y)
         elif op == SQRT:
             r[o] = math.sqrt(r[a])
+        elif op == ERF:
+            r[o] = math.erf(r[a])
+        elif op == LOG1P:
+            r[o] = math.log1p(r[a])
         elif op == ABS:
             r[o] = abs(r[a])
         elif op == COPY:

@@ -1,6 +1,8 @@
 """Elementwise and reduction ops: shape rule, VJP, numpy reference, lowering, gradient cases."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from btjit.graph import trace as T
@@ -53,6 +55,8 @@ def _unary(name, sub, fn, vjp, dom="normal", tol=1e-6):
 
 
 _sig = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+_erf_ref = np.vectorize(math.erf, otypes=[np.float64])     # numpy has no erf; math.erf is libm's (correctly
+#                                                           rounded to within an ulp in float64)
 _unary("copy", EW.U_COPY, lambda x, a: x.copy(), lambda g, x, o, a: [g[0]])
 _unary("neg", EW.U_NEG, lambda x, a: -x, lambda g, x, o, a: [-g[0]])
 _unary("exp", EW.U_EXP, lambda x, a: np.exp(x), lambda g, x, o, a: [g[0] * o[0]])
@@ -67,6 +71,8 @@ _unary("sqrt", EW.U_SQRT, lambda x, a: np.sqrt(x), lambda g, x, o, a: [g[0] * 0.
 _unary("abs", EW.U_ABS, lambda x, a: np.abs(x), lambda g, x, o, a: [g[0] * T.emit("gt", (x[0], T.lift(0.0))) -
                                                                       g[0] * T.emit("lt", (x[0], T.lift(0.0)))],
        dom="away")
+_unary("erf", EW.U_ERF, lambda x, a: _erf_ref(x), lambda g, x, o, a: [g[0] * 1.1283791670955126 * T.exp(-x[0] * x[0])])
+_unary("log1p", EW.U_LOG1P, lambda x, a: np.log1p(x), lambda g, x, o, a: [g[0] / (1.0 + x[0])], dom="pos")
 _unary("pow", EW.U_POW, lambda x, a: np.power(x, a["p"]), lambda g, x, o, a: [g[0] * a["p"] * x[0] ** (a["p"] - 1)],
        dom="pos")
 TABLE["pow"].cases = [Case((F(3, 5, dom="pos"),), {"p": 3.0}), Case((F(4, dom="pos"),), {"p": -1.5})]

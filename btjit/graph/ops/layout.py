@@ -188,6 +188,20 @@ op("take", infer=_take_rule, ref=lambda xs, a: (xs[0][xs[1]],),
    cases=[Case((F(5, 3), ("i", (4, 2), 5))), Case((F(6), ("i", (7,), 6)))])
 
 
+def _check_rule(types, attrs, fd):
+    (s, d), = types
+    if d != "i32":
+        raise ShapeError("class ids must be an integer array")
+    return [(tuple(s), d)]
+
+
+# check_index(idx, hi, ok): idx itself (a view), after a check that every id is in [0, hi) or equals ok: a
+# batch input once before the tape (program._index_bounds), a computed index by a check row. For an index used
+# by ops composed of others (nll_loss's one-hot), whose out-of-range ids would otherwise pick nothing.
+op("check_index", infer=_check_rule, ref=lambda xs, a: (xs[0],), view=True, nondiff=True, internal=True,
+   lower=lambda e, L: L.index_check(e, e.ins[0], e.attrs["hi"], e.attrs.get("ok")))
+
+
 def _take_grad_ref(xs, a):
     g, idx = xs
     out = np.zeros((a["rows"],) + g.shape[idx.ndim:], g.dtype)

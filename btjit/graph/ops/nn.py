@@ -304,20 +304,29 @@ def _ew_ref(xs, a):
     env = dict(zip(a["ins"], xs[1:]))
     for op_, attrs, ins, out in a["body"]:
         env[out] = TABLE[op_].ref([env[i] for i in ins], dict(attrs))[0]
-    return tuple(np.broadcast_to(env[o], a["shape"]).copy() for o in a["outs"])
+    return tuple(np.broadcast_to(env[o], s).copy() for o, s in zip(a["outs"], _oshapes(a)))
+
+
+def _oshapes(a):
+    return a.get("oshapes", (tuple(a["shape"]),) * len(a["outs"]))
 
 
 def _lower_ew(e, L):
-    """One k_ew_program row per outer index beyond the program's 4 dims (usually one row)."""
+    """One k_ew_program row per outer index beyond the program's 4 dims (usually one row). Operands: the
+    inputs (iview: offset and strides each, e.g. a slice's region) then the outputs (oview: output, offset,
+    strides each, e.g. a region of a concatenation)."""
     from btjit.kernels.fused import MAX_OPERANDS
     shape = e.attrs["shape"]
-    opers = [(L.off(v), bstrides(v.shape, shape) or (0,)) for v in e.ins[1:]] + \
-        [(L.off(o), cstrides(shape) or (0,)) for o in e.outs]
+    iview = e.attrs.get("iview") or [(0, bstrides(v.shape, shape)) for v in e.ins[1:]]
+    oview = e.attrs.get("oview") or [(k, 0, cstrides(shape)) for k in range(len(e.outs))]
+    opers = [(L.off(v) + off, st or (0,)) for v, (off, st) in zip(e.ins[1:], iview)] + \
+        [(L.off(e.outs[k]) + off, st or (0,)) for k, off, st in oview]
     return [L.row("k_ew_program", oprog=L.off(e.ins[0]), **{f"o{k}": offs[k] if k < len(offs) else 0
                                                              for k in range(MAX_OPERANDS)})
             for offs, _ in loop_nest(shape or (1,), opers, 4)]
 
 
-# made by graph/fuse_ew.py after autodiff: attrs shape (the iteration space), ins / outs (var ids), body
-op("ew_fused", internal=True, infer=lambda t, a, fd: [(tuple(a["shape"]), fd)] * len(a["outs"]), ref=_ew_ref,
+# made by graph/fuse_ew.py after autodiff: attrs shape (the iteration space), ins / outs (var ids), oshapes,
+# iview / oview (the operands' placement), body
+op("ew_fused", internal=True, infer=lambda t, a, fd: [(tuple(s), fd) for s in _oshapes(a)], ref=_ew_ref,
    lower=_lower_ew)

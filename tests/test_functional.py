@@ -1,0 +1,186 @@
+"""The functions and methods torch / numpy code uses (issue 28 item 5): gelu (exact and tanh), erf, log1p, silu,
+softplus, clip / np.clip, var / std (numpy's ddof and torch's keywords), logsumexp, nll_loss, layer_norm without
+weight or bias, and the tensor methods .relu() .tanh() .exp() .log() .sigmoid() .sqrt() .abs() .var() .std().
+Each against torch in float64 (values and gradients, 1e-10), against numpy where numpy has it, and its
+gradient against finite differences; float32 values against torch."""
+import numpy as np
+import pytest
+
+import btjit
+from btjit.testing import check_grads
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+X = (4, 6)
+
+
+def _np_x(shape=X, seed=0, scale=1.5):
+    return np.random.default_rng(seed).normal(size=shape) * scale
+
+
+# id -> (btjit fn of x, torch fn of x, x shape, x scale)
+CASES = {
+    "gelu": (lambda x: btjit.gelu(x), lambda x: F.gelu(x), X, 2.0),
+    "gelu_tanh": (lambda x: btjit.gelu(x, approximate="tanh"), lambda x: F.gelu(x, approximate="tanh"), X, 2.0),
+    "erf": (btjit.erf, torch.erf, X, 1.5),
+    "log1p": (lambda x: btjit.log1p(x * x), lambda x: torch.log1p(x * x), X, 1.5),
+    "silu": (btjit.silu, F.silu, X, 2.0),
+    "softplus": (btjit.softplus, F.softplus, X, 2.0),
+    "softplus_beta": (lambda x: btjit.softplus(x, beta=2.0, threshold=5.0),
+                      lambda x: F.softplus(x, beta=2.0, threshold=5.0), X, 3.0),
+    "clip": (lambda x: btjit.clip(x, -0.5, 0.7), lambda x: torch.clamp(x, -0.5, 0.7), X, 1.0),
+    "np.clip": (lambda x: np.clip(x, -0.5, None), lambda x: torch.clamp(x, min=-0.5), X, 1.0),
+    "x.clip": (lambda x: x.clip(max=0.3), lambda x: x.clip(max=0.3), X, 1.0),
+    "var": (lambda x: btjit.var(x, axis=1), lambda x: torch.var(x, dim=1, correction=0), X, 1.0),
+    "np.var_ddof": (lambda x: np.var(x, axis=(0, 2), ddof=1, keepdims=True),
+                    lambda x: torch.var(x, dim=(0, 2), correction=1, keepdim=True), (3, 4, 5), 1.0),
+    "x.var_torch": (lambda x: x.var(0, keepdim=True), lambda x: x.var(0, keepdim=True), X, 1.0),
+    "x.std": (lambda x: x.std(), lambda x: x.std(correction=0), X, 1.0),
+    "np.std": (lambda x: np.std(x, axis=-1, ddof=1), lambda x: x.std(-1), X, 1.0),
+    "logsumexp": (lambda x: btjit.logsumexp(x, axis=-1), lambda x: torch.logsumexp(x, -1), X, 3.0),
+    "logsumexp_axes": (lambda x: btjit.logsumexp(x, axis=(0, 2), keepdims=True),
+                       lambda x: torch.logsumexp(x, (0, 2), keepdim=True), (3, 4, 5), 3.0),
+    "logsumexp_all": (lambda x: btjit.logsumexp(x), lambda x: torch.logsumexp(x, (0, 1)), X, 3.0),
+    "methods": (lambda x: (x.abs() + 0.5).sqrt().log() + x.relu() * x.sigmoid() - x.tanh().exp(),
+                lambda x: (x.abs() + 0.5).sqrt().log() + x.relu() * x.sigmoid() - x.tanh().exp(), X, 1.5),
+}
+
+
+def _btjit(fn, x, dtype, w=None):
+    """(value, gradient of sum(value * w)) of fn at x, compiled by btjit."""
+    def loss(p):
+        y = fn(p["x"])
+        return btjit.sum(y * (1.0 if w is None else w)), {"y": y}
+    prog = btjit.trace(loss, {"x": x.astype(dtype)}, dtype=dtype, grad=True)
+    prog.value_and_grad()
+    return prog.outputs["y"].copy(), prog.grads["x"].copy()
+
+
+def _torch(fn, x, dtype, w=None):
+    t = torch.tensor(x, dtype=getattr(torch, dtype), requires_grad=True)
+    y = fn(t)
+    (y * (1.0 if w is None else torch.tensor(w, dtype=t.dtype))).sum().backward()
+    return y.detach().numpy(), t.grad.numpy()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_against_torch_float64(name):
+    bt, th, shape, scale = CASES[name]
+    x = _np_x(shape, scale=scale)
+    want, _ = _torch(th, x, "float64")
+    w = np.random.default_rng(1).normal(size=want.shape)
+    want, want_g = _torch(th, x, "float64", w)
+    got, got_g = _btjit(bt, x, "float64", w)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got_g, want_g, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gradient_finite_differences(name):
+    bt, _, shape, scale = CASES[name]
+    w = np.random.default_rng(1).normal(size=_btjit(bt, _np_x(shape, scale=scale), "float64")[0].shape)
+    check_grads(lambda p: btjit.sum(bt(p["x"]) * w), {"x": _np_x(shape, seed=2, scale=scale)})
+
+
+@pytest.mark.parametrize("name", ["gelu", "erf", "silu", "softplus", "logsumexp", "x.std", "methods"])
+def test_against_torch_float32(name):
+    bt, th, shape, scale = CASES[name]
+    x = _np_x(shape, scale=scale)
+    np.testing.assert_allclose(_btjit(bt, x, "float32")[0], _torch(th, x, "float32")[0], rtol=2e-5, atol=2e-6)
+
+
+def test_numpy_references():
+    x = _np_x((3, 4, 5))
+    for fn, want in [(lambda v: np.var(v, axis=1, ddof=1), np.var(x, axis=1, ddof=1)),
+                     (lambda v: v.std(axis=(0, 2), keepdims=True), x.std(axis=(0, 2), keepdims=True)),
+                     (lambda v: np.clip(v, -0.3, 0.4), np.clip(x, -0.3, 0.4)),
+                     (lambda v: v.clip(-1.0, 0.1), x.clip(-1.0, 0.1)),
+                     (lambda v: np.log1p(v * v), np.log1p(x * x))] + _scipy_erf(x):
+        np.testing.assert_allclose(_btjit(fn, x, "float64")[0], want, rtol=1e-12)
+
+
+def _scipy_erf(x):
+    try:
+        from scipy.special import erf
+    except ImportError:
+        return []
+    return [(lambda v: erf(v), erf(x))]          # a ufunc: __array_ufunc__ -> btjit.erf
+
+
+def test_logsumexp_infinities():
+    x = np.array([[-np.inf, -np.inf, -np.inf], [0.0, np.inf, 1.0], [1.0, -np.inf, 2.0]])
+    prog = btjit.trace(lambda p, x: btjit.logsumexp(x, -1) * p["s"], {"s": np.ones(())}, x, dtype="float64")
+    prog.forward(x)
+    np.testing.assert_array_equal(prog.outputs["out"], torch.logsumexp(torch.tensor(x), -1).numpy())
+
+
+NLL = [dict(), dict(reduction="sum"), dict(reduction="none"), dict(ignore_index=2), dict(ignore_index=-1),
+       dict(ignore_index=-100, reduction="none"), dict(ignore_index=1, reduction="sum")]
+
+
+@pytest.mark.parametrize("kw", NLL, ids=[str(k) for k in NLL])
+@pytest.mark.parametrize("shape", [(7, 5), (2, 3, 5)])
+def test_nll_loss_against_torch(kw, shape):
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=shape)
+    y = rng.integers(0, shape[-1], size=shape[:-1]).astype(np.int32)
+    if "ignore_index" in kw:
+        y.reshape(-1)[::3] = kw["ignore_index"]
+    w = rng.normal(size=y.shape) if kw.get("reduction") == "none" else 1.0
+    prog = btjit.trace(lambda p, y: btjit.sum(btjit.nll_loss(btjit.log_softmax(p["z"]), y, **kw) * w),
+                       {"z": logits}, y, dtype="float64", grad=True)
+    loss = prog.value_and_grad(y)
+    t = torch.tensor(logits, requires_grad=True)
+    lp = F.log_softmax(t, -1).reshape(-1, shape[-1])
+    tw = torch.tensor(np.broadcast_to(w, y.shape).reshape(-1)) if kw.get("reduction") == "none" else 1.0
+    want = (F.nll_loss(lp, torch.tensor(y.reshape(-1), dtype=torch.long),
+                       **{"ignore_index": -100, **kw}) * tw).sum()
+    want.backward()
+    assert abs(loss - want.item()) < 1e-12 * max(1.0, abs(want.item()))
+    np.testing.assert_allclose(prog.grads["z"], t.grad.numpy(), rtol=1e-10, atol=1e-13)
+    check_grads(lambda p, y: btjit.sum(btjit.nll_loss(btjit.log_softmax(p["z"]), y, **kw) * w), {"z": logits}, y)
+
+
+def test_nll_loss_every_position_ignored_is_nan_with_zero_grads():
+    y = np.full(4, -1, np.int32)
+    prog = btjit.trace(lambda p, y: btjit.nll_loss(p["lp"], y, ignore_index=-1), {"lp": np.zeros((4, 3))}, y,
+                       dtype="float64", grad=True)
+    assert np.isnan(prog.value_and_grad(y))
+    assert np.all(prog.grads["lp"] == 0)
+
+
+def test_nll_loss_bad_targets():
+    lp = {"lp": np.zeros((4, 3))}
+    prog = btjit.trace(lambda p, y: btjit.nll_loss(p["lp"], y), lp, np.zeros(4, np.int32))
+    with pytest.raises(Exception, match=r"\[0, 3\)"):
+        prog.forward(np.array([0, 1, 3, 2], np.int32))
+    with pytest.raises(btjit.TraceError, match=r"nll_loss: target values must be in \[0, 3\)"):
+        btjit.trace(lambda p: btjit.nll_loss(p["lp"], np.array([0, 5, 1, 1])), lp)
+    with pytest.raises(btjit.TraceError, match=r"nll_loss: target must be integer class ids of shape \(4,\)"):
+        btjit.trace(lambda p, y: btjit.nll_loss(p["lp"], y), lp, np.zeros((4, 3), np.int32))
+    with pytest.raises(btjit.TraceError, match="reduction must be 'mean' or 'sum' or 'none'"):
+        btjit.trace(lambda p, y: btjit.nll_loss(p["lp"], y, reduction="avg"), lp, np.zeros(4, np.int32))
+
+
+@pytest.mark.parametrize("which", ["bias None", "both None"])
+def test_layer_norm_without_weight_or_bias(which):
+    rng = np.random.default_rng(4)
+    x, wt = rng.normal(size=(3, 4, 6)), rng.normal(size=6)
+    params = {"x": x, "w": wt} if which == "bias None" else {"x": x}
+    g = rng.normal(size=x.shape)
+    prog = btjit.trace(lambda p: btjit.sum(btjit.layer_norm(p["x"], p.get("w"), None) * g), params, dtype="float64",
+                       grad=True)
+    loss = prog.value_and_grad()
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    want = (F.layer_norm(tp["x"], (6,), tp.get("w"), None) * torch.tensor(g)).sum()
+    want.backward()
+    assert abs(loss - want.item()) < 1e-11
+    for k in params:
+        np.testing.assert_allclose(prog.grads[k], tp[k].grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_gelu_bad_approximate():
+    with pytest.raises(btjit.TraceError, match="gelu: approximate must be 'none' or 'tanh', got 'erf'"):
+        btjit.trace(lambda p: btjit.sum(btjit.gelu(p["x"], approximate="erf")), {"x": np.zeros(3)})
