@@ -5,6 +5,7 @@ from .graph.trace import (TraceError, abs, arange, broadcast_to, causal_attentio
                           equal, exp, gelu, layer_norm, log, log_softmax, matmul, max, maximum, mean, minimum,
                           relu, reshape, roll, setitem, sigmoid, softmax, split, sqrt, stack, sum, swapaxes, take,
                           tanh, transpose, where)
+from .graph.trace import dropout, is_training, rand_like, randn_like
 from .program import Program, trace
 from .scalar import trace_scalar
 from .threads import replicas_for, set_num_threads

@@ -89,15 +89,24 @@ class Runner:
             raise RuntimeError("this program has no gradient (traced with grad=False)")
         self._load(batch)
         self._run_checked(self.n_bwd)
+        self._tick()
         return float(self._out)
 
     def forward(self, *batch):
         """Evaluate the traced function: a float for a scalar output, else a copy of the output array."""
         self._load(batch)
         self._run_checked(self.n_fwd)
+        self._tick()
         return float(self._out) if self._out.shape == () else self._out.copy()
 
     __call__ = forward
+
+    _rng_ticks = False
+
+    def _tick(self):
+        """A program without an optimizer that draws random numbers counts its runs (new ones every call)."""
+        if self._rng_ticks:
+            self.ia[self._int_state] += 1
 
     # ------------------------------------------------------------------ state
     @property
