@@ -308,14 +308,19 @@ def _ew_ref(xs, a):
 
 
 def _lower_ew(e, L):
-    """One k_ew_program row per outer index beyond the program's 4 dims (usually one row)."""
+    """One k_ew_program row per outer index beyond the program's 4 dims (usually one row); a rand member's key
+    block (the only integer input after the program) is the row's okey, ebase the row's first element."""
     from btjit.kernels.fused import MAX_OPERANDS
     shape = e.attrs["shape"]
-    opers = [(L.off(v), bstrides(v.shape, shape) or (0,)) for v in e.ins[1:]] + \
+    keys = [v for v in e.ins[1:] if v.dtype == "i32"]
+    opers = [(L.off(v), bstrides(v.shape, shape) or (0,)) for v in e.ins[1:] if v.dtype != "i32"] + \
         [(L.off(o), cstrides(shape) or (0,)) for o in e.outs]
-    return [L.row("k_ew_program", oprog=L.off(e.ins[0]), **{f"o{k}": offs[k] if k < len(offs) else 0
-                                                             for k in range(MAX_OPERANDS)})
-            for offs, _ in loop_nest(shape or (1,), opers, 4)]
+    rows = []
+    for offs, inner in loop_nest(shape or (1,), opers, 4):
+        rows.append(L.row("k_ew_program", oprog=L.off(e.ins[0]), okey=L.off(keys[0]) if keys else 0,
+                          ebase=len(rows) * int(np.prod([n for n, _ in inner])),
+                          **{f"o{k}": offs[k] if k < len(offs) else 0 for k in range(MAX_OPERANDS)}))
+    return rows
 
 
 # made by graph/fuse_ew.py after autodiff: attrs shape (the iteration space), ins / outs (var ids), body
