@@ -124,7 +124,12 @@ class Runner:
 
     @property
     def step_count(self) -> int:
+        """The steps taken: the optimizer's count and the random numbers' step (btjit/kernels/rng.py)."""
         return int(self.ia[self._int_state])
+
+    @step_count.setter
+    def step_count(self, v: int):
+        self.ia[self._int_state] = v
 
     def _state_views(self):
         return {name: self.a[off:off + self._span] for name, off in self._state}

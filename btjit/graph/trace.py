@@ -580,6 +580,17 @@ def is_training() -> bool:
     return TRAINING
 
 
+@contextlib.contextmanager
+def training_mode(flag: bool):
+    """Trace with is_training() == flag inside the block (btjit/sampling.py traces the logits for eval)."""
+    global TRAINING
+    old, TRAINING = TRAINING, bool(flag)
+    try:
+        yield
+    finally:
+        TRAINING = old
+
+
 def _rng_key() -> "Tracer":
     """The graph's key block (seed, step count): an i32 value the plan puts at the step counter."""
     g = current_graph()

@@ -24,7 +24,7 @@ from numba import njit, prange
 from btjit.kernels.attention import _tr, _up
 from btjit.kernels.common import FM, FM_PAR, MAX_THREADS, cvt, row
 from btjit.kernels.linalg import MR, gemm_micro
-from btjit.kernels.rng import key, uniform_at
+from btjit.kernels.rng import first, key, uniform_at
 from btjit.kernels.tiles import dscore_row, softmax_norm_row
 
 
@@ -73,7 +73,7 @@ def blocks(B, threads) -> int:
 
 
 @njit(**FM)
-def _fwd_head(a, oqkv, oy, oP, oW, b, h, T, C, NH, scale, ia, okey, site, odrop, oinv):
+def _fwd_head(a, oqkv, oy, oP, oW, b, h, B, T, C, NH, scale, ia, okey, site, odrop, oinv):
     hs = C // NH
     Tp = _up(T)
     C3 = 3 * C
@@ -85,6 +85,7 @@ def _fwd_head(a, oqkv, oy, oP, oW, b, h, T, C, NH, scale, ia, okey, site, odrop,
     oPh = oP + (b * NH + h) * T * Tp
     oD = oW + hs * Tp                                    # the dropped block's rows (dropout only)
     k0, k1, c2, c3 = key(ia, okey, site)
+    e0 = first(ia, okey, B * NH * T * T) + (b * NH + h) * T * T
     for i in range(0, T, MR):
         i0 = min(i, T - MR)
         n = i0 + MR                                      # keys 0 .. i0+7
@@ -92,8 +93,8 @@ def _fwd_head(a, oqkv, oy, oP, oW, b, h, T, C, NH, scale, ia, okey, site, odrop,
         for t in range(i0, n):
             softmax_norm_row(a, oPh + t * Tp, _up(t + 1), t + 1, Tp)
             if odrop:
-                drop_row(a, oPh + t * Tp, oD + (t - i0) * Tp, 0, n, t + 1, ((b * NH + h) * T + t) * T, a[odrop],
-                         a[oinv], k0, k1, c2, c3)
+                drop_row(a, oPh + t * Tp, oD + (t - i0) * Tp, 0, n, t + 1, e0 + t * T, a[odrop], a[oinv],
+                         k0, k1, c2, c3)
         gemm_micro(a, a, oD if odrop else oPh + i0 * Tp, Tp, 1, oq + 2 * C, C3, oy + (b * T + i0) * C + h * hs, C,
                    MR, hs, n, 0, 0, 0, 0)
 
@@ -108,7 +109,7 @@ def k_attn_fwd_kept(a, ia, r):
     okey = r[10]; site = r[11]; odrop = r[12]; oinv = r[13]
     for b in range(B):
         for h in range(NH):
-            _fwd_head(a, oqkv, oy, oP, oW, b, h, T, C, NH, scale, ia, okey, site, odrop, oinv)
+            _fwd_head(a, oqkv, oy, oP, oW, b, h, B, T, C, NH, scale, ia, okey, site, odrop, oinv)
 
 
 @row("oqkv oy oP oW B T C NH oscale okey site odrop oinv nb")
@@ -123,11 +124,11 @@ def k_attn_fwd_kept_par(a, ia, r):
     for j in prange(nb):
         for b in range(j * B // nb, (j + 1) * B // nb):
             for h in range(NH):
-                _fwd_head(a, oqkv, oy, oP, oW + j * per, b, h, T, C, NH, scale, ia, okey, site, odrop, oinv)
+                _fwd_head(a, oqkv, oy, oP, oW + j * per, b, h, B, T, C, NH, scale, ia, okey, site, odrop, oinv)
 
 
 @njit(**FM)
-def _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, T, C, NH, scale, ia, okey, site, odrop, oinv):
+def _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, B, T, C, NH, scale, ia, okey, site, odrop, oinv):
     hs = C // NH
     Tp = _up(T)
     C3 = 3 * C
@@ -138,6 +139,7 @@ def _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, T, C, NH, scale, ia, okey, site
     odS = oS + hs * Tp
     oD = odS + T * Tp                                   # D = the dropped probabilities (dropout only)
     k0, k1, c2, c3 = key(ia, okey, site)
+    e0 = first(ia, okey, B * NH * T * T) + (b * NH + h) * T * T
     _tr(a, oq + 2 * C, C3, oS, Tp, T, hs)               # V^T
     for i in range(0, T, MR):
         i0 = min(i, T - MR)
@@ -145,8 +147,8 @@ def _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, T, C, NH, scale, ia, okey, site
         gemm_micro(a, a, og + i0 * C, C, 1, oS, Tp, odS + i0 * Tp, Tp, MR, n, hs, 0, 0, 0, 0)   # dP
         for t in range(i0, n):
             if odrop:
-                drop_row(a, oPh + t * Tp, oD + t * Tp, odS + t * Tp, Tp, t + 1, ((b * NH + h) * T + t) * T,
-                         a[odrop], a[oinv], k0, k1, c2, c3)
+                drop_row(a, oPh + t * Tp, oD + t * Tp, odS + t * Tp, Tp, t + 1, e0 + t * T, a[odrop], a[oinv],
+                         k0, k1, c2, c3)
             dscore_row(a, oPh + t * Tp, odS + t * Tp, _up(t + 1), Tp, scale)
         gemm_micro(a, a, odS + i0 * Tp, Tp, 1, oq + C, C3, odq + i0 * C3, C3, MR, hs, n, 0, 0, 0, 0)  # dQ
     for k in range(0, T, MR):
@@ -167,7 +169,7 @@ def k_attn_bwd_kept(a, ia, r):
     okey = r[11]; site = r[12]; odrop = r[13]; oinv = r[14]
     for b in range(B):
         for h in range(NH):
-            _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, T, C, NH, scale, ia, okey, site, odrop, oinv)
+            _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, B, T, C, NH, scale, ia, okey, site, odrop, oinv)
 
 
 @row("oqkv oP ody odqkv oS B T C NH oscale okey site odrop oinv nb")
@@ -182,5 +184,5 @@ def k_attn_bwd_kept_par(a, ia, r):
     for j in prange(nb):
         for b in range(j * B // nb, (j + 1) * B // nb):
             for h in range(NH):
-                _bwd_head(a, oqkv, oP, ody, odqkv, oS + j * per, b, h, T, C, NH, scale, ia, okey, site, odrop,
+                _bwd_head(a, oqkv, oP, ody, odqkv, oS + j * per, b, h, B, T, C, NH, scale, ia, okey, site, odrop,
                           oinv)

@@ -13,8 +13,8 @@ Program at ia[oprog:] (int32): [ninstr, nops, n0, n1, n2, n3, strides (4 per ope
 op, dst, x, y, z)]. Operand k's float-arena offset is the row's o<k>. Opcodes: the unary (U_*) and binary
 (B_* + BIN) sub-op codes of btjit/kernels/elementwise.py, WHERE (dst = y where x != 0 else z), LOAD (register
 dst = operand x), RAND (register or output dst = the random numbers of site x, kind y, btjit/kernels/rng.py:
-drawn in the block, from the key block at ia[okey:] and the element's C-order index in the iteration space,
-ebase + its position in the row's loops).
+drawn in the block, from the key block at ia[okey:] and the element's C-order index in the iteration space
+of esize elements, ebase + its position in the row's loops).
 """
 import math
 
@@ -22,7 +22,7 @@ import numpy as np
 from numba import carray, njit
 
 from .common import FM, fexp, ftanh, row, stack_buf
-from .rng import fill, key
+from .rng import fill, first, key
 from .elementwise import (B_ADD, B_DIV, B_EQ, B_GE, B_GT, B_LE, B_LT, B_MAX, B_MIN, B_MUL, B_NE, B_POW,
                           B_RELU_GRAD, B_SIGMOID_GRAD, B_SUB, B_TANH_GRAD, U_ABS, U_COPY, U_EXP, U_LOG, U_NEG,
                           U_RELU, U_SIGMOID, U_SQRT, U_TANH)
@@ -143,13 +143,13 @@ def _at(a, R, P, r, code, i0, i1, i2, j0):
     return a[r[1 - code] + i0 * P[s] + i1 * P[s + 1] + i2 * P[s + 2] + j0 * P[s + 3]:]
 
 
-@row("oprog " + " ".join(f"o{k}" for k in range(MAX_OPERANDS)) + " okey ebase")
+@row("oprog " + " ".join(f"o{k}" for k in range(MAX_OPERANDS)) + " okey ebase esize")
 @njit(**FM)
 def k_ew_program(a, ia, r):
     """Run the fused elementwise program at ia[r[1]:] (layout in the module docstring) over its iteration
     space; operand k lives at a[r[2 + k]:] with the program's strides."""
     oprog = r[1]
-    okey = r[MAX_OPERANDS + 2]; ebase = r[MAX_OPERANDS + 3]
+    okey = r[MAX_OPERANDS + 2]; ebase = r[MAX_OPERANDS + 3]; esize = r[MAX_OPERANDS + 4]
     P = ia[oprog:]
     ninstr, nops = P[0], P[1]
     n0, n1, n2, n3 = P[2], P[3], P[4], P[5]
@@ -175,7 +175,8 @@ def k_ew_program(a, ia, r):
                                     d[j] = a[base + j * st]
                         elif op == RAND:
                             k0, k1, c2, c3 = key(ia, okey, xr)
-                            fill(d, m, ebase + ((i0 * n1 + i1) * n2 + i2) * n3 + j0, yr, k0, k1, c2, c3)
+                            e = first(ia, okey, esize) + ebase + ((i0 * n1 + i1) * n2 + i2) * n3 + j0
+                            fill(d, m, e, yr, k0, k1, c2, c3)
                         elif op == WHERE:
                             _where(d, _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0),
                                    _at(a, R, P, r, zr, i0, i1, i2, j0), m)

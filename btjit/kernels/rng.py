@@ -3,11 +3,15 @@
 Every random number is a pure function of (the program's seed, the step count, the site, the element index):
 no generator state but the step counter the int arena already holds. The key block at ia[okey:] is
 [step, (the index-check flag), seed low 32 bits, seed high 32 bits, replica] (the plan's int_state slots,
-btjit/graph/memory.py; replica r of a data-parallel program draws its own numbers); the Philox key is the
-seed, the counter (element index low 32 bits, element index high 32 bits, site + 65536 replica, step). A site is one random op of the traced function (numbered in trace order); the
-element index is the C-order position in that op's output, so a kernel split over threads or rows, the
-fused chain interpreter (btjit/kernels/fused.py), the standalone k_rand row and the attention kernels all
-draw the same number for the same element.
+btjit/graph/memory.py); the Philox key is the seed, the counter (element index low 32 bits, element index
+high 32 bits, site, step). Replica r of a data-parallel program (trace(..., replicas=R), each replica traced
+on its shard of the batch) numbers its elements from r * (the op's size): for an op whose first axis is the
+batch's -- every dropout of a model whose loss is a mean over the batch -- those are the elements' indices in
+the whole batch, so the replicas draw exactly the numbers one program on the whole batch draws.
+A site is one random op of the traced function (numbered in trace order); the element index is the C-order
+position in that op's output, so a kernel split over threads or rows, the fused chain interpreter
+(btjit/kernels/fused.py), the standalone k_rand row and the attention kernels all draw the same number for
+the same element.
 
 uniform: the first word's top 24 bits times 2^-24, in [0, 1), exact in float32 and float64 (the same
 masks in both). normal: Box-Muller on the first two words. `philox_np` is the numpy reference.
@@ -57,8 +61,13 @@ def key(ia, okey, site):
     """(k0, k1, c2, c3): the Philox key and the counter's site and step words from the key block at ia[okey:]."""
     k0 = np.uint64(np.uint32(ia[okey + KEY_SEED]))
     k1 = np.uint64(np.uint32(ia[okey + KEY_SEED + 1]))
-    c2 = (np.uint64(site) + (np.uint64(np.uint32(ia[okey + KEY_REPLICA])) << np.uint64(16))) & _LO
-    return k0, k1, c2, np.uint64(np.uint32(ia[okey + KEY_STEP]))
+    return k0, k1, np.uint64(np.uint32(site)), np.uint64(np.uint32(ia[okey + KEY_STEP]))
+
+
+@njit(inline="always", **FM)
+def first(ia, okey, size):
+    """The index of an op's first element (size elements per replica): replica * size."""
+    return np.int64(ia[okey + KEY_REPLICA]) * size
 
 
 @njit(inline="always", **FM)
@@ -85,14 +94,14 @@ def fill(d, m, e0, kind, k0, k1, c2, c3):
         d[j] = math.sqrt(cvt(d, -2.0) * math.log(u1)) * math.cos(cvt(d, _TWO_PI) * u2)
 
 
-@row("oout n okey site kind ebase")
+@row("oout n okey site kind")
 @njit(**FM)
 def k_rand(a, ia, r):
-    """a[oout:oout+n] = the random numbers (kind: U_UNIFORM / U_NORMAL) of site `site`, elements ebase ..
-    ebase+n-1, under the key block at ia[okey:]."""
-    oout = r[1]; n = r[2]; okey = r[3]; site = r[4]; kind = r[5]; ebase = r[6]
+    """a[oout:oout+n] = the random numbers (kind: U_UNIFORM / U_NORMAL) of site `site`, its n elements,
+    under the key block at ia[okey:]."""
+    oout = r[1]; n = r[2]; okey = r[3]; site = r[4]; kind = r[5]
     k0, k1, c2, c3 = key(ia, okey, site)
-    fill(a[oout:oout + n], n, ebase, kind, k0, k1, c2, c3)
+    fill(a[oout:oout + n], n, first(ia, okey, n), kind, k0, k1, c2, c3)
 
 
 @row("ostep")
@@ -117,10 +126,10 @@ def philox_np(counter, k0, k1):
 
 def random_np(shape, kind, site, key_block, dtype=np.float64):
     """The numbers k_rand writes for an output of `shape` (element indices 0 .. size-1) under key_block."""
-    e = np.arange(int(np.prod(shape)), dtype=np.uint64)
+    n = int(np.prod(shape))
+    e = np.arange(n, dtype=np.uint64) + np.uint64(int(key_block[KEY_REPLICA]) * n)
     w32 = [int(np.uint32(np.int32(x))) for x in key_block]
-    c2 = (site + (w32[KEY_REPLICA] << 16)) & 0xFFFFFFFF
-    w = philox_np((e & _LO, e >> _S32, np.full_like(e, c2), np.full_like(e, w32[KEY_STEP])), w32[KEY_SEED],
+    w = philox_np((e & _LO, e >> _S32, np.full_like(e, site), np.full_like(e, w32[KEY_STEP])), w32[KEY_SEED],
                   w32[KEY_SEED + 1])
     sc = 2.0 ** -24
     u = (w[0] >> _S8).astype(np.float64) * sc

@@ -25,10 +25,10 @@ def ref(xs, a):
 def lower(e, L):
     out = e.outs[0]
     return [L.row("k_rand", oout=L.off(out), n=out.size, okey=L.off(e.ins[0]), site=e.attrs["site"],
-                  kind=e.attrs["kind"], ebase=0)]
+                  kind=e.attrs["kind"])]
 
 
-_key = ("i", (RNG.KEY_SIZE,), 2 ** 31 - 1)
+_key = ("i", (RNG.KEY_SIZE,), 3)       # a replica word > 0 too: elements numbered from replica * size
 op("rand", infer=_rule, ref=ref, lower=lower, nondiff=True,
    cases=[Case((_key,), {"shape": (3, 5), "site": 3, "kind": RNG.U_UNIFORM}),
           Case((_key,), {"shape": (2, 3, 7), "site": 0, "kind": RNG.U_NORMAL}),
