@@ -17,7 +17,7 @@ __all__ += ["dropout", "rand_like", "randn_like", "is_training"]     # randomnes
 
 def __getattr__(name):
     if name in __all__:
-        from . import _api
+        from btjit import _api
         return getattr(_api, name)
     raise AttributeError(f"module 'btjit' has no attribute {name!r}")
 

@@ -14,10 +14,9 @@ import sys
 
 import numpy as np
 
+from btjit.graph.ir import Eqn, Graph
+from btjit.graph.optable import TABLE, ShapeError
 from btjit.kernels.rng import KEY_SIZE
-
-from .ir import Eqn, Graph
-from .optable import TABLE, ShapeError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _STACK: list = []          # graphs being built (innermost last)

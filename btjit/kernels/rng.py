@@ -21,7 +21,7 @@ import math
 import numpy as np
 from numba import njit
 
-from .common import FM, cvt, row
+from btjit.kernels.common import FM, cvt, row
 
 KEY_STEP, KEY_SEED, KEY_REPLICA, KEY_SIZE = 0, 2, 4, 5   # the key block's slots (module docstring)
 U_UNIFORM, U_NORMAL = 0, 1

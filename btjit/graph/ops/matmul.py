@@ -8,7 +8,7 @@ from btjit.graph import trace as T
 from btjit.kernels import gemm_rule, linalg
 from btjit.kernels.common import MAX_THREADS
 
-from ..optable import Case, F, ShapeError, TABLE, _bcast_shape, _float, bstrides, cstrides, loop_nest, op
+from btjit.graph.optable import Case, F, ShapeError, TABLE, _bcast_shape, _float, bstrides, cstrides, loop_nest, op
 
 
 # ----------------------------------------------------------------------------- matmul

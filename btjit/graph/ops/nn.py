@@ -9,7 +9,7 @@ from btjit.graph import trace as T
 from btjit.kernels import attention, attn_kept, attn_lanes, rng
 from btjit.kernels.attn_loops import BL_MIN_B, attn_blocks, attn_bwd_scratch_size, attn_scratch_size
 
-from ..optable import Case, F, ShapeError, TABLE, _float, bstrides, cstrides, loop_nest, op, same_as_input
+from btjit.graph.optable import Case, F, ShapeError, TABLE, _float, bstrides, cstrides, loop_nest, op, same_as_input
 
 
 # ----------------------------------------------------------------------------- softmax family

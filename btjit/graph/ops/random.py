@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from btjit.kernels import rng as RNG
 
-from ..optable import Case, ShapeError, op
+from btjit.graph.optable import Case, ShapeError, op
 
 
 def _rule(types, attrs, fd):

@@ -12,16 +12,16 @@ import warnings
 
 import numpy as np
 
-from .graph import autodiff, fuse, fuse_ew, trace as T
-from .graph.ir import Graph, np_dtype, verify
-from .graph.lower import Lowering, lower_eqns
-from .graph.memory import plan as make_plan, storage_roots
-from .graph.ops import TABLE
-from . import executor as X, threads
-from .kernels.library import LIBRARY
-from .graph import rng
-from .optim import HYPER, update_rows
-from .runner import Runner
+from btjit.graph import autodiff, fuse, fuse_ew, rng, trace as T
+from btjit.graph.ir import Graph, np_dtype, verify
+from btjit.graph.lower import Lowering, lower_eqns
+from btjit.graph.memory import plan as make_plan, storage_roots
+from btjit.graph.ops import TABLE
+from btjit.core import executor as X
+from btjit.host import threads
+from btjit.kernels.library import LIBRARY
+from btjit.optim import HYPER, update_rows
+from btjit.export.runner import Runner
 
 threads.set_num_threads(threads.default_threads())   # btjit's default: 1 thread (btjit/threads.py)
 
@@ -254,7 +254,7 @@ class Program(Runner):
         """Write this program as a self-contained native library dir (btjit/export.py): btjit.runtime.load(path)
         runs it without numba, examples/c/train.c from C. extra_files: {name: bytes} also written. Returns
         the dir."""
-        from .export import export_program
+        from btjit.export.build import export_program
         return export_program(self, path, extra_files)
 
     def _run(self, a, ia, tape, start, stop):
@@ -312,7 +312,7 @@ class Program(Runner):
                 f"arena {self.arena_bytes / 1e6:.2f} MB, {self.dtype})")
 
     # ------------------------------------------------------------------ split step (data parallel, issue 6)
-    # step() == value_and_grad() + apply_update(); in between, btjit.distributed averages grad_slice in place.
+    # step() == value_and_grad() + apply_update(); in between, btjit.train.distributed averages grad_slice in place.
     @property
     def param_slice(self) -> np.ndarray:
         """A view of the whole params region of the arena (contiguous; alignment padding included)."""
