@@ -16,7 +16,6 @@ import numpy as np
 
 from btjit.graph.ir import Eqn, Graph
 from btjit.graph.optable import TABLE, ShapeError
-from btjit.kernels.rng import KEY_SIZE
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _STACK: list = []          # graphs being built (innermost last)
@@ -552,26 +551,13 @@ def layer_norm(x, weight, bias, eps=1e-5):
     return emit("layernorm", (lift(x), lift(weight), lift(bias)), eps=float(eps))[0]
 
 
-def causal_attention(qkv, n_head, dropout=0.0):
-    """Fused causal self-attention: qkv (B, T, 3C) holding q | k | v -> (B, T, C), n_head heads of C/n_head.
-    dropout: on the attention probabilities while training (as torch's scaled_dot_product_attention with
-    dropout_p), inside the kernels where they can (graph/ops/nn.py), else through the same ops written out."""
-    qkv, p = lift(qkv), _dropout_p(dropout, "causal_attention")
-    if p == 0.0 or not is_training():
-        return emit("causal_attention", (qkv,), n_head=int(n_head))[0]
-    from .ops.nn import attn_dropout_in_kernel
-    if attn_dropout_in_kernel(qkv.shape, int(n_head)):
-        return emit("causal_attention", (qkv, _rng_key()), n_head=int(n_head), dropout=p, site=_new_site())[0]
-    B, T_, C = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
-    hs = C // int(n_head)
-    q, k, v = (transpose(reshape(t, (B, T_, int(n_head), hs)), (0, 2, 1, 3)) for t in split(qkv, 3, axis=2))
-    att = where(np.tril(np.ones((T_, T_), bool)), matmul(q, swapaxes(k, -1, -2)) * (1.0 / np.sqrt(hs)), -np.inf)
-    y = matmul(_dropout(softmax(att), p), v)
-    return reshape(transpose(y, (0, 2, 1, 3)), (B, T_, C))
+def causal_attention(qkv, n_head):
+    """Fused causal self-attention: qkv (B, T, 3C) holding q | k | v -> (B, T, C), n_head heads of C/n_head."""
+    return emit("causal_attention", (lift(qkv),), n_head=int(n_head))[0]
 
 
-# ----------------------------------------------------------------------------- randomness (kernels/rng.py)
-TRAINING = True     # the mode being traced; btjit.is_training() reads it (eval traces set it False)
+# the mode being traced: btjit.is_training(); dropout (graph/rng.py) is the identity when False
+TRAINING = True
 
 
 def is_training() -> bool:
@@ -581,64 +567,13 @@ def is_training() -> bool:
 
 @contextlib.contextmanager
 def training_mode(flag: bool):
-    """Trace with is_training() == flag inside the block (btjit/sampling.py traces the logits for eval)."""
+    """Trace with is_training() == flag inside the block (the sampler traces the logits for eval)."""
     global TRAINING
     old, TRAINING = TRAINING, bool(flag)
     try:
         yield
     finally:
         TRAINING = old
-
-
-def _rng_key() -> "Tracer":
-    """The graph's key block (seed, step count): an i32 value the plan puts at the step counter."""
-    g = current_graph()
-    if g.rng_key is None:
-        g.rng_key = g.new_var((KEY_SIZE,), "i32")
-    return Tracer(g.rng_key, g)
-
-
-def _new_site() -> int:
-    g = current_graph()
-    g.rng_sites += 1
-    return g.rng_sites - 1
-
-
-def _random(x, kind):
-    x = lift(x)
-    return emit("rand", (_rng_key(),), shape=x.shape, site=_new_site(), kind=kind)
-
-
-def rand_like(x):
-    """Uniform numbers in [0, 1) of x's shape, new every step (a pure function of the program's seed, the
-    step count, this call's place in the function and the element's position)."""
-    return _random(x, 0)
-
-
-def randn_like(x):
-    """Standard normal numbers of x's shape, new every step (as rand_like)."""
-    return _random(x, 1)
-
-
-def _dropout_p(p, op):
-    if isinstance(p, Tracer) or isinstance(p, bool) or not isinstance(p, (int, float, np.number)) \
-            or not 0.0 <= float(p) < 1.0:
-        raise TraceError(f"{op}: the dropout probability must be a number in [0, 1), got {p!r} — {user_src()}")
-    return float(p)
-
-
-def dropout(x, p=0.5, training=None):
-    """torch's dropout: while training, zero each element with probability p and scale the others by
-    1 / (1 - p); the identity in eval mode (or training=False) and when p == 0 (nothing is emitted). The
-    backward uses the same mask, recomputed from the generator's counter."""
-    return _dropout(x, _dropout_p(p, "dropout"), training)
-
-
-def _dropout(x, p, training=None):
-    x = lift(x)
-    if p == 0.0 or not (is_training() if training is None else training):
-        return x
-    return x * ((_random(x, 0) >= p) * (1.0 / (1.0 - p)))
 
 
 _UFUNCS = {"add": lambda x, y: _binop("add", x, y), "subtract": lambda x, y: _binop("sub", x, y),

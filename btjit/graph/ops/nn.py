@@ -6,6 +6,7 @@ import math
 import numpy as np
 
 from btjit.graph import trace as T
+from btjit.graph.rng import attn_dropout_in_kernel
 from btjit.kernels import attention, attn_kept, attn_lanes, rng
 from btjit.kernels.attn_loops import BL_MIN_B, attn_blocks, attn_bwd_scratch_size, attn_scratch_size
 
@@ -152,14 +153,8 @@ op("layernorm_grad", infer=_ln_grad_rule, ref=_ln_grad_ref, internal=True,
           Case((F(3, 6), F(6), F(3), F(3, dom="pos"), F(3, 6), F(3, 6)), {"eps": 1e-5})])
 
 
-def attn_dropout_in_kernel(qkv_shape, nh) -> bool:
-    """Whether the kept kernels (the only ones that draw a dropout mask) take this shape: T and the head
-    size >= 8. Dropout on other shapes is traced as the attention's ops written out (graph/trace.py)."""
-    return qkv_shape[1] >= attention.KEPT_MIN_T and qkv_shape[2] // 3 // nh >= attention.KEPT_MIN_HS
-
-
 def _attn_kind(qkv_shape, nh, dropout=0.0):
-    """attention.kind; with dropout always the kept kernels (attn_dropout_in_kernel says they apply)."""
+    """attention.kind; with dropout always the kept kernels (graph/rng.py's attn_dropout_in_kernel)."""
     return "kept" if dropout else attention.kind(qkv_shape[1], qkv_shape[2] // 3 // nh)
 
 
