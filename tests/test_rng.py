@@ -192,7 +192,7 @@ def test_train_resume_is_bit_exact_with_dropout(tmp_path):
     resumed, it ends bit for bit where the uninterrupted run ends -- the masks need only the step count."""
     from click.testing import CliRunner
 
-    from btjit import checkpoint as K
+    from btjit.train import checkpoint as K
     from btjit.cli import cli
     from textdata import corpus, tiny_config, write_run_files
     text = tiny_config(steps=20).replace("n_embd = 8\nblock_size = 4", "n_embd = 16\nblock_size = 8\ndropout = 0.2")
