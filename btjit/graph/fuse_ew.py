@@ -10,14 +10,15 @@ as soon as an equation outside it reads one of its values (the fused equation si
 place, so every reader must come later). A backward group that needs a value computed inside a forward group
 recomputes it from that group's operands (up to REMAT equations) instead of reading it: the forward group
 then need not store it. Values read outside the group (and the program's outputs, loss and grads) are the
-fused equation's outputs; the others live only in registers.
+fused equation's outputs; the others live only in registers. A `rand` member draws its numbers in the
+registers (a dropout mask the backward needs is drawn again there, not stored).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from btjit.kernels import elementwise as EW
-from btjit.kernels.fused import BIN, LOAD, MAX_OPERANDS, NREG, WHERE
+from btjit.kernels.fused import BIN, LOAD, MAX_OPERANDS, NREG, RAND, WHERE
 
 from btjit.graph.ir import Eqn, Graph
 from btjit.graph.ops import bstrides, cstrides, loop_nest
@@ -35,6 +36,8 @@ REMAT = 16
 
 
 def _fusable(e: Eqn) -> bool:
+    if e.op == "rand":                  # one instruction drawing in registers (its key block is the row's)
+        return True
     if e.op not in UNARY and e.op not in BINARY and e.op not in ALIAS and e.op not in ("where", "pow", "slice"):
         return False
     return all(v.dtype != "i32" for v in e.ins + e.outs) and len(e.outs) == 1
@@ -169,6 +172,7 @@ def _fused_eqn(g, eqns, body, members, needed, shape, dry=False):
     es = [Eqn("pow2", (e.ins[0], g.const(np.asarray(e.attrs["p"]), g.float_dtype)), e.outs) if e.op == "pow" else e
           for e in (eqns[j] for j in body)]
     ins, outs, oview, made = [], [], [], set()      # ins: (value id, var, offset, strides)
+    keys = [e.ins[0] for e in es if e.op == "rand"][:1]          # the key block: the row's, not an operand
     for j, e in zip(body, es):
         o = e.outs[0]
         need = j in members and needed(o)
@@ -176,7 +180,7 @@ def _fused_eqn(g, eqns, body, members, needed, shape, dry=False):
             ins.append((-1 - o.id, e.ins[0], *_slice_view(e.ins[0].shape, e.attrs)))
         else:
             ins += [(v.id, v, 0, bstrides(v.shape, shape)) for v in e.ins
-                    if v.id not in made and all(v.id != w[0] for w in ins)]
+                    if v.id not in made and all(v.id != w[0] for w in ins) and all(v.id != k.id for k in keys)]
         made.add(o.id)
         if need and e.op == "concatenate":
             st, ax, lo = cstrides(o.shape), e.attrs["axis"], 0
@@ -212,6 +216,11 @@ def _fused_eqn(g, eqns, body, members, needed, shape, dry=False):
     try:
         for t, e in enumerate(es):
             o = e.outs[0]
+            if e.op == "rand":
+                if o.id not in code:
+                    code[o.id] = free.pop()
+                instrs.append((RAND, code[o.id], e.attrs["site"], e.attrs["kind"], 0))
+                continue
             if e.op == "slice":
                 key = -1 - o.id
                 if key not in code:                      # strided: into a register
@@ -254,8 +263,8 @@ def _fused_eqn(g, eqns, body, members, needed, shape, dry=False):
     prog = [len(instrs), len(opers), *[n for n, _ in inner]] + \
         [st[q] for q in range(len(opers)) for _, st in inner] + [x for q in instrs for x in q]
     pvar = g.const(np.array(prog, np.int64).astype(np.int32), "i32")
-    return Eqn("ew_fused", (pvar, *[w[1] for w in ins]), tuple(outs),
-               {"shape": shape, "outs": tuple(o.id for o in outs), "ins": tuple(w[1].id for w in ins),
+    return Eqn("ew_fused", (pvar, *[w[1] for w in ins], *keys), tuple(outs),
+               {"shape": shape, "outs": tuple(o.id for o in outs), "ins": tuple(w[1].id for w in ins) + tuple(k.id for k in keys),
                 "oshapes": tuple(o.shape for o in outs), "iview": tuple((off, st) for _, _, off, st in ins),
                 "oview": tuple(oview),
                 "body": tuple((eqns[j].op, tuple(sorted(eqns[j].attrs.items())), tuple(v.id for v in eqns[j].ins),

@@ -26,6 +26,7 @@ class ModelConfig:
     n_embd: int = 24               # gpt, makemore kinds: embedding width
     block_size: int = 8            # gpt: context length T; makemore kinds: T >= the longest word + 1
     activation: str = "relu"       # gpt: FFN activation, "relu" or "gelu"
+    dropout: float = 0.0           # gpt: dropout while training, at nanoGPT's four sites (0 = none)
     context: int = 16              # mlp: characters of context (left-padded with '.')
     n_emb: int = 64                # mlp: embedding width per character
     n_hidden: int = 1024           # mlp: hidden units (tanh)
@@ -242,6 +243,8 @@ def validate(cfg: Config, source: str = "config") -> None:
     m, o = cfg.model, cfg.optim
     if m.kind in ("gpt", "transformer") and m.n_embd % m.n_head != 0:
         bad(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
+    if not 0.0 <= cfg.model.dropout < 1.0:
+        bad(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         bad(f"data.val_fraction must be between 0 and 1 (exclusive), got {cfg.data.val_fraction}")
     if m.kind == "mlp" and cfg.data.format != "lines":
