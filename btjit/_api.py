@@ -5,6 +5,7 @@ from .graph.trace import (TraceError, abs, arange, assign, is_training, broadcas
                           equal, exp, gelu, layer_norm, log, log_softmax, matmul, max, maximum, mean, minimum,
                           relu, reshape, roll, setitem, sigmoid, softmax, split, sqrt, stack, sum, swapaxes, take,
                           tanh, transpose, where)
+from .graph.ops.batchnorm import batch_norm
 from .program import Program, trace
 from .scalar import trace_scalar
 from .threads import replicas_for, set_num_threads
