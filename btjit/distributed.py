@@ -307,7 +307,7 @@ class DistributedTrainer(Trainer):
             losses = []
             for _ in range(t.eval_batches):
                 x, y = self.ds.batch("val", t.batch_size, rng)
-                losses += [self.prog.forward(xs, ys) for xs, ys in zip(np.split(x, self.size), np.split(y, self.size))]
+                losses += [self.prog.eval(xs, ys) for xs, ys in zip(np.split(x, self.size), np.split(y, self.size))]
             val = float(np.mean(losses))
         return self.comm.bcast(val, root=0)
 

@@ -18,8 +18,8 @@ class Runner:
     per input as the caller passes it), input_names, _bounds ({input position: (upper bound, ignore value or
     None)}), _flag (the index-check flag's ia slot), _computed_checks (messages of checks on computed
     indices), _hyper ({name: a slot}), _out (the loss / output view), n_fwd, n_bwd, n_rows, has_optimizer,
-    has_grad, has_assigns, params, buffers, _int_state (the step counter's ia slot), _state ([(name, offset)] of optimizer state,
-    params-span long), _span (params span length) -- and implement _exec(stop, split)."""
+    has_grad, has_assigns, params, buffers, _int_state (the step counter's ia slot), _state ([(name, offset)]
+    of optimizer state, params-span long), _span (params span length) -- and implement _exec(stop, split)."""
 
     replicas = 1
 
