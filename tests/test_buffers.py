@@ -102,3 +102,89 @@ def test_no_gradient_through_buffer():
     prog = btjit.trace(f, {"w": np.ones(3)}, np.ones(1), buffers={"b": np.full(3, 2.0)}, grad=True, dtype="float64")
     prog.value_and_grad(np.ones(1))
     np.testing.assert_array_equal(prog.grads["w"], np.full(3, 2.0))    # d(w*b)/dw = b: b is a constant
+
+
+# ----------------------------------------------------------------------------- checkpoints, --resume, exports
+BN_MODEL = '''"""A makemore-style word model with batch norm over (B, T, C), channels last (makemore part 5's layout)."""
+import numpy as np
+
+import btjit
+
+
+def init_params(cfg, rng):
+    V, E, H = cfg.vocab_size, cfg.n_embd, cfg.hidden
+    return {"wte": rng.standard_normal((V, E)).astype(np.float32),
+            "w1": (rng.standard_normal((E, H)) / np.sqrt(E)).astype(np.float32),
+            "gain": np.ones(H, np.float32), "bias": np.zeros(H, np.float32),
+            "head": (rng.standard_normal((H, V)) * 0.1).astype(np.float32)}
+
+
+def init_buffers(cfg):
+    return {"rm": np.zeros(cfg.hidden, np.float32), "rv": np.ones(cfg.hidden, np.float32)}
+
+
+def logits(p, x):
+    h = btjit.take(p["wte"], x) @ p["w1"]                           # (B, T, H)
+    h = btjit.batch_norm(h, p["gain"], p["bias"], p["rm"], p["rv"], axis=-1)
+    return btjit.tanh(h) @ p["head"]
+
+
+def loss(p, x, y):
+    lg = logits(p, x)
+    return btjit.cross_entropy(lg.reshape(-1, lg.shape[-1]), y.reshape(-1), ignore_index=-1)
+'''
+
+
+def test_buffers_through_checkpoints_and_resume_bit_exact(tmp_path):
+    from test_cli import assert_same_state, final_state
+    from test_usermodel import config, run
+    from textdata import words
+    (tmp_path / "bn.py").write_text(BN_MODEL)
+    (tmp_path / "c.toml").write_text(config("bn.py", steps=20, sample_interval=10))
+    (tmp_path / "w.txt").write_text(words())
+    a = run("train", tmp_path / "c.toml", "--data", tmp_path / "w.txt", "--out", tmp_path / "a")
+    assert a.exit_code == 0 and "--- sample at step 10 ---" in a.output, a.output
+    assert run("train", tmp_path / "c.toml", "--data", tmp_path / "w.txt", "--out", tmp_path / "b",
+               "--set", "train.steps=13").exit_code == 0
+    res = run("train", tmp_path / "c.toml", "--data", tmp_path / "w.txt", "--out", tmp_path / "b", "--resume")
+    assert res.exit_code == 0 and "resumed from ckpt_00000013.npz" in res.output, res.output
+    ck = final_state(tmp_path / "a")
+    assert ck.step == 20 and set(ck.buffers) == {"rm", "rv"} and np.abs(ck.buffers["rm"]).max() > 0.01
+    assert_same_state(ck, final_state(tmp_path / "b"))          # buffers included, bit for bit
+    s = run("sample", tmp_path / "a", "--n", 30, "--seed", 1)
+    assert s.exit_code == 0 and s.stdout.strip(), s.output
+
+
+FRESH = r"""
+import json, sys
+import numpy as np
+import btjit.runtime as R
+p = R.load(sys.argv[1])
+d = np.load(sys.argv[2])
+losses = [p.step(d[f"x{i}"]) for i in range(3)]
+print(json.dumps({"losses": losses, "buffers": {k: v.tolist() for k, v in p.buffers.items()},
+                  "imported": [m for m in ("numba", "llvmlite") if m in sys.modules]}))
+"""
+
+
+def test_buffers_in_exports_update_bitwise(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    prog, x, _ = _prog("float32")
+    xs = [(x + k).astype(np.float32) for k in range(3)]
+    prog.step(xs[0].astype(np.float32))                      # a trained state goes into the export
+    prog.export(tmp_path / "e")
+    np.savez(tmp_path / "b.npz", **{f"x{i}": v for i, v in enumerate(xs)})
+    want = [prog.step(v) for v in xs]
+    r = subprocess.run([sys.executable, "-c", FRESH, str(tmp_path / "e"), str(tmp_path / "b.npz")], cwd=root,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["imported"] == [] and got["losses"] == want
+    assert got["buffers"] == {k: v.tolist() for k, v in prog.buffers.items()}      # bitwise
+    import btjit.runtime as R
+    e = R.load(tmp_path / "e")
+    assert set(e.state_dict()) == set(prog.state_dict())
