@@ -188,3 +188,27 @@ def test_buffers_in_exports_update_bitwise(tmp_path):
     import btjit.runtime as R
     e = R.load(tmp_path / "e")
     assert set(e.state_dict()) == set(prog.state_dict())
+
+
+def test_the_c_host_updates_buffers_as_python(tmp_path):
+    import subprocess
+    from test_export import CC, cc_build
+    if CC is None:
+        pytest.skip("no C compiler (cc/gcc) on this machine")
+    prog, x, _ = _prog("float32")
+    prog.export(tmp_path / "e")
+    xs = [(x + k).astype(np.float32) for k in range(3)]
+    (tmp_path / "b.bin").write_bytes(b"".join(v.tobytes() for v in xs))
+    cc_build(tmp_path / "e", tmp_path / "train")
+    r = subprocess.run([str(tmp_path / "train"), str(tmp_path / "e"), "3", str(tmp_path / "b.bin")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    losses = [np.float32(prog.step(v)) for v in xs]
+    lines = r.stdout.splitlines()
+    assert [np.float32(ln.split()[-1]) for ln in lines[:3]] == losses
+    assert len(lines) == 3 + len(prog.buffers)
+    for ln, (k, v) in zip(lines[3:], prog.buffers.items()):
+        s = 0.0
+        for e in v.ravel():
+            s += float(e)                                  # the C host's sum: in order, in double (%.17g)
+        assert ln.split()[:3] == ["buffer", k, "sum"] and float(ln.split()[3]) == s, (ln, s)
