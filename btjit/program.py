@@ -137,7 +137,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     verify(g, TABLE)
     prog = Program(g, params, optimizer, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas,
                    buffers, _share)
-    prog._retrace = lambda share, *b: trace(fn, params, *b, dtype=dtype, replicas=1, buffers=buffers,
+    prog._retrace = lambda share, *b: trace(fn, share.params, *b, dtype=dtype, buffers=share.buffers,    # eval
                                             fuse_elementwise=fuse_elementwise, training=False, grad=False,
                                             _share=share)
     return prog
