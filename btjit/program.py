@@ -15,7 +15,7 @@ import numpy as np
 from .graph import autodiff, fuse, fuse_ew, trace as T
 from .graph.ir import Graph, np_dtype, verify
 from .graph.lower import Lowering, assign_rows, lower_eqns
-from .graph.memory import Shared, plan as make_plan, storage_roots
+from .graph.memory import Shared, pin, plan as make_plan, storage_roots
 from .graph.ops import TABLE
 from . import executor as X, threads
 from .kernels.library import LIBRARY
@@ -127,7 +127,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
                               stacklevel=2)
     else:
         grads = {}
-    pinned = _pin(g, grads)
+    pinned = pin(g, grads)
     live = g.kept()
     autodiff.eliminate_dead_code(g, live)
     if fuse_elementwise:
@@ -141,38 +141,6 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
                                             fuse_elementwise=fuse_elementwise, training=False, grad=False,
                                             _share=share)
     return prog
-
-
-def _pin(g: Graph, grads: dict) -> dict:
-    """Give each output, grad and assigned value its own storage in its fixed slot, copying where the value's
-    storage is fixed (a param, buffer, input, constant) or already pinned."""
-    root = storage_roots(g)
-    fixed = {v.id for v in list(g.params.values()) + list(g.buffers.values()) + g.inputs + list(g.consts)}
-    pinned = {}
-    fwd_copies, bwd_copies = [], []
-
-    def own(v, tag, copies):
-        r = root.get(v.id, v.id)
-        if r in fixed or r in pinned:
-            with T.building(g):
-                c = T.copy(T.Tracer(v, g))
-            copies.append(g.eqns.pop())
-            v, r = c.var, c.var.id
-        pinned[r] = tag
-        return v
-
-    g.outputs = {k: own(v, ("out", k), fwd_copies) for k, v in g.outputs.items()}
-    if g.loss is not None:
-        g.loss = g.outputs["out"]
-    g.grads = {k: own(v, ("grad", k), bwd_copies) for k, v in grads.items()}
-    backward = {o.id for e in g.eqns[g.n_forward:] for o in e.outs}   # assigned values of the update: after it
-    state = g.state_vars()
-    for a in g.assigns:
-        a.value = own(a.value, ("out", "assign/%s/%s" % state[a.target.id]),
-                      bwd_copies if a.value.id in backward else fwd_copies)
-    g.eqns = g.eqns[:g.n_forward] + fwd_copies + g.eqns[g.n_forward:] + bwd_copies
-    g.n_forward += len(fwd_copies)
-    return pinned
 
 
 class Program(Runner):
