@@ -197,7 +197,7 @@ class Program(Runner):
                            np.dtype(np.int32) if v.dtype == "i32" else self.dtype) for v in graph.inputs]
         for k, v in ({} if share else {**init_params, **(init_buffers or {})}).items():
             (self.params if k in self.params else self.buffers)[k][...] = v
-        self._evals = {}
+        self._evals, self._retrace = {}, None       # eval programs by batch shape; trace() sets _retrace
         self._hyper = {k: p.hyper_off + i for i, k in enumerate(HYPER)}
         self.a[self._hyper["clip_scale"]] = 1.0
         self.a[self._hyper["clip_norm"]] = clip_norm or 0.0
@@ -247,6 +247,8 @@ class Program(Runner):
         key = tuple((np.shape(x), np.asarray(x).dtype.kind in "iu") for x in batch)
         ev = self._evals.get(key)
         if ev is None:
+            if self._retrace is None:
+                raise RuntimeError("prog.eval needs the traced function: trace the program with btjit.trace")
             ev = self._evals[key] = self._retrace(self, *batch)
         return ev.forward(*batch)
 
