@@ -57,6 +57,18 @@ def test_eval_shares_params_and_buffers():
     assert prog.eval(x[:2]) == pytest.approx(2 * ((x[:2] @ prog.params["w"]) ** 2).mean(), rel=1e-12)
 
 
+def test_trace_in_eval_mode():
+    prog, x, params = _prog()
+    ev = btjit.trace(_ema, params, x, buffers={"rm": np.zeros(3), "n": np.zeros(())}, training=False, grad=False,
+                     dtype="float64")
+    h = x @ params["w"]
+    assert ev.forward(x) == pytest.approx(2 * (h * h).mean(), rel=1e-12) and not ev.graph.assigns
+    with pytest.raises(RuntimeError, match="without an optimizer"):
+        ev.step(x)
+    with pytest.raises(TraceError, match="inside a function traced"):
+        btjit.is_training()
+
+
 def test_state_dict_round_trip():
     prog, x, _ = _prog()
     prog.step(x)
