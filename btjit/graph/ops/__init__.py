@@ -1,5 +1,5 @@
-"""THE op table. Each op is defined once, in one module of this package (elementwise, layout, matmul, nn, batchnorm;
-the machinery in table): shape rule, VJP rule (written with the tracer API, so it emits IR), numpy reference,
+"""THE op table. Each op is defined once, in one module of this package (elementwise, layout, matmul, nn,
+batchnorm; the machinery in table): shape rule, VJP rule (written with the tracer API, so it emits IR), numpy reference,
 lowering to kernel rows, and gradient-check cases. Tests are parametrized over TABLE; adding an op = adding an
 entry.
 
