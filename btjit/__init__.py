@@ -13,7 +13,7 @@ __all__ = ["trace", "trace_scalar", "Program", "set_num_threads", "replicas_for"
            "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "split", "sqrt", "sum", "swapaxes",
            "take", "tanh", "transpose", "where", "clip", "erf", "log1p", "logsumexp", "nll_loss", "silu", "softplus",
            "std", "var"]
-__all__ += ["dropout", "rand_like", "randn_like", "is_training"]     # randomness inside the step (kernels/rng.py)
+__all__ += ["dropout", "rand_like", "randn_like", "is_training", "assign", "batch_norm"]     # randomness inside the step (kernels/rng.py)
 
 
 def __getattr__(name):

@@ -8,7 +8,8 @@ from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, causal_att
                           maximum, mean, minimum, relu, reshape, roll, setitem, sigmoid, softmax, split, sqrt, stack,
                           std, sum, swapaxes, take, tanh, transpose, var, where)
 from btjit.graph.rng import causal_attention, dropout, rand_like, randn_like  # noqa: F811 -- with dropout=
-from btjit.graph.trace import is_training
 from btjit.core.program import Program, trace
 from btjit.scalar.front import trace_scalar
 from btjit.host.threads import replicas_for, set_num_threads
+from btjit.graph.state import assign, is_training
+from btjit.graph.ops.batchnorm import batch_norm

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import btjit
-from btjit.graph.trace import TraceError, emit, training_mode
+from btjit.graph.trace import TraceError, emit
 from btjit.kernels.rng import KEY_SIZE, U_NORMAL, U_UNIFORM, philox_np, random_np
 from btjit.models import gpt
 from btjit.optim import SGD, AdamW
@@ -156,8 +156,7 @@ def test_attention_dropout_in_the_kernels_equals_the_ops_written_out():
 
 def test_eval_mode_and_p_zero_emit_nothing():
     cfg, params, x, y = _gpt()
-    with training_mode(False):
-        ev = btjit.trace(gpt.loss_fn(cfg), params, x, y)
+    ev = btjit.trace(gpt.loss_fn(cfg), params, x, y, training=False)
     plain = btjit.trace(gpt.loss_fn(dataclasses.replace(cfg, dropout=0.0)), params, x, y)
     for prog in (ev, plain):
         assert prog.graph.rng_key is None and "rand" not in str(prog.graph)

@@ -9,8 +9,8 @@ The export dir holds:
     arena.bin          the initial float arena: params, optimizer state, constants              (tensor only)
     iarena.bin         the initial int32 arena                                                  (tensor only)
     btjit_program.h    the C header: sizes, offsets, the btjit_* functions
-    manifest.json      format version, kind, dtype; names, shapes and offsets of params, grads, inputs and
-                       outputs; the optimizer and its hyper-parameter slots; the CPU it was built for; the
+    manifest.json      format version, kind, dtype; names, shapes and offsets of params, grads, buffers,
+                       inputs and outputs; the optimizer and its hyper-parameter slots; the CPU it was built for; the
                        BLAS library it links (or none); every file's size and CRC-32
 `btjit.runtime.load(path)` runs it with ctypes and numpy only; examples/c/train.c from C. A scalar export
 (btjit/export_scalar.py) has the same files but the tape and arenas, plus a CPython call module.
@@ -141,6 +141,12 @@ def _c_float(x, ctype) -> str:
     return x.hex() + ("f" if ctype == "float" else "")
 
 
+def _buffers_c(buffers) -> str:
+    rows = ", ".join(f'{{"{k}", {s["offset"]}, {int(np.prod(s["shape"]))}}}' for k, s in buffers.items())
+    return f"const btjit_buffer btjit_buffers[] = {{{rows or '{0, 0, 0}'}}};\n" \
+        f"const int64_t btjit_n_buffers = {len(buffers)};\n"
+
+
 def _crc(data: bytes) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
@@ -160,6 +166,9 @@ _TENSOR_DECLS = [
     "typedef struct { const char *name; int64_t offset, size; int32_t is_int, bound; } btjit_input;",
     "extern const btjit_input btjit_inputs[];     /* offsets into a (floats) or ia (int32, is_int) */",
     "extern const int64_t btjit_n_inputs;",
+    "typedef struct { const char *name; int64_t offset, size; } btjit_buffer;",
+    "extern const btjit_buffer btjit_buffers[];   /* offsets into a: what btjit.assign updates every step */",
+    "extern const int64_t btjit_n_buffers;",
     "typedef struct { void *a; int64_t na; int32_t *ia; int64_t nia; int64_t *tape; int64_t rows, cols; } "
     "btjit_program;",
     "/* rows [start, stop) of the tape: 0, 1 (an index out of range stopped it) or 2 (a kernel failed) */",
@@ -291,6 +300,7 @@ def export_program(prog, path, extra_files=None) -> Path:
                  "n_bwd": prog.n_bwd},
         "params": {k: slot(v) for k, v in prog.params.items()},
         "grads": {k: slot(v) for k, v in prog.grads.items()},
+        "buffers": {k: slot(v) for k, v in prog.buffers.items()}, "assigns": prog.has_assigns,
         "inputs": inputs,
         "outputs": {k: slot(v) for k, v in prog.outputs.items()},
         "loss": "out" if prog.has_grad else None,
@@ -312,5 +322,6 @@ def export_program(prog, path, extra_files=None) -> Path:
                            '#include "btjit_program.h"',
                            "typedef int32_t (*btjit_entry)(void *, int64_t, int32_t *, int64_t, int64_t *);",
                            _table_c(symbols), f"const btjit_input btjit_inputs[] = {{{ins}}};",
-                           f"const int64_t btjit_n_inputs = {len(inputs)};", _cpu_c(cpu), _blas_c(blas)])
+                           f"const int64_t btjit_n_inputs = {len(inputs)};", _buffers_c(man["buffers"]), _cpu_c(cpu),
+                           _blas_c(blas)])
     return _build(Path(path), program_c, header, objects, blas, files, man)

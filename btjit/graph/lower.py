@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from btjit.kernels import elementwise as EW
 from btjit.kernels.common import ROW, ROWS
 from btjit.kernels.library import LIBRARY
 
 from btjit.graph.ops import TABLE
+from btjit.graph.optable import cstrides, strided_rows
 
 
 class RowError(ValueError):
@@ -78,3 +80,13 @@ def lower_eqns(eqns, L: Lowering) -> tuple[list, list]:
         rows += r
         labels += [e.op] * len(r)
     return rows, labels
+
+
+def assign_rows(graph, L: Lowering) -> list:
+    """The rows that end a step: each assigned value copied into its target's region (graph.assigns)."""
+    rows = []
+    for a in graph.assigns:
+        st = cstrides(a.target.shape)
+        rows += strided_rows(L, EW.B_COPY, a.target.shape, (L.off(a.target), st), [(L.off(a.value), st)],
+                             ints=a.target.dtype == "i32")
+    return rows

@@ -2,8 +2,12 @@
 [integer consts | integer inputs | BLAS scratch | step counter | planned integer intermediates]).
 
 Float arena layout (llm.c style):
-  [16 unused | params | grads (same layout) | optimizer state (k copies of that layout) | constants and
-   hyper-parameters | float inputs | outputs (loss, named outputs) | planned intermediates]
+  [16 unused | params | grads (same layout) | optimizer state (k copies of that layout) | buffers |
+   hyper-parameters | constants | float inputs | outputs (loss, named outputs, assigned values) | planned
+   intermediates]
+`pin` first gives the values a run leaves readable (outputs, grads, assigned values) their fixed slots.
+A program that shares another's params and buffers (prog.eval's) reads them at the other's offsets and
+places everything else from `shared.base` on (past the other's arena: see Program.eval).
 (no float value at offset 0: kernel rows use offset 0 for "no bias / residual / ...")
 Views (reshape) share their input's storage. Intermediates get offsets by a greedy best-fit over their
 lifetimes on the whole forward+backward schedule: two storages share bytes only if their lifetimes
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field
 
 from btjit.kernels.common import MAX_THREADS
 
+from btjit.graph import trace as T
 from btjit.graph.ir import Graph
 from btjit.graph.ops import TABLE
 
@@ -39,6 +44,8 @@ class Plan:
     int_size: int
     scratch: int                 # int32 BLAS scratch (8 slots)
     int_state: int               # int32 step counter, then the index-check flag and the seed (kernels/rng.py)
+    buffer_off: dict = field(default_factory=dict)  # buffer name -> offset
+    buffers_span: tuple = (0, 0)                     # (start, length) of the buffers region
     intervals: dict = field(default_factory=dict)   # storage var id -> (def, last use, offset, size) planned
     naive_bytes: int = 0
     min_bytes: int = 0
@@ -93,19 +100,34 @@ def place(sizes: dict, life: dict) -> tuple[dict, int]:
     return offs, top
 
 
-def plan(graph: Graph, pinned: dict, n_state: int, n_hyper: int) -> Plan:
+@dataclass
+class Shared:
+    """The params and buffers another program owns (offsets in its arena), and where this one's own begin."""
+    param_off: dict
+    buffer_off: dict
+    base: int
+
+
+def plan(graph: Graph, pinned: dict, n_state: int, n_hyper: int, shared: Shared | None = None) -> Plan:
     """pinned: storage var id -> ("grad", name) | ("out", name); everything else unpinned is planned."""
     root = storage_roots(graph)
     life = lifetimes(graph, root)
     var = var_index(graph)
     off, ioff = {}, {}
     pos = p0 = ALIGN        # offset 0 stays unused: kernel rows take an offset of 0 to mean "no such operand"
-    param_off = {}
+    param_off, buffer_off = {}, {}
     for name, v in graph.params.items():
-        param_off[name] = off[v.id] = pos
+        param_off[name] = off[v.id] = pos if shared is None else shared.param_off[name]
         pos += _al(v.size)
     plen = pos - p0
     pos = p0 + plen * (2 + n_state)
+    b0 = pos
+    for name, v in graph.buffers.items():
+        buffer_off[name] = off[v.id] = pos if shared is None else shared.buffer_off[name]
+        pos += _al(v.size)
+    blen = pos - b0
+    if shared is not None:
+        pos = shared.base
     hyper_off = pos
     pos += _al(n_hyper)
     ipos = 0
@@ -147,9 +169,9 @@ def plan(graph: Graph, pinned: dict, n_state: int, n_hyper: int) -> Plan:
         if vid != r:
             (ioff if r in ioff else off)[vid] = (ioff if r in ioff else off)[r]
     p = Plan({**off, **ioff}, param_off, (p0, plen), n_state, hyper_off, n_hyper, fsize, ipos, scratch, int_state,
-             intervals)
+             buffer_off, (b0, blen), intervals)
     p.naive_bytes = (pos + sum(sizes.values())) * _itemsize(graph) + naive_ints * 4
-    p.min_bytes = plen * (2 + n_state) * _itemsize(graph)
+    p.min_bytes = (plen * (2 + n_state) + blen) * _itemsize(graph)
     return p
 
 
@@ -157,8 +179,41 @@ def _itemsize(graph):
     return 4 if graph.float_dtype == "f32" else 8
 
 
+def pin(g: Graph, grads: dict) -> dict:
+    """Give each output, grad and assigned value its own storage in its fixed slot, copying where the value's
+    storage is fixed (a param, buffer, input, constant) or already pinned."""
+    root = storage_roots(g)
+    fixed = {v.id for v in list(g.params.values()) + list(g.buffers.values()) + g.inputs + list(g.consts)}
+    pinned = {}
+    fwd_copies, bwd_copies = [], []
+
+    def own(v, tag, copies):
+        r = root.get(v.id, v.id)
+        if r in fixed or r in pinned:
+            with T.building(g):
+                c = T.copy(T.Tracer(v, g))
+            copies.append(g.eqns.pop())
+            v, r = c.node, c.node.id
+        pinned[r] = tag
+        return v
+
+    g.outputs = {k: own(v, ("out", k), fwd_copies) for k, v in g.outputs.items()}
+    if g.loss is not None:
+        g.loss = g.outputs["out"]
+    g.grads = {k: own(v, ("grad", k), bwd_copies) for k, v in grads.items()}
+    backward = {o.id for e in g.eqns[g.n_forward:] for o in e.outs}   # assigned values of the update: after it
+    state = g.state_vars()
+    for a in g.assigns:
+        a.value = own(a.value, ("out", "assign/%s/%s" % state[a.target.id]),
+                      bwd_copies if a.value.id in backward else fwd_copies)
+    g.eqns = g.eqns[:g.n_forward] + fwd_copies + g.eqns[g.n_forward:] + bwd_copies
+    g.n_forward += len(fwd_copies)
+    return pinned
+
+
 def var_index(graph: Graph) -> dict:
-    idx = {v.id: v for v in list(graph.params.values()) + graph.inputs + list(graph.consts)}
+    idx = {v.id: v for v in list(graph.params.values()) + list(graph.buffers.values()) + graph.inputs +
+           list(graph.consts)}
     for e in graph.eqns:
         for o in e.outs:
             idx[o.id] = o

@@ -5,7 +5,7 @@ randn_like, dropout, and causal_attention's dropout on the probabilities), and w
 Every number comes from the `rand` op (graph/ops/random.py) or the kept attention kernels, and is a pure
 function of (the seed, the step count, the site -- the random op's number in trace order -- and the
 element's index): btjit/kernels/rng.py. The ops read the graph's key block, an i32 value the memory plan
-puts at the step counter (graph/memory.py), so nothing is saved but the step. In eval mode (trace.is_training()
+puts at the step counter (graph/memory.py), so nothing is saved but the step. In eval mode (btjit.is_training()
 False) dropout emits nothing.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ def causal_attention(qkv, n_head, dropout=0.0):
     The mask is drawn inside the kept kernels where they apply (attn_dropout_in_kernel), else the attention
     is traced as its ops written out (the same mask)."""
     qkv, p, nh = T.lift(qkv), _probability(dropout, "causal_attention"), int(n_head)
-    if p == 0.0 or not T.is_training():
+    if p == 0.0 or not T.current_graph().training:
         return T.causal_attention(qkv, nh)
     if attn_dropout_in_kernel(qkv.shape, nh):
         return T.emit("causal_attention", (qkv, _key()), n_head=nh, dropout=p, site=_site())[0]
@@ -72,7 +72,7 @@ def _probability(p, op):
 
 def _dropout(x, p, training=None):
     x = T.lift(x)
-    if p == 0.0 or not (T.is_training() if training is None else training):
+    if p == 0.0 or not (T.current_graph().training if training is None else training):
         return x
     return x * ((_random(x, K.U_UNIFORM) >= p) * (1.0 / (1.0 - p)))
 
