@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import btjit
+from btjit.host.threads import default_threads
 from btjit.kernels import attention as A
 from btjit.kernels import attn_kept as K
 from btjit.kernels.library import OPCODE
@@ -183,7 +184,7 @@ def test_two_thread_kept_kernels_match_the_serial_ones(dtype, B):
         try:
             progs.append(_program(B, 24, 32, 2, dtype))
         finally:
-            btjit.set_num_threads(1)
+            btjit.set_num_threads(default_threads())
     (serial, _, _), (par, _, _) = progs
     names = {LIBRARY.entry_of(int(r[0]))[0] for r in par.tape}
     kept = {"k_attn_fwd_kept", "k_attn_bwd_kept"}

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import btjit
+from btjit.host.threads import default_threads
 from btjit.graph import interp
 from btjit.graph.ir import verify
 from btjit.graph.ops import TABLE
@@ -309,7 +310,7 @@ def _serial_and_two_thread(loss, params, *batch):
     try:
         par = btjit.trace(loss, params, *batch, dtype="float64", grad=True)
     finally:
-        btjit.set_num_threads(1)
+        btjit.set_num_threads(default_threads())
     return serial, par
 
 
@@ -369,8 +370,8 @@ def test_two_thread_folded_mlp_matches_one_thread():
 
 
 def test_two_thread_float32_linear_grads():
-    """float32 `x @ W + b` on 2 threads, dW = X^T dY big enough to be split over them (k_matmul_par): db then
-    comes from its own sum row, and both gradients equal the one-thread program's and numpy's."""
+    """float32 `x @ W + b` on 2 threads, dW = X^T dY big enough to be split over them (k_matmul_micro_par, with
+    db riding along): both gradients bitwise equal to the one-thread program's and close to numpy's."""
     from btjit.kernels.library import OPCODE
     rng = np.random.default_rng(3)
     x = rng.normal(size=(600, 24)).astype(np.float32)
@@ -379,18 +380,17 @@ def test_two_thread_float32_linear_grads():
 
     def f(p, x):
         return btjit.sum(btjit.tanh(x @ p["W"] + p["b"]) * w)
-    serial = btjit.trace(f, p, x, grad=True)
-    btjit.set_num_threads(2)
-    try:
-        par = btjit.trace(f, p, x, grad=True)
-    finally:
-        btjit.set_num_threads(1)
-    assert OPCODE["k_matmul_par"] in {int(r[0]) for r in par.tape}
+    serial = btjit.trace(f, p, x, grad=True, threads=1)
+    par = btjit.trace(f, p, x, grad=True, threads=2)
+    assert OPCODE["k_matmul_micro_par"] in {int(r[0]) for r in par.tape}
+    assert OPCODE["k_matmul_micro_par"] not in {int(r[0]) for r in serial.tape}
     g = (1 - np.tanh(x.astype(np.float64) @ p["W"] + p["b"]) ** 2) * w
     for prog in (serial, par):
         prog.value_and_grad(x)
         np.testing.assert_allclose(prog.grads["W"], x.T.astype(np.float64) @ g, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(prog.grads["b"], g.sum(0), rtol=1e-4, atol=1e-4)
+    for k in p:
+        np.testing.assert_array_equal(serial.grads[k], par.grads[k])
 
 
 # ----------------------------------------------------------------------------- data-parallel replicas
@@ -419,7 +419,7 @@ def test_replicas_step_equals_the_whole_batch_step(replicas):
         assert rep.value_and_grad(x, y) == pytest.approx(one.value_and_grad(x, y), rel=1e-13)
         assert rep.forward(x, y) == pytest.approx(one.forward(x, y), rel=1e-13)
     finally:
-        btjit.set_num_threads(1)
+        btjit.set_num_threads(default_threads())
     for k in params:
         np.testing.assert_allclose(rep.params[k], one.params[k], rtol=1e-11, atol=1e-14, err_msg=k)
         np.testing.assert_allclose(rep.grads[k], one.grads[k], rtol=1e-11, atol=1e-14, err_msg=k)

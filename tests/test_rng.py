@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import btjit
+from btjit.host.threads import default_threads
 from btjit.graph.trace import TraceError, emit
 from btjit.kernels.rng import KEY_SIZE, U_NORMAL, U_UNIFORM, philox_np, random_np
 from btjit.models import gpt
@@ -124,7 +125,7 @@ def test_same_masks_at_any_thread_count_and_with_replicas(T):
         two = _losses(cfg, params, x, y, seed=9, dtype="float64")
         reps = _losses(cfg, params, x, y, seed=9, dtype="float64", replicas=2)
     finally:
-        btjit.set_num_threads(1)
+        btjit.set_num_threads(default_threads())
     np.testing.assert_allclose(two, one, rtol=1e-10)
     np.testing.assert_allclose(reps, one, rtol=1e-10)
 

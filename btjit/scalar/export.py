@@ -119,7 +119,7 @@ def export_scalar(f, path) -> Path:
     exports btjit_scalar_many(X, N, OV, OG) -- f.many's machine code -- and, for a straight-line function
     of at most ARGS_MAX inputs, btjit_scalar_one(x, out) -- f(...)'s -- both called as numba calls them
     (its calling convention, from C), so an export computes bit for bit what the function does."""
-    from btjit.graph import scalar as S
+    from btjit.scalar import lower as S
     prog, dt = f.program, f.dtype
     ctype = "float" if dt == np.float32 else "double"
     n, k = prog.n_in, len(prog.values)
