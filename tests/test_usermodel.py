@@ -44,8 +44,8 @@ def setup(tmp_path):
     return tmp_path / "models" / "c.toml", tmp_path / "words.txt", tmp_path
 
 
-def test_readme_shows_the_example():
-    readme = (ROOT / "README.md").read_text()
+def test_the_guide_shows_the_example():
+    readme = (ROOT / "docs" / "guide.md").read_text()
     assert EXAMPLE.strip() in readme and (ROOT / "examples" / "mymodel.toml").read_text().strip() in readme
 
 
