@@ -11,7 +11,8 @@ __all__ = ["trace", "trace_scalar", "Program", "set_num_threads", "replicas_for"
            "abs", "arange", "broadcast_to", "causal_attention", "concatenate", "roll", "setitem", "stack",
            "copy", "cross_entropy", "equal", "exp", "gelu", "layer_norm", "log", "log_softmax", "matmul", "max",
            "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "split", "sqrt", "sum", "swapaxes",
-           "take", "tanh", "transpose", "where"]
+           "take", "tanh", "transpose", "where",
+           "conv1d", "conv2d", "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d", "adaptive_avg_pool2d", "flatten"]
 
 
 def __getattr__(name):

@@ -5,6 +5,8 @@ from .graph.trace import (TraceError, abs, arange, broadcast_to, causal_attentio
                           equal, exp, gelu, layer_norm, log, log_softmax, matmul, max, maximum, mean, minimum,
                           relu, reshape, roll, setitem, sigmoid, softmax, split, sqrt, stack, sum, swapaxes, take,
                           tanh, transpose, where)
+from .graph.conv_fns import (adaptive_avg_pool2d, avg_pool1d, avg_pool2d, conv1d, conv2d, flatten, max_pool1d,
+                             max_pool2d)
 from .program import Program, trace
 from .scalar import trace_scalar
 from .threads import replicas_for, set_num_threads
