@@ -137,7 +137,7 @@ def adaptive_avg_pool2d(x, output_size):
 
 
 def flatten(x, start_dim=1, end_dim=-1):
-    """torch.flatten: dims start_dim..end_dim merged into one."""
+    """torch.flatten: dims start_dim..end_dim merged into one (start_dim 1 by default, as torch.nn.Flatten)."""
     x = T.lift(x)
     n = max(x.ndim, 1)
     s, e = start_dim % n, end_dim % n
