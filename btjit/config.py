@@ -45,7 +45,8 @@ class DataConfig:
     corpus: typing.Optional[str] = None  # bundled "tinyshakespeare" or "names", or "pydoc" (CPython's pydoc
     #                                      topics); None = tinyshakespeare for format "text", names for "lines"
     val_fraction: float = 0.1           # tail fraction held out for validation
-    format: str = "text"                # "text" (one stream of chars), "lines" or "words" (one word per line)
+    format: str = "text"                # "text" (one stream of chars), "lines" or "words" (one word per line),
+    #                                     "arrays" (an .npz of x/y arrays, or corpus "digits"; model.kind "python")
 
 
 @dataclass
@@ -122,10 +123,10 @@ SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "opt
             "distributed": DistributedConfig}
 CHOICES = {
     ("model", "kind"): ("gpt", "mlp", *MAKEMORE_KINDS, "python"), ("model", "activation"): ("relu", "gelu"),
-    ("data", "format"): ("text", "lines", "words"), ("train", "dtype"): ("float32", "float64"),
+    ("data", "format"): ("text", "lines", "words", "arrays"), ("train", "dtype"): ("float32", "float64"),
     ("train", "on_nonfinite"): ("stop", "skip"), ("optim", "name"): ("sgd", "adamw"),
     ("optim", "schedule"): ("constant", "cosine", "linear"),
-    ("data", "corpus"): ("tinyshakespeare", "names", "pydoc"),     # btjit.data.CORPUS_NAMES; None allowed
+    ("data", "corpus"): ("tinyshakespeare", "names", "pydoc", "digits"),  # btjit.data.CORPUS_NAMES; None allowed
     ("distributed", "compressor"): ("none", "topk", "randk"),
 }
 POSITIVE = {  # must be >= 1
@@ -250,6 +251,8 @@ def validate(cfg: Config, source: str = "config") -> None:
         bad('model.kind = "gpt" needs data.format = "text"')
     if m.kind in MAKEMORE_KINDS and cfg.data.format != "words":
         bad(f'model.kind = "{m.kind}" needs data.format = "words" (one word per line, makemore\'s (B, T) batches)')
+    if cfg.data.format == "arrays" and m.kind != "python":
+        bad(f'data.format = "arrays" needs model.kind = "python" (your model file), not "{m.kind}"')
     if m.kind == "python" and not m.file:
         bad('model.kind = "python" needs model.file, the path of your model file (e.g. file = "mymodel.py")')
     if m.kind != "python" and m.file is not None:
