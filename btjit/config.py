@@ -245,14 +245,14 @@ def validate(cfg: Config, source: str = "config") -> None:
         bad(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         bad(f"data.val_fraction must be between 0 and 1 (exclusive), got {cfg.data.val_fraction}")
+    if cfg.data.format == "arrays" and m.kind != "python":
+        bad(f'data.format = "arrays" needs model.kind = "python" (your model file), not "{m.kind}"')
     if m.kind == "mlp" and cfg.data.format != "lines":
         bad('model.kind = "mlp" needs data.format = "lines" (one word per line)')
     if m.kind == "gpt" and cfg.data.format != "text":
         bad('model.kind = "gpt" needs data.format = "text"')
     if m.kind in MAKEMORE_KINDS and cfg.data.format != "words":
         bad(f'model.kind = "{m.kind}" needs data.format = "words" (one word per line, makemore\'s (B, T) batches)')
-    if cfg.data.format == "arrays" and m.kind != "python":
-        bad(f'data.format = "arrays" needs model.kind = "python" (your model file), not "{m.kind}"')
     if m.kind == "python" and not m.file:
         bad('model.kind = "python" needs model.file, the path of your model file (e.g. file = "mymodel.py")')
     if m.kind != "python" and m.file is not None:
