@@ -111,3 +111,24 @@ def test_btjit_train_reports_val_accuracy(tmp_path):
     assert vals[-1]["val_acc"] > vals[0]["val_acc"] + 0.2      # 40 steps learn something of the digits
     assert f"step 40: val loss {vals[-1]['val_loss']:.4f} | val acc {100 * vals[-1]['val_acc']:.2f}%" in res.output
     assert "samples (1, 8, 8), 10 classes, train 1,617 / val 180 samples" in res.output
+
+
+def test_mnist_idx_files_become_the_npz_the_config_reads(tmp_path):
+    """examples/mnist_npz.py (docs/conv-new.md) on small idx files of MNIST's layout, read back by the arrays reader."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mnist_npz", EXAMPLES / "mnist_npz.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rng = np.random.default_rng(0)
+    want = {"x_train": rng.integers(0, 256, (6, 28, 28)), "y_train": rng.integers(0, 10, 6),
+            "x_val": rng.integers(0, 256, (3, 28, 28)), "y_val": rng.integers(0, 10, 3)}
+    for key, name in mod.FILES.items():
+        a = want[key].astype(np.uint8)
+        raw = bytes([0, 0, 8, a.ndim]) + np.array(a.shape, ">i4").tobytes() + a.tobytes()
+        (tmp_path / (name + ".gz" if key.startswith("x") else name)).write_bytes(
+            gzip.compress(raw) if key.startswith("x") else raw)
+    out = mod.convert(tmp_path, tmp_path / "mnist.npz")
+    ds = D.load(cfg(out))
+    np.testing.assert_array_equal(ds.train.x, want["x_train"].astype(np.float32) / 255)
+    np.testing.assert_array_equal(ds.val.y, want["y_val"])
+    assert ds.train.x.shape[1:] == (28, 28) and ds.classes == max(want["y_train"].max(), want["y_val"].max()) + 1
