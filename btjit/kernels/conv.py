@@ -1,13 +1,14 @@
 # Convolution and pooling tape kernels, generic over float32/float64 arenas and over every shape (all sizes,
 # strides, paddings and dilations are runtime row arguments: one compiled entry serves every conv and pool).
 #
-#   k_im2col    the patches of x (N, G*Cg, H, W) as rows: col (G, N, OH, OW, Cg, kh, kw), zeros where a
-#               patch reaches into the padding; a convolution is then one GEMM per group (graph/ops/conv.py)
-#   k_col2im    its adjoint: dx (N, G*Cg, H, W) = the patch rows of dcol summed back (overwrites dx)
-#   k_pool2d    max (mode 0, -inf padding) or average (mode 1, padding counted, as torch's default) pooling
-#               of x (NC, H, W) -> y (NC, OH, OW)
-#   k_pool2d_bwd  their gradient dx (NC, H, W) from x and dy: max routes dy to the first maximum of each
-#               window (torch's choice on ties), average spreads it evenly (overwrites dx)
+#   k_im2col    back 0: the patches of x (N, G*Cg, H, W) as rows: col (G, N, OH, OW, Cg, kh, kw), zeros where
+#               a patch reaches into the padding; a convolution is then one GEMM per group (graph/ops/conv.py).
+#               back 1: its adjoint col2im: x = the patch rows of col summed back (overwrites x)
+#   k_pool2d    back 0: max (mode 0, -inf padding) or average (mode 1, padding counted, as torch's default)
+#               pooling of x (NC, H, W) -> y (NC, OH, OW). back 1: their gradient dx (NC, H, W) from x and
+#               dy (at oy): max routes dy to the first maximum of each window (torch's choice on ties),
+#               average spreads it evenly (overwrites dx)
+# Forward and backward share one entry each (one library entry to compile and load, not two).
 #
 # The kernels are direct loops over one image row at a time (1-D slices `a[o:o+W]`); the multiply-adds
 # of a convolution all run in the GEMM kernels.
@@ -20,12 +21,16 @@ POOL_MAX = 0
 POOL_AVG = 1
 
 
-@row("ox ocol N G Cg H W OH OW kh kw sh sw ph pw dh dw")
+@row("back ox ocol N G Cg H W OH OW kh kw sh sw ph pw dh dw")
 @njit(**FM)
 def k_im2col(a, ia, r):
-    """col[g, n, oh, ow, c, i, j] = x[n, g*Cg + c, oh*sh - ph + i*dh, ow*sw - pw + j*dw] (0 outside x)."""
-    ox = r[1]; ocol = r[2]; N = r[3]; G = r[4]; Cg = r[5]; H = r[6]; W = r[7]; OH = r[8]; OW = r[9]
-    kh = r[10]; kw = r[11]; sh = r[12]; sw = r[13]; ph = r[14]; pw = r[15]; dh = r[16]; dw = r[17]
+    """back 0: col[g, n, oh, ow, c, i, j] = x[n, g*Cg + c, oh*sh - ph + i*dh, ow*sw - pw + j*dw] (0 outside
+    x); back 1: x = the sum of col's entries over the patches reading each pixel."""
+    back = r[1]; ox = r[2]; ocol = r[3]; N = r[4]; G = r[5]; Cg = r[6]; H = r[7]; W = r[8]; OH = r[9]
+    OW = r[10]; kh = r[11]; kw = r[12]; sh = r[13]; sw = r[14]; ph = r[15]; pw = r[16]; dh = r[17]; dw = r[18]
+    if back:
+        col2im(a, ox, ocol, N, G, Cg, H, W, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw)
+        return
     zero = cvt(a, 0.0)
     K = Cg * kh * kw
     for g in range(G):
@@ -49,12 +54,9 @@ def k_im2col(a, ia, r):
                                 dst[j] = xr[iw] if 0 <= iw < W else zero
 
 
-@row("ocol odx N G Cg H W OH OW kh kw sh sw ph pw dh dw")
 @njit(**FM)
-def k_col2im(a, ia, r):
+def col2im(a, odx, ocol, N, G, Cg, H, W, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw):
     """dx[n, g*Cg + c, ih, iw] = the sum of col[g, n, oh, ow, c, i, j] over the patches reading (ih, iw)."""
-    ocol = r[1]; odx = r[2]; N = r[3]; G = r[4]; Cg = r[5]; H = r[6]; W = r[7]; OH = r[8]; OW = r[9]
-    kh = r[10]; kw = r[11]; sh = r[12]; sw = r[13]; ph = r[14]; pw = r[15]; dh = r[16]; dw = r[17]
     K = Cg * kh * kw
     dx = a[odx:odx + N * G * Cg * H * W]
     for t in range(dx.shape[0]):
@@ -79,13 +81,16 @@ def k_col2im(a, ia, r):
                                     xr[iw] += src[j]
 
 
-@row("mode ox oy NC H W OH OW kh kw sh sw ph pw")
+@row("back mode ox oy odx NC H W OH OW kh kw sh sw ph pw")
 @njit(**FM)
 def k_pool2d(a, ia, r):
-    """y[p, oh, ow] = max (mode 0) or mean (mode 1, divisor kh*kw) of x[p] over the window at
-    (oh*sh - ph, ow*sw - pw) of kh x kw."""
-    mode = r[1]; ox = r[2]; oy = r[3]; NC = r[4]; H = r[5]; W = r[6]; OH = r[7]; OW = r[8]
-    kh = r[9]; kw = r[10]; sh = r[11]; sw = r[12]; ph = r[13]; pw = r[14]
+    """back 0: y[p, oh, ow] = max (mode 0) or mean (mode 1, divisor kh*kw) of x[p] over the window at
+    (oh*sh - ph, ow*sw - pw) of kh x kw; back 1: dx from x and dy (at oy)."""
+    back = r[1]; mode = r[2]; ox = r[3]; oy = r[4]; odx = r[5]; NC = r[6]; H = r[7]; W = r[8]; OH = r[9]
+    OW = r[10]; kh = r[11]; kw = r[12]; sh = r[13]; sw = r[14]; ph = r[15]; pw = r[16]
+    if back:
+        pool2d_bwd(a, mode, ox, oy, odx, NC, H, W, OH, OW, kh, kw, sh, sw, ph, pw)
+        return
     inv = cvt(a, 1.0) / cvt(a, kh * kw)
     for p in range(NC):
         y = a[oy + p * OH * OW:oy + (p + 1) * OH * OW]
@@ -109,12 +114,9 @@ def k_pool2d(a, ia, r):
                 y[oh * OW + ow] = acc if mode == POOL_MAX else acc * inv
 
 
-@row("mode ox ody odx NC H W OH OW kh kw sh sw ph pw")
 @njit(**FM)
-def k_pool2d_bwd(a, ia, r):
+def pool2d_bwd(a, mode, ox, ody, odx, NC, H, W, OH, OW, kh, kw, sh, sw, ph, pw):
     """dx (NC, H, W) of k_pool2d from x and dy (NC, OH, OW); overwrites dx."""
-    mode = r[1]; ox = r[2]; ody = r[3]; odx = r[4]; NC = r[5]; H = r[6]; W = r[7]; OH = r[8]; OW = r[9]
-    kh = r[10]; kw = r[11]; sh = r[12]; sw = r[13]; ph = r[14]; pw = r[15]
     inv = cvt(a, 1.0) / cvt(a, kh * kw)
     dx = a[odx:odx + NC * H * W]
     for t in range(dx.shape[0]):

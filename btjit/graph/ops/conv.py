@@ -69,9 +69,9 @@ def _col2im_ref(xs, a):
     return (dx,)
 
 
-def _conv_row(L, kernel, x_shape, a, **offs):
+def _conv_row(L, back, x_shape, a, **offs):
     N, C, H, W = x_shape
-    return [L.row(kernel, **offs, N=N, G=a["groups"], Cg=C // a["groups"], H=H, W=W, OH=a["oh"], OW=a["ow"],
+    return [L.row("k_im2col", back=back, **offs, N=N, G=a["groups"], Cg=C // a["groups"], H=H, W=W, OH=a["oh"], OW=a["ow"],
                   **{k: a[k] for k in _GEOM[:8]})]
 
 
@@ -82,12 +82,11 @@ def _geom(kh, kw, sh=1, sw=1, ph=0, pw=0, dh=1, dw=1, oh=1, ow=1, groups=1):
 _ic = [(F(2, 3, 5, 6), _geom(3, 3, oh=3, ow=4)), (F(1, 4, 7, 5), _geom(3, 2, 2, 1, 1, 0, 1, 2, oh=4, ow=3, groups=2)),
        (F(2, 2, 4, 4), _geom(3, 3, ph=1, pw=1, dh=2, dw=2, oh=2, ow=2, groups=2))]
 op("im2col", infer=_im2col_rule, ref=_im2col_ref,
-   lower=lambda e, L: _conv_row(L, "k_im2col", e.ins[0].shape, e.attrs, ox=L.off(e.ins[0]), ocol=L.off(e.outs[0])),
+   lower=lambda e, L: _conv_row(L, 0, e.ins[0].shape, e.attrs, ox=L.off(e.ins[0]), ocol=L.off(e.outs[0])),
    vjp=lambda g, x, o, a: [T.emit("col2im", (g[0],), x_shape=tuple(x[0].shape), **a)],
    cases=[Case((s,), a) for s, a in _ic])
 op("col2im", infer=lambda t, a, fd: [(tuple(a["x_shape"]), fd)], ref=_col2im_ref, internal=True,
-   lower=lambda e, L: _conv_row(L, "k_col2im", e.attrs["x_shape"], e.attrs, ocol=L.off(e.ins[0]),
-                                odx=L.off(e.outs[0])),
+   lower=lambda e, L: _conv_row(L, 1, e.attrs["x_shape"], e.attrs, ocol=L.off(e.ins[0]), ox=L.off(e.outs[0])),
    cases=[Case((F(*_im2col_rule([(s[1], "f64")], a, "f64")[0][0]),), dict(a, x_shape=s[1])) for s, a in _ic])
 
 
@@ -128,12 +127,13 @@ def _pool_grad_ref(xs, a):
     return (dx,)
 
 
-def _pool_lower(kernel, **names):
+def _pool_lower(back):
     def lower(e, L):
         x = e.ins[0]
         a = e.attrs
-        offs = {n: L.off(v) for n, v in zip(names["ins"], e.ins)} | {names["out"]: L.off(e.outs[0])}
-        return [L.row(kernel, mode=a["mode"], **offs, NC=x.size // (x.shape[-1] * x.shape[-2]), H=x.shape[-2],
+        offs = dict(ox=L.off(x), oy=L.off(e.ins[1]), odx=L.off(e.outs[0])) if back else \
+            dict(ox=L.off(x), oy=L.off(e.outs[0]), odx=0)
+        return [L.row("k_pool2d", back=back, mode=a["mode"], **offs, NC=x.size // (x.shape[-1] * x.shape[-2]), H=x.shape[-2],
                       W=x.shape[-1], OH=a["oh"], OW=a["ow"], **{k: a[k] for k in _GEOM[:6]})]
     return lower
 
@@ -145,8 +145,8 @@ def _pg(mode, k, s, p, o):
 _pc = [(F(2, 3, 6, 5), _pg(m, (2, 2), (2, 2), (0, 0), (3, 2))) for m in (POOL_MAX, POOL_AVG)] + \
       [(F(1, 2, 5, 7), _pg(m, (3, 3), (1, 2), (1, 1), (5, 4))) for m in (POOL_MAX, POOL_AVG)] + \
       [(F(3, 1, 9), _pg(m, (1, 3), (1, 1), (0, 1), (1, 9))) for m in (POOL_MAX, POOL_AVG)]
-op("pool2d", infer=_pool_rule, ref=_pool_ref, lower=_pool_lower("k_pool2d", ins=("ox",), out="oy"),
+op("pool2d", infer=_pool_rule, ref=_pool_ref, lower=_pool_lower(0),
    vjp=lambda g, x, o, a: [T.emit("pool2d_grad", (x[0], g[0]), **a)], cases=[Case((s,), a) for s, a in _pc])
 op("pool2d_grad", infer=lambda t, a, fd: [(tuple(t[0][0]), fd)], ref=_pool_grad_ref, internal=True,
-   lower=_pool_lower("k_pool2d_bwd", ins=("ox", "ody"), out="odx"),
+   lower=_pool_lower(1),
    cases=[Case((s, F(*(s[1][:-2] + (a["oh"], a["ow"])))), a) for s, a in _pc])
