@@ -289,7 +289,7 @@ def load(cfg, data_path=None, vocab: Vocab | None = None) -> Dataset:
     the corpus cfg.data.corpus (left out: DEFAULT_CORPUS of the format)."""
     path = data_path if data_path is not None else cfg.data.path
     corpus = cfg.data.corpus or DEFAULT_CORPUS[cfg.data.format]
-    if cfg.data.format == "arrays":              # .npz arrays or the digits (btjit/arraydata.py, which uses this module)
+    if cfg.data.format == "arrays":     # .npz arrays or the digits: btjit/arraydata.py (which imports this module)
         from btjit.arraydata import load_arrays
         return load_arrays(path, cfg.data.val_fraction, cfg.train.seed, cfg.train.dtype, vocab, corpus)
     if corpus == "digits":

@@ -1,4 +1,4 @@
-"""tinygrad's examples/beautiful_mnist.py net for `btjit train` ([model] kind = "python", examples/beautiful_mnist.toml):
+"""tinygrad's examples/beautiful_mnist.py net for `btjit train` ([model] kind = "python", beautiful_mnist.toml):
 conv 5x5 1->32, relu, conv 5x5 32->32, relu, BatchNorm2d, max_pool 2; conv 3x3 32->64, relu, conv 3x3 64->64,
 relu, BatchNorm2d, max_pool 2; flatten, linear 576->10; sparse categorical cross-entropy; Adam, batch 512.
 The batch norms need btjit.batch_norm and buffers (running statistics, init_buffers): with cfg.batch_norm =

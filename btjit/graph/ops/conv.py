@@ -41,12 +41,19 @@ def _patches(shape, a):
                         yield i, j, oh, ow, ih, iw
 
 
-def _cols_layout(c6, a):
-    """(N, C, kh, kw, OH, OW) -> the col layout (G, N*OH*OW, Cg*kh*kw), and back (inverse=True)."""
+def _to_cols(c6, a):
+    """(N, C, kh, kw, OH, OW) -> k_im2col's layout (G, N*OH*OW, Cg*kh*kw)."""
     N, C = c6.shape[:2]
     G = a["groups"]
     c = c6.reshape(N, G, C // G, a["kh"], a["kw"], a["oh"], a["ow"]).transpose(1, 0, 5, 6, 2, 3, 4)
     return c.reshape(G, N * a["oh"] * a["ow"], -1)
+
+
+def _from_cols(col, a, N, C):
+    """The inverse of _to_cols."""
+    G = a["groups"]
+    c = col.reshape(G, N, a["oh"], a["ow"], C // G, a["kh"], a["kw"]).transpose(1, 0, 4, 5, 6, 2, 3)
+    return c.reshape(N, C, a["kh"], a["kw"], a["oh"], a["ow"])
 
 
 def _im2col_ref(xs, a):
@@ -54,16 +61,12 @@ def _im2col_ref(xs, a):
     c6 = np.zeros(x.shape[:2] + (a["kh"], a["kw"], a["oh"], a["ow"]), x.dtype)
     for i, j, oh, ow, ih, iw in _patches(x.shape, a):
         c6[:, :, i, j, oh, ow] = x[:, :, ih, iw]
-    return (_cols_layout(c6, a),)
+    return (_to_cols(c6, a),)
 
 
 def _col2im_ref(xs, a):
-    col, = xs
-    N, C, H, W = a["x_shape"]
-    G = a["groups"]
-    c6 = col.reshape(G, N, a["oh"], a["ow"], C // G, a["kh"], a["kw"]).transpose(1, 0, 4, 5, 6, 2, 3)
-    c6 = c6.reshape(N, C, a["kh"], a["kw"], a["oh"], a["ow"])
-    dx = np.zeros((N, C, H, W), col.dtype)
+    dx = np.zeros(a["x_shape"], xs[0].dtype)
+    c6 = _from_cols(xs[0], a, *dx.shape[:2])
     for i, j, oh, ow, ih, iw in _patches(dx.shape, a):
         dx[:, :, ih, iw] += c6[:, :, i, j, oh, ow]
     return (dx,)
@@ -71,8 +74,8 @@ def _col2im_ref(xs, a):
 
 def _conv_row(L, back, x_shape, a, **offs):
     N, C, H, W = x_shape
-    return [L.row("k_im2col", back=back, **offs, N=N, G=a["groups"], Cg=C // a["groups"], H=H, W=W, OH=a["oh"], OW=a["ow"],
-                  **{k: a[k] for k in _GEOM[:8]})]
+    return [L.row("k_im2col", back=back, **offs, N=N, G=a["groups"], Cg=C // a["groups"], H=H, W=W, OH=a["oh"],
+                  OW=a["ow"], **{k: a[k] for k in _GEOM[:8]})]
 
 
 def _geom(kh, kw, sh=1, sw=1, ph=0, pw=0, dh=1, dw=1, oh=1, ow=1, groups=1):
@@ -133,8 +136,8 @@ def _pool_lower(back):
         a = e.attrs
         offs = dict(ox=L.off(x), oy=L.off(e.ins[1]), odx=L.off(e.outs[0])) if back else \
             dict(ox=L.off(x), oy=L.off(e.outs[0]), odx=0)
-        return [L.row("k_pool2d", back=back, mode=a["mode"], **offs, NC=x.size // (x.shape[-1] * x.shape[-2]), H=x.shape[-2],
-                      W=x.shape[-1], OH=a["oh"], OW=a["ow"], **{k: a[k] for k in _GEOM[:6]})]
+        return [L.row("k_pool2d", back=back, mode=a["mode"], **offs, NC=x.size // (x.shape[-1] * x.shape[-2]),
+                      H=x.shape[-2], W=x.shape[-1], OH=a["oh"], OW=a["ow"], **{k: a[k] for k in _GEOM[:6]})]
     return lower
 
 
