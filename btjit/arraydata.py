@@ -97,7 +97,7 @@ def read_arrays(path, corpus, val_fraction, seed):
         if not len(x):
             raise DataError(f"{name}: the {what} split is empty ({kx})")
     tr, va = splits
-    if tr.x.shape[1:] != va.x.shape[1:] or tr.y.shape[1:] != va.y.shape[1:] or tr.y.dtype != va.y.dtype:
+    if tr.x.shape[1:] != va.x.shape[1:] or tr.y.shape[1:] != va.y.shape[1:] or tr.y.dtype.kind != va.y.dtype.kind:
         raise DataError(f"{name}: x_val, y_val must hold samples like x_train, y_train: shapes {va.x.shape[1:]}, "
                         f"{va.y.shape[1:]} ({va.y.dtype}) against {tr.x.shape[1:]}, {tr.y.shape[1:]} ({tr.y.dtype})")
     return tr, va, name
