@@ -101,15 +101,15 @@ def test_btjit_train_reports_val_accuracy(tmp_path):
     conf = tmp_path / "digits.toml"
     conf.write_text(Path(EXAMPLES.parent / "configs" / "digits_cnn.toml").read_text()
                     .replace('"../examples/digits_cnn.py"', json.dumps(str(EXAMPLES / "digits_cnn.py"))))
-    res = CliRunner().invoke(cli, ["train", str(conf), "--out", str(tmp_path / "run"), "--set", "train.steps=40",
-                                   "--set", "train.eval_interval=20", "--set", "model.channels1=4",
-                                   "--set", "model.channels2=8"], catch_exceptions=False)
+    res = CliRunner().invoke(cli, ["train", str(conf), "--out", str(tmp_path / "run"), "--set", "train.steps=150",
+                                   "--set", "train.eval_interval=75", "--set", "model.channels1=8",
+                                   "--set", "model.channels2=16", "--set", 'optim.schedule="constant"'], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     vals = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
             if json.loads(l)["event"] == "val"]
-    assert [v["step"] for v in vals] == [0, 20, 40] and all(0 <= v["val_acc"] <= 1 for v in vals)
-    assert vals[-1]["val_acc"] > vals[0]["val_acc"] + 0.2      # 40 steps learn something of the digits
-    assert f"step 40: val loss {vals[-1]['val_loss']:.4f} | val acc {100 * vals[-1]['val_acc']:.2f}%" in res.output
+    assert [v["step"] for v in vals] == [0, 75, 150] and all(0 <= v["val_acc"] <= 1 for v in vals)
+    assert vals[-1]["val_acc"] > vals[0]["val_acc"] + 0.2      # 150 steps learn something of the digits
+    assert f"step 150: val loss {vals[-1]['val_loss']:.4f} | val acc {100 * vals[-1]['val_acc']:.2f}%" in res.output
     assert "samples (1, 8, 8), 10 classes, train 1,617 / val 180 samples" in res.output
 
 
