@@ -163,6 +163,8 @@ def sample(ckpt, prompt, n_chars, temperature, top_k, seed, debug):
         vocab = Vocab(ck.meta["vocab"])
     except KeyError as e:
         raise CheckpointError(f"checkpoint {ck.path} has no {e.args[0]} entry") from None
+    if cfg.data.format == "arrays":
+        raise CLIError(f"{ck.path} is a model of array data (data.format = \"arrays\"): it has no text to sample")
     model_file = None
     if cfg.model.kind == "python":                  # the model file the run was trained with, kept in ck.meta
         from btjit import usermodel

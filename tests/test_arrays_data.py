@@ -97,7 +97,7 @@ def test_unreadable_files_and_config_errors(tmp_path):
         C.loads('[data]\nformat = "arrays"\n')
 
 
-def test_btjit_train_reports_val_accuracy(tmp_path):
+def test_btjit_train_reports_val_accuracy_and_samples_no_text(tmp_path):
     conf = tmp_path / "digits.toml"
     conf.write_text(Path(EXAMPLES.parent / "configs" / "digits_cnn.toml").read_text()
                     .replace('"../examples/digits_cnn.py"', json.dumps(str(EXAMPLES / "digits_cnn.py"))))
@@ -111,6 +111,8 @@ def test_btjit_train_reports_val_accuracy(tmp_path):
     assert vals[-1]["val_acc"] > vals[0]["val_acc"] + 0.2      # 150 steps learn something of the digits
     assert f"step 150: val loss {vals[-1]['val_loss']:.4f} | val acc {100 * vals[-1]['val_acc']:.2f}%" in res.output
     assert "samples (1, 8, 8), 10 classes, train 1,617 / val 180 samples" in res.output
+    sample = CliRunner().invoke(cli, ["sample", str(tmp_path / "run")], catch_exceptions=False)
+    assert sample.exit_code != 0 and 'data.format = "arrays"): it has no text to sample' in sample.output
 
 
 def test_mnist_idx_files_become_the_npz_the_config_reads(tmp_path):
