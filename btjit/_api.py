@@ -1,12 +1,13 @@
 """btjit's public API (what `import btjit` exposes), imported on first use by btjit/__init__.py so that
 `import btjit.runtime` -- an exported program, ctypes and numpy only -- never loads numba."""
-from . import optim, threads
-from .graph.trace import (TraceError, abs, arange, broadcast_to, causal_attention, concatenate, copy, cross_entropy,
+from btjit import optim
+from btjit.host import threads
+from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, causal_attention, concatenate, copy, cross_entropy,
                           equal, exp, gelu, layer_norm, log, log_softmax, matmul, max, maximum, mean, minimum,
                           relu, reshape, roll, setitem, sigmoid, softmax, split, sqrt, stack, sum, swapaxes, take,
                           tanh, transpose, where)
-from .graph.conv_fns import (adaptive_avg_pool2d, avg_pool1d, avg_pool2d, conv1d, conv2d, flatten, max_pool1d,
-                             max_pool2d)
-from .program import Program, trace
-from .scalar import trace_scalar
-from .threads import replicas_for, set_num_threads
+from btjit.graph.conv_fns import (adaptive_avg_pool2d, avg_pool1d, avg_pool2d, conv1d, conv2d, flatten, max_pool1d,
+                                 max_pool2d)
+from btjit.core.program import Program, trace
+from btjit.scalar.front import trace_scalar
+from btjit.host.threads import replicas_for, set_num_threads

@@ -1,4 +1,4 @@
-"""[data] format = "arrays" (btjit/arraydata.py): the .npz reader (the four keys or x, y split by val_fraction,
+"""[data] format = "arrays" (btjit/train/arrays.py): the .npz reader (the four keys or x, y split by val_fraction,
 uint8 scaled to [0, 1], sample shapes from the file), its errors naming the file and the key, the bundled
 digits and their checksum, and `btjit train` of a CNN on them reporting val accuracy in the progress lines
 and metrics.jsonl."""
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from btjit import arraydata as A
-from btjit import config as C
-from btjit import data as D
 from btjit.cli import cli
-from btjit.data import DataError
+from btjit.train import arrays as A
+from btjit.train import config as C
+from btjit.train import data as D
+from btjit.train.data import DataError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -36,14 +36,14 @@ def test_the_bundled_digits_hash_to_their_checksum():
 
 
 def test_digits_are_the_default_corpus_of_arrays_split_by_val_fraction():
-    ds = D.load(cfg())
+    ds = A.load(cfg())
     assert ds.format == "arrays" and ds.classes == 10 and len(ds.vocab) == 10
     assert (len(ds.train), len(ds.val)) == (1617, 180)
     x, y = ds.batch("train", 7, np.random.default_rng(0))
     assert x.shape == (7, 1, 8, 8) and x.dtype == np.float32 and y.dtype == np.int32
     seen = np.concatenate([xv[:n].reshape(n, -1) for xv, _, n in ds.sweep("val", 64)])
     np.testing.assert_array_equal(seen, ds.val.x.reshape(180, -1))           # the sweep covers val once
-    assert D.load(cfg(extra="[train]\ndtype = \"float64\"\n")).train.x.dtype == np.float64
+    assert A.load(cfg(extra="[train]\ndtype = \"float64\"\n")).train.x.dtype == np.float64
     with pytest.raises(DataError, match='corpus = "digits" holds images: it needs data.format = "arrays"'):
         D.load(C.loads('[data]\ncorpus = "digits"\n'))
 
@@ -53,7 +53,7 @@ def test_an_npz_with_the_four_keys(tmp_path):
     f = tmp_path / "d.npz"
     np.savez(f, x_train=rng.integers(0, 256, (20, 5, 6), dtype=np.uint8), y_train=rng.integers(0, 3, 20),
              x_val=rng.integers(0, 256, (4, 5, 6), dtype=np.uint8), y_val=np.array([0, 1, 2, 3]))
-    ds = D.load(cfg(f))
+    ds = A.load(cfg(f))
     with np.load(f) as z:
         np.testing.assert_array_equal(ds.train.x, z["x_train"].astype(np.float32) / 255)
         np.testing.assert_array_equal(ds.val.y, z["y_val"])
@@ -63,7 +63,7 @@ def test_an_npz_with_the_four_keys(tmp_path):
 def test_float_targets_and_x_y_split(tmp_path):
     f = tmp_path / "r.npz"
     np.savez(f, x=np.arange(40.0).reshape(10, 4), y=np.arange(20.0).reshape(10, 2))
-    ds = D.load(cfg(f, "val_fraction = 0.2\n"))
+    ds = A.load(cfg(f, "val_fraction = 0.2\n"))
     assert (len(ds.train), len(ds.val), ds.classes) == (8, 2, 0)
     np.testing.assert_array_equal(ds.train.x[:, 0] / 2, ds.train.y[:, 0])      # rows stay paired
     assert sorted(np.concatenate([ds.train.y[:, 0], ds.val.y[:, 0]]).tolist()) == list(np.arange(0.0, 20.0, 2))
@@ -83,16 +83,16 @@ def test_npz_errors_name_the_file_and_the_key(tmp_path, arrays, needles):
     f = tmp_path / "bad.npz"
     np.savez(f, **arrays)
     with pytest.raises(DataError) as e:
-        D.load(cfg(f))
+        A.load(cfg(f))
     assert str(e.value).startswith(str(f)) and all(n in str(e.value) for n in needles), str(e.value)
 
 
 def test_unreadable_files_and_config_errors(tmp_path):
     (tmp_path / "t.npz").write_text("not a zip")
     with pytest.raises(DataError, match="t.npz: not a readable .npz file"):
-        D.load(cfg(tmp_path / "t.npz"))
+        A.load(cfg(tmp_path / "t.npz"))
     with pytest.raises(DataError, match="data file not found"):
-        D.load(cfg(tmp_path / "none.npz"))
+        A.load(cfg(tmp_path / "none.npz"))
     with pytest.raises(C.ConfigError, match='data.format = "arrays" needs model.kind = "python"'):
         C.loads('[data]\nformat = "arrays"\n')
 
@@ -130,7 +130,7 @@ def test_mnist_idx_files_become_the_npz_the_config_reads(tmp_path):
         (tmp_path / (name + ".gz" if key.startswith("x") else name)).write_bytes(
             gzip.compress(raw) if key.startswith("x") else raw)
     out = mod.convert(tmp_path, tmp_path / "mnist.npz")
-    ds = D.load(cfg(out))
+    ds = A.load(cfg(out))
     np.testing.assert_array_equal(ds.train.x, want["x_train"].astype(np.float32) / 255)
     np.testing.assert_array_equal(ds.val.y, want["y_val"])
     assert ds.train.x.shape[1:] == (28, 28) and ds.classes == max(want["y_train"].max(), want["y_val"].max()) + 1

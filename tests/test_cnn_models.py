@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import btjit
-from btjit import usermodel
+from btjit.train import usermodel
 from test_export import _exports_run_bitwise
 
 torch = pytest.importorskip("torch")

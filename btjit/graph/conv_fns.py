@@ -31,12 +31,16 @@ def _out(fn, size, k, s, lo, hi, d, xs):
     return o
 
 
-def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, _fn="conv2d"):
+def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     """torch.nn.functional.conv2d: x (N, C, H, W) or (C, H, W), w (O, C/groups, kh, kw), b (O,) or None;
     padding an int, a pair, "same" (stride 1; the odd extra pixel after, as torch) or "valid"."""
+    return _conv2d(x, w, b, stride, padding, dilation, groups, "conv2d")
+
+
+def _conv2d(x, w, b, stride, padding, dilation, groups, _fn):
     x, w = T.lift(x), T.lift(w)
     if x.ndim == 3:
-        y = conv2d(T.reshape(x, (1,) + x.shape), w, b, stride, padding, dilation, groups, _fn)
+        y = _conv2d(T.reshape(x, (1,) + x.shape), w, b, stride, padding, dilation, groups, _fn)
         return T.reshape(y, y.shape[1:])
     if x.ndim != 4 or w.ndim != 4:
         _fail(_fn, "needs x (N, C, H, W) and w (O, C/groups, kh, kw)", x, w)
@@ -84,8 +88,8 @@ def conv1d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
         _fail("conv1d", "needs x (N, C, L) and w (O, C/groups, k)", x, w)
     one = lambda v, what: (1,) + _tuple("conv1d", v, 1, what)  # noqa: E731
     pad = padding if isinstance(padding, str) else (0,) + _tuple("conv1d", padding, 1, "padding")
-    y = conv2d(T.reshape(x, x.shape[:-1] + (1, x.shape[-1])), T.reshape(w, w.shape[:2] + (1, w.shape[2])), b,
-               one(stride, "stride"), pad, one(dilation, "dilation"), groups, "conv1d")
+    y = _conv2d(T.reshape(x, x.shape[:-1] + (1, x.shape[-1])), T.reshape(w, w.shape[:2] + (1, w.shape[2])), b,
+                one(stride, "stride"), pad, one(dilation, "dilation"), groups, "conv1d")
     return T.reshape(y, y.shape[:-2] + (y.shape[-1],))
 
 
@@ -118,10 +122,12 @@ def avg_pool2d(x, kernel_size, stride=None, padding=0):
 
 
 def max_pool1d(x, kernel_size, stride=None, padding=0):
+    """torch.nn.functional.max_pool1d: x (N, C, L) or (C, L)."""
     return _pool("max_pool1d", POOL_MAX, x, kernel_size, stride, padding, 1)
 
 
 def avg_pool1d(x, kernel_size, stride=None, padding=0):
+    """torch.nn.functional.avg_pool1d: x (N, C, L) or (C, L); the divisor is always the kernel size."""
     return _pool("avg_pool1d", POOL_AVG, x, kernel_size, stride, padding, 1)
 
 

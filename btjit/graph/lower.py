@@ -11,7 +11,7 @@ import numpy as np
 from btjit.kernels.common import ROW, ROWS
 from btjit.kernels.library import LIBRARY
 
-from .ops import TABLE
+from btjit.graph.ops import TABLE
 
 
 class RowError(ValueError):

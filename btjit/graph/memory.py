@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from btjit.kernels.common import MAX_THREADS
 
-from .ir import Graph
-from .ops import TABLE
+from btjit.graph.ir import Graph
+from btjit.graph.ops import TABLE
 
 ALIGN = 16
 

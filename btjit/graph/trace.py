@@ -14,8 +14,8 @@ import sys
 
 import numpy as np
 
-from .ir import Eqn, Graph
-from .optable import TABLE, ShapeError
+from btjit.graph.ir import Eqn, Graph
+from btjit.graph.optable import TABLE, ShapeError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _STACK: list = []          # graphs being built (innermost last)

@@ -3,7 +3,7 @@
 # logits(p, x); loss and logits may take cfg as a last argument), executing it as a module, checking the three
 # functions, the cfg namespace it is given, copying it into the run dir (--resume and `btjit sample` use that
 # copy, or the source kept in each checkpoint), and turning an error raised in the user's code while building or
-# tracing into ModelFileError: one line naming the file and line. The training itself is btjit.train's.
+# tracing into ModelFileError: one line naming the file and line. The training itself is btjit.train.trainer's.
 from __future__ import annotations
 
 import contextlib

@@ -37,7 +37,7 @@ CORPORA = {
                               "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed", "Tiny Shakespeare"),
     "names": Corpus("names.txt.gz", "0a30b5557f192f32ab962680889aac5f6fda0f4cecf40a6d0b5694f58ea8cc4d", "names.txt"),
 }
-CORPUS_NAMES = (*CORPORA, "pydoc", "digits")            # the values of [data] corpus (digits: btjit/arraydata.py)
+CORPUS_NAMES = (*CORPORA, "pydoc", "digits")            # the values of [data] corpus (digits: train/arrays.py)
 DEFAULT_CORPUS = {"text": "tinyshakespeare", "lines": "names", "words": "names", "arrays": "digits"}  # corpus left out
 IGNORE = -1         # "words" format: the target after a word's end (cross_entropy(..., ignore_index=-1))
 
@@ -285,13 +285,12 @@ def load_words(path, block_size: int, val_fraction: float = 0.1, seed: int = 0,
 
 
 def load(cfg, data_path=None, vocab: Vocab | None = None) -> Dataset:
-    """Dataset for a btjit.config.Config: the file `data_path` (the --data option), else cfg.data.path, else
+    """Dataset for a btjit.train.config.Config: the file `data_path` (the --data option), else cfg.data.path, else
     the corpus cfg.data.corpus (left out: DEFAULT_CORPUS of the format)."""
     path = data_path if data_path is not None else cfg.data.path
     corpus = cfg.data.corpus or DEFAULT_CORPUS[cfg.data.format]
-    if cfg.data.format == "arrays":     # .npz arrays or the digits: btjit/arraydata.py (which imports this module)
-        from btjit.arraydata import load_arrays
-        return load_arrays(path, cfg.data.val_fraction, cfg.train.seed, cfg.train.dtype, vocab, corpus)
+    if cfg.data.format == "arrays":     # arrays.load reads them (btjit/train/arrays.py, which imports this module)
+        raise DataError('data.format = "arrays" is read by btjit.train.arrays.load')
     if corpus == "digits":
         raise DataError(f'data.corpus = "digits" holds images: it needs data.format = "arrays", not '
                         f'"{cfg.data.format}"')

@@ -1,4 +1,4 @@
-# btjit/arraydata.py -- array data for `btjit train` ([data] format = "arrays"): an .npz holding x_train,
+# btjit/train/arrays.py -- array data for `btjit train` ([data] format = "arrays"): an .npz holding x_train,
 # y_train, x_val, y_val (or x, y, split by val_fraction after a shuffle with the run's seed), or the bundled
 # corpus "digits" (scikit-learn's 8x8 handwritten digits, btjit/corpora/digits.u8.gz, sha256-checked). x is
 # float or uint8 (uint8 scaled to [0, 1]); the sample shape is the file's. y holds integer class ids
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from btjit.data import Corpus, DataError, Split, Vocab, split_point
+from btjit.train import data
+from btjit.train.data import Corpus, DataError, Split, Vocab, split_point
 
 DIGITS = Corpus("digits.u8.gz", "68aea062d35a127749050fa0e52dca09d6569ac08092c925610e0954e172dde2",
                 "scikit-learn's 8x8 digits")
@@ -104,7 +105,7 @@ def read_arrays(path, corpus, val_fraction, seed):
 
 
 class ArrayDataset:
-    """The train/val splits of array samples; the interface of btjit.data.Dataset. vocab: the class labels
+    """The train/val splits of array samples; the interface of btjit.train.data.Dataset. vocab: the class labels
     "0".."K-1" (len = the number of classes, the model's cfg.vocab_size), or one label for float targets."""
     format = "arrays"
 
@@ -139,9 +140,15 @@ class ArrayDataset:
                 f"val {len(self.val):,} samples")
 
 
-def load_arrays(path, val_fraction, seed, dtype, vocab=None, corpus="digits") -> ArrayDataset:
-    tr, va, name = read_arrays(path, corpus, val_fraction, seed)
-    return ArrayDataset(tr, va, name, np.dtype(dtype), vocab)
+def load(cfg, data_path=None, vocab: Vocab | None = None):
+    """The dataset of a config, any format: "arrays" here (the file `data_path`, else cfg.data.path, else the
+    corpus), the text formats by btjit.train.data.load."""
+    if cfg.data.format != "arrays":
+        return data.load(cfg, data_path, vocab)
+    path = data_path if data_path is not None else cfg.data.path
+    corpus = cfg.data.corpus or data.DEFAULT_CORPUS["arrays"]
+    tr, va, name = read_arrays(path, corpus, cfg.data.val_fraction, cfg.train.seed)
+    return ArrayDataset(tr, va, name, np.dtype(cfg.train.dtype), vocab)
 
 
 class Classifier:

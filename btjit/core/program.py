@@ -12,17 +12,18 @@ import warnings
 
 import numpy as np
 
-from .graph import autodiff, fuse, fuse_ew, trace as T
-from .graph.ir import Graph, np_dtype, verify
-from .graph.lower import Lowering, lower_eqns
-from .graph.memory import plan as make_plan, storage_roots
-from .graph.ops import TABLE
-from . import executor as X, threads
-from .kernels.library import LIBRARY
-from .optim import HYPER, update_rows
-from .runner import Runner
+from btjit.graph import autodiff, fuse, fuse_ew, trace as T
+from btjit.graph.ir import Graph, np_dtype, verify
+from btjit.graph.lower import Lowering, lower_eqns
+from btjit.graph.memory import plan as make_plan, storage_roots
+from btjit.graph.ops import TABLE
+from btjit.core import executor as X
+from btjit.host import threads as _threads
+from btjit.kernels.library import LIBRARY
+from btjit.optim import HYPER, update_rows
+from btjit.export.runner import Runner
 
-threads.set_num_threads(threads.default_threads())   # btjit's default: 1 thread (btjit/threads.py)
+_threads.set_num_threads(_threads.default_threads())   # every core the process may run on (btjit/host/threads.py)
 
 
 def _arg_names(fn, n):
@@ -34,7 +35,7 @@ def _arg_names(fn, n):
 
 
 def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=False, dtype="float32", grad=None,
-          replicas=1, fuse_elementwise=True):
+          replicas=1, fuse_elementwise=True, threads=None):
     """Trace fn(params, *batch) once and compile it. With an optimizer, `step()` trains; without one,
     `forward()` (and `value_and_grad()` for a scalar output) evaluate. clip_norm: clip gradients by global
     norm. skip_nonfinite: a step whose gradients contain NaN/Inf leaves params and optimizer state untouched
@@ -47,7 +48,13 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     of btjit.models are); fn may return nothing else.
 
     fuse_elementwise: chains of elementwise ops run as one row each (btjit/graph/fuse_ew.py); False keeps
-    one row per op (the reference the fused chains are tested against)."""
+    one row per op (the reference the fused chains are tested against).
+
+    threads: how many threads the step may use (default: btjit.set_num_threads's, which starts at every core
+    the process may run on or $BTJIT_NUM_THREADS; 0 = every core). Each kernel decides for itself whether its
+    work is large enough to split (GEMMs by blocks of rows, the attention by blocks of sequences), and a split
+    kernel computes bit for bit what it does on one thread, so the result does not depend on the thread count
+    (replicas, which sum their gradients, do). `prog.threads` is what the step uses: 1 when no kernel splits."""
     t0 = time.perf_counter()
     try:
         name = np.dtype(dtype).name
@@ -121,7 +128,8 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         autodiff.eliminate_dead_code(g, live)
     g.n_backward = len(g.eqns)
     verify(g, TABLE)
-    return Program(g, params, optimizer, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas)
+    return Program(g, params, optimizer, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas,
+                   _threads.resolve(threads))
 
 
 def _pin(g: Graph, grads: dict) -> dict:
@@ -157,15 +165,14 @@ class Program(Runner):
     arena."""
 
     def __init__(self, graph, init_params, optimizer, clip_norm, skip_nonfinite, pinned, trace_seconds,
-                 replicas=1):
-        import numba
+                 replicas=1, n_threads=1):
         t0 = time.perf_counter()
         self.graph, self.optimizer, self.clip_norm, self.replicas = graph, optimizer, clip_norm, replicas
         n_state = optimizer.n_state if optimizer else 0
         self.plan = p = make_plan(graph, pinned, n_state, len(HYPER))
         self._bounds = _index_bounds(graph)
         self._flag = p.int_state + 1
-        L = Lowering(p, const_base=p.float_size, threads=numba.get_num_threads() // replicas,
+        L = Lowering(p, const_base=p.float_size, threads=max(1, n_threads // replicas),
                      checked={v.id for v in graph.inputs} | {v.id for v in graph.consts}, root=storage_roots(graph),
                      flag=self._flag)
         self._inv_replicas = L.const(1.0 / replicas)
@@ -181,6 +188,8 @@ class Program(Runner):
         self.n_fwd, self.n_bwd = len(fwd), len(fwd) + len(bwd)
         rows = fwd + bwd + upd
         self.tape = np.array(rows, np.int64).reshape(len(rows), -1)
+        split = any(LIBRARY.entry_of(op)[0].endswith("_par") for op in self.tape[:, 0])
+        self.threads = replicas * (L.threads if split else 1)     # what the step uses (prog.threads)
         fdt = np_dtype(graph.float_dtype)
         self.dtype = np.dtype(fdt)
         # replica r's arenas are rows r of A / IA (one row, and A[0] is self.a, without replicas)
@@ -246,7 +255,7 @@ class Program(Runner):
         """Write this program as a self-contained native library dir (btjit/export.py): btjit.runtime.load(path)
         runs it without numba, examples/c/train.c from C. extra_files: {name: bytes} also written. Returns
         the dir."""
-        from .export import export_program
+        from btjit.export.build import export_program
         return export_program(self, path, extra_files)
 
     def _run(self, a, ia, tape, start, stop):
@@ -304,7 +313,7 @@ class Program(Runner):
                 f"arena {self.arena_bytes / 1e6:.2f} MB, {self.dtype})")
 
     # ------------------------------------------------------------------ split step (data parallel, issue 6)
-    # step() == value_and_grad() + apply_update(); in between, btjit.distributed averages grad_slice in place.
+    # step() == value_and_grad() + apply_update(); in between, btjit.train.distributed averages grad_slice in place.
     @property
     def param_slice(self) -> np.ndarray:
         """A view of the whole params region of the arena (contiguous; alignment padding included)."""

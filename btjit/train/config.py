@@ -42,8 +42,9 @@ FORMAT_OF_KIND = {"gpt": "text", "mlp": "lines", **{k: "words" for k in MAKEMORE
 @dataclass
 class DataConfig:
     path: typing.Optional[str] = None   # a UTF-8 file; None = the corpus below
-    corpus: typing.Optional[str] = None  # bundled "tinyshakespeare" or "names", or "pydoc" (CPython's pydoc
-    #                                      topics); None = tinyshakespeare for format "text", names for "lines"
+    corpus: typing.Optional[str] = None  # bundled "tinyshakespeare", "names", "digits" (images), or "pydoc" (CPython's
+    #                                      pydoc topics); None = tinyshakespeare for "text", names for "lines",
+    #                                      digits for "arrays"
     val_fraction: float = 0.1           # tail fraction held out for validation
     format: str = "text"                # "text" (one stream of chars), "lines" or "words" (one word per line),
     #                                     "arrays" (an .npz of x/y arrays, or corpus "digits"; model.kind "python")
@@ -51,32 +52,32 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 3000
-    batch_size: int = 64
+    steps: int = 3000                   # optimizer steps (updates) to train for
+    batch_size: int = 64                # sequences (or examples) per micro-batch
     grad_accum: int = 1                 # micro-batches of batch_size per update (gradient accumulation)
-    seed: int = 1337
+    seed: int = 1337                    # drives everything: init, batches, sampling
     dtype: str = "float32"              # "float32" or "float64"
     eval_interval: int = 250            # 0 = never (still evaluated at start and end)
-    eval_batches: int = 20
+    eval_batches: int = 20              # val batches averaged per evaluation
     sample_interval: int = 1000         # 0 = never
-    sample_chars: int = 200
-    log_interval: int = 100
+    sample_chars: int = 200             # characters per sample
+    log_interval: int = 100             # steps between progress lines (and train events in metrics.jsonl)
     checkpoint_interval: int = 500      # 0 = only at the end
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = 3           # newest checkpoints kept in the run dir (best.npz apart)
     on_nonfinite: str = "stop"          # "stop" or "skip"
-    threads: int = 1                    # 0 = all cores
+    threads: int = 0                    # threads the step may use; 0 = every core the process may run on
 
 
 @dataclass
 class OptimConfig:
     name: str = "sgd"                   # "sgd" or "adamw"
-    lr: float = 3e-4
+    lr: float = 3e-4                    # peak learning rate (the schedule scales it per step)
     momentum: float = 0.0               # sgd only
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0           # decoupled (adamw) or L2 (sgd) weight decay
     betas: typing.Tuple[float, float] = (0.9, 0.999)   # adamw only
     eps: float = 1e-8                   # adamw only
     clip_norm: float = 0.0              # global gradient-norm clip; 0 = off
-    schedule: str = "constant"          # "constant", "cosine" or "linear" (btjit.schedule; nanoGPT's get_lr)
+    schedule: str = "constant"          # "constant", "cosine" or "linear" (btjit.train.schedule; nanoGPT's get_lr)
     warmup_steps: int = 0               # linear warm-up over the first steps (any schedule)
     decay_steps: int = 0                # cosine/linear: lr reaches lr_min at this step; 0 = train.steps
     lr_min: float = 0.0                 # cosine/linear: the final learning rate
@@ -126,7 +127,7 @@ CHOICES = {
     ("data", "format"): ("text", "lines", "words", "arrays"), ("train", "dtype"): ("float32", "float64"),
     ("train", "on_nonfinite"): ("stop", "skip"), ("optim", "name"): ("sgd", "adamw"),
     ("optim", "schedule"): ("constant", "cosine", "linear"),
-    ("data", "corpus"): ("tinyshakespeare", "names", "pydoc", "digits"),  # btjit.data.CORPUS_NAMES; None allowed
+    ("data", "corpus"): ("tinyshakespeare", "names", "pydoc", "digits"),  # btjit.train.data.CORPUS_NAMES; None allowed
     ("distributed", "compressor"): ("none", "topk", "randk"),
 }
 POSITIVE = {  # must be >= 1
@@ -273,7 +274,7 @@ def validate(cfg: Config, source: str = "config") -> None:
 
 
 def _validate_schedule(cfg: Config, bad) -> None:
-    """The [optim] LR schedule must be possible within train.steps (btjit.schedule.lr_at)."""
+    """The [optim] LR schedule must be possible within train.steps (btjit.train.schedule.lr_at)."""
     o, steps = cfg.optim, cfg.train.steps
     if o.warmup_steps >= steps:
         bad(f"optim.warmup_steps = {o.warmup_steps} must be less than train.steps ({steps}): the warm-up "
