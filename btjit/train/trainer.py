@@ -181,8 +181,9 @@ class Trainer:
         t0 = time.perf_counter()
         self.prog = build_program(cfg, self.model, self.model.init_params(self.param_rng), x, y, replicas)
         self.build_seconds = time.perf_counter() - t0
-        self.tokens_per_step = (len(y) if self.model.format in ("lines", "arrays") else x.size) * cfg.train.grad_accum
-        self.val_acc = None            # the accuracy of the last evaluation of a classification run
+        per_sample = self.model.format in ("lines", "arrays")
+        self.tokens_per_step = (len(y) if per_sample else x.size) * cfg.train.grad_accum
+        self.classifier, self.val_acc = None, None     # a classification run's evaluator and its last accuracy
 
     def banner(self):
         import numba
@@ -222,7 +223,8 @@ class Trainer:
         ("arrays" with class ids): the cross-entropy of logits(p, x) over the whole val split, and val_acc."""
         t = self.cfg.train
         if getattr(self.ds, "classes", 0):
-            self.classifier = getattr(self, "classifier", None) or arrays.Classifier(self.model, t.batch_size, t.dtype)
+            if self.classifier is None:
+                self.classifier = arrays.Classifier(self.model, t.batch_size, t.dtype)
             val, self.val_acc = self.classifier.evaluate(self.ds, self.prog.params)
             return val
         rng = seeds(t.seed)[2]
