@@ -163,6 +163,8 @@ def sample(ckpt, prompt, n_chars, temperature, top_k, seed, debug):
         vocab = Vocab(ck.meta["vocab"])
     except KeyError as e:
         raise CheckpointError(f"checkpoint {ck.path} has no {e.args[0]} entry") from None
+    if cfg.data.format == "arrays":
+        raise CLIError(f"{ck.path} is a model of array data (data.format = \"arrays\"): it has no text to sample")
     model_file = None
     if cfg.model.kind == "python":                  # the model file the run was trained with, kept in ck.meta
         from btjit.train import usermodel
@@ -309,7 +311,7 @@ def export_cmd(source, out, data_path, debug):
     state and the learning rate its schedule had)."""
     import json
     import numpy as np
-    from btjit.train import config as config_mod, data as data_mod, schedule, usermodel
+    from btjit.train import arrays, config as config_mod, data as data_mod, schedule, usermodel
     from btjit.train.registry import model_for
     from btjit.train.trainer import build_program, seeds, set_threads
     set_threads(1)                                  # an export is one thread
@@ -323,7 +325,7 @@ def export_cmd(source, out, data_path, debug):
         cfg = config_mod.Config.from_dict(ck.meta["config"], source=f"config in {ck.path}")
         vocab = data_mod.Vocab(ck.meta["vocab"])
         model_file = usermodel.from_checkpoint(ck) if cfg.model.kind == "python" else None
-    ds = data_mod.load(cfg, data_path, vocab)
+    ds = arrays.load(cfg, data_path, vocab)                 # any format
     model = model_for(cfg.model, len(ds.vocab), model_file, cfg.data.format)
     x, y = ds.batch("train", cfg.train.batch_size, np.random.default_rng(0))
     prog = build_program(cfg, model, model.init_params(seeds(cfg.train.seed)[0]), x, y)   # buffers: the model's

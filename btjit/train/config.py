@@ -43,10 +43,12 @@ FORMAT_OF_KIND = {"gpt": "text", "mlp": "lines", **{k: "words" for k in MAKEMORE
 @dataclass
 class DataConfig:
     path: typing.Optional[str] = None   # a UTF-8 file; None = the corpus below
-    corpus: typing.Optional[str] = None  # bundled "tinyshakespeare" or "names", or "pydoc" (CPython's pydoc
-    #                                      topics); None = tinyshakespeare for format "text", names for "lines"
+    corpus: typing.Optional[str] = None  # bundled "tinyshakespeare", "names", "digits" (images), or "pydoc" (CPython's
+    #                                      pydoc topics); None = tinyshakespeare for "text", names for "lines",
+    #                                      digits for "arrays"
     val_fraction: float = 0.1           # tail fraction held out for validation
-    format: str = "text"                # "text" (one stream of chars), "lines" or "words" (one word per line)
+    format: str = "text"                # "text" (one stream of chars), "lines" or "words" (one word per line),
+    #                                     "arrays" (an .npz of x/y arrays, or corpus "digits"; model.kind "python")
 
 
 @dataclass
@@ -123,10 +125,10 @@ SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "opt
             "distributed": DistributedConfig}
 CHOICES = {
     ("model", "kind"): ("gpt", "mlp", *MAKEMORE_KINDS, "python"), ("model", "activation"): ("relu", "gelu"),
-    ("data", "format"): ("text", "lines", "words"), ("train", "dtype"): ("float32", "float64"),
+    ("data", "format"): ("text", "lines", "words", "arrays"), ("train", "dtype"): ("float32", "float64"),
     ("train", "on_nonfinite"): ("stop", "skip"), ("optim", "name"): ("sgd", "adamw"),
     ("optim", "schedule"): ("constant", "cosine", "linear"),
-    ("data", "corpus"): ("tinyshakespeare", "names", "pydoc"),     # btjit.train.data.CORPUS_NAMES; None allowed
+    ("data", "corpus"): ("tinyshakespeare", "names", "pydoc", "digits"),  # btjit.train.data.CORPUS_NAMES; None allowed
     ("distributed", "compressor"): ("none", "topk", "randk"),
 }
 POSITIVE = {  # must be >= 1
@@ -247,6 +249,8 @@ def validate(cfg: Config, source: str = "config") -> None:
         bad(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         bad(f"data.val_fraction must be between 0 and 1 (exclusive), got {cfg.data.val_fraction}")
+    if cfg.data.format == "arrays" and m.kind != "python":
+        bad(f'data.format = "arrays" needs model.kind = "python" (your model file), not "{m.kind}"')
     if m.kind == "mlp" and cfg.data.format != "lines":
         bad('model.kind = "mlp" needs data.format = "lines" (one word per line)')
     if m.kind == "gpt" and cfg.data.format != "text":

@@ -37,8 +37,8 @@ CORPORA = {
                               "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed", "Tiny Shakespeare"),
     "names": Corpus("names.txt.gz", "0a30b5557f192f32ab962680889aac5f6fda0f4cecf40a6d0b5694f58ea8cc4d", "names.txt"),
 }
-CORPUS_NAMES = (*CORPORA, "pydoc")                      # the values of [data] corpus
-DEFAULT_CORPUS = {"text": "tinyshakespeare", "lines": "names", "words": "names"}   # [data] corpus left out
+CORPUS_NAMES = (*CORPORA, "pydoc", "digits")            # the values of [data] corpus (digits: train/arrays.py)
+DEFAULT_CORPUS = {"text": "tinyshakespeare", "lines": "names", "words": "names", "arrays": "digits"}  # corpus left out
 IGNORE = -1         # "words" format: the target after a word's end (cross_entropy(..., ignore_index=-1))
 
 
@@ -289,6 +289,11 @@ def load(cfg, data_path=None, vocab: Vocab | None = None) -> Dataset:
     the corpus cfg.data.corpus (left out: DEFAULT_CORPUS of the format)."""
     path = data_path if data_path is not None else cfg.data.path
     corpus = cfg.data.corpus or DEFAULT_CORPUS[cfg.data.format]
+    if cfg.data.format == "arrays":     # arrays.load reads them (btjit/train/arrays.py, which imports this module)
+        raise DataError('data.format = "arrays" is read by btjit.train.arrays.load')
+    if corpus == "digits":
+        raise DataError(f'data.corpus = "digits" holds images: it needs data.format = "arrays", not '
+                        f'"{cfg.data.format}"')
     if cfg.data.format == "lines":
         return load_lines(path, cfg.model.context, cfg.data.val_fraction, cfg.train.seed, vocab, corpus)
     if cfg.data.format == "words":

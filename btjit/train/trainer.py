@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 import btjit
+from btjit.train import arrays
 from btjit.train import checkpoint as ckpt_mod
 from btjit.train import data as data_mod
 from btjit.train import rundir
@@ -100,7 +101,7 @@ class Trainer:
         self.model_file = usermodel.for_run(cfg.model, self.run_dir, self.resumed, self.echo)   # kind "python"
         self.threads = set_threads(threads if threads is not None else t.threads)
         vocab = data_mod.Vocab(self.resumed.meta["vocab"]) if self.resumed else None
-        self.ds = data_mod.load(cfg, data_path, vocab)
+        self.ds = arrays.load(cfg, data_path, vocab)         # any format (the text ones: data_mod.load)
         self.param_rng, self.rng, _, self.sample_rng = seeds(t.seed)
         self.lr_at = sched_mod.for_config(cfg)
         self._build_program()
@@ -181,7 +182,9 @@ class Trainer:
         t0 = time.perf_counter()
         self.prog = build_program(cfg, self.model, self.model.init_params(self.param_rng), x, y, replicas)
         self.build_seconds = time.perf_counter() - t0
-        self.tokens_per_step = (len(y) if self.model.format == "lines" else x.size) * cfg.train.grad_accum
+        per_sample = self.model.format in ("lines", "arrays")
+        self.tokens_per_step = (len(y) if per_sample else x.size) * cfg.train.grad_accum
+        self.classifier, self.val_acc = None, None     # a classification run's evaluator and its last accuracy
 
     def banner(self):
         import numba
@@ -217,8 +220,15 @@ class Trainer:
             f.write(json.dumps(event) + "\n")
 
     def evaluate(self) -> float:
-        """Mean loss over eval_batches val batches in eval mode; the same batches every time (fixed seed)."""
+        """Mean loss over eval_batches val batches in eval mode; the same batches every time (fixed seed).
+        Classification ("arrays" with class ids): the cross-entropy of logits(p, x) over the whole val split, and
+        val_acc."""
         t = self.cfg.train
+        if getattr(self.ds, "classes", 0):
+            if self.classifier is None:
+                self.classifier = arrays.Classifier(self.model, t.batch_size, t.dtype)
+            val, self.val_acc = self.classifier.evaluate(self.ds, self.prog.params, self.prog.buffers)
+            return val
         rng = seeds(t.seed)[2]
         losses = [self.prog.eval(*self.ds.batch("val", t.batch_size, rng)) for _ in range(t.eval_batches)]
         return float(np.mean(losses))
@@ -291,6 +301,11 @@ class Trainer:
     def _stop_requested(self, stop) -> bool:
         return stop["sigint"]
 
+    def _acc(self) -> tuple[str, dict]:
+        """The last evaluation's accuracy for the val line and its metrics event (classification runs)."""
+        return ("", {}) if self.val_acc is None else (f" | val acc {100 * self.val_acc:.2f}%",
+                                                      {"val_acc": self.val_acc})
+
     def _progress_extra(self) -> tuple[str, dict]:
         """Extra text for the progress line and fields for its metrics event (since the last one)."""
         return "", {}
@@ -319,8 +334,8 @@ class Trainer:
         val, width = None, len(str(t.steps))
         if self.step == 0:
             val = self.evaluate()
-            self.echo(f"step {0:>{width}}: val loss {val:.4f}")
-            self.log(event="val", step=0, val_loss=val)
+            self.echo(f"step {0:>{width}}: val loss {val:.4f}{self._acc()[0]}")
+            self.log(event="val", step=0, val_loss=val, **self._acc()[1])
         if self.step >= t.steps:
             self.echo(f"already at step {self.step} of {t.steps}: nothing to do "
                       f"(raise train.steps to train further)")
@@ -371,10 +386,10 @@ class Trainer:
                 losses, step_time, timed = [], 0.0, 0
             if (t.eval_interval and s % t.eval_interval == 0) or s == t.steps:
                 val = self.evaluate()
-                self.echo(f"step {s:>{width}}: val loss {val:.4f}")
-                self.log(event="val", step=s, val_loss=val)
+                self.echo(f"step {s:>{width}}: val loss {val:.4f}{self._acc()[0]}")
+                self.log(event="val", step=s, val_loss=val, **self._acc()[1])
                 self.track_best(val)
-            if t.sample_interval and s % t.sample_interval == 0:
+            if t.sample_interval and s % t.sample_interval == 0 and self.ds.format != "arrays":
                 self.echo(f"--- sample at step {s} ---\n{self.sample()}\n---")
             if (t.checkpoint_interval and s % t.checkpoint_interval == 0) or s == t.steps:
                 self.save()

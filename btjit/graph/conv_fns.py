@@ -1,0 +1,152 @@
+"""The public convolution and pooling functions (btjit.conv2d, conv1d, max_pool2d, avg_pool2d, max_pool1d,
+avg_pool1d, adaptive_avg_pool2d, flatten), with torch.nn.functional's semantics, built from the op table's
+im2col / pool2d entries (graph/ops/conv.py) and the tracer's matmul, reshape and transpose. Bad arguments
+raise a TraceError naming the function, the shapes and the user's line."""
+from __future__ import annotations
+
+import numpy as np
+
+from btjit.kernels.conv import POOL_AVG, POOL_MAX
+
+from btjit.graph import trace as T
+
+
+def _fail(fn, msg, *xs):
+    shapes = " and ".join(str(tuple(x.shape)) for x in xs)
+    raise T.TraceError(f"{fn}: {msg} (input shapes {shapes}) — {T.user_src()}")
+
+
+def _tuple(fn, v, n, what):
+    t = (v,) * n if isinstance(v, (int, np.integer)) else tuple(v)
+    if len(t) != n or not all(isinstance(i, (int, np.integer)) for i in t):
+        raise T.TraceError(f"{fn}: {what} must be an int or {n} ints, got {v!r} — {T.user_src()}")
+    return tuple(int(i) for i in t)
+
+
+def _out(fn, size, k, s, lo, hi, d, xs):
+    o = (size + lo + hi - d * (k - 1) - 1) // s + 1
+    if o < 1 or s < 1 or d < 1 or k < 1:
+        _fail(fn, f"window {k} (stride {s}, dilation {d}, padding {lo}+{hi}) gives no output on a size-{size} "
+                  f"axis", *xs)
+    return o
+
+
+def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+    """torch.nn.functional.conv2d: x (N, C, H, W) or (C, H, W), w (O, C/groups, kh, kw), b (O,) or None;
+    padding an int, a pair, "same" (stride 1; the odd extra pixel after, as torch) or "valid"."""
+    return _conv2d(x, w, b, stride, padding, dilation, groups, "conv2d")
+
+
+def _conv2d(x, w, b, stride, padding, dilation, groups, _fn):
+    x, w = T.lift(x), T.lift(w)
+    if x.ndim == 3:
+        y = _conv2d(T.reshape(x, (1,) + x.shape), w, b, stride, padding, dilation, groups, _fn)
+        return T.reshape(y, y.shape[1:])
+    if x.ndim != 4 or w.ndim != 4:
+        _fail(_fn, "needs x (N, C, H, W) and w (O, C/groups, kh, kw)", x, w)
+    N, C, H, W = x.shape
+    O, Cg, kh, kw = w.shape
+    G = int(groups)
+    if G < 1 or C % G or O % G or Cg != C // G:
+        _fail(_fn, f"x has {C} channels and w {O} x {Cg}: with groups={G} w must be ({O}, {C // G if G else '?'}, "
+                   f"kh, kw) and {O} divisible by {G}", x, w)
+    sh, sw = _tuple(_fn, stride, 2, "stride")
+    dh, dw = _tuple(_fn, dilation, 2, "dilation")
+    if isinstance(padding, str):
+        if padding not in ("same", "valid"):
+            raise T.TraceError(f"{_fn}: padding must be an int, a pair, 'same' or 'valid', got {padding!r} — "
+                               f"{T.user_src()}")
+        if padding == "same" and (sh, sw) != (1, 1):
+            _fail(_fn, "padding='same' needs stride 1 (as torch)", x, w)
+        th, tw = (dh * (kh - 1), dw * (kw - 1)) if padding == "same" else (0, 0)
+        (ph, ph2), (pw, pw2) = (th // 2, th - th // 2), (tw // 2, tw - tw // 2)
+    else:
+        ph, pw = _tuple(_fn, padding, 2, "padding")
+        ph2, pw2 = ph, pw
+    oh = _out(_fn, H, kh, sh, ph, ph2, dh, (x, w))
+    ow = _out(_fn, W, kw, sw, pw, pw2, dw, (x, w))
+    K, Og, P = Cg * kh * kw, O // G, oh * ow
+    cols = T.emit("im2col", (x,), kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw, dh=dh, dw=dw, oh=oh, ow=ow, groups=G)
+    if b is not None:
+        b = T.lift(b)
+        if tuple(b.shape) != (O,):
+            _fail(_fn, f"the bias must have shape ({O},)", x, w, b)
+    if G == 1:          # (N*P, K) @ (K, O) [+ b]: one GEMM (with the bias, a fused linear)
+        y = T.reshape(cols, (N * P, K)) @ T.transpose(T.reshape(w, (O, K)))
+        y = T.transpose(T.reshape(y if b is None else y + b, (N, P, O)), (0, 2, 1))
+    else:               # (G, N*P, Cg*kh*kw) @ (G, K, O/G): one GEMM per group
+        y = T.matmul(cols, T.transpose(T.reshape(w, (G, Og, K)), (0, 2, 1)))
+        y = y if b is None else y + T.reshape(b, (G, 1, Og))
+        y = T.transpose(T.reshape(y, (G, N, P, Og)), (1, 0, 3, 2))
+    return T.reshape(y, (N, O, oh, ow))
+
+
+def conv1d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+    """torch.nn.functional.conv1d: x (N, C, L) or (C, L), w (O, C/groups, k); padding an int, "same" or "valid"."""
+    x, w = T.lift(x), T.lift(w)
+    if x.ndim not in (2, 3) or w.ndim != 3:
+        _fail("conv1d", "needs x (N, C, L) and w (O, C/groups, k)", x, w)
+    one = lambda v, what: (1,) + _tuple("conv1d", v, 1, what)  # noqa: E731
+    pad = padding if isinstance(padding, str) else (0,) + _tuple("conv1d", padding, 1, "padding")
+    y = _conv2d(T.reshape(x, x.shape[:-1] + (1, x.shape[-1])), T.reshape(w, w.shape[:2] + (1, w.shape[2])), b,
+                one(stride, "stride"), pad, one(dilation, "dilation"), groups, "conv1d")
+    return T.reshape(y, y.shape[:-2] + (y.shape[-1],))
+
+
+def _pool(fn, mode, x, kernel_size, stride, padding, nd):
+    x = T.lift(x)
+    if x.ndim not in (nd + 1, nd + 2):
+        _fail(fn, f"needs ({'N, C, H, W' if nd == 2 else 'N, C, L'}) or an unbatched input", x)
+    k = _tuple(fn, kernel_size, nd, "kernel_size")
+    s = k if stride is None or stride == [] else _tuple(fn, stride, nd, "stride")
+    p = _tuple(fn, padding, nd, "padding")
+    if nd == 1:
+        k, s, p = (1,) + k, (1,) + s, (0,) + p
+    if any(2 * pi > ki for pi, ki in zip(p, k)):
+        _fail(fn, f"padding {p[-nd:]} must be at most half the kernel size {k[-nd:]}", x)
+    H, W = (1,) + x.shape[-1:] if nd == 1 else x.shape[-2:]
+    o = [_out(fn, n, ki, si, pi, pi, 1, (x,)) for n, ki, si, pi in zip((H, W), k, s, p)]
+    xi = T.reshape(x, x.shape[:-1] + (1, x.shape[-1])) if nd == 1 else x
+    y = T.emit("pool2d", (xi,), mode=mode, kh=k[0], kw=k[1], sh=s[0], sw=s[1], ph=p[0], pw=p[1], oh=o[0], ow=o[1])
+    return T.reshape(y, x.shape[:-1] + (o[1],)) if nd == 1 else y
+
+
+def max_pool2d(x, kernel_size, stride=None, padding=0):
+    """torch.nn.functional.max_pool2d (padding with -inf; stride defaults to kernel_size)."""
+    return _pool("max_pool2d", POOL_MAX, x, kernel_size, stride, padding, 2)
+
+
+def avg_pool2d(x, kernel_size, stride=None, padding=0):
+    """torch.nn.functional.avg_pool2d (count_include_pad=True: the divisor is always kh*kw)."""
+    return _pool("avg_pool2d", POOL_AVG, x, kernel_size, stride, padding, 2)
+
+
+def max_pool1d(x, kernel_size, stride=None, padding=0):
+    """torch.nn.functional.max_pool1d: x (N, C, L) or (C, L)."""
+    return _pool("max_pool1d", POOL_MAX, x, kernel_size, stride, padding, 1)
+
+
+def avg_pool1d(x, kernel_size, stride=None, padding=0):
+    """torch.nn.functional.avg_pool1d: x (N, C, L) or (C, L); the divisor is always the kernel size."""
+    return _pool("avg_pool1d", POOL_AVG, x, kernel_size, stride, padding, 1)
+
+
+def adaptive_avg_pool2d(x, output_size):
+    """torch's adaptive_avg_pool2d where the output size divides the input's (1: global average pooling)."""
+    x = T.lift(x)
+    oh, ow = _tuple("adaptive_avg_pool2d", output_size, 2, "output_size")
+    if x.ndim not in (3, 4) or oh < 1 or ow < 1 or x.shape[-2] % oh or x.shape[-1] % ow:
+        _fail("adaptive_avg_pool2d", f"output size ({oh}, {ow}) must divide the input's (H, W) (other sizes "
+                                     f"are not supported)", x)
+    kh, kw = x.shape[-2] // oh, x.shape[-1] // ow
+    return _pool("adaptive_avg_pool2d", POOL_AVG, x, (kh, kw), (kh, kw), 0, 2)
+
+
+def flatten(x, start_dim=1, end_dim=-1):
+    """torch.flatten: dims start_dim..end_dim merged into one (start_dim 1 by default, as torch.nn.Flatten)."""
+    x = T.lift(x)
+    n = max(x.ndim, 1)
+    s, e = start_dim % n, end_dim % n
+    if s > e:
+        _fail("flatten", f"start_dim {start_dim} comes after end_dim {end_dim}", x)
+    return T.reshape(x, x.shape[:s] + (int(np.prod(x.shape[s:e + 1], dtype=np.int64)),) + x.shape[e + 1:])

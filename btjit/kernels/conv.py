@@ -1,0 +1,147 @@
+# Convolution and pooling tape kernels, generic over float32/float64 arenas and over every shape (all sizes,
+# strides, paddings and dilations are runtime row arguments: one compiled entry serves every conv and pool).
+#
+#   k_im2col    back 0: the patches of x (N, G*Cg, H, W) as rows: col (G, N, OH, OW, Cg, kh, kw), zeros where
+#               a patch reaches into the padding; a convolution is then one GEMM per group (graph/ops/conv.py).
+#               back 1: its adjoint col2im: x = the patch rows of col summed back (overwrites x)
+#   k_pool2d    back 0: max (mode 0, -inf padding) or average (mode 1, padding counted, as torch's default)
+#               pooling of x (NC, H, W) -> y (NC, OH, OW). back 1: their gradient dx (NC, H, W) from x and
+#               dy (at oy): max routes dy to the first maximum of each window (torch's choice on ties),
+#               average spreads it evenly (overwrites dx)
+# Forward and backward share one entry each (one library entry to compile and load, not two).
+#
+# The kernels are direct loops over one image row at a time (1-D slices `a[o:o+W]`); the multiply-adds
+# of a convolution all run in the GEMM kernels.
+import numpy as np
+from numba import njit
+
+from btjit.kernels.common import FM, cvt, row
+
+POOL_MAX = 0
+POOL_AVG = 1
+
+
+@row("back ox ocol N G Cg H W OH OW kh kw sh sw ph pw dh dw")
+@njit(**FM)
+def k_im2col(a, ia, r):
+    """back 0: col[g, n, oh, ow, c, i, j] = x[n, g*Cg + c, oh*sh - ph + i*dh, ow*sw - pw + j*dw] (0 outside
+    x); back 1: x = the sum of col's entries over the patches reading each pixel."""
+    back = r[1]; ox = r[2]; ocol = r[3]; N = r[4]; G = r[5]; Cg = r[6]; H = r[7]; W = r[8]; OH = r[9]
+    OW = r[10]; kh = r[11]; kw = r[12]; sh = r[13]; sw = r[14]; ph = r[15]; pw = r[16]; dh = r[17]; dw = r[18]
+    if back:
+        col2im(a, ox, ocol, N, G, Cg, H, W, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw)
+        return
+    zero = cvt(a, 0.0)
+    K = Cg * kh * kw
+    for g in range(G):
+        for n in range(N):
+            for oh in range(OH):
+                for ow in range(OW):
+                    base = ocol + (((g * N + n) * OH + oh) * OW + ow) * K
+                    col = a[base:base + K]
+                    for c in range(Cg):
+                        xo = ox + ((n * G + g) * Cg + c) * H * W
+                        for i in range(kh):
+                            ih = oh * sh - ph + i * dh
+                            dst = col[(c * kh + i) * kw:(c * kh + i) * kw + kw]
+                            if ih < 0 or ih >= H:
+                                for j in range(kw):
+                                    dst[j] = zero
+                                continue
+                            xr = a[xo + ih * W:xo + ih * W + W]
+                            for j in range(kw):
+                                iw = ow * sw - pw + j * dw
+                                dst[j] = xr[iw] if 0 <= iw < W else zero
+
+
+@njit(**FM)
+def col2im(a, odx, ocol, N, G, Cg, H, W, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw):
+    """dx[n, g*Cg + c, ih, iw] = the sum of col[g, n, oh, ow, c, i, j] over the patches reading (ih, iw)."""
+    K = Cg * kh * kw
+    dx = a[odx:odx + N * G * Cg * H * W]
+    for t in range(dx.shape[0]):
+        dx[t] = cvt(a, 0.0)
+    for g in range(G):
+        for n in range(N):
+            for oh in range(OH):
+                for ow in range(OW):
+                    base = ocol + (((g * N + n) * OH + oh) * OW + ow) * K
+                    col = a[base:base + K]
+                    for c in range(Cg):
+                        xo = odx + ((n * G + g) * Cg + c) * H * W
+                        for i in range(kh):
+                            ih = oh * sh - ph + i * dh
+                            if ih < 0 or ih >= H:
+                                continue
+                            src = col[(c * kh + i) * kw:(c * kh + i) * kw + kw]
+                            xr = a[xo + ih * W:xo + ih * W + W]
+                            for j in range(kw):
+                                iw = ow * sw - pw + j * dw
+                                if 0 <= iw < W:
+                                    xr[iw] += src[j]
+
+
+@row("back mode ox oy odx NC H W OH OW kh kw sh sw ph pw")
+@njit(**FM)
+def k_pool2d(a, ia, r):
+    """back 0: y[p, oh, ow] = max (mode 0) or mean (mode 1, divisor kh*kw) of x[p] over the window at
+    (oh*sh - ph, ow*sw - pw) of kh x kw; back 1: dx from x and dy (at oy)."""
+    back = r[1]; mode = r[2]; ox = r[3]; oy = r[4]; odx = r[5]; NC = r[6]; H = r[7]; W = r[8]; OH = r[9]
+    OW = r[10]; kh = r[11]; kw = r[12]; sh = r[13]; sw = r[14]; ph = r[15]; pw = r[16]
+    if back:
+        pool2d_bwd(a, mode, ox, oy, odx, NC, H, W, OH, OW, kh, kw, sh, sw, ph, pw)
+        return
+    inv = cvt(a, 1.0) / cvt(a, kh * kw)
+    for p in range(NC):
+        y = a[oy + p * OH * OW:oy + (p + 1) * OH * OW]
+        for oh in range(OH):
+            for ow in range(OW):
+                acc = cvt(a, -np.inf) if mode == POOL_MAX else cvt(a, 0.0)
+                for i in range(kh):
+                    ih = oh * sh - ph + i
+                    if ih < 0 or ih >= H:
+                        continue
+                    xr = a[ox + (p * H + ih) * W:ox + (p * H + ih) * W + W]
+                    for j in range(kw):
+                        iw = ow * sw - pw + j
+                        if 0 <= iw < W:
+                            v = xr[iw]
+                            if mode == POOL_MAX:
+                                if v > acc:
+                                    acc = v
+                            else:
+                                acc += v
+                y[oh * OW + ow] = acc if mode == POOL_MAX else acc * inv
+
+
+@njit(**FM)
+def pool2d_bwd(a, mode, ox, ody, odx, NC, H, W, OH, OW, kh, kw, sh, sw, ph, pw):
+    """dx (NC, H, W) of k_pool2d from x and dy (NC, OH, OW); overwrites dx."""
+    inv = cvt(a, 1.0) / cvt(a, kh * kw)
+    dx = a[odx:odx + NC * H * W]
+    for t in range(dx.shape[0]):
+        dx[t] = cvt(a, 0.0)
+    for p in range(NC):
+        dy = a[ody + p * OH * OW:ody + (p + 1) * OH * OW]
+        for oh in range(OH):
+            for ow in range(OW):
+                g = dy[oh * OW + ow]
+                best = cvt(a, -np.inf)
+                at = -1
+                for i in range(kh):
+                    ih = oh * sh - ph + i
+                    if ih < 0 or ih >= H:
+                        continue
+                    q = (p * H + ih) * W
+                    for j in range(kw):
+                        iw = ow * sw - pw + j
+                        if 0 <= iw < W:
+                            if mode == POOL_MAX:
+                                v = a[ox + q + iw]
+                                if v > best or at < 0:
+                                    best = v
+                                    at = q + iw
+                            else:
+                                dx[q + iw] += g * inv
+                if mode == POOL_MAX and at >= 0:
+                    dx[at] += g

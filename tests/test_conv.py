@@ -1,0 +1,141 @@
+"""btjit.conv2d / conv1d and the pooling functions against torch.nn.functional: outputs and the gradients of
+input, weight and bias over many shapes (stride 1/2, padding 0/1/pair/same/valid, dilation 1/2, groups 1,
+2 and depthwise, kernels 1/2/3/5, odd sizes, batch 1, unbatched), float32 and float64; finite differences in
+float64; argument errors name the function, the shapes and the user's line."""
+import numpy as np
+import pytest
+
+import btjit
+from btjit.testing import check_grads
+
+torch = pytest.importorskip("torch")
+TF = torch.nn.functional
+
+CONV2D = [  # x, w, kwargs
+    ((2, 3, 7, 7), (4, 3, 3, 3), {}),
+    ((1, 3, 8, 9), (5, 3, 3, 3), dict(stride=2, padding=1)),
+    ((2, 4, 9, 7), (6, 2, 3, 3), dict(groups=2, padding=1)),
+    ((2, 4, 7, 8), (4, 1, 3, 3), dict(groups=4, padding="same")),
+    ((1, 2, 9, 9), (3, 2, 5, 5), dict(dilation=2, padding=2)),
+    ((2, 3, 6, 5), (4, 3, 1, 1), dict(stride=2)),
+    ((1, 3, 7, 6), (2, 3, 5, 3), dict(padding=(2, 1), stride=(2, 1))),
+    ((2, 2, 6, 6), (3, 2, 2, 2), dict(padding="same")),
+    ((1, 3, 5, 8), (2, 3, 3, 3), dict(padding="valid", dilation=(1, 2))),
+    ((2, 6, 7, 7), (12, 1, 5, 5), dict(groups=6, stride=2, padding=2)),
+    ((3, 5, 5), (2, 3, 3, 3), dict(padding=1)),                 # unbatched
+    ((1, 1, 28, 28), (8, 1, 3, 3), {}),
+]
+CONV1D = [
+    ((2, 3, 11), (4, 3, 3), {}),
+    ((1, 4, 10), (4, 1, 5), dict(groups=4, padding="same")),
+    ((2, 2, 9), (3, 2, 3), dict(stride=2, padding=1, dilation=2)),
+    ((3, 7), (2, 3, 1), {}),
+]
+POOL = [  # fn, x, args, kwargs
+    ("max_pool2d", (2, 3, 6, 6), (2,), {}),
+    ("max_pool2d", (1, 2, 7, 9), (3,), dict(stride=2, padding=1)),
+    ("max_pool2d", (2, 2, 5, 5), (3,), dict(stride=1)),         # overlapping windows (flax)
+    ("max_pool2d", (2, 2, 7, 6), ((3, 2),), dict(stride=(1, 2), padding=(1, 0))),
+    ("avg_pool2d", (2, 3, 6, 6), (2,), {}),
+    ("avg_pool2d", (1, 2, 7, 9), (3,), dict(stride=2, padding=1)),
+    ("avg_pool2d", (3, 5, 5), (2,), dict(stride=1)),
+    ("max_pool1d", (2, 3, 9), (2,), {}),
+    ("max_pool1d", (2, 3, 10), (3,), dict(stride=2, padding=1)),
+    ("avg_pool1d", (2, 3, 9), (3,), dict(stride=1, padding=1)),
+    ("adaptive_avg_pool2d", (2, 4, 5, 5), (1,), {}),
+    ("adaptive_avg_pool2d", (2, 4, 6, 4), ((3, 2),), {}),
+]
+
+
+def _against_torch(fn, tfn, arrays, dtype, tol):
+    """fn(traced arrays) vs tfn(torch tensors): the output and the gradient of sum(out * r) for every array."""
+    names = [f"a{i}" for i in range(len(arrays))]
+    want = tfn(*[torch.tensor(a, requires_grad=True) for a in arrays])
+    r = np.random.default_rng(9).normal(size=tuple(want.shape))
+    ts = [torch.tensor(a, requires_grad=True) for a in arrays]
+    (tfn(*ts) * torch.tensor(r)).sum().backward()
+
+    def loss(p):
+        y = fn(*[p[n] for n in names])
+        return btjit.sum(y * r), {"y": y}
+    prog = btjit.trace(loss, {n: a.astype(dtype) for n, a in zip(names, arrays)}, dtype=dtype, grad=True)
+    prog.value_and_grad()
+    np.testing.assert_allclose(prog.outputs["y"], want.detach().numpy(), rtol=tol, atol=tol)
+    for n, t in zip(names, ts):
+        np.testing.assert_allclose(prog.grads[n], t.grad.numpy(), rtol=tol, atol=tol, err_msg=n)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 2e-4)])
+@pytest.mark.parametrize("i", range(len(CONV2D)))
+def test_conv2d_matches_torch(i, dtype, tol):
+    xs, ws, kw = CONV2D[i]
+    rng = np.random.default_rng(i)
+    arrays = [rng.normal(size=xs), rng.normal(size=ws)] + ([rng.normal(size=ws[0])] if i % 2 == 0 else [])
+    _against_torch(lambda *a: btjit.conv2d(*a, **kw), lambda *a: TF.conv2d(*a, **kw), arrays, dtype, tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 2e-4)])
+@pytest.mark.parametrize("i", range(len(CONV1D)))
+def test_conv1d_matches_torch(i, dtype, tol):
+    xs, ws, kw = CONV1D[i]
+    rng = np.random.default_rng(i)
+    arrays = [rng.normal(size=xs), rng.normal(size=ws)] + ([rng.normal(size=ws[0])] if i % 2 else [])
+    _against_torch(lambda *a: btjit.conv1d(*a, **kw), lambda *a: TF.conv1d(*a, **kw), arrays, dtype, tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-5)])
+@pytest.mark.parametrize("i", range(len(POOL)))
+def test_pooling_matches_torch(i, dtype, tol):
+    name, xs, args, kw = POOL[i]
+    x = np.random.default_rng(i).normal(size=xs)
+    _against_torch(lambda a: getattr(btjit, name)(a, *args, **kw), lambda a: getattr(TF, name)(a, *args, **kw),
+                   [x], dtype, tol)
+
+
+def test_flatten_matches_torch():
+    x = np.random.default_rng(0).normal(size=(2, 3, 4, 5))
+    _against_torch(btjit.flatten, lambda a: torch.nn.Flatten()(a), [x], "float64", 0)    # start_dim 1 as nn.Flatten
+    for args in [(1,), (0,), (1, 2), (2, -1)]:
+        _against_torch(lambda a: btjit.flatten(a, *args), lambda a: torch.flatten(a, *args), [x], "float64", 0)
+
+
+@pytest.mark.parametrize("i", [1, 3, 4, 9])
+def test_conv2d_gradients_match_finite_differences(i):
+    xs, ws, kw = CONV2D[i]
+    rng = np.random.default_rng(i)
+    p = {"x": rng.normal(size=xs), "w": rng.normal(size=ws), "b": rng.normal(size=ws[0])}
+    r = rng.normal(size=TF.conv2d(torch.tensor(p["x"]), torch.tensor(p["w"]), **kw).shape)
+    check_grads(lambda q: btjit.sum(btjit.tanh(btjit.conv2d(q["x"], q["w"], q["b"], **kw)) * r), p)
+
+
+def test_a_small_cnn_matches_finite_differences():
+    """conv -> relu -> max_pool -> conv -> avg_pool -> flatten -> linear -> cross-entropy."""
+    rng = np.random.default_rng(0)
+    p = {"w1": rng.normal(size=(4, 2, 3, 3)) * 0.5, "b1": rng.normal(size=4) * 0.1,
+         "w2": rng.normal(size=(6, 4, 3, 3)) * 0.3, "w3": rng.normal(size=(6, 3)) * 0.3}
+    x, y = rng.normal(size=(3, 2, 9, 9)), np.array([0, 2, 1], np.int32)
+
+    def loss(q, x, y):
+        h = btjit.max_pool2d(btjit.relu(btjit.conv2d(x, q["w1"], q["b1"], padding=1)), 2)
+        h = btjit.avg_pool2d(btjit.conv2d(h, q["w2"], stride=1, padding="same"), 2, stride=2)
+        return btjit.cross_entropy(btjit.flatten(btjit.adaptive_avg_pool2d(h, 1)) @ q["w3"], y)
+    check_grads(loss, p, x, y)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda x, w: btjit.conv2d(x, w[:, :2]), "conv2d: x has 3 channels and w 4 x 2"),
+    (lambda x, w: btjit.conv2d(x, w, groups=2), "groups=2"),
+    (lambda x, w: btjit.conv2d(x, w, stride=2, padding="same"), "padding='same' needs stride 1"),
+    (lambda x, w: btjit.conv2d(x, w, padding="full"), "padding must be"),
+    (lambda x, w: btjit.conv2d(x[0, 0], w), "needs x (N, C, H, W)"),
+    (lambda x, w: btjit.conv2d(x, w, dilation=9), "gives no output"),
+    (lambda x, w: btjit.max_pool2d(x, 3, padding=2), "at most half the kernel size"),
+    (lambda x, w: btjit.adaptive_avg_pool2d(x, 3), "must divide"),
+    (lambda x, w: btjit.conv2d(x, w, btjit.reshape(w, (-1,))[:3]), "bias must have shape (4,)"),
+])
+def test_bad_arguments_name_the_function_and_the_line(call, message):
+    def loss(p):
+        return btjit.sum(call(p["x"], p["w"]))
+    with pytest.raises(btjit.TraceError) as e:
+        btjit.trace(loss, {"x": np.zeros((2, 3, 8, 8)), "w": np.zeros((4, 3, 3, 3))}, grad=False)
+    assert message in str(e.value) and "test_conv.py:" in str(e.value)
