@@ -1,3 +1,4 @@
+import dataclasses
 # tests/test_config.py -- the TOML run config (btjit/config.py): the shipped configs hold the paper's
 # E5/E6 settings (gpt3_tiny: the E6 model with the AdamW + cosine recipe) and makemore.py's defaults
 # (makemore_<kind>.toml); every kind of bad input, the impossible LR schedules included, gives a ConfigError
@@ -34,8 +35,9 @@ def test_paper_e6_is_the_papers_run():
     assert (o.schedule, o.warmup_steps) == ("constant", 0)
     assert c.data.val_fraction == 0.1 and c.data.format == "text" and c.data.path is None
     assert c.data.corpus == "tinyshakespeare"
-    d = C.Config()                  # the dataclass defaults are the paper's E6 too (corpus left out: by format)
-    assert (d.model, d.train, d.optim) == (m, t, o) and d.data.corpus is None
+    d = C.Config()                  # the dataclass defaults are the paper's E6 too (corpus left out: by format),
+    assert t.threads == 1 and d.train.threads == 0      # but on every core unless told: the paper ran one thread
+    assert (d.model, dataclasses.replace(d.train, threads=1), d.optim) == (m, t, o) and d.data.corpus is None
 
 
 def test_gpt3_tiny_is_the_paper_model_with_a_recipe_that_learns():

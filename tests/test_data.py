@@ -73,7 +73,7 @@ def test_builtin_pydoc_corpus():
 
 
 # ---- the bundled corpora (btjit/corpora) ----------------------------------------------------------------
-CORPORA_DIR = Path(D.__file__).resolve().parent / "corpora"
+CORPORA_DIR = Path(D.__file__).resolve().parents[1] / "corpora"     # btjit/corpora
 
 
 @pytest.mark.parametrize("name", list(D.CORPORA))
