@@ -20,12 +20,15 @@ class ConfigError(Exception):
 
 @dataclass
 class ModelConfig:
-    kind: str = "gpt"              # "gpt" (paper E6), "mlp" (paper E5), makemore.py's MAKEMORE_KINDS, "python"
-    n_layer: int = 6               # gpt, transformer: transformer blocks
+    kind: str = "gpt"              # "gpt" (paper E6), "nanogpt" (nanoGPT's model.py), "mlp" (paper E5),
+    #                                makemore.py's MAKEMORE_KINDS, "python"
+    n_layer: int = 6               # gpt, nanogpt, transformer: transformer blocks
     n_head: int = 6                # gpt, transformer: attention heads (head size = n_embd // n_head)
     n_embd: int = 24               # gpt, makemore kinds: embedding width
     block_size: int = 8            # gpt: context length T; makemore kinds: T >= the longest word + 1
     activation: str = "relu"       # gpt: FFN activation, "relu" or "gelu"
+    bias: bool = False             # nanogpt: biases in the Linears and LayerNorms (nanoGPT's train.py: False)
+    dropout: float = 0.0           # nanogpt: dropout at model.py's four sites while training
     context: int = 16              # mlp: characters of context (left-padded with '.')
     n_emb: int = 64                # mlp: embedding width per character
     n_hidden: int = 1024           # mlp: hidden units (tanh)
@@ -36,7 +39,7 @@ class ModelConfig:
 
 MAKEMORE_KINDS = ("bigram", "makemore_mlp", "rnn", "gru", "bow", "transformer")   # btjit.models.makemore.KINDS
 MAKEMORE_DEFAULTS = {"n_layer": 4, "n_head": 4, "n_embd": 64, "n_embd2": 64, "block_size": 16}   # makemore.py's
-FORMAT_OF_KIND = {"gpt": "text", "mlp": "lines", **{k: "words" for k in MAKEMORE_KINDS}}   # python: any format
+FORMAT_OF_KIND = {"gpt": "text", "nanogpt": "text", "mlp": "lines", **{k: "words" for k in MAKEMORE_KINDS}}   # python: any format
 
 
 @dataclass
@@ -121,7 +124,7 @@ class Config:
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig,
             "distributed": DistributedConfig}
 CHOICES = {
-    ("model", "kind"): ("gpt", "mlp", *MAKEMORE_KINDS, "python"), ("model", "activation"): ("relu", "gelu"),
+    ("model", "kind"): ("gpt", "nanogpt", "mlp", *MAKEMORE_KINDS, "python"), ("model", "activation"): ("relu", "gelu"),
     ("data", "format"): ("text", "lines", "words"), ("train", "dtype"): ("float32", "float64"),
     ("train", "on_nonfinite"): ("stop", "skip"), ("optim", "name"): ("sgd", "adamw"),
     ("optim", "schedule"): ("constant", "cosine", "linear"),
@@ -240,14 +243,19 @@ def validate(cfg: Config, source: str = "config") -> None:
             if getattr(getattr(cfg, sec), key) < 0:
                 bad(f"{sec}.{key} must be >= 0, got {getattr(getattr(cfg, sec), key)}")
     m, o = cfg.model, cfg.optim
-    if m.kind in ("gpt", "transformer") and m.n_embd % m.n_head != 0:
+    if m.kind in ("gpt", "nanogpt", "transformer") and m.n_embd % m.n_head != 0:
         bad(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         bad(f"data.val_fraction must be between 0 and 1 (exclusive), got {cfg.data.val_fraction}")
     if m.kind == "mlp" and cfg.data.format != "lines":
         bad('model.kind = "mlp" needs data.format = "lines" (one word per line)')
-    if m.kind == "gpt" and cfg.data.format != "text":
-        bad('model.kind = "gpt" needs data.format = "text"')
+    if m.kind in ("gpt", "nanogpt") and cfg.data.format != "text":
+        bad(f'model.kind = "{m.kind}" needs data.format = "text"')
+    if not 0.0 <= m.dropout < 1.0:
+        bad(f"model.dropout must be in [0, 1), got {m.dropout}")
+    for key, unused in (("dropout", m.dropout != 0.0), ("bias", m.bias)):
+        if unused and m.kind not in ("nanogpt", "python"):
+            bad(f'model.{key} is only used with model.kind = "nanogpt" (this config has kind = "{m.kind}")')
     if m.kind in MAKEMORE_KINDS and cfg.data.format != "words":
         bad(f'model.kind = "{m.kind}" needs data.format = "words" (one word per line, makemore\'s (B, T) batches)')
     if m.kind == "python" and not m.file:
