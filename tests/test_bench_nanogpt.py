@@ -51,7 +51,10 @@ def test_btjit_and_torch_rows_from_one_config(small_config):
     assert cells[0][4] == f"{rows[0]['val_loss']:.4f}"
 
 
-def test_only_btjit_and_unknown_impls():
+def test_shortened_recipe_overrides_and_unknown_impls():
+    assert nanogpt_suite.overrides(RECIPE, None) == []
+    assert nanogpt_suite.overrides(RECIPE, 500) == ["train.steps=500"]
+    assert nanogpt_suite.overrides(RECIPE, 3) == ["train.steps=3", "optim.warmup_steps=2"]   # warm-up 100 cut to fit
     with pytest.raises(ValueError, match="unknown implementation"):
         nanogpt_suite.run(only="btjit,jax")
 

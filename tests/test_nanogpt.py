@@ -36,11 +36,11 @@ def _case(bias, dtype=np.float32, B=3, seed=0, n_layer=2):
 def torch_gpt(cfg, params, dtype=torch.float32):
     """PyTorch nanoGPT holding btjit's params (Linear weights transposed to torch's (out, in))."""
     model = NG.GPT(argparse.Namespace(**{k: getattr(cfg, k) for k in ("vocab_size", "block_size", "n_layer",
-                                                                     "n_head", "n_embd", "dropout", "bias")}))
+                                                                     "n_head", "n_embd", "dropout", "bias")})).to(dtype)
     sd = {k: torch.tensor(v.T if v.ndim == 2 and ".h." in k else v) for k, v in params.items()}
     sd["lm_head.weight"] = sd["transformer.wte.weight"]
     model.load_state_dict(sd, strict=True)
-    return model.to(dtype)
+    return model
 
 
 def torch_grads(model):
@@ -86,8 +86,11 @@ def test_adamw_trajectory_matches_pytorch_nanogpt(bias):
     sd = model.state_dict()
     for k, v in prog.params.items():
         want = sd[k].numpy()
-        np.testing.assert_allclose(v, want.T if v.ndim == 2 and ".h." in k else want, rtol=1e-4, atol=1e-5,
-                                   err_msg=k)
+        want = want.T if v.ndim == 2 and ".h." in k else want
+        if k.endswith("c_attn.bias"):     # the key bias's gradient is 0 in exact arithmetic (a query's scores all
+            C = cfg.n_embd                # shift by q.b): both sides' rounding noise, which Adam scales up to eps
+            v, want = np.delete(v, np.s_[C:2 * C]), np.delete(want, np.s_[C:2 * C])
+        np.testing.assert_allclose(v, want, rtol=1e-4, atol=1e-5, err_msg=k)
 
 
 def test_names_counts_and_init_are_nanogpts():

@@ -7,7 +7,7 @@
 
 Each row: wall time in all (Popen to exit: start-up, compile, training, every eval), steps, ms/step (the timed
 steps only), the val losses at every eval and the last one, params, threads. `steps` shortens the recipe (a smoke
-test: the same config with train.steps = steps). Errors become rows with status "error: ...", never exceptions.
+test: the same config with train.steps = steps, and the warm-up cut to fit). Errors become rows with status "error: ...", never exceptions.
 """
 from __future__ import annotations
 
@@ -60,11 +60,21 @@ def metrics_row(metrics_path: Path) -> dict:
                 val_loss=vals[-1][1] if vals else None)
 
 
+def overrides(config, steps) -> list:
+    """The `--set` overrides both sides get for a run shortened to `steps`: train.steps, and a warm-up cut to
+    fit (steps - 1) when the recipe's is longer (the trainer refuses a warm-up that outlasts the run)."""
+    if not steps:
+        return []
+    import tomllib
+    warmup = tomllib.loads(Path(config).read_text()).get("optim", {}).get("warmup_steps", 0)
+    return [f"train.steps={steps}"] + ([f"optim.warmup_steps={steps - 1}"] if warmup >= steps else [])
+
+
 def run_btjit(config=CONFIG, steps=None, threads=None, timeout=3600.0) -> dict:
     with tempfile.TemporaryDirectory(prefix="btjit_nanogpt_") as tmp:
         out = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "btjit", "train", str(config), "--out", str(out)]
-        cmd += ["--set", f"train.steps={steps}"] if steps else []
+        cmd += [a for kv in overrides(config, steps) for a in ("--set", kv)]
         cmd += ["--threads", str(threads)] if threads is not None else []
         proc, wall, err = _run(cmd, timeout)
         row = dict(impl="btjit", status=err or "ok", wall_s=wall, command=" ".join(cmd[2:]))
@@ -82,8 +92,8 @@ def run_btjit(config=CONFIG, steps=None, threads=None, timeout=3600.0) -> dict:
 
 
 def run_torch(config=CONFIG, steps=None, threads=None, timeout=3600.0) -> dict:
-    cmd = [sys.executable, str(PEER), str(config)] + (["--steps", str(steps)] if steps else []) + \
-        (["--threads", str(threads)] if threads is not None else [])
+    cmd = [sys.executable, str(PEER), str(config)] + [a for kv in overrides(config, steps) for a in ("--set", kv)] \
+        + (["--threads", str(threads)] if threads is not None else [])
     proc, wall, err = _run(cmd, timeout)
     if err:
         status = "not installed (torch)" if "No module named 'torch'" in err else err

@@ -6,7 +6,7 @@ loop that runs max_iters + 1 steps), driven by btjit's TOML config (configs/nano
 the same recipe on the same data: the bundled Tiny Shakespeare, char-level, nanoGPT's prepare.py 90/10 split.
 
 Run by path in its own process (it imports no btjit, only torch, numpy and the standard library):
-    python btjit/bench/peers/nanogpt_torch.py CONFIG.toml [--steps N] [--threads N]
+    python btjit/bench/peers/nanogpt_torch.py CONFIG.toml [--set train.steps=N ...] [--threads N]
 prints train.py's log lines on stderr and ONE JSON line on stdout (the parent times the process): steps,
 ms_per_step (mean of the timed steps: forward, backward, clip, update), val_losses [[step, loss], ...], val_loss
 (the last), n_params, threads. tests/test_nanogpt.py checks GPT here against btjit/models/nanogpt.py.
@@ -141,7 +141,7 @@ def shakespeare_char():
     return ids[:n], ids[n:], len(stoi)
 
 
-def train(cfg: dict, steps=None, threads=None, log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+def train(cfg: dict, threads=None, log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
     """train.py's loop for a btjit config dict ([model] [train] [optim] of configs/nanogpt_cpu.toml)."""
     m, t, o = cfg["model"], cfg["train"], cfg["optim"]
     if threads:
@@ -149,7 +149,7 @@ def train(cfg: dict, steps=None, threads=None, log=lambda s: print(s, file=sys.s
     torch.manual_seed(t.get("seed", 1337))
     train_ids, val_ids, vocab = shakespeare_char()
     block, batch = m["block_size"], t["batch_size"]
-    max_iters = (steps or t["steps"]) - 1                   # train.py runs max_iters + 1 steps
+    max_iters = t["steps"] - 1                              # train.py runs max_iters + 1 steps
     decay_iters = o.get("decay_steps") or t["steps"]
     eval_interval, eval_iters = t.get("eval_interval", 250), t.get("eval_batches", 20)
     model = GPT(argparse.Namespace(vocab_size=vocab, block_size=block, n_layer=m["n_layer"], n_head=m["n_head"],
@@ -206,10 +206,16 @@ def train(cfg: dict, steps=None, threads=None, log=lambda s: print(s, file=sys.s
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the config's train.steps)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a config value, as `btjit train --set` (a TOML value)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     a = ap.parse_args(argv)
-    row = train(tomllib.loads(Path(a.config).read_text()), a.steps, a.threads)
+    cfg = tomllib.loads(Path(a.config).read_text())
+    for item in a.set:
+        key, value = item.split("=", 1)
+        section, name = key.split(".")
+        cfg.setdefault(section, {})[name] = tomllib.loads(f"v = {value}")["v"]
+    row = train(cfg, a.threads)
     print(json.dumps(row), flush=True)
 
 
