@@ -12,6 +12,7 @@ __all__ = ["trace", "trace_scalar", "Program", "set_num_threads", "replicas_for"
            "copy", "cross_entropy", "equal", "exp", "gelu", "layer_norm", "log", "log_softmax", "matmul", "max",
            "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "split", "sqrt", "sum", "swapaxes",
            "take", "tanh", "transpose", "where"]
+__all__ += ["dropout", "rand_like", "randn_like", "is_training"]     # randomness inside the step (kernels/rng.py)
 
 
 def __getattr__(name):

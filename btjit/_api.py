@@ -6,6 +6,8 @@ from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, causal_att
                           equal, exp, gelu, layer_norm, log, log_softmax, matmul, max, maximum, mean, minimum,
                           relu, reshape, roll, setitem, sigmoid, softmax, split, sqrt, stack, sum, swapaxes, take,
                           tanh, transpose, where)
+from btjit.graph.rng import causal_attention, dropout, rand_like, randn_like  # noqa: F811 -- with dropout=
+from btjit.graph.trace import is_training
 from btjit.core.program import Program, trace
 from btjit.scalar.front import trace_scalar
 from btjit.host.threads import replicas_for, set_num_threads

@@ -15,6 +15,7 @@ def check_grads(fn, params, *batch, eps=1e-6, rtol=1e-6, atol=1e-9, directions=2
     params = {k: np.asarray(v, np.float64) for k, v in params.items()}
     prog = trace(fn, params, *batch, dtype="float64", grad=True)
     prog.value_and_grad(*batch)
+    prog.step_count = 0        # every evaluation at step 0: the same random numbers (a dropout's mask)
     grads = {k: v.copy() for k, v in prog.grads.items()}
     rng = np.random.default_rng(seed)
     worst = 0.0
@@ -25,7 +26,9 @@ def check_grads(fn, params, *batch, eps=1e-6, rtol=1e-6, atol=1e-9, directions=2
             prog.params[name][...] = p0 + eps * d
             fp = prog.forward(*batch)
             prog.params[name][...] = p0 - eps * d
+            prog.step_count = 0
             fm = prog.forward(*batch)
+            prog.step_count = 0
             prog.params[name][...] = p0
             fd = (fp - fm) / (2 * eps)
             an = float(np.sum(grads[name] * d))

@@ -128,7 +128,9 @@ def test_config_kind_nanogpt_and_its_keys(tmp_path):
     assert (cpu.train.steps, cpu.train.batch_size, cpu.model.block_size, cpu.optim.betas) == (2001, 12, 64, (0.9, 0.99))
     with pytest.raises(config_mod.ConfigError, match=r"model.dropout must be in \[0, 1\)"):
         config_mod.loads('[model]\nkind = "nanogpt"\ndropout = 1.0')
-    with pytest.raises(config_mod.ConfigError, match='model.dropout is only used with model.kind = "nanogpt"'):
-        config_mod.loads('[model]\nkind = "gpt"\ndropout = 0.1')
+    with pytest.raises(config_mod.ConfigError, match='model.dropout is only used with model.kind = "gpt" or "nanogpt"'):
+        config_mod.loads('[model]\nkind = "mlp"\ndropout = 0.1\n[data]\nformat = "lines"')
+    with pytest.raises(config_mod.ConfigError, match='model.bias is only used with model.kind = "nanogpt"'):
+        config_mod.loads('[model]\nkind = "gpt"\nbias = true')
     with pytest.raises(config_mod.ConfigError, match="model.bias: expected bool"):
         config_mod.loads('[model]\nkind = "nanogpt"\nbias = 1')

@@ -39,11 +39,13 @@ def step(A, IA, tape, table, nsplit, stop, flag, p0, npar, g0, ngrad, oout, oinv
     """Replica r takes replica 0's params (npar floats at p0) and runs tape rows [0, nsplit) on its own
     arena A[r], IA[r]; then replica 0 averages the grads (ngrad floats at g0) and the loss (at oout) with
     a[oinv] == 1/R and runs rows [nsplit, stop) (the update) alone. A failed index check in any replica
-    (IA[r, flag] != 0) is copied to replica 0 and skips the rest."""
+    (IA[r, flag] != 0) is copied to replica 0 and skips the rest. The step count (IA[r, flag - 1], which
+    replica 0's update counts) is copied too: the random numbers' key (btjit/kernels/rng.py)."""
     R = A.shape[0]
     for r in prange(R):
         if r > 0:
             A[r, p0:p0 + npar] = A[0, p0:p0 + npar]
+            IA[r, flag - 1] = IA[0, flag - 1]
         run(A[r], IA[r], tape, table, 0, nsplit)
     for r in range(1, R):
         if IA[r, flag] != 0:

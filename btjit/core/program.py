@@ -12,7 +12,7 @@ import warnings
 
 import numpy as np
 
-from btjit.graph import autodiff, fuse, fuse_ew, trace as T
+from btjit.graph import autodiff, fuse, fuse_ew, rng, trace as T
 from btjit.graph.ir import Graph, np_dtype, verify
 from btjit.graph.lower import Lowering, lower_eqns
 from btjit.graph.memory import plan as make_plan, storage_roots
@@ -35,7 +35,7 @@ def _arg_names(fn, n):
 
 
 def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=False, dtype="float32", grad=None,
-          replicas=1, fuse_elementwise=True):
+          replicas=1, fuse_elementwise=True, seed=0):
     """Trace fn(params, *batch) once and compile it. With an optimizer, `step()` trains; without one,
     `forward()` (and `value_and_grad()` for a scalar output) evaluate. clip_norm: clip gradients by global
     norm. skip_nonfinite: a step whose gradients contain NaN/Inf leaves params and optimizer state untouched
@@ -48,7 +48,10 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     of btjit.models are); fn may return nothing else.
 
     fuse_elementwise: chains of elementwise ops run as one row each (btjit/graph/fuse_ew.py); False keeps
-    one row per op (the reference the fused chains are tested against)."""
+    one row per op (the reference the fused chains are tested against).
+
+    seed: of the random numbers drawn inside the step (btjit.dropout, rand_like, ...): each is a pure function
+    of the seed, the step count, the call's place in fn and the element (btjit/kernels/rng.py)."""
     t0 = time.perf_counter()
     try:
         name = np.dtype(dtype).name
@@ -122,7 +125,8 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         autodiff.eliminate_dead_code(g, live)
     g.n_backward = len(g.eqns)
     verify(g, TABLE)
-    return Program(g, params, optimizer, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas)
+    return Program(g, params, optimizer, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas,
+                   seed)
 
 
 def _pin(g: Graph, grads: dict) -> dict:
@@ -158,7 +162,7 @@ class Program(Runner):
     arena."""
 
     def __init__(self, graph, init_params, optimizer, clip_norm, skip_nonfinite, pinned, trace_seconds,
-                 replicas=1):
+                 replicas=1, seed=0):
         import numba
         t0 = time.perf_counter()
         self.graph, self.optimizer, self.clip_norm, self.replicas = graph, optimizer, clip_norm, replicas
@@ -177,6 +181,7 @@ class Program(Runner):
         bwd, bwd_labels = lower_eqns(graph.eqns[graph.n_forward:], L)
         self._computed_checks = L.computed_checks
         upd = update_rows(optimizer, clip_norm, skip_nonfinite, L, p) if optimizer else []
+        upd += rng.tick_rows(graph, upd, L, p)
         self.row_labels = fwd_labels + [f"{op} (bwd)" for op in bwd_labels] + \
             [f"update:{type(optimizer).__name__}"] * len(upd)
         self.n_fwd, self.n_bwd = len(fwd), len(fwd) + len(bwd)
@@ -209,6 +214,7 @@ class Program(Runner):
         for k, v in (optimizer.hyper().items() if optimizer else ()):
             self.a[self._hyper[k]] = v
         self._A[1:], self._IA[1:] = self.a, self.ia            # constants; params are copied every step
+        rng.set_key(self._IA, p.int_state, seed)
         self.trace_seconds = trace_seconds
         self.plan_seconds = time.perf_counter() - t0
         self.kernels = LIBRARY.ensure(graph.float_dtype, self.tape[:, 0])    # the library entries it runs
@@ -222,6 +228,7 @@ class Program(Runner):
         self.input_names = graph.input_names
         self.n_rows = self.tape.shape[0]
         self.has_optimizer, self.has_grad = optimizer is not None, graph.loss is not None
+        self._rng_ticks = graph.rng_key is not None and optimizer is None    # forward() counts its calls
         self._int_state, self._span = p.int_state, p.params_span[1]
         self._state = [(f"opt/state{k}", p.state_start(k)) for k in range(n_state)]
 

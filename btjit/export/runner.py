@@ -89,15 +89,24 @@ class Runner:
             raise RuntimeError("this program has no gradient (traced with grad=False)")
         self._load(batch)
         self._run_checked(self.n_bwd)
+        self._tick()
         return float(self._out)
 
     def forward(self, *batch):
         """Evaluate the traced function: a float for a scalar output, else a copy of the output array."""
         self._load(batch)
         self._run_checked(self.n_fwd)
+        self._tick()
         return float(self._out) if self._out.shape == () else self._out.copy()
 
     __call__ = forward
+
+    _rng_ticks = False
+
+    def _tick(self):
+        """A program without an optimizer that draws random numbers counts its runs (new ones every call)."""
+        if self._rng_ticks:
+            self.ia[self._int_state] += 1
 
     # ------------------------------------------------------------------ state
     @property
@@ -115,7 +124,12 @@ class Runner:
 
     @property
     def step_count(self) -> int:
+        """The steps taken: the optimizer's count and the random numbers' step (btjit/kernels/rng.py)."""
         return int(self.ia[self._int_state])
+
+    @step_count.setter
+    def step_count(self, v: int):
+        self.ia[self._int_state] = v
 
     def _state_views(self):
         return {name: self.a[off:off + self._span] for name, off in self._state}

@@ -8,14 +8,15 @@ as soon as an equation outside it reads one of its values (the fused equation si
 place, so every reader must come later). A backward group that needs a value computed inside a forward group
 recomputes it from that group's operands (up to REMAT equations) instead of reading it: the forward group
 then need not store it. Values read outside the group (and the program's outputs, loss and grads) are the
-fused equation's outputs; the others live only in registers.
+fused equation's outputs; the others live only in registers. A `rand` member draws its numbers in the
+registers (a dropout mask the backward needs is drawn again there, not stored).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from btjit.kernels import elementwise as EW
-from btjit.kernels.fused import BIN, LOAD, MAX_OPERANDS, NREG, WHERE
+from btjit.kernels.fused import BIN, LOAD, MAX_OPERANDS, NREG, RAND, WHERE
 
 from btjit.graph.ir import Eqn, Graph
 from btjit.graph.ops import bstrides, cstrides, loop_nest
@@ -32,6 +33,8 @@ REMAT = 16
 
 
 def _fusable(e: Eqn) -> bool:
+    if e.op == "rand":                  # one instruction drawing in registers (its key block is the row's)
+        return True
     if e.op not in UNARY and e.op not in BINARY and e.op not in ALIAS and e.op not in ("where", "pow"):
         return False
     return all(v.dtype != "i32" for v in e.ins + e.outs) and len(e.outs) == 1
@@ -135,8 +138,9 @@ def _fused_eqn(g, eqns, body, members, needed, dry=False):
     es = [Eqn("pow2", (e.ins[0], g.const(np.asarray(e.attrs["p"]), g.float_dtype)), e.outs) if e.op == "pow" else e
           for e in (eqns[j] for j in body)]
     ins, outs, made = [], [], set()
+    keys = [e.ins[0] for e in es if e.op == "rand"][:1]          # the key block: the row's, not an operand
     for j, e in zip(body, es):
-        ins += [v for v in e.ins if v.id not in made and all(v.id != w.id for w in ins)]
+        ins += [v for v in e.ins if v.id not in made and all(v.id != w.id for w in ins + keys)]
         made.add(e.outs[0].id)
         if j in members and needed(e.outs[0]):
             outs.append(e.outs[0])
@@ -150,6 +154,11 @@ def _fused_eqn(g, eqns, body, members, needed, dry=False):
     free, instrs = list(range(NREG - 1, -1, -1)), []
     try:
         for t, e in enumerate(es):
+            if e.op == "rand":
+                if e.outs[0].id not in code:
+                    code[e.outs[0].id] = free.pop()
+                instrs.append((RAND, code[e.outs[0].id], e.attrs["site"], e.attrs["kind"], 0))
+                continue
             for v in e.ins:
                 if v.id not in code:                     # broadcast / strided operand: into a register
                     code[v.id] = free.pop()
@@ -178,7 +187,7 @@ def _fused_eqn(g, eqns, body, members, needed, dry=False):
     prog = [len(instrs), len(opers), *[n for n, _ in inner]] + \
         [st[q] for q in range(len(opers)) for _, st in inner] + [x for q in instrs for x in q]
     pvar = g.const(np.array(prog, np.int64).astype(np.int32), "i32")
-    return Eqn("ew_fused", (pvar, *ins), tuple(outs),
-               {"shape": shape, "outs": tuple(o.id for o in outs), "ins": tuple(v.id for v in ins),
+    return Eqn("ew_fused", (pvar, *ins, *keys), tuple(outs),
+               {"shape": shape, "outs": tuple(o.id for o in outs), "ins": tuple(v.id for v in ins + keys),
                 "body": tuple((eqns[j].op, tuple(sorted(eqns[j].attrs.items())), tuple(v.id for v in eqns[j].ins),
                                eqns[j].outs[0].id) for j in body)}, eqns[body[-1]].src)

@@ -69,6 +69,8 @@ class Graph:
     grads: dict = field(default_factory=dict)      # param name -> Var (after autodiff)
     n_forward: int = 0                              # eqns[:n_forward] compute the outputs
     n_backward: int = 0                             # eqns[:n_backward] also compute the grads
+    rng_key: Var | None = None                      # i32: the random ops' key block (kernels/rng.py)
+    rng_sites: int = 0                              # random ops traced so far (each op's site number)
     _next_id: int = 0
     _scalar_consts: dict = field(default_factory=dict)   # (dtype, bytes) -> Var: dedupes scalar constants
 
@@ -126,7 +128,8 @@ class VerifyError(Exception):
 def verify(graph: Graph, table) -> None:
     """Single assignment, defined-before-use, shapes and dtypes as the op table's shape rules say."""
     defined = set()
-    for v in list(graph.params.values()) + list(graph.inputs) + list(graph.consts):
+    for v in list(graph.params.values()) + list(graph.inputs) + list(graph.consts) + \
+            ([graph.rng_key] if graph.rng_key is not None else []):
         if v.id in defined:
             raise VerifyError(f"{v!r} defined twice (param/input/const)")
         defined.add(v.id)

@@ -38,7 +38,7 @@ class Plan:
     float_size: int
     int_size: int
     scratch: int                 # int32 BLAS scratch (8 slots)
-    int_state: int               # int32 optimizer step counter
+    int_state: int               # int32 step counter, then the index-check flag and the seed (kernels/rng.py)
     intervals: dict = field(default_factory=dict)   # storage var id -> (def, last use, offset, size) planned
     naive_bytes: int = 0
     min_bytes: int = 0
@@ -121,6 +121,8 @@ def plan(graph: Graph, pinned: dict, n_state: int, n_hyper: int) -> Plan:
             off[v.id], pos = pos, pos + _al(v.size)
     scratch, ipos = ipos, ipos + 8 * MAX_THREADS    # 8 int32 BLAS argument slots per thread
     int_state, ipos = ipos, ipos + ALIGN
+    if graph.rng_key is not None:               # the random ops' key block: [step, flag, seed, seed]
+        ioff[graph.rng_key.id] = int_state
     for r, (kind, name) in pinned.items():
         if kind == "grad":
             off[r] = param_off[name] + plen

@@ -556,6 +556,26 @@ def causal_attention(qkv, n_head):
     return emit("causal_attention", (lift(qkv),), n_head=int(n_head))[0]
 
 
+# the mode being traced: btjit.is_training(); dropout (graph/rng.py) is the identity when False
+TRAINING = True
+
+
+def is_training() -> bool:
+    """Whether the function is being traced for training (dropout on) or for evaluation (dropout off)."""
+    return TRAINING
+
+
+@contextlib.contextmanager
+def training_mode(flag: bool):
+    """Trace with is_training() == flag inside the block (the sampler traces the logits for eval)."""
+    global TRAINING
+    old, TRAINING = TRAINING, bool(flag)
+    try:
+        yield
+    finally:
+        TRAINING = old
+
+
 _UFUNCS = {"add": lambda x, y: _binop("add", x, y), "subtract": lambda x, y: _binop("sub", x, y),
            "multiply": lambda x, y: _binop("mul", x, y), "divide": lambda x, y: _binop("div", x, y),
            "true_divide": lambda x, y: _binop("div", x, y), "negative": lambda x: emit("neg", (lift(x),)),

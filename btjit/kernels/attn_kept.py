@@ -13,11 +13,18 @@
 # keys j <= t, zeros from t+1 to Tp. W (fwd scratch): per slot, scale K^T of one head (hs x Tp); S (bwd
 # scratch): per slot, V^T of one head (hs x Tp), then dS of one head (T x Tp). The _par kernels run blocks of
 # sequences on the thread pool, one slot each (slots(B) = min(B, MAX_THREADS)).
+#
+# Dropout on the probabilities (odrop != 0: a[odrop] = p, a[oinv] = 1 / (1 - p)): P keeps the probabilities;
+# the forward multiplies a block's rows into D = P * keep / (1 - p) (W's MR x Tp block after K^T) for y = D V;
+# the backward draws the same mask again (btjit/kernels/rng.py: element ((b NH + h) T + t) T + j of site
+# `site`, as btjit.dropout of the (B, NH, T, T) probabilities would), writes D for dV = D^T dO (S's third
+# part, T x Tp) and scales dP = dO V^T by the mask before dS; D = rowsum(P * dP) is unchanged.
 from numba import njit, prange
 
 from btjit.kernels.attention import _tr, _up
-from btjit.kernels.common import FM, FM_PAR, MAX_THREADS, row
+from btjit.kernels.common import FM, FM_PAR, MAX_THREADS, cvt, row
 from btjit.kernels.linalg import MR, gemm_micro
+from btjit.kernels.rng import first, key, uniform_at
 from btjit.kernels.tiles import dscore_row, softmax_norm_row
 
 
@@ -32,11 +39,32 @@ def slots(B) -> int:
 
 
 def fwd_scratch(B, T, C, NH) -> int:
-    return slots(B) * (C // NH * _up(T))
+    return slots(B) * ((C // NH + MR) * _up(T))
 
 
-def bwd_scratch(B, T, C, NH) -> int:
-    return slots(B) * (C // NH * _up(T) + T * _up(T))
+def bwd_scratch(B, T, C, NH, dropout=False) -> int:
+    return slots(B) * (C // NH * _up(T) + (2 if dropout else 1) * T * _up(T))
+
+
+@njit(**FM)
+def drop_row(a, osrc, odst, ograd, n, nv, e0, p, s, k0, k1, c2, c3):
+    """Dropout of one row of probabilities: keep_j = (the uniform number of element e0 + j >= p);
+    a[odst + j] = a[osrc + j] * keep_j * s for j < nv, 0 for nv <= j < n; with ograd, a[ograd + j] is
+    multiplied by keep_j * s too (j < nv)."""
+    src = a[osrc:osrc + nv]
+    dst = a[odst:odst + n]
+    zero = cvt(a, 0.0)
+    if ograd:
+        g = a[ograd:ograd + nv]
+        for j in range(nv):
+            m = s if uniform_at(a, e0 + j, k0, k1, c2, c3) >= p else zero
+            dst[j] = src[j] * m
+            g[j] *= m
+    else:
+        for j in range(nv):
+            dst[j] = src[j] * (s if uniform_at(a, e0 + j, k0, k1, c2, c3) >= p else zero)
+    for j in range(nv, n):
+        dst[j] = zero
 
 
 def blocks(B, threads) -> int:
@@ -45,7 +73,7 @@ def blocks(B, threads) -> int:
 
 
 @njit(**FM)
-def _fwd_head(a, oqkv, oy, oP, oW, b, h, T, C, NH, scale):
+def _fwd_head(a, oqkv, oy, oP, oW, b, h, B, T, C, NH, scale, ia, okey, site, odrop, oinv):
     hs = C // NH
     Tp = _up(T)
     C3 = 3 * C
@@ -55,44 +83,52 @@ def _fwd_head(a, oqkv, oy, oP, oW, b, h, T, C, NH, scale):
     for c in range(hs * Tp):
         kt[c] *= scale
     oPh = oP + (b * NH + h) * T * Tp
+    oD = oW + hs * Tp                                    # the dropped block's rows (dropout only)
+    k0, k1, c2, c3 = key(ia, okey, site)
+    e0 = first(ia, okey, B * NH * T * T) + (b * NH + h) * T * T
     for i in range(0, T, MR):
         i0 = min(i, T - MR)
         n = i0 + MR                                      # keys 0 .. i0+7
         gemm_micro(a, a, oq + i0 * C3, C3, 1, oW, Tp, oPh + i0 * Tp, Tp, MR, n, hs, 0, 0, 0, 0)
         for t in range(i0, n):
             softmax_norm_row(a, oPh + t * Tp, _up(t + 1), t + 1, Tp)
-        gemm_micro(a, a, oPh + i0 * Tp, Tp, 1, oq + 2 * C, C3, oy + (b * T + i0) * C + h * hs, C, MR, hs, n,
-                   0, 0, 0, 0)
+            if odrop:
+                drop_row(a, oPh + t * Tp, oD + (t - i0) * Tp, 0, n, t + 1, e0 + t * T, a[odrop], a[oinv],
+                         k0, k1, c2, c3)
+        gemm_micro(a, a, oD if odrop else oPh + i0 * Tp, Tp, 1, oq + 2 * C, C3, oy + (b * T + i0) * C + h * hs, C,
+                   MR, hs, n, 0, 0, 0, 0)
 
 
-@row("oqkv oy oP oW B T C NH oscale")
+@row("oqkv oy oP oW B T C NH oscale okey site odrop oinv")
 @njit(**FM)
 def k_attn_fwd_kept(a, ia, r):
     """Causal self-attention forward (see the top of the file): writes y, P (B, NH, T, Tp) and W
-    (fwd_scratch floats). T >= 8, head size >= 8."""
+    (fwd_scratch floats). T >= 8, head size >= 8. Dropout on the probabilities if odrop != 0."""
     oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
     scale = a[r[9]]
+    okey = r[10]; site = r[11]; odrop = r[12]; oinv = r[13]
     for b in range(B):
         for h in range(NH):
-            _fwd_head(a, oqkv, oy, oP, oW, b, h, T, C, NH, scale)
+            _fwd_head(a, oqkv, oy, oP, oW, b, h, B, T, C, NH, scale, ia, okey, site, odrop, oinv)
 
 
-@row("oqkv oy oP oW B T C NH oscale nb")
+@row("oqkv oy oP oW B T C NH oscale okey site odrop oinv nb")
 @njit(**FM_PAR)
 def k_attn_fwd_kept_par(a, ia, r):
     """k_attn_fwd_kept with the sequences in nb blocks on the thread pool, block j on scratch slot j."""
     oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
     scale = a[r[9]]
-    nb = r[10]
-    per = C // NH * _up(T)
+    okey = r[10]; site = r[11]; odrop = r[12]; oinv = r[13]
+    nb = r[14]
+    per = (C // NH + MR) * _up(T)
     for j in prange(nb):
         for b in range(j * B // nb, (j + 1) * B // nb):
             for h in range(NH):
-                _fwd_head(a, oqkv, oy, oP, oW + j * per, b, h, T, C, NH, scale)
+                _fwd_head(a, oqkv, oy, oP, oW + j * per, b, h, B, T, C, NH, scale, ia, okey, site, odrop, oinv)
 
 
 @njit(**FM)
-def _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, T, C, NH, scale):
+def _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, B, T, C, NH, scale, ia, okey, site, odrop, oinv):
     hs = C // NH
     Tp = _up(T)
     C3 = 3 * C
@@ -101,43 +137,52 @@ def _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, T, C, NH, scale):
     og = ody + b * T * C + h * hs
     oPh = oP + (b * NH + h) * T * Tp
     odS = oS + hs * Tp
+    oD = odS + T * Tp                                   # D = the dropped probabilities (dropout only)
+    k0, k1, c2, c3 = key(ia, okey, site)
+    e0 = first(ia, okey, B * NH * T * T) + (b * NH + h) * T * T
     _tr(a, oq + 2 * C, C3, oS, Tp, T, hs)               # V^T
     for i in range(0, T, MR):
         i0 = min(i, T - MR)
         n = i0 + MR
         gemm_micro(a, a, og + i0 * C, C, 1, oS, Tp, odS + i0 * Tp, Tp, MR, n, hs, 0, 0, 0, 0)   # dP
         for t in range(i0, n):
+            if odrop:
+                drop_row(a, oPh + t * Tp, oD + t * Tp, odS + t * Tp, Tp, t + 1, e0 + t * T, a[odrop], a[oinv],
+                         k0, k1, c2, c3)
             dscore_row(a, oPh + t * Tp, odS + t * Tp, _up(t + 1), Tp, scale)
         gemm_micro(a, a, odS + i0 * Tp, Tp, 1, oq + C, C3, odq + i0 * C3, C3, MR, hs, n, 0, 0, 0, 0)  # dQ
     for k in range(0, T, MR):
         k0 = min(k, T - MR)                              # keys k0..k0+7, over the queries k0 .. T-1
         gemm_micro(a, a, odS + k0 * Tp + k0, 1, Tp, oq + k0 * C3, C3, odq + C + k0 * C3, C3, MR, hs, T - k0,
                    0, 0, 0, 0)                                                                       # dK
-        gemm_micro(a, a, oPh + k0 * Tp + k0, 1, Tp, og + k0 * C, C, odq + 2 * C + k0 * C3, C3, MR, hs, T - k0,
-                   0, 0, 0, 0)                                                                       # dV
+        gemm_micro(a, a, (oD if odrop else oPh) + k0 * Tp + k0, 1, Tp, og + k0 * C, C, odq + 2 * C + k0 * C3, C3,
+                   MR, hs, T - k0, 0, 0, 0, 0)                                                       # dV
 
 
-@row("oqkv oP ody odqkv oS B T C NH oscale")
+@row("oqkv oP ody odqkv oS B T C NH oscale okey site odrop oinv")
 @njit(**FM)
 def k_attn_bwd_kept(a, ia, r):
     """Backward of k_attn_fwd_kept from qkv and its P; writes dqkv (B*T, 3C) (overwrite) and S (bwd_scratch
     floats)."""
     oqkv = r[1]; oP = r[2]; ody = r[3]; odqkv = r[4]; oS = r[5]; B = r[6]; T = r[7]; C = r[8]; NH = r[9]
     scale = a[r[10]]
+    okey = r[11]; site = r[12]; odrop = r[13]; oinv = r[14]
     for b in range(B):
         for h in range(NH):
-            _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, T, C, NH, scale)
+            _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, B, T, C, NH, scale, ia, okey, site, odrop, oinv)
 
 
-@row("oqkv oP ody odqkv oS B T C NH oscale nb")
+@row("oqkv oP ody odqkv oS B T C NH oscale okey site odrop oinv nb")
 @njit(**FM_PAR)
 def k_attn_bwd_kept_par(a, ia, r):
     """k_attn_bwd_kept with the sequences in nb blocks on the thread pool, block j on scratch slot j."""
     oqkv = r[1]; oP = r[2]; ody = r[3]; odqkv = r[4]; oS = r[5]; B = r[6]; T = r[7]; C = r[8]; NH = r[9]
     scale = a[r[10]]
-    nb = r[11]
-    per = C // NH * _up(T) + T * _up(T)
+    okey = r[11]; site = r[12]; odrop = r[13]; oinv = r[14]
+    nb = r[15]
+    per = C // NH * _up(T) + (2 if odrop else 1) * T * _up(T)
     for j in prange(nb):
         for b in range(j * B // nb, (j + 1) * B // nb):
             for h in range(NH):
-                _bwd_head(a, oqkv, oP, ody, odqkv, oS + j * per, b, h, T, C, NH, scale)
+                _bwd_head(a, oqkv, oP, ody, odqkv, oS + j * per, b, h, B, T, C, NH, scale, ia, okey, site, odrop,
+                          oinv)

@@ -12,7 +12,9 @@ that computes them, so a single op costs one pass, as a dedicated loop would.
 Program at ia[oprog:] (int32): [ninstr, nops, n0, n1, n2, n3, strides (4 per operand), instructions (5 each:
 op, dst, x, y, z)]. Operand k's float-arena offset is the row's o<k>. Opcodes: the unary (U_*) and binary
 (B_* + BIN) sub-op codes of btjit/kernels/elementwise.py, WHERE (dst = y where x != 0 else z), LOAD (register
-dst = operand x).
+dst = operand x), RAND (register or output dst = the random numbers of site x, kind y, btjit/kernels/rng.py:
+drawn in the block, from the key block at ia[okey:] and the element's C-order index in the iteration space
+of esize elements, ebase + its position in the row's loops).
 """
 import math
 
@@ -20,6 +22,7 @@ import numpy as np
 from numba import carray, njit
 
 from btjit.kernels.common import FM, fexp, ftanh, row, stack_buf
+from btjit.kernels.rng import fill, first, key
 from btjit.kernels.elementwise import (B_ADD, B_DIV, B_EQ, B_GE, B_GT, B_LE, B_LT, B_MAX, B_MIN, B_MUL, B_NE, B_POW,
                           B_RELU_GRAD, B_SIGMOID_GRAD, B_SUB, B_TANH_GRAD, U_ABS, U_COPY, U_EXP, U_LOG, U_NEG,
                           U_RELU, U_SIGMOID, U_SQRT, U_TANH)
@@ -28,7 +31,7 @@ BLOCK = 1024         # elements per register
 NREG = 16            # registers (BLOCK * NREG floats of stack: 64 KB in float32)
 MAX_OPERANDS = 23    # o0 .. o22 in the row
 BIN = 16             # binary opcodes are BIN + B_*
-WHERE, LOAD = 40, 41
+WHERE, LOAD, RAND = 40, 41, 42
 HEAD = 6
 RSIZE = BLOCK * NREG
 
@@ -140,12 +143,13 @@ def _at(a, R, P, r, code, i0, i1, i2, j0):
     return a[r[1 - code] + i0 * P[s] + i1 * P[s + 1] + i2 * P[s + 2] + j0 * P[s + 3]:]
 
 
-@row("oprog " + " ".join(f"o{k}" for k in range(MAX_OPERANDS)))
+@row("oprog " + " ".join(f"o{k}" for k in range(MAX_OPERANDS)) + " okey ebase esize")
 @njit(**FM)
 def k_ew_program(a, ia, r):
     """Run the fused elementwise program at ia[r[1]:] (layout in the module docstring) over its iteration
     space; operand k lives at a[r[2 + k]:] with the program's strides."""
     oprog = r[1]
+    okey = r[MAX_OPERANDS + 2]; ebase = r[MAX_OPERANDS + 3]; esize = r[MAX_OPERANDS + 4]
     P = ia[oprog:]
     ninstr, nops = P[0], P[1]
     n0, n1, n2, n3 = P[2], P[3], P[4], P[5]
@@ -169,6 +173,10 @@ def k_ew_program(a, ia, r):
                             else:
                                 for j in range(m):
                                     d[j] = a[base + j * st]
+                        elif op == RAND:
+                            k0, k1, c2, c3 = key(ia, okey, xr)
+                            e = first(ia, okey, esize) + ebase + ((i0 * n1 + i1) * n2 + i2) * n3 + j0
+                            fill(d, m, e, yr, k0, k1, c2, c3)
                         elif op == WHERE:
                             _where(d, _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0),
                                    _at(a, R, P, r, zr, i0, i1, i2, j0), m)

@@ -3,7 +3,8 @@
 Token + learned position embeddings; n_layer pre-LayerNorm blocks of causal multi-head self-attention
 (q/k/v projection without bias, as in Karpathy's gpt.py, output projection with bias) and an MLP
 C -> 4C -> C (ReLU, or GELU); residuals; final LayerNorm; linear head with bias; mean cross-entropy over
-all B*T positions. Weights are stored (in, out): y = x @ w + b. On 65 characters with the paper's sizes:
+all B*T positions; dropout (while training, off by default) where nanoGPT has it: on the embeddings' sum, the
+attention probabilities and both residual projections. Weights are stored (in, out): y = x @ w + b. On 65 characters with the paper's sizes:
 46,337 parameters.
 
 Parameter names: wte (V,C), wpe (T,C), h{i}.ln1.g/b, h{i}.attn.qkv.w (C,3C) [q | k | v columns],
@@ -24,6 +25,7 @@ class GPTConfig:
     n_embd: int = 24
     block_size: int = 8
     activation: str = "relu"      # or "gelu" (tanh approximation)
+    dropout: float = 0.0
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -66,15 +68,16 @@ def logits_fn(cfg: GPTConfig):
 
     def logits(p, idx):                                     # idx (B, T) int
         T = idx.shape[1]
-        x = btjit.take(p["wte"], idx) + p["wpe"][:T]       # (B, T, C)
+        drop = lambda v: btjit.dropout(v, cfg.dropout)     # noqa: E731 -- the identity at 0 and in eval
+        x = drop(btjit.take(p["wte"], idx) + p["wpe"][:T])  # (B, T, C)
         for i in range(cfg.n_layer):
             h = f"h{i}."
             a = btjit.layer_norm(x, p[h + "ln1.g"], p[h + "ln1.b"])
-            y = btjit.causal_attention(a @ p[h + "attn.qkv.w"], cfg.n_head)
-            x = x + (y @ p[h + "attn.proj.w"] + p[h + "attn.proj.b"])
+            y = btjit.causal_attention(a @ p[h + "attn.qkv.w"], cfg.n_head, dropout=cfg.dropout)
+            x = x + drop(y @ p[h + "attn.proj.w"] + p[h + "attn.proj.b"])
             m = btjit.layer_norm(x, p[h + "ln2.g"], p[h + "ln2.b"])
             m = act(m @ p[h + "mlp.fc.w"] + p[h + "mlp.fc.b"])
-            x = x + (m @ p[h + "mlp.proj.w"] + p[h + "mlp.proj.b"])
+            x = x + drop(m @ p[h + "mlp.proj.w"] + p[h + "mlp.proj.b"])
         x = btjit.layer_norm(x, p["lnf.g"], p["lnf.b"])
         return x @ p["head.w"] + p["head.b"]                # (B, T, V)
     return logits

@@ -103,7 +103,7 @@ def logits_fn(cfg: NanoGPTConfig):
         return btjit.layer_norm(x, p[name + ".weight"], p[name + ".bias"] if bias else None)
 
     def drop(x):
-        return btjit.dropout(x, p_drop) if p_drop else x
+        return btjit.dropout(x, p_drop)                          # the identity at p 0 and in eval mode
 
     def logits(p, idx):                                          # idx (B,T) int
         T = idx.shape[1]
@@ -114,8 +114,7 @@ def logits_fn(cfg: NanoGPTConfig):
         for i in range(cfg.n_layer):
             h = f"transformer.h.{i}."
             qkv = linear(p, h + "attn.c_attn", layer_norm(p, h + "ln_1", x))      # (B,T,3C)
-            y = btjit.causal_attention(qkv, cfg.n_head, dropout=p_drop) if p_drop else \
-                btjit.causal_attention(qkv, cfg.n_head)
+            y = btjit.causal_attention(qkv, cfg.n_head, dropout=p_drop)             # (B,T,C)
             x = x + drop(linear(p, h + "attn.c_proj", y))
             m = btjit.gelu(linear(p, h + "mlp.c_fc", layer_norm(p, h + "ln_2", x)), approximate="none")
             x = x + drop(linear(p, h + "mlp.c_proj", m))                         # (B,T,C)

@@ -28,7 +28,7 @@ class ModelConfig:
     block_size: int = 8            # gpt: context length T; makemore kinds: T >= the longest word + 1
     activation: str = "relu"       # gpt: FFN activation, "relu" or "gelu"
     bias: bool = False             # nanogpt: biases in the Linears and LayerNorms (nanoGPT's train.py: False)
-    dropout: float = 0.0           # nanogpt: dropout at model.py's four sites while training
+    dropout: float = 0.0           # gpt, nanogpt: dropout while training, at nanoGPT's four sites (0 = none)
     context: int = 16              # mlp: characters of context (left-padded with '.')
     n_emb: int = 64                # mlp: embedding width per character
     n_hidden: int = 1024           # mlp: hidden units (tanh)
@@ -53,18 +53,18 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 3000
-    batch_size: int = 64
+    steps: int = 3000                   # optimizer steps (updates) to train for
+    batch_size: int = 64                # sequences (or examples) per micro-batch
     grad_accum: int = 1                 # micro-batches of batch_size per update (gradient accumulation)
-    seed: int = 1337
+    seed: int = 1337                    # drives everything: init, batches, sampling
     dtype: str = "float32"              # "float32" or "float64"
     eval_interval: int = 250            # 0 = never (still evaluated at start and end)
-    eval_batches: int = 20
+    eval_batches: int = 20              # val batches averaged per evaluation
     sample_interval: int = 1000         # 0 = never
-    sample_chars: int = 200
-    log_interval: int = 100
+    sample_chars: int = 200             # characters per sample
+    log_interval: int = 100             # steps between progress lines (and train events in metrics.jsonl)
     checkpoint_interval: int = 500      # 0 = only at the end
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = 3           # newest checkpoints kept in the run dir (best.npz apart)
     on_nonfinite: str = "stop"          # "stop" or "skip"
     threads: int = 1                    # 0 = all cores
 
@@ -72,9 +72,9 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     name: str = "sgd"                   # "sgd" or "adamw"
-    lr: float = 3e-4
+    lr: float = 3e-4                    # peak learning rate (the schedule scales it per step)
     momentum: float = 0.0               # sgd only
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0           # decoupled (adamw) or L2 (sgd) weight decay
     betas: typing.Tuple[float, float] = (0.9, 0.999)   # adamw only
     eps: float = 1e-8                   # adamw only
     clip_norm: float = 0.0              # global gradient-norm clip; 0 = off
@@ -245,17 +245,19 @@ def validate(cfg: Config, source: str = "config") -> None:
     m, o = cfg.model, cfg.optim
     if m.kind in ("gpt", "nanogpt", "transformer") and m.n_embd % m.n_head != 0:
         bad(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
+    if not 0.0 <= cfg.model.dropout < 1.0:
+        bad(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         bad(f"data.val_fraction must be between 0 and 1 (exclusive), got {cfg.data.val_fraction}")
     if m.kind == "mlp" and cfg.data.format != "lines":
         bad('model.kind = "mlp" needs data.format = "lines" (one word per line)')
     if m.kind in ("gpt", "nanogpt") and cfg.data.format != "text":
         bad(f'model.kind = "{m.kind}" needs data.format = "text"')
-    if not 0.0 <= m.dropout < 1.0:
-        bad(f"model.dropout must be in [0, 1), got {m.dropout}")
-    for key, unused in (("dropout", m.dropout != 0.0), ("bias", m.bias)):
-        if unused and m.kind not in ("nanogpt", "python"):
-            bad(f'model.{key} is only used with model.kind = "nanogpt" (this config has kind = "{m.kind}")')
+    for key, used, kinds in (("dropout", m.dropout != 0.0, ("gpt", "nanogpt", "python")),
+                             ("bias", m.bias, ("nanogpt", "python"))):
+        if used and m.kind not in kinds:
+            which = " or ".join(f'"{k}"' for k in kinds[:-1])
+            bad(f'model.{key} is only used with model.kind = {which} (this config has kind = "{m.kind}")')
     if m.kind in MAKEMORE_KINDS and cfg.data.format != "words":
         bad(f'model.kind = "{m.kind}" needs data.format = "words" (one word per line, makemore\'s (B, T) batches)')
     if m.kind == "python" and not m.file:

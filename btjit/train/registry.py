@@ -35,10 +35,10 @@ def model_for(m, vocab_size: int, model_file=None, data_format: str | None = Non
     if m.kind == "gpt":
         from btjit.models import gpt
         c = gpt.GPTConfig(vocab_size=vocab_size, n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
-                          block_size=m.block_size, activation=m.activation)
+                          block_size=m.block_size, activation=m.activation, dropout=m.dropout)
         return Model("gpt", c, lambda rng: gpt.init_params(c, rng), gpt.loss_fn(c), gpt.logits_fn(c), "text",
                      f"gpt {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {m.block_size}, "
-                     f"{m.activation}", True)
+                     f"{m.activation}" + (f", dropout {m.dropout}" if m.dropout else ""), True)
     if m.kind == "nanogpt":
         from btjit.models import nanogpt
         c = nanogpt.NanoGPTConfig(vocab_size=vocab_size, block_size=m.block_size, n_layer=m.n_layer,

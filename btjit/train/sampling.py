@@ -39,7 +39,8 @@ class Sampler:
         self.format, self.vocab, self.model = model.format, vocab, model
         self.block = model.cfg.context if self.format == "lines" else model.cfg.block_size
         example = np.zeros((1, self.block), dtype=np.int32)
-        with model.guard("tracing logits(p, x) (for samples)"):
+        from btjit.graph.trace import training_mode
+        with model.guard("tracing logits(p, x) (for samples)"), training_mode(False):      # no dropout
             self.fwd = btjit.trace(model.logits, params, example, optimizer=None, dtype=dtype)
         want = (1, len(vocab)) if self.format == "lines" else (1, self.block, len(vocab))
         got = tuple(self.fwd.graph.outputs["out"].shape)

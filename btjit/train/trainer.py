@@ -78,7 +78,8 @@ def build_program(cfg: Config, model, params, x, y, replicas=1):
         return btjit.trace(model.loss, params, x, y, optimizer=opt, clip_norm=o.clip_norm or None,
                            dtype=cfg.train.dtype,
                            skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
-                           replicas=replicas)      # replicas average losses: only for a mean over the batch
+                           replicas=replicas,      # replicas average losses: only for a mean over the batch
+                           seed=cfg.train.seed)    # of the random numbers inside the step (dropout)
 
 
 class Trainer:

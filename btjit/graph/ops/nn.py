@@ -6,7 +6,8 @@ import math
 import numpy as np
 
 from btjit.graph import trace as T
-from btjit.kernels import attention, attn_kept, attn_lanes
+from btjit.graph.rng import attn_dropout_in_kernel
+from btjit.kernels import attention, attn_kept, attn_lanes, rng
 from btjit.kernels.attn_loops import BL_MIN_B, attn_blocks, attn_bwd_scratch_size, attn_scratch_size
 
 from btjit.graph.optable import Case, F, ShapeError, TABLE, _float, bstrides, cstrides, loop_nest, op, same_as_input
@@ -152,17 +153,18 @@ op("layernorm_grad", infer=_ln_grad_rule, ref=_ln_grad_ref, internal=True,
           Case((F(3, 6), F(6), F(3), F(3, dom="pos"), F(3, 6), F(3, 6)), {"eps": 1e-5})])
 
 
-def _attn_kind(qkv_shape, nh):
-    return attention.kind(qkv_shape[1], qkv_shape[2] // 3 // nh)
+def _attn_kind(qkv_shape, nh, dropout=0.0):
+    """attention.kind; with dropout always the kept kernels (graph/rng.py's attn_dropout_in_kernel)."""
+    return "kept" if dropout else attention.kind(qkv_shape[1], qkv_shape[2] // 3 // nh)
 
 
-def _attn_sizes(s, nh, fd):
+def _attn_sizes(s, nh, fd, dropout=0.0):
     """(P's shape, W's floats, S's floats) for qkv of shape s: W the forward's scratch, S the backward's."""
     B, T_, C = s[0], s[1], s[2] // 3
-    k = _attn_kind(s, nh)
+    k = _attn_kind(s, nh, dropout)
     if k == "kept":
         K = attn_kept
-        return (B, nh, T_, K.padded(T_)), K.fwd_scratch(B, T_, C, nh), K.bwd_scratch(B, T_, C, nh)
+        return (B, nh, T_, K.padded(T_)), K.fwd_scratch(B, T_, C, nh), K.bwd_scratch(B, T_, C, nh, dropout > 0)
     if k == "flash":
         return (B, nh, T_), attention.fwd_scratch(B, T_, C, nh), attention.bwd_scratch(B, T_, C, nh)
     return (B, nh, T_, T_), attn_scratch_size(B, T_, C, nh, fd), attn_bwd_scratch_size(B, T_, C, nh, fd)
@@ -172,12 +174,14 @@ def _attn_rule(types, attrs, fd):
     """(qkv) -> (y, P, W). P: the probabilities (B, nh, T, T) -- with the kept kernels (B, nh, T, Tp), rows
     padded with zeros to a multiple of 16; with the flash kernels the rows' logsumexps (B, nh, T); W: the
     forward's scratch, kept for the backward (its size depends on the kernels)."""
-    _float(types, "")
-    (s, _), = types
+    _float(types[:1], "")
+    (s, _) = types[0]
     nh = attrs["n_head"]
     if len(s) != 3 or s[2] % 3 or (s[2] // 3) % nh:
         raise ShapeError(f"qkv must be (B, T, 3*C) with C divisible by n_head={nh}")
-    P, W, _ = _attn_sizes(s, nh, fd)
+    if attrs.get("dropout") and (types[1:] != [((rng.KEY_SIZE,), "i32")] or not attn_dropout_in_kernel(s, nh)):
+        raise ShapeError("attention dropout in the kernels takes the key block and T, head size >= 8")
+    P, W, _ = _attn_sizes(s, nh, fd, attrs.get("dropout", 0.0))
     return [((s[0], s[1], s[2] // 3), fd), (P, fd), ((W,), fd)]
 
 
@@ -195,14 +199,22 @@ def _attn_probs(qkv, nh):
     return q, k, v, att, _softmax_ref(att)
 
 
+def _drop_mask(p, xs, a):
+    """keep / (1 - p) of the probabilities p (B, nh, T, T), as k_attn_*_kept draw it (ones without dropout)."""
+    if not a.get("dropout"):
+        return np.ones_like(p)
+    u = rng.random_np(p.shape, rng.U_UNIFORM, a["site"], xs[-1], p.dtype)
+    return (u >= p.dtype.type(a["dropout"])) * (1.0 / (1.0 - a["dropout"]))
+
+
 def _attn_ref(xs, a):
     qkv = xs[0]
     B, T_, C3 = qkv.shape
     C, nh = C3 // 3, a["n_head"]
     q, k, v, att, p = _attn_probs(qkv, nh)
-    y = (p @ v).transpose(0, 2, 1, 3).reshape(B, T_, C)
-    P, W, _ = _attn_sizes(qkv.shape, nh, _fd(qkv))
-    kind = _attn_kind(qkv.shape, nh)
+    y = ((p * _drop_mask(p, xs, a)) @ v).transpose(0, 2, 1, 3).reshape(B, T_, C)
+    P, W, _ = _attn_sizes(qkv.shape, nh, _fd(qkv), a.get("dropout", 0.0))
+    kind = _attn_kind(qkv.shape, nh, a.get("dropout", 0.0))
     if kind == "flash":
         mx = att.max(-1, keepdims=True)
         p = (mx + np.log(np.exp(att - mx).sum(-1, keepdims=True)))[..., 0]
@@ -213,22 +225,23 @@ def _attn_ref(xs, a):
 
 def _attn_grad_rule(types, attrs, fd):
     (s, _) = types[0]
-    return [(s, fd), ((_attn_sizes(s, attrs["n_head"], fd)[2],), fd)]
+    return [(s, fd), ((_attn_sizes(s, attrs["n_head"], fd, attrs.get("dropout", 0.0))[2],), fd)]
 
 
 def _attn_grad_ref(xs, a):
     """The VJP from the probabilities recomputed from qkv (P itself is the rows' logsumexps when flash)."""
-    qkv, _, _, gy = xs
+    qkv, _, _, gy = xs[:4]
     B, T_, C3 = qkv.shape
     C, nh = C3 // 3, a["n_head"]
     hs = C // nh
     q, k, v, _, p = _attn_probs(qkv, nh)
+    m = _drop_mask(p, xs, a)
     gy = gy.reshape(B, T_, nh, hs).transpose(0, 2, 1, 3)
-    dv = p.transpose(0, 1, 3, 2) @ gy
-    dp = gy @ v.transpose(0, 1, 3, 2)
+    dv = (p * m).transpose(0, 1, 3, 2) @ gy
+    dp = (gy @ v.transpose(0, 1, 3, 2)) * m
     ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / math.sqrt(hs)
     dq, dk = ds @ k, ds.transpose(0, 1, 3, 2) @ q
-    S = _attn_sizes(qkv.shape, nh, _fd(qkv))[2]
+    S = _attn_sizes(qkv.shape, nh, _fd(qkv), a.get("dropout", 0.0))[2]
     return (np.concatenate([d.transpose(0, 2, 1, 3).reshape(B, T_, C) for d in (dq, dk, dv)], -1), np.zeros(S))
 
 
@@ -247,21 +260,24 @@ def _attn_lower(e, L):
     dims = dict(B=B, T=T_, C=C, NH=nh, oscale=L.const(1.0 / math.sqrt(C // nh)))
     grad = e.op == "causal_attention_grad"
     kind = "fwd" if not grad else "bwd"
+    p = e.attrs.get("dropout", 0.0)
     if grad:
-        (qkv, P, W, gy), (dqkv, S) = e.ins, e.outs
+        (qkv, P, W, gy), (dqkv, S) = e.ins[:4], e.outs
         offs = dict(oP=L.off(P), oW=L.off(W), ody=L.off(gy), odqkv=L.off(dqkv), oS=L.off(S))
     else:
-        (qkv,), (y, P, W) = e.ins, e.outs
+        (qkv,), (y, P, W) = e.ins[:1], e.outs
         offs = dict(oqkv=L.off(qkv), oy=L.off(y), oP=L.off(P), oW=L.off(W))
-    impl = _attn_kind(qkv.shape, nh)
+    impl = _attn_kind(qkv.shape, nh, p)
     if impl == "kept":
         nb = attn_kept.blocks(B, L.threads)
         par = dict(nb=nb) if nb > 1 else {}
+        drop = dict(okey=L.off(e.ins[-1]), site=e.attrs["site"], odrop=L.const(p), oinv=L.const(1.0 / (1.0 - p))) \
+            if p else dict(okey=0, site=0, odrop=0, oinv=0)
         if grad:
             return [L.row("k_attn_bwd_kept" + "_par" * (nb > 1), oqkv=L.off(qkv), oP=L.off(P), ody=L.off(gy),
-                          odqkv=L.off(dqkv), oS=L.off(S), **dims, **par)]
+                          odqkv=L.off(dqkv), oS=L.off(S), **dims, **drop, **par)]
         return [L.row("k_attn_fwd_kept" + "_par" * (nb > 1), oqkv=L.off(qkv), oy=L.off(y), oP=L.off(P), oW=L.off(W),
-                      **dims, **par)]
+                      **dims, **drop, **par)]
     if impl == "flash":
         if grad:
             return [L.row("k_attn_bwd_flash", oqkv=L.off(qkv), oL=L.off(P), oW=L.off(W), ody=L.off(gy),
@@ -291,9 +307,12 @@ def _attn_lower(e, L):
 
 
 op("causal_attention", infer=_attn_rule, ref=_attn_ref, lower=_attn_lower,
-   vjp=lambda g, x, o, a: [T.emit("causal_attention_grad", (x[0], o[1], o[2], g[0]), **a)[0]],
+   vjp=lambda g, x, o, a: [T.emit("causal_attention_grad", (x[0], o[1], o[2], g[0], *x[1:]), **a)[0], None],
    cases=[Case((F(2, 4, 12),), {"n_head": 2}), Case((F(1, 3, 6),), {"n_head": 1}), Case((F(17, 3, 6),), {"n_head": 2}),
-          Case((F(67, 2, 6),), {"n_head": 2}), Case((F(2, 5, 24),), {"n_head": 2})])
+          Case((F(67, 2, 6),), {"n_head": 2}), Case((F(2, 5, 24),), {"n_head": 2}),
+          # dropout on the probabilities (the kept kernels; a fixed key block, so a fixed mask)
+          Case((F(2, 8, 48), ("i", (rng.KEY_SIZE,), 3)), {"n_head": 2, "dropout": 0.3, "site": 1}),
+          Case((F(1, 19, 48), ("i", (rng.KEY_SIZE,), 3)), {"n_head": 2, "dropout": 0.5, "site": 0})])
 op("causal_attention_grad", infer=_attn_grad_rule, ref=_attn_grad_ref, internal=True,
    lower=_attn_lower, cases=[])
 
@@ -308,14 +327,20 @@ def _ew_ref(xs, a):
 
 
 def _lower_ew(e, L):
-    """One k_ew_program row per outer index beyond the program's 4 dims (usually one row)."""
+    """One k_ew_program row per outer index beyond the program's 4 dims (usually one row); a rand member's key
+    block (the only integer input after the program) is the row's okey, ebase the row's first element, esize
+    the iteration space's size."""
     from btjit.kernels.fused import MAX_OPERANDS
     shape = e.attrs["shape"]
-    opers = [(L.off(v), bstrides(v.shape, shape) or (0,)) for v in e.ins[1:]] + \
+    keys = [v for v in e.ins[1:] if v.dtype == "i32"]
+    opers = [(L.off(v), bstrides(v.shape, shape) or (0,)) for v in e.ins[1:] if v.dtype != "i32"] + \
         [(L.off(o), cstrides(shape) or (0,)) for o in e.outs]
-    return [L.row("k_ew_program", oprog=L.off(e.ins[0]), **{f"o{k}": offs[k] if k < len(offs) else 0
-                                                             for k in range(MAX_OPERANDS)})
-            for offs, _ in loop_nest(shape or (1,), opers, 4)]
+    rows = []
+    for offs, inner in loop_nest(shape or (1,), opers, 4):
+        rows.append(L.row("k_ew_program", oprog=L.off(e.ins[0]), okey=L.off(keys[0]) if keys else 0,
+                          ebase=len(rows) * int(np.prod([n for n, _ in inner])), esize=int(np.prod(shape)),
+                          **{f"o{k}": offs[k] if k < len(offs) else 0 for k in range(MAX_OPERANDS)}))
+    return rows
 
 
 # made by graph/fuse_ew.py after autodiff: attrs shape (the iteration space), ins / outs (var ids), body

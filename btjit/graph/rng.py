@@ -1,0 +1,114 @@
+"""Randomness inside the step, the graph side: the public functions that draw numbers (btjit.rand_like,
+randn_like, dropout, and causal_attention's dropout on the probabilities), and what a Program sets up for them
+(the key block's seed and replica words, the row that counts steps where the update does not).
+
+Every number comes from the `rand` op (graph/ops/random.py) or the kept attention kernels, and is a pure
+function of (the seed, the step count, the site -- the random op's number in trace order -- and the
+element's index): btjit/kernels/rng.py. The ops read the graph's key block, an i32 value the memory plan
+puts at the step counter (graph/memory.py), so nothing is saved but the step. In eval mode (trace.is_training()
+False) dropout emits nothing.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from btjit.graph import trace as T
+from btjit.kernels import rng as K
+from btjit.kernels.attention import KEPT_MIN_HS, KEPT_MIN_T
+from btjit.kernels.library import LIBRARY
+
+
+# ----------------------------------------------------------------------------- public tensor functions
+def rand_like(x):
+    """Uniform numbers in [0, 1) of x's shape, new every step (a pure function of the program's seed, the
+    step count, this call's place in the function and the element's position)."""
+    return _random(x, K.U_UNIFORM)
+
+
+def randn_like(x):
+    """Standard normal numbers of x's shape, new every step (as rand_like)."""
+    return _random(x, K.U_NORMAL)
+
+
+def dropout(x, p=0.5, training=None):
+    """torch's dropout: while training, zero each element with probability p and scale the others by
+    1 / (1 - p); the identity in eval mode (or training=False) and when p == 0 (nothing is emitted). The
+    backward uses the same mask, drawn again from the generator's counter."""
+    return _dropout(x, _probability(p, "dropout"), training)
+
+
+def causal_attention(qkv, n_head, dropout=0.0):
+    """Fused causal self-attention: qkv (B, T, 3C) holding q | k | v -> (B, T, C), n_head heads of C/n_head;
+    dropout on the probabilities while training, as torch's scaled_dot_product_attention(dropout_p=).
+
+    The mask is drawn inside the kept kernels where they apply (attn_dropout_in_kernel), else the attention
+    is traced as its ops written out (the same mask)."""
+    qkv, p, nh = T.lift(qkv), _probability(dropout, "causal_attention"), int(n_head)
+    if p == 0.0 or not T.is_training():
+        return T.causal_attention(qkv, nh)
+    if attn_dropout_in_kernel(qkv.shape, nh):
+        return T.emit("causal_attention", (qkv, _key()), n_head=nh, dropout=p, site=_site())[0]
+    B, T_, C = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+    hs = C // nh
+    q, k, v = (T.transpose(T.reshape(t, (B, T_, nh, hs)), (0, 2, 1, 3)) for t in T.split(qkv, 3, axis=2))
+    att = T.where(np.tril(np.ones((T_, T_), bool)), T.matmul(q, T.swapaxes(k, -1, -2)) * (1.0 / np.sqrt(hs)),
+                  -np.inf)
+    y = T.matmul(_dropout(T.softmax(att), p), v)
+    return T.reshape(T.transpose(y, (0, 2, 1, 3)), (B, T_, C))
+
+
+def attn_dropout_in_kernel(qkv_shape, nh) -> bool:
+    """Whether the kept attention kernels (the only ones that draw a dropout mask) take this shape: T and the
+    head size >= 8."""
+    return qkv_shape[1] >= KEPT_MIN_T and qkv_shape[2] // 3 // nh >= KEPT_MIN_HS
+
+
+def _probability(p, op):
+    if isinstance(p, (T.Tracer, bool)) or not isinstance(p, (int, float, np.number)) or not 0.0 <= float(p) < 1.0:
+        raise T.TraceError(f"{op}: the dropout probability must be a number in [0, 1), got {p!r} — "
+                           f"{T.user_src()}")
+    return float(p)
+
+
+def _dropout(x, p, training=None):
+    x = T.lift(x)
+    if p == 0.0 or not (T.is_training() if training is None else training):
+        return x
+    return x * ((_random(x, K.U_UNIFORM) >= p) * (1.0 / (1.0 - p)))
+
+
+def _key() -> T.Tracer:
+    """The graph's key block: an i32 value the memory plan puts at the step counter."""
+    g = T.current_graph()
+    if g.rng_key is None:
+        g.rng_key = g.new_var((K.KEY_SIZE,), "i32")
+    return T.Tracer(g.rng_key, g)
+
+
+def _site() -> int:
+    g = T.current_graph()
+    g.rng_sites += 1
+    return g.rng_sites - 1
+
+
+def _random(x, kind):
+    x = T.lift(x)
+    return T.emit("rand", (_key(),), shape=x.shape, site=_site(), kind=kind)
+
+
+# ----------------------------------------------------------------------------- the program's side
+def set_key(IA, okey: int, seed: int) -> None:
+    """Write the seed into every replica's key block (rows of IA) and each replica's index."""
+    lo, hi = K.seed_words(seed)
+    for r in range(IA.shape[0]):
+        IA[r, okey + K.KEY_SEED], IA[r, okey + K.KEY_SEED + 1], IA[r, okey + K.KEY_REPLICA] = lo, hi, r
+
+
+def tick_rows(graph, update_rows, L, plan) -> list:
+    """[k_step_tick] when the graph draws random numbers and the update rows do not count steps (AdamW's
+    does; SGD's does not): the count is the generator's step, new numbers every step."""
+    if graph.rng_key is None or not update_rows:
+        return []
+    if any(r[0] == LIBRARY.opcode("k_adamw") for r in update_rows):
+        return []
+    return [L.row("k_step_tick", ostep=plan.int_state)]
