@@ -356,7 +356,7 @@ def format_table(rows, machine=None, markdown=False, command=None):
                                                                 for r in rows if r.get("precompile_s")) + ".",
              "jax jit s = first call of jax.jit(value_and_grad + update), blocking, fresh process; CLI = `btjit "
              "train` to exit, with the compile seconds of its banner."]
-    return render(Table(head, body, notes), markdown, machine, command)
+    return render(Table(head, body, notes, "compile: process start to first step"), markdown, machine, command)
 
 
 def main(argv=None):

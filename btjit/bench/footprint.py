@@ -151,5 +151,5 @@ def format_table(rows, machine=None, markdown=False, command=None) -> str:
         rss = f"{r['peak_rss_mb']:.1f}" if r.get("peak_rss_mb") is not None else "-"
         note = r.get("note", "") if r["status"] in ("ok", "reference") else r["status"]
         body.append((r["workload"], r["impl"], t, rss, note))
-    return render(Table(("workload", "impl", "step", "peak RSS MB", "note"), body, align="llrr"),
-                  markdown, machine, command)
+    return render(Table(("workload", "impl", "step", "peak RSS MB", "note"), body, [],
+                        "footprint: in-process, btjit.runtime and the C host", "llrr"), markdown, machine, command)

@@ -127,7 +127,7 @@ def format_table(rows, machine=None, markdown=False, command=None) -> str:
                      f"{' '.join(r['mpi'].split())}")
     head = ("ranks", "batch", "compressor", "scaling", "step ms", "compute", "comm ms", "bytes/step", "speedup",
             "effic.", "note")
-    return render(Table(head, body, notes, title="E6 (mini GPT-3, SGD) data-parallel over MPI",
+    return render(Table(head, body, notes, title="mpi: E6 (mini GPT-3, SGD) data-parallel over MPI ranks",
                         align="rrll" + "r" * 6), markdown, machine, command)
 
 

@@ -137,4 +137,5 @@ def format_table(rows, machine=None, markdown=False, command=None) -> str:
              "AdamW 1e-3 -> 1e-4 cosine, 100 warm-up, clip 1.0, 2001 steps; eval every 250 on 20 batches. wall s = "
              "the whole process (start-up, compile, training, evals); ms/step = the timed steps only.",
              README_CLAIM]
-    return render(Table(head, body, notes, align="lrrrrrrrl"), markdown, machine, command)
+    return render(Table(head, body, notes, "nanogpt: nanoGPT's CPU recipe end to end", "lrrrrrrrl"), markdown, machine,
+                  command)

@@ -1,7 +1,7 @@
 """The one table renderer of `btjit bench`: every suite's format_table builds a Table (title, column heads,
 rows of cells, notes) and calls render(), which prints it as aligned plain text or, with markdown=True, as the
-Markdown docs/benchmarks.md uses -- a heading line naming the machine (CPU model name, LLVM's host CPU name,
-cores), the date and the exact command line, then a pipe table, then the notes as paragraphs.
+Markdown docs/benchmarks.md uses -- a line naming the machine (CPU model name, LLVM's host CPU name, cores), the
+btjit version, the date and the exact command line, then a pipe table, then the notes as paragraphs.
 
 Also machine_info() (the CPU, cores, Python and package versions a JSON report records) and parse_markdown()
 (a rendered Markdown table back to its cells; the tests use it to check the renderer round-trips).
@@ -71,15 +71,17 @@ def _now() -> str:
 
 
 def head_lines(machine=None, command=None, date=None, markdown=False) -> list:
-    """The machine / date / command heading: 'machine: ...' in plain text; in Markdown a line of code spans."""
+    """The heading: 'machine: ...' in plain text; in Markdown docs/benchmarks.md's line, e.g. "AMD EPYC 9R14 (LLVM
+    `znver4`, 2 cores), btjit 0.1.0, 2026-12-02 02:40 UTC, `btjit bench --suite scale` (Python 3.11.7, ...):"."""
     m = machine_info() if machine is None else machine
     if not markdown:
         return ["machine: " + ", ".join(f"{k} {v}" for k, v in m.items() if v is not None)]
-    cpu = m.get("cpu", "?") + (f" (LLVM `{m['llvm_cpu']}`)" if m.get("llvm_cpu") else "")
+    from btjit import __version__
+    llvm = f"LLVM `{m['llvm_cpu']}`, " if m.get("llvm_cpu") else ""
     vers = ", ".join(f"{k} {m[k]}" for k in ("python", "numpy", "numba", "torch", "jax") if m.get(k))
-    return [f"**Machine:** {cpu}, {m.get('cores', '?')} cores; {vers}  ",
-            f"**Date:** {date or _now()}  ",
-            f"**Command:** `{command if command is not None else command_line()}`"]
+    cmd = command if command is not None else command_line()
+    return [f"{m.get('cpu', '?')} ({llvm}{m.get('cores', '?')} cores), btjit {__version__}, {date or _now()}, "
+            f"`{cmd}` ({vers}):"]
 
 
 def _esc(cell) -> str:
@@ -107,7 +109,7 @@ def _split_row(line: str) -> list:
 
 
 def render_markdown(t: Table, machine=None, command=None, date=None) -> str:
-    lines = [f"### {t.title}", ""] if t.title else []
+    lines = [f"## {t.title}", ""] if t.title else []
     if machine is not False:
         lines += head_lines(machine, command, date, markdown=True) + [""]
     align = t.align.ljust(len(t.head), "l")

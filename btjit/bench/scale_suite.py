@@ -192,7 +192,7 @@ def format_table(rows, machine=None, markdown=False, command=None) -> str:
                      f"{r['peak_rss_mb'] or 0:.0f}", ""))
     head = ("size", "impl", "step ms", "vs btjit", "GFLOP/s", "floor ms", "x floor", "grad vs torch", "RSS MB", "note")
     notes = ["vs btjit: the implementation's step time over btjit's (> 1: btjit faster); x floor: over the FLOP floor"]
-    return render(Table(head, body, notes, align="llrrrrrrrl"), markdown, machine, command)
+    return render(Table(head, body, notes, "scale: the paper's GPT grown", "llrrrrrrrl"), markdown, machine, command)
 
 
 def main(argv=None):
