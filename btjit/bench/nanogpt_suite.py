@@ -7,7 +7,8 @@
 
 Each row: wall time in all (Popen to exit: start-up, compile, training, every eval), steps, ms/step (the timed
 steps only), the val losses at every eval and the last one, params, threads. `steps` shortens the recipe (a smoke
-test: the same config with train.steps = steps, and the warm-up cut to fit). Errors become rows with status "error: ...", never exceptions.
+test: the same config with train.steps = steps, and the warm-up cut to fit). Errors become rows with status
+"error: ...", never exceptions.
 """
 from __future__ import annotations
 

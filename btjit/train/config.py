@@ -39,7 +39,8 @@ class ModelConfig:
 
 MAKEMORE_KINDS = ("bigram", "makemore_mlp", "rnn", "gru", "bow", "transformer")   # btjit.models.makemore.KINDS
 MAKEMORE_DEFAULTS = {"n_layer": 4, "n_head": 4, "n_embd": 64, "n_embd2": 64, "block_size": 16}   # makemore.py's
-FORMAT_OF_KIND = {"gpt": "text", "nanogpt": "text", "mlp": "lines", **{k: "words" for k in MAKEMORE_KINDS}}   # python: any format
+FORMAT_OF_KIND = {"gpt": "text", "nanogpt": "text", "mlp": "lines",
+                  **{k: "words" for k in MAKEMORE_KINDS}}   # python: any format
 
 
 @dataclass
