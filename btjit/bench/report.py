@@ -78,7 +78,8 @@ def head_lines(machine=None, command=None, date=None, markdown=False) -> list:
         return ["machine: " + ", ".join(f"{k} {v}" for k, v in m.items() if v is not None)]
     from btjit import __version__
     llvm = f"LLVM `{m['llvm_cpu']}`, " if m.get("llvm_cpu") else ""
-    vers = ", ".join(f"{k} {m[k]}" for k in ("python", "numpy", "numba", "torch", "jax") if m.get(k))
+    vers = ", ".join(f"{k.replace('python', 'Python')} {m[k]}" for k in ("python", "numpy", "numba", "torch", "jax")
+                     if m.get(k))
     cmd = command if command is not None else command_line()
     return [f"{m.get('cpu', '?')} ({llvm}{m.get('cores', '?')} cores), btjit {__version__}, {date or _now()}, "
             f"`{cmd}` ({vers}):"]
@@ -128,7 +129,6 @@ def render_text(t: Table, machine=None) -> str:
     n = len(t.head)
     widths = [max(len(r[i]) for r in grid if i < len(r)) for i in range(n)]
     align = t.align.ljust(n, "l")
-
     for i, row in enumerate(grid):
         lines.append("  ".join(c.rjust(w) if a == "r" else c.ljust(w) for c, w, a in zip(row, widths, align)))
         if i == 0:
@@ -144,7 +144,7 @@ def render(t: Table, markdown=False, machine=None, command=None, date=None) -> s
 
 
 def parse_markdown(text: str) -> tuple:
-    """The (head, rows) of the first pipe table in `text` (rows as lists of cell strings)."""
+    """The (head, rows) of the pipe table in `text` (what render_markdown wrote; rows as lists of cell strings)."""
     rows = [_split_row(line) for line in text.splitlines() if line.strip().startswith("|")]
     if len(rows) < 2:
         raise ValueError("no Markdown table in the text")
