@@ -82,3 +82,15 @@ def test_every_suite_renders_through_the_one_renderer(mod):
     text = mod.format_table(rows, machine=False)
     assert "|" not in text.splitlines()[0] and cells[0][1] in text
     assert any(c.startswith(("not installed", "error")) for c in cells[-1]), cells[-1]   # the failure is shown
+
+
+def test_cli_markdown_names_the_command(monkeypatch):
+    from click.testing import CliRunner
+    from btjit.cli import cli
+    args = ["bench", "--only", "E3", "--peers", "none", "--reps", "1", "--markdown"]
+    monkeypatch.setattr("sys.argv", ["/somewhere/btjit/__main__.py"] + args)
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    assert "`btjit bench --only E3 --peers none --reps 1 --markdown`" in r.output
+    head, rows = report.parse_markdown(r.output[r.output.index("## paper"):])
+    assert head[:3] == ["workload", "impl", "time/iter"] and rows[0][:2] == ["E3", "btjit"]
