@@ -178,7 +178,7 @@ def train(cfg: dict, threads=None, log=lambda s: print(s, file=sys.stderr, flush
         lr = get_lr(it, o["lr"], o.get("warmup_steps", 0), decay_iters, o.get("lr_min", 0.0))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if it % eval_interval == 0:
+        if eval_interval and it % eval_interval == 0:
             losses = estimate_loss()
             log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             val_losses.append([it, losses["val"]])
