@@ -83,7 +83,7 @@ def cli(debug):
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override a config value (a TOML value), e.g. --set train.steps=100. Repeatable.")
 @click.option("--resume", is_flag=True, help="Continue from the latest valid checkpoint of the run dir.")
-@click.option("--threads", type=int, help="Threads (overrides train.threads; 0 = all cores).")
+@click.option("--threads", type=int, help="Threads (overrides train.threads; 0 = every core, the default).")
 @click.option("--distributed/--no-distributed", default=None,
               help="Data-parallel over MPI: run as `mpiexec -n N btjit train ...` (needs mpi4py: pip install "
                    "'btjit[mpi]'). Default: on when an MPI launcher started more than one process.")
@@ -245,7 +245,8 @@ def plot(run_dir, out, debug):
 @click.option("--peers", default=None, metavar="torch,jax,micrograd,autograd|none",
               help="Peers to run beside btjit (default: every installed one).")
 @click.option("--threads", type=int, default=None,
-              help="Threads for every measurement [default: 1; nanogpt: each side's own default].")
+              help="Threads for every measurement (default: every core the process may run on; nanogpt: "
+                   "each side's own default).")
 @click.option("--reps", type=int, default=5, show_default=True, help="Timed repetitions (median reported).")
 @click.option("--steps", type=int, default=None,
               help="nanogpt: optimizer steps instead of the recipe's 2001 (a few for a smoke test).")
@@ -264,7 +265,8 @@ def bench(suite, only, peers, threads, reps, steps, json_path, markdown, use_com
         raise CLIError(f"--steps must be >= 1, got {steps}")
     if profile:
         from btjit.bench.btjit_impl import profile as run_profile
-        run_profile(only or "E5,E6b1,E6b64", 1 if threads is None else threads)
+        from btjit.host.threads import cores
+        run_profile(only or "E5,E6b1,E6b64", threads or cores())
         return
     try:
         rows, format_table = suites.run(suite, only=only, peers=peers, threads=threads, reps=reps,

@@ -132,7 +132,7 @@ def format_table(rows, machine=None, markdown=False, command=None):
                      "-" if r.get("peak_rss_mb") is None else f"{r['peak_rss_mb']:.0f}",
                      "-" if r.get("compile_s") is None else f"{r['compile_s']:.2f}", _note(r)))
     t = Table(("workload", "impl", "time/iter", "x vs btjit", "peak RSS MB", "compile s", "note"), body,
-              ["x vs btjit = time_impl / time_btjit (> 1: btjit faster); one thread unless --threads; "
+              ["x vs btjit = time_impl / time_btjit (> 1: btjit faster); every core unless --threads; "
                "time/iter = median over repetitions; compile s kept apart from step time."], align="llrrrr",
               title="paper: the BurTorch paper's workloads E1-E6")
     return render(t, markdown, machine, command)

@@ -16,11 +16,12 @@ def _peers_list(peers):
 
 def run(suite, only=None, peers=None, threads=None, reps=5, json_path=None, use_compile=False, steps=None,
         progress=print):
-    """Run `suite`; threads None = one thread (the nanogpt suite: each side's default). Writes JSON to json_path
-    when given. progress(str) gets one line per measurement."""
+    """Run `suite`; threads None or 0 = every core the process may run on (the nanogpt suite: None = each side's
+    own default). Writes JSON to json_path when given. progress(str) gets one line per measurement."""
+    from btjit.host.threads import cores
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r} (known: {', '.join(SUITES)})")
-    one = 1 if threads is None else threads
+    n = threads or cores()
     if suite == "nanogpt":              # nanoGPT's CPU recipe end to end, btjit train beside PyTorch eager
         from btjit.bench import nanogpt_suite as mod
         impls = only if only is not None else (["btjit"] + _peers_list(peers) if peers is not None else None)
@@ -29,7 +30,7 @@ def run(suite, only=None, peers=None, threads=None, reps=5, json_path=None, use_
         from btjit.bench import mpi as mod
         from btjit.train.distributed import require_mpi
         require_mpi()
-        rows = mod.run(reps=reps, threads=one, progress=lambda r: progress(
+        rows = mod.run(reps=reps, threads=n, progress=lambda r: progress(
             f"  {r['ranks']} rank(s) {r['compressor']:<6} {r['scaling']:<6} {r['status']}"))
     elif suite == "compile":            # fresh process -> first step: cold / cached / warm library, JAX jit
         from btjit.bench import compile_suite as mod
@@ -37,13 +38,13 @@ def run(suite, only=None, peers=None, threads=None, reps=5, json_path=None, use_
     elif suite == "scale":              # the GPT grown: E6, S1-S4
         from btjit.bench import scale_suite as mod
         impls = None if peers is None else ["btjit"] + _peers_list(peers)
-        rows = mod.run(only=only, threads=one, reps=reps, compile=use_compile, impls=impls, progress=progress)
+        rows = mod.run(only=only, threads=n, reps=reps, compile=use_compile, impls=impls, progress=progress)
     elif suite == "footprint":          # in-process / btjit.runtime / C host, peak RSS and step
         from btjit.bench import footprint as mod
         rows = mod.run(only=only, peers=peers, reps=reps, progress=progress)
     else:                               # the paper's E1-E6 beside every installed peer
         from btjit.bench import harness as mod
-        rows = mod.run_bench(suite=suite, only=only, peers=peers, threads=one, reps=reps,
+        rows = mod.run_bench(suite=suite, only=only, peers=peers, threads=n, reps=reps,
                              json_path=str(json_path) if json_path else None, compile=use_compile,
                              progress=lambda r: progress(f"  {r['workload']:<6s} {r['impl']:<14s} {r['status']}"))
         return rows, mod.format_table

@@ -18,12 +18,12 @@ from btjit.graph.lower import Lowering, lower_eqns
 from btjit.graph.memory import plan as make_plan, storage_roots
 from btjit.graph.ops import TABLE
 from btjit.core import executor as X
-from btjit.host import threads
+from btjit.host import threads as _threads
 from btjit.kernels.library import LIBRARY
 from btjit.optim import HYPER, update_rows
 from btjit.export.runner import Runner
 
-threads.set_num_threads(threads.default_threads())   # btjit's default: 1 thread (btjit/threads.py)
+_threads.set_num_threads(_threads.default_threads())   # every core the process may run on (btjit/host/threads.py)
 
 
 def _arg_names(fn, n):
@@ -35,7 +35,7 @@ def _arg_names(fn, n):
 
 
 def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=False, dtype="float32", grad=None,
-          replicas=1, fuse_elementwise=True, seed=0):
+          replicas=1, fuse_elementwise=True, threads=None, seed=0):
     """Trace fn(params, *batch) once and compile it. With an optimizer, `step()` trains; without one,
     `forward()` (and `value_and_grad()` for a scalar output) evaluate. clip_norm: clip gradients by global
     norm. skip_nonfinite: a step whose gradients contain NaN/Inf leaves params and optimizer state untouched
@@ -49,6 +49,12 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
 
     fuse_elementwise: chains of elementwise ops run as one row each (btjit/graph/fuse_ew.py); False keeps
     one row per op (the reference the fused chains are tested against).
+
+    threads: how many threads the step may use (default: btjit.set_num_threads's, which starts at every core
+    the process may run on or $BTJIT_NUM_THREADS; 0 = every core). Each kernel decides for itself whether its
+    work is large enough to split (GEMMs by blocks of rows, the attention by blocks of sequences), and a split
+    kernel computes bit for bit what it does on one thread, so the result does not depend on the thread count
+    (replicas, which sum their gradients, do). `prog.threads` is what the step uses: 1 when no kernel splits.
 
     seed: of the random numbers drawn inside the step (btjit.dropout, rand_like, ...): each is a pure function
     of the seed, the step count, the call's place in fn and the element (btjit/kernels/rng.py)."""
@@ -126,7 +132,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     g.n_backward = len(g.eqns)
     verify(g, TABLE)
     return Program(g, params, optimizer, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas,
-                   seed)
+                   _threads.resolve(threads), seed)
 
 
 def _pin(g: Graph, grads: dict) -> dict:
@@ -162,15 +168,14 @@ class Program(Runner):
     arena."""
 
     def __init__(self, graph, init_params, optimizer, clip_norm, skip_nonfinite, pinned, trace_seconds,
-                 replicas=1, seed=0):
-        import numba
+                 replicas=1, n_threads=1, seed=0):
         t0 = time.perf_counter()
         self.graph, self.optimizer, self.clip_norm, self.replicas = graph, optimizer, clip_norm, replicas
         n_state = optimizer.n_state if optimizer else 0
         self.plan = p = make_plan(graph, pinned, n_state, len(HYPER))
         self._bounds = _index_bounds(graph)
         self._flag = p.int_state + 1
-        L = Lowering(p, const_base=p.float_size, threads=numba.get_num_threads() // replicas,
+        L = Lowering(p, const_base=p.float_size, threads=max(1, n_threads // replicas),
                      checked={v.id for v in graph.inputs} | {v.id for v in graph.consts}, root=storage_roots(graph),
                      flag=self._flag)
         self._inv_replicas = L.const(1.0 / replicas)
@@ -187,6 +192,8 @@ class Program(Runner):
         self.n_fwd, self.n_bwd = len(fwd), len(fwd) + len(bwd)
         rows = fwd + bwd + upd
         self.tape = np.array(rows, np.int64).reshape(len(rows), -1)
+        split = any(LIBRARY.entry_of(op)[0].endswith("_par") for op in self.tape[:, 0])
+        self.threads = replicas * (L.threads if split else 1)     # what the step uses (prog.threads)
         fdt = np_dtype(graph.float_dtype)
         self.dtype = np.dtype(fdt)
         # replica r's arenas are rows r of A / IA (one row, and A[0] is self.a, without replicas)

@@ -67,7 +67,7 @@ class TrainConfig:
     checkpoint_interval: int = 500      # 0 = only at the end
     keep_checkpoints: int = 3           # newest checkpoints kept in the run dir (best.npz apart)
     on_nonfinite: str = "stop"          # "stop" or "skip"
-    threads: int = 1                    # 0 = all cores
+    threads: int = 0                    # threads the step may use; 0 = every core the process may run on
 
 
 @dataclass

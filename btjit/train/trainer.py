@@ -197,10 +197,10 @@ class Trainer:
         plan = getattr(p, "plan_seconds", None)
         times = f"trace {tr:.2f} s + " + (f"plan {plan:.2f} s + " if plan is not None else "") + \
             f"compile {cs:.2f} s (btjit.trace wall time {self.build_seconds:.2f} s)"
-        reps = getattr(p, "replicas", 1)
+        reps, used = getattr(p, "replicas", 1), getattr(p, "threads", 1)
+        how = f"{reps} data-parallel replicas" if reps > 1 else "threaded kernels" if used > 1 else "one thread"
         self.echo(f"btjit {ver} | numba {numba.__version__} | numpy {np.__version__} | "
-                  f"threads {self.threads}" + (f" ({reps} data-parallel replicas)" if reps > 1 else "") +
-                  f" | {t.dtype}")
+                  f"threads {used} of {self.threads} ({how}) | {t.dtype}")
         self.echo(f"model: {self.model.arch} | {p.n_params:,} params | arena {p.arena_bytes / 1e6:.2f} MB")
         self.echo(self.ds.describe())
         accum = f" x {t.grad_accum} micro-batches = {t.batch_size * t.grad_accum}" if t.grad_accum > 1 else ""
