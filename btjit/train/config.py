@@ -23,9 +23,9 @@ class ModelConfig:
     kind: str = "gpt"              # "gpt" (paper E6), "nanogpt" (nanoGPT's model.py), "mlp" (paper E5),
     #                                makemore.py's MAKEMORE_KINDS, "python"
     n_layer: int = 6               # gpt, nanogpt, transformer: transformer blocks
-    n_head: int = 6                # gpt, transformer: attention heads (head size = n_embd // n_head)
-    n_embd: int = 24               # gpt, makemore kinds: embedding width
-    block_size: int = 8            # gpt: context length T; makemore kinds: T >= the longest word + 1
+    n_head: int = 6                # gpt, nanogpt, transformer: attention heads (head size = n_embd // n_head)
+    n_embd: int = 24               # gpt, nanogpt, makemore kinds: embedding width
+    block_size: int = 8            # gpt, nanogpt: context length T; makemore kinds: T >= the longest word + 1
     activation: str = "relu"       # gpt: FFN activation, "relu" or "gelu"
     bias: bool = False             # nanogpt: biases in the Linears and LayerNorms (nanoGPT's train.py: False)
     dropout: float = 0.0           # gpt, nanogpt: dropout while training, at nanoGPT's four sites (0 = none)
