@@ -240,63 +240,43 @@ def plot(run_dir, out, debug):
               help="Workload suite: paper, mpi (E6 data-parallel at 1 and 2 MPI ranks; needs btjit[mpi]), "
                    "compile (start -> first step of new programs, P1-P6: --only P1,P6), or footprint (peak RSS and "
                    "step of E1, E6b64 in-process, exported to btjit.runtime and to the C host, beside the peers), "
-                   "or scale (the GPT at E6 and S1-S4 against torch, JAX, torch.compile with --compile).")
-@click.option("--only", default=None, metavar="E1,E6b1,...", help="Only these workloads.")
+                   "scale (the GPT at E6 and S1-S4 against torch, JAX, torch.compile with --compile), or nanogpt "
+                   "(nanoGPT's CPU recipe end to end: btjit train configs/nanogpt_cpu.toml beside nanoGPT's own "
+                   "loop in PyTorch eager; --only btjit to skip torch).")
+@click.option("--only", default=None, metavar="E1,E6b1,...", help="Only these workloads (nanogpt: btjit,torch).")
 @click.option("--peers", default=None, metavar="torch,jax,micrograd,autograd|none",
               help="Peers to run beside btjit (default: every installed one).")
 @click.option("--threads", type=int, default=None,
-              help="Threads for every measurement (default: every core the process may run on).")
+              help="Threads for every measurement (default: every core the process may run on; nanogpt: "
+                   "each side's own default).")
 @click.option("--reps", type=int, default=5, show_default=True, help="Timed repetitions (median reported).")
+@click.option("--steps", type=int, default=None,
+              help="nanogpt: optimizer steps instead of the recipe's 2001 (a few for a smoke test).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the rows as JSON.")
+@click.option("--markdown", is_flag=True,
+              help="Print the table as Markdown, headed by the machine, the date and this command line.")
 @click.option("--compile", "use_compile", is_flag=True, help="Add torch.compile rows for E5/E6.")
 @click.option("--profile", is_flag=True, help="Print btjit's per-op time breakdown for E5/E6 instead.")
 @click.option("--debug", is_flag=True, hidden=True)
-def bench(suite, only, peers, threads, reps, json_path, use_compile, profile, debug):
-    """Run the paper's workloads (E1-E6) for btjit and each installed peer, side by side."""
-    from btjit.bench import harness
-    from btjit.host.threads import cores
-    threads = threads or cores()
-    if suite == "mpi":                  # E6 data-parallel over MPI at 1 and 2 ranks (btjit/bench/mpi.py)
-        from btjit.bench import mpi as mpi_bench
-        from btjit.train.distributed import require_mpi
-        require_mpi()
-        rows = mpi_bench.run(reps=reps, threads=threads, progress=lambda r: click.echo(
-            f"  {r['ranks']} rank(s) {r['compressor']:<6} {r['scaling']:<6} {r['status']}", err=True))
-        if json_path:
-            json_path.write_text(json.dumps(rows, indent=1))
-        click.echo(mpi_bench.format_table(rows))
-        return
-    if suite == "compile":              # fresh process -> first step: cold / cached / warm library, JAX jit
-        from btjit.bench import compile_suite
-        rows = compile_suite.run(json_path=json_path, progress=lambda s: click.echo(s, err=True), only=only)
-        click.echo(compile_suite.format_table(rows))
-        return
-    if suite == "scale":                # the GPT grown: E6, S1-S4 (issue 16)
-        from btjit.bench import scale_suite
-        rows = scale_suite.run(only=only, threads=threads, reps=reps, compile=use_compile,
-                               impls=None if peers is None else ["btjit"] + [p for p in peers.split(",")
-                                                                             if p and p != "none"],
-                               progress=lambda s: click.echo(s, err=True))
-        if json_path:
-            json_path.write_text(json.dumps(rows, indent=1))
-        click.echo(scale_suite.format_table(rows))
-        return
-    if suite == "footprint":            # in-process / btjit.runtime / C host, peak RSS and step (issue 18)
-        from btjit.bench import footprint
-        rows = footprint.run(only=only, peers=peers, reps=reps, progress=lambda s: click.echo(s, err=True))
-        if json_path:
-            json_path.write_text(json.dumps(rows, indent=1))
-        click.echo(footprint.format_table(rows))
-        return
+def bench(suite, only, peers, threads, reps, steps, json_path, markdown, use_compile, profile, debug):
+    """Run the paper's workloads (E1-E6) for btjit and each installed peer, side by side (or another --suite)."""
+    from btjit.bench import report, suites
+    if suite not in suites.SUITES:
+        raise CLIError(f"--suite {suite!r} is not one of: {', '.join(suites.SUITES)}")
+    if steps is not None and steps < 1:
+        raise CLIError(f"--steps must be >= 1, got {steps}")
     if profile:
         from btjit.bench.btjit_impl import profile as run_profile
-        run_profile(only or "E5,E6b1,E6b64", threads)
+        from btjit.host.threads import cores
+        run_profile(only or "E5,E6b1,E6b64", threads or cores())
         return
-    rows = harness.run_bench(suite=suite, only=only, peers=peers, threads=threads, reps=reps,
-                             json_path=str(json_path) if json_path else None, compile=use_compile,
-                             progress=lambda r: click.echo(f"  {r['workload']:<6s} {r['impl']:<14s} {r['status']}",
-                                                           err=True))
-    click.echo(harness.format_table(rows))
+    try:
+        rows, format_table = suites.run(suite, only=only, peers=peers, threads=threads, reps=reps,
+                                        json_path=json_path, use_compile=use_compile, steps=steps,
+                                        progress=lambda s: click.echo(s, err=True))
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    click.echo(format_table(rows, markdown=markdown, command=report.command_line()))
 
 
 @cli.command("export")

@@ -173,8 +173,8 @@ def test_n_embd_not_divisible_by_n_head():
 
 
 @pytest.mark.parametrize("text,needle", [
-    ('[model]\nkind = "lstm"', "model.kind = 'lstm' is not one of: gpt, mlp, bigram, makemore_mlp, rnn, gru, bow, "
-                               "transformer, python"),
+    ('[model]\nkind = "lstm"', "model.kind = 'lstm' is not one of: gpt, nanogpt, mlp, bigram, makemore_mlp, rnn, "
+                               "gru, bow, transformer, python"),
     ('[data]\nformat = "csv"', "data.format = 'csv' is not one of: text, lines, words"),
     ('[model]\nactivation = "tanh"', "relu, gelu"),
     ('[train]\non_nonfinite = "ignore"', "stop, skip"),

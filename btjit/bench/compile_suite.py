@@ -341,31 +341,22 @@ def _breakdown(m):
             f"{m['compile_s']:.2f}) + step {m['first_step_s']:.3f}; {m['entries']} entries; loss {m['loss']:.4f}")
 
 
-def format_table(rows, machine=None):
-    """Plain-text table in harness.format_table's style. machine=None computes the machine line, False omits it."""
+def format_table(rows, machine=None, markdown=False, command=None):
+    """The suite's table (btjit.bench.report.render). machine=None: this machine, False: no heading."""
+    from btjit.bench.report import Table, render
     head = ("program", "cold s (n)", "cached s (n)", "warm lib s (n)", "precompiled s (n)", "jax jit s",
             "cold: breakdown")
     body = [(f"{r['program']} {r.get('title', '')}".strip(), _cell(r.get("cold")), _cell(r.get("cached")),
              _cell(r.get("warm")), _cell(r.get("pre")), _cell(r.get("jax")), _breakdown(r.get("cold"))) for r in rows]
-    widths = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head) - 1)]
-    lines = []
-    if machine is not False:
-        from btjit.bench.harness import machine_info
-        m = machine_info() if machine is None else machine
-        lines += ["machine: " + ", ".join(f"{k} {v}" for k, v in m.items() if v is not None), ""]
-    for x in [head] + body:
-        lines.append("  ".join(str(c).ljust(wd) for c, wd in zip(x, widths)) + "  " + x[-1])
-        if x is head:
-            lines.append("  ".join("-" * wd for wd in widths) + "  " + "-" * 4)
-    lines += ["", "s = wall seconds of a fresh process, from just before Popen to its first step returned; "
-              "(n) = kernel library entries compiled in that process.",
-              "cold = empty BTJIT_CACHE_DIR; cached = the same program again on it; warm lib = its first run in one "
-              "dir where P1 ran first, then the programs above it (P1: its cached run); precompiled = its first run "
-              "after `btjit precompile` in an empty dir" + "".join(f" (precompile took {r['precompile_s']:.1f} s)"
-                                                                  for r in rows if r.get("precompile_s")) + ".",
-              "jax jit s = first call of jax.jit(value_and_grad + update), blocking, fresh process; CLI = `btjit "
-              "train` to exit, with the compile seconds of its banner."]
-    return "\n".join(line.rstrip() for line in lines)
+    notes = ["s = wall seconds of a fresh process, from just before Popen to its first step returned; "
+             "(n) = kernel library entries compiled in that process.",
+             "cold = empty BTJIT_CACHE_DIR; cached = the same program again on it; warm lib = its first run in one "
+             "dir where P1 ran first, then the programs above it (P1: its cached run); precompiled = its first run "
+             "after `btjit precompile` in an empty dir" + "".join(f" (precompile took {r['precompile_s']:.1f} s)"
+                                                                for r in rows if r.get("precompile_s")) + ".",
+             "jax jit s = first call of jax.jit(value_and_grad + update), blocking, fresh process; CLI = `btjit "
+             "train` to exit, with the compile seconds of its banner."]
+    return render(Table(head, body, notes, "compile: process start to first step"), markdown, machine, command)
 
 
 def main(argv=None):

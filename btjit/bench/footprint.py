@@ -142,12 +142,14 @@ def run(only=None, peers=None, reps=5, progress=lambda s: None) -> list:
     return rows
 
 
-def format_table(rows) -> str:
-    lines = [f"{'workload':<8s} {'impl':<16s} {'step':>10s} {'peak RSS MB':>12s}  note",
-             "-" * 78]
+def format_table(rows, machine=None, markdown=False, command=None) -> str:
+    """The suite's table (btjit.bench.report.render). machine=None: this machine, False: no heading."""
+    from btjit.bench.report import Table, render
+    body = []
     for r in rows:
         t = harness.fmt_time(r["time_s"]) if r.get("time_s") else "-"
         rss = f"{r['peak_rss_mb']:.1f}" if r.get("peak_rss_mb") is not None else "-"
         note = r.get("note", "") if r["status"] in ("ok", "reference") else r["status"]
-        lines.append(f"{r['workload']:<8s} {r['impl']:<16s} {t:>10s} {rss:>12s}  {note}")
-    return "\n".join(lines)
+        body.append((r["workload"], r["impl"], t, rss, note))
+    return render(Table(("workload", "impl", "step", "peak RSS MB", "note"), body, [],
+                        "footprint: in-process, btjit.runtime and the C host", "llrr"), markdown, machine, command)

@@ -4,39 +4,20 @@
 # survives crashes and timeouts (row status "error: ..."), adds the ratio vs the btjit row of the same
 # workload (time_impl / time_btjit: > 1 means btjit is faster), prints a table and writes JSON.
 # Imports only the standard library and the framework-free registries, so the parent stays light.
-# API for the CLI: run_bench(...) -> list[dict], format_table(rows) -> str, machine_info() -> dict.
+# API for the CLI: run_bench(...) -> list[dict], format_table(rows) -> str (btjit.bench.report renders it).
 # Standalone: python -m btjit.bench.harness --only E1,E6b1 --peers torch,jax --reps 3 --json out.json
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
+from btjit.bench.report import Table, machine_info, render
 from btjit.bench.run_one import thread_env
 from btjit.bench.workloads import PAPER_SUITE, WORKLOADS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SUITES = {"paper": PAPER_SUITE}
-
-
-def machine_info():
-    from importlib import metadata
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = dict(cpu=cpu, cores=os.cpu_count(), python=platform.python_version())
-    for pkg in ("numpy", "numba", "torch", "jax", "micrograd", "autograd"):
-        try:
-            info[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            info[pkg] = None
-    return info
 
 
 def _base_row(impl, workload_id, status, note="", **kw):
@@ -141,9 +122,8 @@ def _note(r):
     return "; ".join(parts)
 
 
-def format_table(rows, machine=None):
-    """The table the CLI prints. machine=None computes the machine line, machine=False omits it."""
-    head = ("workload", "impl", "time/iter", "x vs btjit", "peak RSS MB", "compile s", "note")
+def format_table(rows, machine=None, markdown=False, command=None):
+    """The table the CLI prints (btjit.bench.report.render). machine=None: this machine, False: no heading."""
     body = []
     for r in rows:
         ratio = r.get("ratio_vs_btjit")
@@ -151,20 +131,11 @@ def format_table(rows, machine=None):
                      "-" if ratio is None else f"{ratio:.3g}",
                      "-" if r.get("peak_rss_mb") is None else f"{r['peak_rss_mb']:.0f}",
                      "-" if r.get("compile_s") is None else f"{r['compile_s']:.2f}", _note(r)))
-    widths = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head) - 1)]
-    lines = []
-    if machine is not False:
-        m = machine_info() if machine is None else machine
-        lines.append("machine: " + ", ".join(f"{k} {v}" for k, v in m.items() if v is not None))
-        lines.append("")
-    for x in [head] + body:
-        lines.append("  ".join(str(c).ljust(wd) for c, wd in zip(x, widths)) + "  " + x[-1])
-        if x is head:
-            lines.append("  ".join("-" * wd for wd in widths) + "  " + "-" * 4)
-    lines.append("")
-    lines.append("x vs btjit = time_impl / time_btjit (> 1: btjit faster); one thread unless --threads; "
-                 "time/iter = median over repetitions; compile s kept apart from step time.")
-    return "\n".join(line.rstrip() for line in lines)
+    t = Table(("workload", "impl", "time/iter", "x vs btjit", "peak RSS MB", "compile s", "note"), body,
+              ["x vs btjit = time_impl / time_btjit (> 1: btjit faster); every core unless --threads; "
+               "time/iter = median over repetitions; compile s kept apart from step time."], align="llrrrr",
+              title="paper: the BurTorch paper's workloads E1-E6")
+    return render(t, markdown, machine, command)
 
 
 def main(argv=None):

@@ -106,26 +106,29 @@ def run(reps=10, steps=20, ratio=0.01, threads=1, cases=CASES, progress=None, ti
     return rows
 
 
-def format_table(rows) -> str:
-    head = (f"{'ranks':>5} {'batch':>9} {'compressor':<12} {'scaling':<7} {'step ms':>8} {'compute':>8} "
-            f"{'comm ms':>8} {'bytes/step':>11} {'speedup':>8} {'effic.':>7}")
-    out = ["E6 (mini GPT-3, SGD) data-parallel over MPI; batch = per rank x ranks; bytes = what one rank "
-           "hands to MPI per step", head, "-" * len(head)]
+def format_table(rows, machine=None, markdown=False, command=None) -> str:
+    """The suite's table (btjit.bench.report.render). machine=None: this machine, False: no heading."""
+    from btjit.bench.report import Table, render
+    body = []
     for r in rows:
         comp = r["compressor"] + (f" {r['ratio']:g}" if r.get("ratio") else "")
+        lead = (r["ranks"], f"{r['batch_per_rank']}x{r['ranks']}", comp, r["scaling"])
         if r.get("status") != "ok":
-            out.append(f"{r['ranks']:>5} {r['batch_per_rank']:>4}x{r['ranks']:<4} {comp:<12} {r['scaling']:<7} "
-                       f"{r.get('status')}")
+            body.append(lead + ("-",) * 6 + (r.get("status"),))
             continue
-        out.append(f"{r['ranks']:>5} {r['batch_per_rank']:>4}x{r['ranks']:<4} {comp:<12} {r['scaling']:<7} "
-                   f"{r['step_ms']:>8.2f} {r['compute_ms']:>8.2f} {r['comm_ms']:>8.3f} {r['bytes_per_step']:>11,} "
-                   f"{r.get('speedup', float('nan')):>8.2f} {r.get('efficiency', float('nan')):>6.0%}")
+        body.append(lead + (f"{r['step_ms']:.2f}", f"{r['compute_ms']:.2f}", f"{r['comm_ms']:.3f}",
+                            f"{r['bytes_per_step']:,}", f"{r.get('speedup', float('nan')):.2f}",
+                            f"{r.get('efficiency', float('nan')):.0%}", ""))
+    notes = ["batch = per rank x ranks; bytes/step = what one rank hands to MPI per step"]
     ok = [r for r in rows if r.get("status") == "ok"]
     if ok:
         r = ok[0]
-        out.append(f"{r['n_params']:,} params, dense gradient {r['dense_bytes']:,} bytes; data: {r['data']}; "
-                   f"{' '.join(r['mpi'].split())}; {os.cpu_count()} cores on this machine")
-    return "\n".join(out)
+        notes.append(f"{r['n_params']:,} params, dense gradient {r['dense_bytes']:,} bytes; data: {r['data']}; "
+                     f"{' '.join(r['mpi'].split())}")
+    head = ("ranks", "batch", "compressor", "scaling", "step ms", "compute", "comm ms", "bytes/step", "speedup",
+            "effic.", "note")
+    return render(Table(head, body, notes, title="mpi: E6 (mini GPT-3, SGD) data-parallel over MPI ranks",
+                        align="rrll" + "r" * 6), markdown, machine, command)
 
 
 def main(argv=None):

@@ -176,22 +176,23 @@ def run(only=None, impls=None, threads=1, reps=5, compile=False, progress=lambda
     return rows
 
 
-def format_table(rows) -> str:
-    out = [f"{'size':<5s} {'impl':<14s} {'step ms':>9s} {'vs btjit':>9s} {'GFLOP/s':>8s} {'floor ms':>9s} "
-           f"{'x floor':>8s} {'grad vs torch':>13s} {'RSS MB':>7s}", "-" * 92]
+def format_table(rows, machine=None, markdown=False, command=None) -> str:
+    """The suite's table (btjit.bench.report.render). machine=None: this machine, False: no heading."""
+    from btjit.bench.report import Table, render
     base = {r["size"]: r["time_s"] for r in rows if r["impl"] == "btjit" and r["time_s"]}
+    body = []
     for r in rows:
         if not r["time_s"]:
-            out.append(f"{r['size']:<5s} {r['impl']:<14s} {r['status']}")
+            body.append((r["size"], r["impl"], *"-" * 7, r["status"]))
             continue
         ratio = f"{r['time_s'] / base[r['size']]:.2f}x" if r["size"] in base else "-"
         g = f"{r['grad_vs_torch']:.1e}" if r.get("grad_vs_torch") is not None else "-"
-        out.append(f"{r['size']:<5s} {r['impl']:<14s} {r['time_s'] * 1e3:9.2f} {ratio:>9s} {r['gflops']:8.1f} "
-                   f"{r['floor_s'] * 1e3:9.2f} {r['time_s'] / r['floor_s']:7.2f}x {g:>13s} "
-                   f"{r['peak_rss_mb'] or 0:7.0f}")
-    out.append("vs btjit: the implementation's step time over btjit's (> 1: btjit faster); x floor: over the "
-               "FLOP floor")
-    return "\n".join(out)
+        body.append((r["size"], r["impl"], f"{r['time_s'] * 1e3:.2f}", ratio, f"{r['gflops']:.1f}",
+                     f"{r['floor_s'] * 1e3:.2f}", f"{r['time_s'] / r['floor_s']:.2f}x", g,
+                     f"{r['peak_rss_mb'] or 0:.0f}", ""))
+    head = ("size", "impl", "step ms", "vs btjit", "GFLOP/s", "floor ms", "x floor", "grad vs torch", "RSS MB", "note")
+    notes = ["vs btjit: the implementation's step time over btjit's (> 1: btjit faster); x floor: over the FLOP floor"]
+    return render(Table(head, body, notes, "scale: the paper's GPT grown", "llrrrrrrrl"), markdown, machine, command)
 
 
 def main(argv=None):

@@ -20,13 +20,15 @@ class ConfigError(Exception):
 
 @dataclass
 class ModelConfig:
-    kind: str = "gpt"              # "gpt" (paper E6), "mlp" (paper E5), makemore.py's MAKEMORE_KINDS, "python"
-    n_layer: int = 6               # gpt, transformer: transformer blocks
-    n_head: int = 6                # gpt, transformer: attention heads (head size = n_embd // n_head)
-    n_embd: int = 24               # gpt, makemore kinds: embedding width
-    block_size: int = 8            # gpt: context length T; makemore kinds: T >= the longest word + 1
+    kind: str = "gpt"              # "gpt" (paper E6), "nanogpt" (nanoGPT's model.py), "mlp" (paper E5),
+    #                                makemore.py's MAKEMORE_KINDS, "python"
+    n_layer: int = 6               # gpt, nanogpt, transformer: transformer blocks
+    n_head: int = 6                # gpt, nanogpt, transformer: attention heads (head size = n_embd // n_head)
+    n_embd: int = 24               # gpt, nanogpt, makemore kinds: embedding width
+    block_size: int = 8            # gpt, nanogpt: context length T; makemore kinds: T >= the longest word + 1
     activation: str = "relu"       # gpt: FFN activation, "relu" or "gelu"
-    dropout: float = 0.0           # gpt: dropout while training, at nanoGPT's four sites (0 = none)
+    bias: bool = False             # nanogpt: biases in the Linears and LayerNorms (nanoGPT's train.py: False)
+    dropout: float = 0.0           # gpt, nanogpt: dropout while training, at nanoGPT's four sites (0 = none)
     context: int = 16              # mlp: characters of context (left-padded with '.')
     n_emb: int = 64                # mlp: embedding width per character
     n_hidden: int = 1024           # mlp: hidden units (tanh)
@@ -37,7 +39,8 @@ class ModelConfig:
 
 MAKEMORE_KINDS = ("bigram", "makemore_mlp", "rnn", "gru", "bow", "transformer")   # btjit.models.makemore.KINDS
 MAKEMORE_DEFAULTS = {"n_layer": 4, "n_head": 4, "n_embd": 64, "n_embd2": 64, "block_size": 16}   # makemore.py's
-FORMAT_OF_KIND = {"gpt": "text", "mlp": "lines", **{k: "words" for k in MAKEMORE_KINDS}}   # python: any format
+FORMAT_OF_KIND = {"gpt": "text", "nanogpt": "text", "mlp": "lines",
+                  **{k: "words" for k in MAKEMORE_KINDS}}   # python: any format
 
 
 @dataclass
@@ -124,7 +127,7 @@ class Config:
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig,
             "distributed": DistributedConfig}
 CHOICES = {
-    ("model", "kind"): ("gpt", "mlp", *MAKEMORE_KINDS, "python"), ("model", "activation"): ("relu", "gelu"),
+    ("model", "kind"): ("gpt", "nanogpt", "mlp", *MAKEMORE_KINDS, "python"), ("model", "activation"): ("relu", "gelu"),
     ("data", "format"): ("text", "lines", "words", "arrays"), ("train", "dtype"): ("float32", "float64"),
     ("train", "on_nonfinite"): ("stop", "skip"), ("optim", "name"): ("sgd", "adamw"),
     ("optim", "schedule"): ("constant", "cosine", "linear"),
@@ -243,7 +246,7 @@ def validate(cfg: Config, source: str = "config") -> None:
             if getattr(getattr(cfg, sec), key) < 0:
                 bad(f"{sec}.{key} must be >= 0, got {getattr(getattr(cfg, sec), key)}")
     m, o = cfg.model, cfg.optim
-    if m.kind in ("gpt", "transformer") and m.n_embd % m.n_head != 0:
+    if m.kind in ("gpt", "nanogpt", "transformer") and m.n_embd % m.n_head != 0:
         bad(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
     if not 0.0 <= cfg.model.dropout < 1.0:
         bad(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
@@ -253,8 +256,13 @@ def validate(cfg: Config, source: str = "config") -> None:
         bad(f'data.format = "arrays" needs model.kind = "python" (your model file), not "{m.kind}"')
     if m.kind == "mlp" and cfg.data.format != "lines":
         bad('model.kind = "mlp" needs data.format = "lines" (one word per line)')
-    if m.kind == "gpt" and cfg.data.format != "text":
-        bad('model.kind = "gpt" needs data.format = "text"')
+    if m.kind in ("gpt", "nanogpt") and cfg.data.format != "text":
+        bad(f'model.kind = "{m.kind}" needs data.format = "text"')
+    for key, used, kinds in (("dropout", m.dropout != 0.0, ("gpt", "nanogpt", "python")),
+                             ("bias", m.bias, ("nanogpt", "python"))):
+        if used and m.kind not in kinds:
+            which = " or ".join(f'"{k}"' for k in kinds[:-1])
+            bad(f'model.{key} is only used with model.kind = {which} (this config has kind = "{m.kind}")')
     if m.kind in MAKEMORE_KINDS and cfg.data.format != "words":
         bad(f'model.kind = "{m.kind}" needs data.format = "words" (one word per line, makemore\'s (B, T) batches)')
     if m.kind == "python" and not m.file:

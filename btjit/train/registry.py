@@ -1,5 +1,5 @@
 """From a [model] config section (btjit.train.config.ModelConfig) to a Model: the built-in kinds (the paper's GPT and
-MLP, makemore.py's six models) and the user's model file (kind "python", btjit.train.usermodel). A Model is what
+MLP, nanoGPT's GPT, makemore.py's six models) and the user's model file (kind "python", btjit.train.usermodel). A Model is what
 `btjit train` and `btjit sample` need of any model: init_params(rng) -> dict, loss(p, x, y), logits(p, x), the
 data format it reads, a one-line description, its buffers (init_buffers, or None), and `guard(what)`, which
 turns an error raised in the user's code into one line naming the file and line (a no-op for the built-in
@@ -44,6 +44,13 @@ def model_for(m, vocab_size: int, model_file=None, data_format: str | None = Non
         return Model("gpt", c, lambda rng: gpt.init_params(c, rng), gpt.loss_fn(c), gpt.logits_fn(c), "text",
                      f"gpt {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {m.block_size}, "
                      f"{m.activation}" + (f", dropout {m.dropout}" if m.dropout else ""), True)
+    if m.kind == "nanogpt":
+        from btjit.models import nanogpt
+        c = nanogpt.NanoGPTConfig(vocab_size=vocab_size, block_size=m.block_size, n_layer=m.n_layer,
+                                  n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias)
+        return Model("nanogpt", c, lambda rng: nanogpt.init_params(c, rng), nanogpt.loss_fn(c),
+                     nanogpt.logits_fn(c), "text", f"nanogpt {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, "
+                     f"block {m.block_size}, dropout {m.dropout:g}, bias {m.bias}", True)
     if m.kind == "mlp":
         from btjit.models import mlp
         c = mlp.MLPConfig(vocab_size=vocab_size, context=m.context, n_emb=m.n_emb, n_hidden=m.n_hidden)

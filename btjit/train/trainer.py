@@ -7,6 +7,7 @@
 # parsing (btjit.cli). Errors are TrainError (or Config/Data/CheckpointError, ModelFileError), one line each.
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,7 +27,7 @@ from btjit.train import rundir
 from btjit.train import schedule as sched_mod
 from btjit.train import usermodel
 from btjit.train.checkpoint import CheckpointError
-from btjit.train.config import Config
+from btjit.train.config import Config, ModelConfig
 
 METRICS, CONFIG_FILE = "metrics.jsonl", "config.toml"
 MAX_SKIPS = 100   # consecutive non-finite steps tolerated with on_nonfinite = "skip"
@@ -164,7 +165,8 @@ class Trainer:
             raise TrainError(f"--resume: no valid checkpoint in {self.run_dir}")
         saved = ck.meta.get("config", {}).get("model", {})
         now = self.cfg.to_dict()["model"]
-        diff = [k for k in now if saved.get(k) != now[k] and k != "file"]   # file: the run dir's copy is used
+        default = dataclasses.asdict(ModelConfig())      # a key newer than the checkpoint had its default
+        diff = [k for k in now if saved.get(k, default.get(k)) != now[k] and k != "file"]   # file: the run dir's copy
         if diff:
             k = diff[0]
             raise TrainError(f"--resume: {ck.path.name} was trained with model.{k} = {saved.get(k)!r}, "
