@@ -4,7 +4,6 @@ here too), loaded with btjit's params. At dropout 0, bias True and False: the lo
 in float32, 1e-10 in float64, and a 10-step AdamW trajectory with nanoGPT's clip. Also the param names (nanoGPT's
 state_dict), counts, init, the config keys and the registry."""
 import argparse
-import inspect
 import math
 from pathlib import Path
 
@@ -20,10 +19,6 @@ torch = pytest.importorskip("torch")
 from btjit.bench.peers import nanogpt_torch as NG  # noqa: E402
 
 V, T = 11, 8
-# model.py's exact GELU and bias-free LayerNorm come with the `ops` branch (btjit.gelu(approximate="none"),
-# layer_norm(x, w, None)); with it merged every test here runs (checked with it merged: all pass)
-needs_ops = pytest.mark.skipif("approximate" not in inspect.signature(btjit.gelu).parameters,
-                               reason="needs the ops branch: btjit.gelu(x, approximate='none'), layer_norm(x, w, None)")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
@@ -53,7 +48,6 @@ def torch_grads(model):
     return {k: (v.T if v.ndim == 2 and ".h." in k else v) for k, v in g.items()}
 
 
-@needs_ops
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype,tol_loss,tol_grad", [(np.float32, 1e-5, 1e-4), (np.float64, 1e-10, 1e-10)])
 def test_loss_and_every_gradient_match_pytorch_nanogpt(bias, dtype, tol_loss, tol_grad):
@@ -71,7 +65,6 @@ def test_loss_and_every_gradient_match_pytorch_nanogpt(bias, dtype, tol_loss, to
         assert np.abs(g - want[k]).max() <= tol_grad * scale, k
 
 
-@needs_ops
 @pytest.mark.parametrize("bias", [True, False])
 def test_adamw_trajectory_matches_pytorch_nanogpt(bias):
     cfg, params, x, y = _case(bias, seed=1, B=4)
@@ -100,7 +93,6 @@ def test_adamw_trajectory_matches_pytorch_nanogpt(bias):
         np.testing.assert_allclose(v, want, rtol=1e-4, atol=1e-5, err_msg=k)
 
 
-@needs_ops
 def test_dropout_sites_train_and_eval():
     """dropout 0.2 at the four sites: eval mode is the dropout-0 model exactly; training draws masks from the seed
     (the same seed the same loss, another seed another loss) and changes the loss at every site."""

@@ -1,15 +1,84 @@
-"""Public tensor functions composed of the op table's ops, as torch.nn.functional names them: silu, softplus,
-logsumexp, nll_loss. No kernels of their own: their elementwise parts become one fused-chain row forward and
-one backward (graph/fuse_ew.py), their gradients come from their parts' VJP rules.
+"""Public tensor functions of the neural-network kind, as torch.nn.functional names them: softmax, log_softmax,
+cross_entropy, layer_norm, causal_attention (one fused op each), and silu, softplus, logsumexp, nll_loss (composed
+of the op table's ops: their elementwise parts become one fused-chain row forward and one backward, their
+gradients come from their parts' VJP rules).
 
-Not here: the functions that are one op each (btjit.graph.trace) and the ops themselves (btjit.graph.ops).
+Not here: the tracer and the numpy-like functions (btjit.graph.trace), the ops themselves (btjit.graph.ops).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from btjit.graph.trace import (TraceError, _norm_axes, arange, class_targets, emit, equal, exp, lift, log, log1p, max,
-                    maximum, minimum, reshape, sigmoid, sum, user_src, where)
+from btjit.graph.trace import (TraceError, Tracer, _norm_axes, arange, emit, equal, exp, lift, log, log1p, max, maximum,
+                               current_graph, minimum, reshape, sigmoid, sum, user_src, where)
+
+
+def softmax(x, axis=-1):
+    x = lift(x)
+    _last_axis_only("softmax", x, axis)
+    return emit("softmax", (x,))
+
+
+def log_softmax(x, axis=-1):
+    x = lift(x)
+    _last_axis_only("log_softmax", x, axis)
+    return emit("log_softmax", (x,))
+
+
+def _last_axis_only(op, x, axis):
+    if axis % x.ndim != x.ndim - 1:
+        raise TraceError(f"{op}: only the last axis is supported (got axis={axis}); transpose first — {user_src()}")
+
+
+def class_targets(op, logits, targets, ignore_index, reduction, reductions):
+    """Check a loss's reduction, ignore_index and class-id targets for logits (..., C): constant targets
+    must be integers in [0, C) (or ignore_index) and become an int32 constant."""
+    if reduction not in reductions:
+        raise TraceError(f"{op}: reduction must be {' or '.join(map(repr, reductions))}, got {reduction!r} — "
+                         f"{user_src()}")
+    if ignore_index is not None and (not isinstance(ignore_index, (int, np.integer)) or isinstance(ignore_index, bool)
+                                     or not -2 ** 31 <= ignore_index < 2 ** 31):
+        raise TraceError(f"{op}: ignore_index must be an int32 class id or None, got {ignore_index!r} — "
+                         f"{user_src()}")
+    if isinstance(targets, Tracer):
+        return targets
+    t = np.asarray(targets)                  # constant targets: integer, in range (never read outside a row)
+    if t.dtype.kind not in "iu":
+        raise TraceError(f"{op}: targets must be integer class ids, got {t.dtype} — {user_src()}")
+    n = logits.shape[-1] if logits.ndim else 0
+    bad = t[(t != ignore_index) if ignore_index is not None else np.ones(t.shape, bool)]
+    if bad.size and (bad.min() < 0 or bad.max() >= n):
+        raise TraceError(f"{op}: target values must be in [0, {n})"
+                         f"{'' if ignore_index is None else f' or {ignore_index}'}, got min {bad.min()} max "
+                         f"{bad.max()} — {user_src()}")
+    return Tracer(current_graph().const(t, "i32"), current_graph())
+
+
+def cross_entropy(logits, targets, ignore_index=None, reduction="mean"):
+    """Softmax cross-entropy of logits (..., V) against integer class ids (...), with torch's semantics:
+    reduction "mean" (over the kept positions) or "sum"; positions whose target equals ignore_index (e.g. -1,
+    makemore's and nanoGPT's padding) add nothing and get zero gradient. A batch with every position ignored
+    gives NaN ("mean") or 0 ("sum"), and zero gradients -- as torch."""
+    logits = lift(logits)
+    targets = class_targets("cross_entropy", logits, targets, ignore_index, reduction, ("mean", "sum"))
+    attrs = {k: v for k, v in (("ignore_index", None if ignore_index is None else int(ignore_index)),
+                               ("reduction", reduction)) if v not in (None, "mean")}
+    return emit("cross_entropy", (logits, targets), **attrs)[0]
+
+
+def layer_norm(x, weight, bias, eps=1e-5):
+    """LayerNorm over the last axis (biased variance, as torch); weight or bias None: none (nanoGPT's
+    bias=False), computed as ones / zeros."""
+    x = lift(x)
+    C = x.shape[-1] if x.ndim else 1
+    w = lift(np.ones(C) if weight is None else weight)
+    b = lift(np.zeros(C) if bias is None else bias)
+    return emit("layernorm", (x, w, b), eps=float(eps))[0]
+
+
+def causal_attention(qkv, n_head):
+    """Fused causal self-attention: qkv (B, T, 3C) holding q | k | v -> (B, T, C), n_head heads of C/n_head."""
+    return emit("causal_attention", (lift(qkv),), n_head=int(n_head))[0]
 
 
 def silu(x):

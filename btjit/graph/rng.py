@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from btjit.graph import trace as T
+from btjit.graph import functional as F, trace as T
 from btjit.kernels import rng as K
 from btjit.kernels.attention import KEPT_MIN_HS, KEPT_MIN_T
 from btjit.kernels.library import LIBRARY
@@ -45,7 +45,7 @@ def causal_attention(qkv, n_head, dropout=0.0):
     is traced as its ops written out (the same mask)."""
     qkv, p, nh = T.lift(qkv), _probability(dropout, "causal_attention"), int(n_head)
     if p == 0.0 or not T.current_graph().training:
-        return T.causal_attention(qkv, nh)
+        return F.causal_attention(qkv, nh)
     if attn_dropout_in_kernel(qkv.shape, nh):
         return T.emit("causal_attention", (qkv, _key()), n_head=nh, dropout=p, site=_site())[0]
     B, T_, C = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
@@ -53,7 +53,7 @@ def causal_attention(qkv, n_head, dropout=0.0):
     q, k, v = (T.transpose(T.reshape(t, (B, T_, nh, hs)), (0, 2, 1, 3)) for t in T.split(qkv, 3, axis=2))
     att = T.where(np.tril(np.ones((T_, T_), bool)), T.matmul(q, T.swapaxes(k, -1, -2)) * (1.0 / np.sqrt(hs)),
                   -np.inf)
-    y = T.matmul(_dropout(T.softmax(att), p), v)
+    y = T.matmul(_dropout(F.softmax(att), p), v)
     return T.reshape(T.transpose(y, (0, 2, 1, 3)), (B, T_, C))
 
 

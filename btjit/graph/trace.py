@@ -1,123 +1,19 @@
 """Tracing: tracer objects with numpy-like operators that record equations into a Graph.
 
-`Tracer` wraps a Var of the graph being built. Every operation goes through `emit()`, which asks the op
-table's shape rule for the output types; a shape or dtype error becomes a `TraceError` naming the op, the
-shapes and the user's source line. The public tensor functions (btjit.exp, btjit.matmul, ...) live here
-too, and the VJP rules in graph/ops/ are written with them, so backward equations come from the same place.
+`Tracer` wraps a Var of the graph being built. Every operation goes through `emit()` (btjit/graph/tracer.py, the
+recording core, re-exported here). The numpy-like tensor functions (btjit.exp, btjit.matmul, btjit.reshape, ...)
+live here too, and the VJP rules in graph/ops/ are written with them, so backward equations come from the same
+place; the neural-network functions are in btjit/graph/functional.py.
 """
 from __future__ import annotations
 
 import builtins
-import contextlib
-import os
-import sys
 
 import numpy as np
 
-from btjit.graph.ir import Eqn, Graph
-from btjit.graph.optable import TABLE, ShapeError
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_STACK: list = []          # graphs being built (innermost last)
-_SRC_OVERRIDE: list = []   # source line forced by autodiff for backward equations
-
-
-class TraceError(Exception):
-    """A problem in the user's traced function: names the op, the shapes and the source line."""
-
-
-_INTERNAL: dict = {}       # code filename -> (is btjit/graph or numpy internals, basename)
-
-
-def _frame_file(fn):
-    if fn not in _INTERNAL:
-        _INTERNAL[fn] = (os.path.abspath(fn).startswith(_HERE) or "numpy" in fn.split(os.sep)[-3:-1],
-                         os.path.basename(fn))
-    return _INTERNAL[fn]
-
-
-def user_src() -> str:
-    """"file.py:line" of the innermost frame outside btjit's graph package (the user's code)."""
-    if _SRC_OVERRIDE:
-        return _SRC_OVERRIDE[-1]
-    f = sys._getframe(1)
-    while f is not None:
-        internal, base = _frame_file(f.f_code.co_filename)
-        if not internal:
-            return f"{base}:{f.f_lineno}"
-        f = f.f_back
-    return ""
-
-
-@contextlib.contextmanager
-def building(graph: Graph):
-    _STACK.append(graph)
-    try:
-        yield graph
-    finally:
-        _STACK.pop()
-
-
-@contextlib.contextmanager
-def source(src: str):
-    _SRC_OVERRIDE.append(src)
-    try:
-        yield
-    finally:
-        _SRC_OVERRIDE.pop()
-
-
-def current_graph() -> Graph:
-    if not _STACK:
-        raise TraceError("btjit tensor functions can only be used inside a function traced by btjit.trace")
-    return _STACK[-1]
-
-
-def emit(op: str, ins, **attrs):
-    """Append one equation; returns its output tracers (a tuple if the op has several outputs)."""
-    g = current_graph()
-    ins = tuple(ins)
-    for t in ins:
-        if t.graph is not g:
-            raise TraceError(f"{op}: uses a traced value from another btjit.trace call (kept in a global or closure); "
-                             f"tracers are only valid inside the function being traced — {user_src()}")
-    try:
-        types = TABLE[op].infer([(t.node.shape, t.node.dtype) for t in ins], attrs, g.float_dtype)
-    except ShapeError as e:
-        shapes = " and ".join(str(t.node.shape) for t in ins)
-        raise TraceError(f"{op}: {e} (input shapes {shapes}) — {user_src()}") from None
-    outs = tuple(g.new_var(s, d) for s, d in types)
-    g.eqns.append(Eqn(op, tuple(t.node for t in ins), outs, attrs, user_src()))
-    res = tuple(Tracer(v, g) for v in outs)
-    return res[0] if len(res) == 1 else res
-
-
-def lift(x, like=None) -> "Tracer":
-    """A Tracer for x: tracers pass through; Python numbers and numpy arrays become graph constants."""
-    if isinstance(x, Tracer):
-        return x
-    g = current_graph()
-    if isinstance(x, (bool, int, float, np.number, np.ndarray, list)):
-        arr = np.asarray(x)
-        if arr.dtype.kind in "iu" and (like.node.dtype == "i32" if like is not None else arr.ndim > 0):
-            return Tracer(g.const(arr, "i32"), g)
-        if arr.dtype.kind not in "iubf":
-            raise TraceError(f"cannot use a {arr.dtype} array in a traced function — {user_src()}")
-        return Tracer(g.const(arr.astype(np.float64), g.float_dtype), g)
-    raise TraceError(f"cannot use a value of type {type(x).__name__} in a traced function — {user_src()}")
-
-
-def _norm_axes(axis, ndim, op):
-    if axis is None:
-        return tuple(range(ndim))
-    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
-    out = []
-    for a in axes:
-        if not -ndim <= a < ndim:
-            raise TraceError(f"{op}: axis {a} out of range for {ndim}-d input — {user_src()}")
-        out.append(int(a) % ndim)
-    return tuple(sorted(set(out)))
-
+from btjit.graph import tracer as _core
+from btjit.graph.tracer import (TraceError, _norm_axes, building, current_graph, emit, lift,  # noqa: F401
+                                source, user_src)
 
 def _binop(op, x, y):
     x = lift(x, y if isinstance(y, Tracer) else None)
@@ -552,74 +448,6 @@ def take(table, idx):
     return emit("take", (table, idx))
 
 
-def softmax(x, axis=-1):
-    x = lift(x)
-    _last_axis_only("softmax", x, axis)
-    return emit("softmax", (x,))
-
-
-def log_softmax(x, axis=-1):
-    x = lift(x)
-    _last_axis_only("log_softmax", x, axis)
-    return emit("log_softmax", (x,))
-
-
-def _last_axis_only(op, x, axis):
-    if axis % x.ndim != x.ndim - 1:
-        raise TraceError(f"{op}: only the last axis is supported (got axis={axis}); transpose first — {user_src()}")
-
-
-def class_targets(op, logits, targets, ignore_index, reduction, reductions):
-    """Check a loss's reduction, ignore_index and class-id targets for logits (..., C): constant targets
-    must be integers in [0, C) (or ignore_index) and become an int32 constant."""
-    if reduction not in reductions:
-        raise TraceError(f"{op}: reduction must be {' or '.join(map(repr, reductions))}, got {reduction!r} — "
-                         f"{user_src()}")
-    if ignore_index is not None and (not isinstance(ignore_index, (int, np.integer)) or isinstance(ignore_index, bool)
-                                     or not -2 ** 31 <= ignore_index < 2 ** 31):
-        raise TraceError(f"{op}: ignore_index must be an int32 class id or None, got {ignore_index!r} — "
-                         f"{user_src()}")
-    if isinstance(targets, Tracer):
-        return targets
-    t = np.asarray(targets)                  # constant targets: integer, in range (never read outside a row)
-    if t.dtype.kind not in "iu":
-        raise TraceError(f"{op}: targets must be integer class ids, got {t.dtype} — {user_src()}")
-    n = logits.shape[-1] if logits.ndim else 0
-    bad = t[(t != ignore_index) if ignore_index is not None else np.ones(t.shape, bool)]
-    if bad.size and (bad.min() < 0 or bad.max() >= n):
-        raise TraceError(f"{op}: target values must be in [0, {n})"
-                         f"{'' if ignore_index is None else f' or {ignore_index}'}, got min {bad.min()} max "
-                         f"{bad.max()} — {user_src()}")
-    return Tracer(current_graph().const(t, "i32"), current_graph())
-
-
-def cross_entropy(logits, targets, ignore_index=None, reduction="mean"):
-    """Softmax cross-entropy of logits (..., V) against integer class ids (...), with torch's semantics:
-    reduction "mean" (over the kept positions) or "sum"; positions whose target equals ignore_index (e.g. -1,
-    makemore's and nanoGPT's padding) add nothing and get zero gradient. A batch with every position ignored
-    gives NaN ("mean") or 0 ("sum"), and zero gradients -- as torch."""
-    logits = lift(logits)
-    targets = class_targets("cross_entropy", logits, targets, ignore_index, reduction, ("mean", "sum"))
-    attrs = {k: v for k, v in (("ignore_index", None if ignore_index is None else int(ignore_index)),
-                               ("reduction", reduction)) if v not in (None, "mean")}
-    return emit("cross_entropy", (logits, targets), **attrs)[0]
-
-
-def layer_norm(x, weight, bias, eps=1e-5):
-    """LayerNorm over the last axis (biased variance, as torch); weight or bias None: none (nanoGPT's
-    bias=False), computed as ones / zeros."""
-    x = lift(x)
-    C = x.shape[-1] if x.ndim else 1
-    w = lift(np.ones(C) if weight is None else weight)
-    b = lift(np.zeros(C) if bias is None else bias)
-    return emit("layernorm", (x, w, b), eps=float(eps))[0]
-
-
-def causal_attention(qkv, n_head):
-    """Fused causal self-attention: qkv (B, T, 3C) holding q | k | v -> (B, T, C), n_head heads of C/n_head."""
-    return emit("causal_attention", (lift(qkv),), n_head=int(n_head))[0]
-
-
 _UFUNCS = {"add": lambda x, y: _binop("add", x, y), "subtract": lambda x, y: _binop("sub", x, y),
            "multiply": lambda x, y: _binop("mul", x, y), "divide": lambda x, y: _binop("div", x, y),
            "true_divide": lambda x, y: _binop("div", x, y), "negative": lambda x: emit("neg", (lift(x),)),
@@ -646,3 +474,6 @@ def _np_take(a, idx, axis=None):
     if axis % builtins.max(a.ndim, 1) != 0:
         raise TraceError(f"np.take: only axis=0 or axis=None is supported (got axis={axis}) — {user_src()}")
     return take(a, idx)
+
+
+_core.TRACER.append(Tracer)
