@@ -15,8 +15,6 @@ def uniform(rng, shape, fan_in):    # tinygrad's Conv2d / Linear init: U(-1/sqrt
 
 
 def init_params(cfg, rng):
-    if cfg.batch_norm and not hasattr(btjit, "batch_norm"):
-        raise ValueError("this btjit has no btjit.batch_norm yet: set batch_norm = false in [model]")
     p = {}
     for name, cin, cout, k in CONVS:
         p[f"{name}.weight"] = uniform(rng, (cout, cin, k, k), cin * k * k)

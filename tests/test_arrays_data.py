@@ -116,7 +116,7 @@ def test_btjit_train_reports_val_accuracy_and_samples_no_text(tmp_path):
 
 
 def test_mnist_idx_files_become_the_npz_the_config_reads(tmp_path):
-    """examples/mnist_npz.py (docs/conv-new.md) on small idx files of MNIST's layout, read back by the arrays reader."""
+    """examples/mnist_npz.py (docs/guide.md) on small idx files of MNIST's layout, read back by the arrays reader."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("mnist_npz", EXAMPLES / "mnist_npz.py")
     mod = importlib.util.module_from_spec(spec)

@@ -1,5 +1,5 @@
 """The CNN model files against torch: pytorch/examples' MNIST net (examples/mnist_cnn.py, without dropout) and
-tinygrad's beautiful_mnist net (examples/beautiful_mnist.py, without its batch norms until btjit has them) --
+tinygrad's beautiful_mnist net (examples/beautiful_mnist.py, with and without its batch norms) --
 the same weights and batches on both sides, 10 AdamW steps, every loss and the final weights compared; and a
 conv/pool program exported and run by btjit.runtime bit for bit as in-process."""
 from pathlib import Path
@@ -46,7 +46,18 @@ class BeautifulNet(nn.Module):       # tinygrad's beautiful_mnist Model, BatchNo
         return self.fc(x.flatten(1))
 
 
-def _trajectory(mod, cfg, net, dtype, normalize, steps=10, B=4):
+class BeautifulNetBN(BeautifulNet):  # ... with its two BatchNorm2d
+    def __init__(self):
+        super().__init__()
+        self.bn1, self.bn2 = nn.BatchNorm2d(32), nn.BatchNorm2d(64)
+
+    def forward(self, x):
+        x = TF.max_pool2d(self.bn1(TF.relu(self.l2(TF.relu(self.l1(x))))), 2)
+        x = TF.max_pool2d(self.bn2(TF.relu(self.l4(TF.relu(self.l3(x))))), 2)
+        return self.fc(x.flatten(1))
+
+
+def _trajectory(mod, cfg, net, dtype, normalize, steps=10, B=4, buffers=None):
     rng = np.random.default_rng(0)
     p = mod.init_params(cfg, rng)
     pix = [rng.integers(0, 256, (B, 1, 28, 28)).astype(np.float32) / 255 for _ in range(steps)]
@@ -55,7 +66,8 @@ def _trajectory(mod, cfg, net, dtype, normalize, steps=10, B=4):
     net = net.to(tdt)
     with torch.no_grad():
         for k, v in net.state_dict().items():
-            v.copy_(torch.tensor(p[k].T if v.ndim == 2 else p[k]))
+            if k in p:
+                v.copy_(torch.tensor(p[k].T if v.ndim == 2 else p[k]))
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.01)
     want = []
     for x, y in data:
@@ -66,9 +78,11 @@ def _trajectory(mod, cfg, net, dtype, normalize, steps=10, B=4):
         opt.step()
         want.append(loss.item())
     loss_fn = (lambda q, x, y: mod.loss(q, x, y, cfg)) if mod.loss.__code__.co_argcount == 4 else mod.loss
-    prog = btjit.trace(loss_fn, p, *data[0], optimizer=btjit.optim.AdamW(lr=1e-3, weight_decay=0.01), dtype=dtype)
+    prog = btjit.trace(loss_fn, p, *data[0], optimizer=btjit.optim.AdamW(lr=1e-3, weight_decay=0.01), dtype=dtype,
+                       buffers=buffers)
     got = [prog.step(x, y) for x, y in data]
-    return got, want, {k: v.T if v.ndim == 2 else v for k, v in prog.params.items()}, net.state_dict()
+    return got, want, {k: v.T if v.ndim == 2 else v for k, v in {**prog.params, **prog.buffers}.items()}, \
+        net.state_dict()
 
 
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-9), ("float32", 2e-4)])
@@ -88,12 +102,18 @@ def test_beautiful_mnist_net_without_batch_norm_trains_as_torch():
         np.testing.assert_allclose(params[k], v.numpy(), rtol=1e-7, atol=1e-9, err_msg=k)
 
 
-def test_beautiful_mnist_says_what_its_batch_norm_needs():
+def test_beautiful_mnist_net_with_batch_norm_trains_as_torch():
+    """tinygrad's net as written, its BatchNorm2d's running statistics as buffers: losses, params and running
+    statistics over 10 AdamW steps as torch's."""
     mod = model_file("beautiful_mnist.py")
-    if hasattr(btjit, "batch_norm"):
-        pytest.skip("btjit has batch_norm: the net is tested with it elsewhere")
-    with pytest.raises(ValueError, match="batch_norm = false"):
-        mod.init_params(SimpleNamespace(batch_norm=True), np.random.default_rng(0))
+    cfg = SimpleNamespace(batch_norm=True)
+    bufs = {k: v.astype(np.float64) for k, v in mod.init_buffers(cfg).items()}
+    got, want, params, state = _trajectory(mod, cfg, BeautifulNetBN(), "float64", None, buffers=bufs)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+    for k, v in state.items():
+        if k.endswith("num_batches_tracked"):
+            continue                 # (AdamW's m / sqrt(v) amplifies last-digit gradient differences a little)
+        np.testing.assert_allclose(params[k], v.numpy(), rtol=1e-6, atol=1e-8, err_msg=k)
 
 
 def cnn_loss(p, x, y):
