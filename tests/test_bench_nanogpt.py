@@ -2,7 +2,6 @@
 `btjit train` in a child process and the torch row from nanoGPT's loop (btjit/bench/peers/nanogpt_torch.py), both
 on one shrunken copy of configs/nanogpt_cpu.toml; the rows have their fields, finite losses that fall, and the
 CLI's argument errors. No timing assertions."""
-import inspect
 import math
 import re
 from pathlib import Path
@@ -10,7 +9,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import btjit
 from btjit.bench import nanogpt_suite, report
 from btjit.cli import cli
 
@@ -40,8 +38,6 @@ def _check(row, steps):
     assert row["val_loss"] == vals[-1]
 
 
-@pytest.mark.skipif("approximate" not in inspect.signature(btjit.gelu).parameters,
-                    reason="nanoGPT's model needs the ops branch: btjit.gelu(x, approximate='none')")
 def test_btjit_and_torch_rows_from_one_config(small_config):
     pytest.importorskip("torch")
     rows = nanogpt_suite.run(steps=12, config=small_config)

@@ -192,13 +192,13 @@ def test_two_thread_training_runs_replicas_and_resumes_bit_exact(setup, gpt):
     cfg, data, tmp = setup
     two = ("--data", data, "--threads", "2", "--set", "train.batch_size=64")
     res = run("train", cfg, *two, "--out", tmp / "a")
-    assert res.exit_code == 0 and "threads 2 (2 data-parallel replicas)" in res.output, res.output
+    assert res.exit_code == 0 and "threads 2 of 2 (2 data-parallel replicas)" in res.output, res.output
     assert run("train", cfg, *two, "--out", tmp / "b", "--set", "train.steps=13").exit_code == 0
     res = run("train", cfg, *two, "--out", tmp / "b", "--resume")
     assert res.exit_code == 0 and "resumed from ckpt_00000013.npz at step 13" in res.output, res.output
     assert_same_state(final_state(tmp / "a"), final_state(tmp / "b"))
     res = run("train", cfg, "--data", data, "--threads", "1", "--set", "train.batch_size=64", "--out", tmp / "c")
-    assert res.exit_code == 0 and "replicas" not in res.output
+    assert res.exit_code == 0 and "replicas" not in res.output and "of 1 (one thread)" in res.output
     a, c = final_state(tmp / "a"), final_state(tmp / "c")
     for k in a.params:
         np.testing.assert_allclose(a.params[k], c.params[k], rtol=1e-3, atol=1e-5, err_msg=k)
