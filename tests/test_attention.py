@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import btjit
-from btjit.host.threads import default_threads
 from btjit.kernels import attention as A
 from btjit.kernels import attn_kept as K
 from btjit.kernels.library import OPCODE
@@ -104,12 +103,12 @@ def test_flash_large_scores_stay_finite():
     check(ar.get("dqkv", qkv.shape), attn_bwd_ref(qkv, dy, B, T, C, NH, scale), np.float32, 1e-4)
 
 
-def _program(B, T, C, NH, dtype, seed=0):
+def _program(B, T, C, NH, dtype, seed=0, threads=1):
     rng = np.random.default_rng(seed)
     qkv = rng.normal(size=(B, T, 3 * C)).astype(dtype)
     w = rng.normal(size=(B, T, C)).astype(dtype)
     prog = btjit.trace(lambda p: btjit.sum(btjit.causal_attention(p["qkv"], NH) * w), {"qkv": qkv}, dtype=dtype,
-                       grad=True, threads=1)     # one thread: the kernels without their _par twins
+                       grad=True, threads=threads)     # one thread: the kernels without their _par twins
     return prog, qkv.astype(np.float64), w
 
 
@@ -163,7 +162,7 @@ def test_gpt_kernels_match_small_t_kernels(monkeypatch, block_size, kind):
     for kept_t, flash_t in ((kept_min, flash_min) if kind == "kept" else (10 ** 9, flash_min), (10 ** 9, 10 ** 9)):
         monkeypatch.setattr(A, "KEPT_MIN_T", kept_t)
         monkeypatch.setattr(A, "FLASH_MIN_T", flash_t)
-        progs.append(btjit.trace(gpt.loss_fn(cfg), params, x, y, dtype="float64", grad=True))
+        progs.append(btjit.trace(gpt.loss_fn(cfg), params, x, y, dtype="float64", grad=True, threads=1))
     fast, ref = progs
     assert OPCODE[f"k_attn_fwd_{kind}"] in {int(r[0]) for r in fast.tape}
     assert not {OPCODE["k_attn_fwd_kept"], OPCODE["k_attn_fwd_flash"]} & {int(r[0]) for r in ref.tape}
@@ -180,11 +179,7 @@ def test_two_thread_kept_kernels_match_the_serial_ones(dtype, B):
     from btjit.kernels.library import LIBRARY
     progs = []
     for threads in (1, 2):
-        btjit.set_num_threads(threads)
-        try:
-            progs.append(_program(B, 24, 32, 2, dtype))
-        finally:
-            btjit.set_num_threads(default_threads())
+        progs.append(_program(B, 24, 32, 2, dtype, threads=threads))
     (serial, _, _), (par, _, _) = progs
     names = {LIBRARY.entry_of(int(r[0]))[0] for r in par.tape}
     kept = {"k_attn_fwd_kept", "k_attn_bwd_kept"}
