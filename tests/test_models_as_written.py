@@ -1,0 +1,221 @@
+"""Models as their authors wrote them, trained with btjit beside the same model in PyTorch (same initial weights,
+same batches, float64):
+
+1. makemore part 5's WaveNet (Karpathy's nn-zero-to-hero lecture 5): Embedding(27, 10) -> three times
+   [FlattenConsecutive(2) -> Linear(no bias) -> BatchNorm1d over (B, T, C) -> Tanh] (the last one squeezes T to 1)
+   -> Linear(n_hidden, 27) -> cross_entropy, block_size 8, running statistics (momentum 0.001) as btjit buffers.
+   The torch side is torch.nn.functional.batch_norm on (N, C, L) (biased variance to normalise, unbiased for the
+   running update; the lecture's own class uses the unbiased variance for both). 10 SGD steps: every loss within
+   1e-10, params and running statistics within 1e-9, and prog.eval equals the torch model's eval-mode loss.
+2. pytorch/examples' word_language_model shape: Embedding(V, E) -> two LSTM layers -> Linear(H, V) with the
+   decoder tied to the embedding table (E == H), the hidden state (h, c of both layers) carried from one batch to
+   the next as buffers through btjit.assign (torch: repackage_hidden, i.e. detach), btjit's side written with
+   lstm_cell per time step, torch's with torch.nn.LSTM(num_layers=2). 5 SGD steps, no gradient clipping: every
+   loss within 1e-10, params and the carried h / c within 1e-9.
+"""
+import numpy as np
+import pytest
+
+import btjit
+from btjit.models.rnn_cells import lstm_cell
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+LOSS_TOL, STATE_TOL = 1e-10, 1e-9
+
+
+# ----------------------------------------------------------------------------- makemore part 5: WaveNet
+V5, BLOCK, N_EMBD, N_HIDDEN, MOMENTUM = 27, 8, 10, 32, 0.001
+LAYERS = [(N_EMBD * 2, N_HIDDEN), (N_HIDDEN * 2, N_HIDDEN), (N_HIDDEN * 2, N_HIDDEN)]
+
+
+def _wavenet_init(rng):
+    """The lecture's init: Linear weight randn(fan_in, fan_out) / fan_in**0.5 (last layer * 0.1), BatchNorm1d
+    gamma 1 beta 0, running mean 0 var 1 (the batch norms' gains and biases perturbed so they are not trivial)."""
+    p = {"C": rng.normal(size=(V5, N_EMBD))}
+    for i, (fi, fo) in enumerate(LAYERS):
+        p[f"W{i}"] = rng.normal(size=(fi, fo)) / fi ** 0.5
+        p[f"gamma{i}"] = 1.0 + 0.1 * rng.normal(size=fo)
+        p[f"beta{i}"] = 0.1 * rng.normal(size=fo)
+    p["Wout"] = rng.normal(size=(N_HIDDEN, V5)) / N_HIDDEN ** 0.5 * 0.1
+    p["bout"] = np.zeros(V5)
+    bufs = {}
+    for i in range(len(LAYERS)):
+        bufs[f"rmean{i}"], bufs[f"rvar{i}"] = np.zeros(N_HIDDEN), np.ones(N_HIDDEN)
+    return p, bufs
+
+
+def _flatten_consecutive(x, n):
+    """FlattenConsecutive(n): (B, T, C) -> (B, T // n, C * n), squeezing T when it becomes 1."""
+    B, T, C = x.shape
+    x = x.reshape(B, T // n, C * n)
+    return x.reshape(B, C * n) if T // n == 1 else x
+
+
+def _wavenet_loss(p, x, y):
+    h = btjit.take(p["C"], x)                                          # (B, 8, 10)
+    for i in range(len(LAYERS)):
+        h = _flatten_consecutive(h, 2) @ p[f"W{i}"]                    # (B, 4, H), (B, 2, H), (B, H)
+        h = btjit.batch_norm(h, p[f"gamma{i}"], p[f"beta{i}"], p[f"rmean{i}"], p[f"rvar{i}"],
+                             momentum=MOMENTUM, axis=-1)
+        h = btjit.tanh(h)
+    return btjit.cross_entropy(h @ p["Wout"] + p["bout"], y)
+
+
+class _TorchWaveNet(torch.nn.Module):
+    """The same WaveNet in torch; batch norm as F.batch_norm on (N, C, L) so the statistics are torch's own."""
+
+    def __init__(self, p, bufs):
+        super().__init__()
+        t = lambda a: torch.nn.Parameter(torch.tensor(a, dtype=torch.float64))  # noqa: E731
+        self.C = t(p["C"])
+        self.W = torch.nn.ParameterList([t(p[f"W{i}"]) for i in range(len(LAYERS))])
+        self.gamma = torch.nn.ParameterList([t(p[f"gamma{i}"]) for i in range(len(LAYERS))])
+        self.beta = torch.nn.ParameterList([t(p[f"beta{i}"]) for i in range(len(LAYERS))])
+        self.Wout, self.bout = t(p["Wout"]), t(p["bout"])
+        for i in range(len(LAYERS)):
+            self.register_buffer(f"rmean{i}", torch.tensor(bufs[f"rmean{i}"], dtype=torch.float64))
+            self.register_buffer(f"rvar{i}", torch.tensor(bufs[f"rvar{i}"], dtype=torch.float64))
+
+    def forward(self, x, y):
+        h = self.C[x]
+        for i in range(len(LAYERS)):
+            B, T, Cc = h.shape
+            h = h.reshape(B, T // 2, Cc * 2)          # the lecture: view (its h is contiguous)
+            if T // 2 == 1:
+                h = h.squeeze(1)
+            h = h @ self.W[i]
+            ht = h.transpose(1, 2) if h.ndim == 3 else h              # (N, C, L) / (N, C)
+            ht = F.batch_norm(ht, getattr(self, f"rmean{i}"), getattr(self, f"rvar{i}"), self.gamma[i],
+                              self.beta[i], training=self.training, momentum=MOMENTUM, eps=1e-5)
+            h = torch.tanh(ht.transpose(1, 2) if h.ndim == 3 else ht)
+        return F.cross_entropy(h @ self.Wout + self.bout, y)
+
+
+def _words_batches(rng, n, B):
+    """makemore-shaped batches: (B, 8) contexts and (B,) next characters (random ids)."""
+    out = []
+    for _ in range(n):
+        out.append((rng.integers(0, V5, (B, BLOCK)), rng.integers(0, V5, B)))
+    return out
+
+
+def test_makemore_part5_wavenet_matches_torch():
+    rng = np.random.default_rng(5)
+    params, bufs = _wavenet_init(rng)
+    batches = _words_batches(rng, 10, 32)
+    prog = btjit.trace(_wavenet_loss, params, *batches[0], buffers=bufs, optimizer=btjit.optim.SGD(lr=0.1),
+                       dtype="float64")
+    model = _TorchWaveNet(params, bufs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches:
+        opt.zero_grad()
+        loss = model(torch.tensor(x), torch.tensor(y))
+        loss.backward()
+        opt.step()
+        got = prog.step(x, y)
+        assert abs(got - loss.item()) <= LOSS_TOL, (got, loss.item())
+    want = {"C": model.C, "Wout": model.Wout, "bout": model.bout}
+    for i in range(len(LAYERS)):
+        want.update({f"W{i}": model.W[i], f"gamma{i}": model.gamma[i], f"beta{i}": model.beta[i]})
+    for k, v in want.items():
+        np.testing.assert_allclose(prog.params[k], v.detach().numpy(), rtol=0, atol=STATE_TOL, err_msg=k)
+    for i in range(len(LAYERS)):
+        for k in (f"rmean{i}", f"rvar{i}"):
+            np.testing.assert_allclose(prog.buffers[k], getattr(model, k).numpy(), rtol=0, atol=STATE_TOL,
+                                       err_msg=k)
+    assert not np.allclose(prog.buffers["rmean0"], 0.0)              # the running statistics did move
+    model.eval()
+    x, y = batches[0]
+    with torch.no_grad():
+        want_eval = model(torch.tensor(x), torch.tensor(y)).item()
+    got_eval = prog.eval(x, y)
+    assert abs(got_eval - want_eval) <= LOSS_TOL, (got_eval, want_eval)
+    for i in range(len(LAYERS)):                                       # eval applied no assign
+        np.testing.assert_allclose(prog.buffers[f"rmean{i}"], getattr(model, f"rmean{i}").numpy(), rtol=0,
+                                   atol=STATE_TOL)
+
+
+# ----------------------------------------------------------------------------- word_language_model: 2-layer LSTM
+VL, EH, SEQ, BATCH, NLAYERS = 13, 8, 5, 3, 2
+STATE = [f"{s}{l}" for l in range(NLAYERS) for s in ("h", "c")]
+
+
+def _lstm_lm_loss(p, x, y):
+    """x, y: (seq, batch) ints as word_language_model's get_batch gives them."""
+    h = [p[f"h{l}"] for l in range(NLAYERS)]
+    c = [p[f"c{l}"] for l in range(NLAYERS)]
+    emb = btjit.take(p["encoder"], x)                                  # (T, B, E)
+    outs = []
+    for t in range(x.shape[0]):
+        inp = emb[t]
+        for l in range(NLAYERS):
+            h[l], c[l] = lstm_cell(inp, h[l], c[l], p[f"weight_ih_l{l}"], p[f"weight_hh_l{l}"],
+                                   p[f"bias_ih_l{l}"], p[f"bias_hh_l{l}"])
+            inp = h[l]
+        outs.append(inp)
+    out = btjit.stack(outs)                                            # (T, B, H)
+    logits = out @ p["encoder"].T + p["decoder_bias"]                  # tied: decoder.weight is encoder.weight
+    for l in range(NLAYERS):                                           # carried to the next batch, no gradient
+        btjit.assign(p[f"h{l}"], h[l])
+        btjit.assign(p[f"c{l}"], c[l])
+    return btjit.cross_entropy(logits.reshape(-1, VL), y.reshape(-1))
+
+
+class _TorchRNNModel(torch.nn.Module):
+    """word_language_model's RNNModel('LSTM', ntoken, ninp, nhid, nlayers, dropout=0, tie_weights=True)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Embedding(VL, EH)
+        self.rnn = torch.nn.LSTM(EH, EH, NLAYERS, dropout=0.0)
+        self.decoder = torch.nn.Linear(EH, VL)
+        self.decoder.weight = self.encoder.weight
+
+    def forward(self, x, hidden):
+        output, hidden = self.rnn(self.encoder(x), hidden)
+        return self.decoder(output).view(-1, VL), hidden
+
+
+def test_word_language_model_lstm_tied_carried_hidden_matches_torch():
+    torch.manual_seed(0)
+    model = _TorchRNNModel().double()
+    with torch.no_grad():                                              # the example's init_weights
+        model.encoder.weight.uniform_(-0.1, 0.1)
+        model.decoder.bias.uniform_(-0.1, 0.1)                         # (the example zeroes it; not trivial here)
+    params = {"encoder": model.encoder.weight.detach().numpy().copy(),
+              "decoder_bias": model.decoder.bias.detach().numpy().copy()}
+    for l in range(NLAYERS):
+        for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            params[f"{k}_l{l}"] = getattr(model.rnn, f"{k}_l{l}").detach().numpy().copy()
+    bufs = {k: np.zeros((BATCH, EH)) for k in STATE}
+    rng = np.random.default_rng(7)
+    data = rng.integers(0, VL, (5 * SEQ + 1, BATCH))                   # batchify's (n, batch) columns
+    batches = [(data[i:i + SEQ], data[i + 1:i + 1 + SEQ]) for i in range(0, 5 * SEQ, SEQ)]
+    prog = btjit.trace(_lstm_lm_loss, params, *batches[0], buffers=bufs, optimizer=btjit.optim.SGD(lr=0.5),
+                       dtype="float64")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    hidden = (torch.zeros(NLAYERS, BATCH, EH, dtype=torch.float64),
+              torch.zeros(NLAYERS, BATCH, EH, dtype=torch.float64))
+    for x, y in batches:
+        hidden = tuple(t.detach() for t in hidden)                     # repackage_hidden
+        opt.zero_grad()
+        logits, hidden = model(torch.tensor(x), hidden)
+        loss = F.cross_entropy(logits, torch.tensor(y).reshape(-1))
+        loss.backward()
+        opt.step()
+        got = prog.step(x, y)
+        assert abs(got - loss.item()) <= LOSS_TOL, (got, loss.item())
+        for l in range(NLAYERS):
+            np.testing.assert_allclose(prog.buffers[f"h{l}"], hidden[0][l].detach().numpy(), rtol=0,
+                                       atol=STATE_TOL, err_msg=f"h{l}")
+            np.testing.assert_allclose(prog.buffers[f"c{l}"], hidden[1][l].detach().numpy(), rtol=0,
+                                       atol=STATE_TOL, err_msg=f"c{l}")
+    assert model.decoder.weight is model.encoder.weight
+    want = {"encoder": model.encoder.weight, "decoder_bias": model.decoder.bias}
+    for l in range(NLAYERS):
+        for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            want[f"{k}_l{l}"] = getattr(model.rnn, f"{k}_l{l}")
+    for k, v in want.items():
+        np.testing.assert_allclose(prog.params[k], v.detach().numpy(), rtol=0, atol=STATE_TOL, err_msg=k)
+    assert not np.allclose(prog.buffers["h1"], 0.0)
