@@ -17,9 +17,10 @@ from .graph.ir import Graph, np_dtype, verify
 from .graph.lower import Lowering, lower_eqns
 from .graph.memory import plan as make_plan, storage_roots
 from .graph.ops import TABLE
+from .optim import Optimizer
 from . import executor as X, threads
 from .kernels.library import LIBRARY
-from .optim import HYPER, update_rows
+from .optim.build import Update, pin_writes
 from .runner import Runner
 
 threads.set_num_threads(threads.default_threads())   # btjit's default: 1 thread (btjit/threads.py)
@@ -34,10 +35,12 @@ def _arg_names(fn, n):
 
 
 def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=False, dtype="float32", grad=None,
-          replicas=1, fuse_elementwise=True):
-    """Trace fn(params, *batch) once and compile it. With an optimizer, `step()` trains; without one,
-    `forward()` (and `value_and_grad()` for a scalar output) evaluate. clip_norm: clip gradients by global
-    norm. skip_nonfinite: a step whose gradients contain NaN/Inf leaves params and optimizer state untouched
+          replicas=1, fuse_elementwise=True, clip_value=None):
+    """Trace fn(params, *batch) once and compile it. With an optimizer (a btjit.optim.Optimizer: its update is
+    traced after the backward, one fused pass per param group), `step()` trains; without one, `forward()`
+    (and `value_and_grad()` for a scalar output) evaluate. clip_norm: clip gradients by global norm;
+    clip_value: clip each gradient element to [-clip_value, clip_value] (both arena slots, `prog.hp`).
+    skip_nonfinite: a step whose gradients contain NaN/Inf leaves params and optimizer state untouched
     (`prog.last_step_skipped` tells).
 
     replicas=R > 1: data parallel on R threads of one process. Every batch argument's first axis is cut into
@@ -65,7 +68,14 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         arr = np.asarray(v)
         if arr.dtype.kind != "f":
             raise TypeError(f"parameter {name!r} has dtype {arr.dtype}; parameters must be float arrays")
-        g.params[name] = g.new_var(arr.shape, fd)
+    if optimizer is not None and not isinstance(optimizer, Optimizer):
+        raise TypeError(f"optimizer must be a btjit.optim.Optimizer, got {type(optimizer).__name__}")
+    for k, v in (("clip_norm", clip_norm), ("clip_value", clip_value)):
+        if v is not None and not (isinstance(v, (int, float, np.floating)) and v > 0):
+            raise ValueError(f"{k} must be a positive number or None, got {v!r}")
+    update = Update(optimizer, params) if optimizer is not None else None
+    for name in (update.order if update else params):         # the arena holds each param group contiguously
+        g.params[name] = g.new_var(np.shape(params[name]), fd)
     names = _arg_names(fn, len(batch))
     for name, x in zip(names, batch):
         x = np.asarray(x)
@@ -114,14 +124,17 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     else:
         grads = {}
     pinned = _pin(g, grads)
-    live = list(g.outputs.values()) + list(g.grads.values())
+    g.n_backward = len(g.eqns)
+    if update:
+        update.trace_into(g, clip_norm, clip_value, skip_nonfinite)
+    live = list(g.outputs.values()) + list(g.grads.values()) + [w for w, _ in g.writes]
     autodiff.eliminate_dead_code(g, live)
     if fuse_elementwise:
         fuse_ew.fuse_elementwise(g)
         autodiff.eliminate_dead_code(g, live)
-    g.n_backward = len(g.eqns)
+    pin_writes(g, pinned)
     verify(g, TABLE)
-    return Program(g, params, optimizer, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas)
+    return Program(g, params, update, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas)
 
 
 def _pin(g: Graph, grads: dict) -> dict:
@@ -156,13 +169,19 @@ class Program(Runner):
     optimizer state and updates are replica 0's). Views (`params`, `grads`, `inputs`, `outputs`) alias the
     arena."""
 
-    def __init__(self, graph, init_params, optimizer, clip_norm, skip_nonfinite, pinned, trace_seconds,
+    def __init__(self, graph, init_params, update, clip_norm, skip_nonfinite, pinned, trace_seconds,
                  replicas=1):
         import numba
         t0 = time.perf_counter()
+        optimizer = update and update.opt
         self.graph, self.optimizer, self.clip_norm, self.replicas = graph, optimizer, clip_norm, replicas
-        n_state = optimizer.n_state if optimizer else 0
-        self.plan = p = make_plan(graph, pinned, n_state, len(HYPER))
+        n_state = len(update.state_names) if update else 0
+        self.plan = p = make_plan(graph, pinned, n_state, update.n_hyper if update else 0)
+        if update:
+            self._hyper = {k: p.hyper_off + i for k, i in update.slots.items()}
+            self._group_hyper = [{k: p.hyper_off + i for k, i in s.items()} for s in update.group_slots]
+        else:
+            self._hyper, self._group_hyper = {}, []
         self._bounds = _index_bounds(graph)
         self._flag = p.int_state + 1
         L = Lowering(p, const_base=p.float_size, threads=numba.get_num_threads() // replicas,
@@ -173,9 +192,12 @@ class Program(Runner):
                         oflag=self._flag, ok=ok or 0) for i, (hi, ok) in sorted(self._bounds.items())]
         fwd, fwd_labels = lower_eqns(graph.eqns[:graph.n_forward], L)
         fwd, fwd_labels = checks + fwd, ["check_index"] * len(checks) + fwd_labels
-        bwd, bwd_labels = lower_eqns(graph.eqns[graph.n_forward:], L)
+        bwd, bwd_labels = lower_eqns(graph.eqns[graph.n_forward:graph.n_backward], L)
+        upd = [L.row("k_clip_scale", og=p.grads_start, n=p.params_span[1], omax=self._hyper["clip_norm"],
+                     oscale=self._hyper["clip_scale"])] if update and (clip_norm or skip_nonfinite) else []
+        rows, upd_labels = lower_eqns(graph.eqns[graph.n_backward:], L)
+        upd += rows
         self._computed_checks = L.computed_checks
-        upd = update_rows(optimizer, clip_norm, skip_nonfinite, L, p) if optimizer else []
         self.row_labels = fwd_labels + [f"{op} (bwd)" for op in bwd_labels] + \
             [f"update:{type(optimizer).__name__}"] * len(upd)
         self.n_fwd, self.n_bwd = len(fwd), len(fwd) + len(bwd)
@@ -202,11 +224,12 @@ class Program(Runner):
                            np.dtype(np.int32) if v.dtype == "i32" else self.dtype) for v in graph.inputs]
         for k, v in init_params.items():
             self.params[k][...] = v
-        self._hyper = {k: p.hyper_off + i for i, k in enumerate(HYPER)}
-        self.a[self._hyper["clip_scale"]] = 1.0
-        self.a[self._hyper["clip_norm"]] = clip_norm or 0.0
-        for k, v in (optimizer.hyper().items() if optimizer else ()):
-            self.a[self._hyper[k]] = v
+        if update:
+            self.a[p.hyper_off:p.hyper_off + update.n_hyper] = update.values
+            for j, k in enumerate(update.state_names):
+                for name, v in update.init[k].items():
+                    o = p.param_off[name] + (2 + j) * p.params_span[1]
+                    self.a[o:o + v.size] = v.ravel()
         self._A[1:], self._IA[1:] = self.a, self.ia            # constants; params are copied every step
         self.trace_seconds = trace_seconds
         self.plan_seconds = time.perf_counter() - t0
@@ -221,8 +244,8 @@ class Program(Runner):
         self.input_names = graph.input_names
         self.n_rows = self.tape.shape[0]
         self.has_optimizer, self.has_grad = optimizer is not None, graph.loss is not None
-        self._int_state, self._span = p.int_state, p.params_span[1]
-        self._state = [(f"opt/state{k}", p.state_start(k)) for k in range(n_state)]
+        self._span = p.params_span[1]
+        self._state = [(f"opt/{k}", p.state_start(j)) for j, k in enumerate(update.state_names if update else ())]
 
     # ------------------------------------------------------------------ running (Runner's hooks)
     def _exec(self, stop, split=None):

@@ -1,8 +1,8 @@
 """What a traced Program and an exported one (btjit.runtime) share: running a kernel tape over one arena.
 
 `Runner` holds the per-step Python path -- the batch checks and their messages, the index-check flag, the
-hyper-parameter slots (lr), the optimizer state views and state_dict -- over attributes its subclass sets
-(listed in the class docstring). It imports numpy only: `btjit.runtime` uses it without numba.
+hyper-parameter slots (lr, `hp`), the optimizer state views and state_dict -- over attributes its subclass
+sets (listed in the class docstring). It imports numpy only: `btjit.runtime` uses it without numba.
 """
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ class Runner:
     """Subclasses set: a, ia (the float / int32 arenas), _in (input slot views), _in_types ((shape, dtype)
     per input as the caller passes it), input_names, _bounds ({input position: (upper bound, ignore value or
     None)}), _flag (the index-check flag's ia slot), _computed_checks (messages of checks on computed
-    indices), _hyper ({name: a slot}), _out (the loss / output view), n_fwd, n_bwd, n_rows, has_optimizer,
-    has_grad, params, _int_state (the step counter's ia slot), _state ([(name, offset)] of optimizer state,
-    params-span long), _span (params span length) -- and implement _exec(stop, split)."""
+    indices), _hyper ({name: a slot} of the global hyper-parameters: lr, clip_norm, clip_scale, clip_value,
+    step), _group_hyper ([{name: a slot}] per param group), _out (the loss / output view), n_fwd, n_bwd, n_rows,
+    has_optimizer, has_grad, params, _state ([(name, offset)] of optimizer state, params-span long), _span
+    (params span length) -- and implement _exec(stop, split)."""
 
     replicas = 1
 
@@ -111,11 +112,17 @@ class Runner:
     @property
     def last_step_skipped(self) -> bool:
         """True if the last step() found a non-finite gradient and skipped the update (skip_nonfinite)."""
-        return bool(np.isnan(self.a[self._hyper["clip_scale"]]))
+        return bool(self._hyper) and bool(np.isnan(self.a[self._hyper["clip_scale"]]))
 
     @property
     def step_count(self) -> int:
-        return int(self.ia[self._int_state])
+        return int(self.a[self._hyper["step"]]) if self._hyper else 0
+
+    @property
+    def hp(self) -> "HyperParams":
+        """The optimizer's hyper-parameters as arena slots: `prog.hp["beta1"] = 0.95` (every group),
+        `prog.hp.groups[1]["weight_decay"]` (one group); read and written between steps, no recompiling."""
+        return HyperParams(self)
 
     def _state_views(self):
         return {name: self.a[off:off + self._span] for name, off in self._state}
@@ -123,7 +130,8 @@ class Runner:
     def state_dict(self) -> dict:
         d = {f"param/{k}": v.copy() for k, v in self.params.items()}
         d.update({k: v.copy() for k, v in self._state_views().items()})
-        d["opt/step"] = np.array(self.ia[self._int_state], np.int64)
+        if self._hyper:
+            d["opt/step"] = np.array(self.step_count, np.int64)
         return d
 
     def load_state_dict(self, d: dict):
@@ -135,9 +143,64 @@ class Runner:
         for k, v in self._state_views().items():
             if k in d:
                 v[...] = d[k]
-        if "opt/step" in d:
-            self.ia[self._int_state] = int(d["opt/step"])
+        if "opt/step" in d and self._hyper:
+            self.a[self._hyper["step"]] = int(d["opt/step"])
 
     @property
     def n_params(self) -> int:
         return int(sum(v.size for v in self.params.values()))
+
+
+class HyperParams:
+    """prog.hp: the global slots (lr, clip_norm, clip_value) and each group's (the optimizer's hyper-parameters,
+    lr_scale). hp[name] reads a global slot, or a group slot equal in every group; hp[name] = v writes it
+    (in every group); hp.groups[i] is group i's {name: value} view."""
+
+    def __init__(self, prog):
+        self._a, self._g = prog.a, prog._hyper
+        self.groups = [_Slots(prog.a, s) for s in prog._group_hyper]
+
+    def _slots(self, name):
+        if name in self._g and name not in ("clip_scale", "step"):
+            return [self._g[name]]
+        got = [s._s[name] for s in self.groups if name in s._s]
+        if not got:
+            raise KeyError(f"no hyper-parameter {name!r} (this program has: {', '.join(self.keys())})")
+        return got
+
+    def keys(self):
+        return [k for k in self._g if k not in ("clip_scale", "step")] + \
+            [k for k in (self.groups[0]._s if self.groups else ()) if k not in self._g]
+
+    def __getitem__(self, name):
+        vals = {float(self._a[o]) for o in self._slots(name)}
+        if len(vals) > 1:
+            raise KeyError(f"hyper-parameter {name!r} differs between param groups ({sorted(vals)}): "
+                           f"read it as hp.groups[i][{name!r}]")
+        return vals.pop()
+
+    def __setitem__(self, name, value):
+        for o in self._slots(name):
+            self._a[o] = value
+
+    def __contains__(self, name):
+        return name in self.keys()
+
+    def __repr__(self):
+        return "{" + ", ".join(f"{k!r}: {self._a[self._slots(k)[0]]:g}" for k in self.keys()) + "}"
+
+
+class _Slots:
+    def __init__(self, a, slots):
+        self._a, self._s = a, slots
+
+    def __getitem__(self, name):
+        return float(self._a[self._s[name]])
+
+    def __setitem__(self, name, value):
+        if name not in self._s:
+            raise KeyError(f"no hyper-parameter {name!r} in this param group (it has: {', '.join(self._s)})")
+        self._a[self._s[name]] = value
+
+    def __repr__(self):
+        return repr({k: float(self._a[o]) for k, o in self._s.items()})

@@ -3,7 +3,7 @@ row of the program-interpreting kernel (btjit/kernels/fused.py), so a new chain 
 
 Runs on the whole schedule after autodiff. A group is a set of float elementwise equations (unary, binary
 with broadcasting, where, the *_grad ops, broadcast_to and copy of an operand) with one output shape, the
-iteration space, inside one region (forward or backward). Equations join in schedule order; a group closes
+iteration space, inside one region (forward, backward or the optimizer update). Equations join in schedule order; a group closes
 as soon as an equation outside it reads one of its values (the fused equation sits at its last member's
 place, so every reader must come later). A backward group that needs a value computed inside a forward group
 recomputes it from that group's operands (up to REMAT equations) instead of reading it: the forward group
@@ -39,19 +39,19 @@ def _fusable(e: Eqn) -> bool:
 
 def fuse_elementwise(g: Graph) -> None:
     eqns = g.eqns
-    n_fwd = g.n_forward
+    n_fwd, n_bwd = g.n_forward, g.n_backward or len(eqns)
     producer = {o.id: i for i, e in enumerate(eqns) for o in e.outs}
     group_of, groups, closed = {}, [], set()
     remat: dict = {}                     # group -> [forward eqn indices recomputed in it]
     for i, e in enumerate(eqns):
-        region = i < n_fwd
+        region = 0 if i < n_fwd else 1 if i < n_bwd else 2
         src_groups = {group_of[producer[v.id]] for v in e.ins if producer.get(v.id) in group_of}
         if not _fusable(e) or e.op in ALIAS and any(producer.get(v.id) in group_of for v in e.ins):
             closed.update(src_groups)
             continue
         shape = e.outs[0].shape
         join = [k for k in src_groups if k not in closed and groups[k]["shape"] == shape and
-                groups[k]["fwd"] == region]
+                groups[k]["region"] == region]
         for k in src_groups - set(join):
             closed.add(k)
         if join and sum(len(groups[k]["members"]) for k in join) < MAX_MEMBERS:
@@ -65,17 +65,18 @@ def fuse_elementwise(g: Graph) -> None:
         else:
             closed.update(join)
             k = len(groups)
-            groups.append({"shape": shape, "fwd": region, "members": []})
+            groups.append({"shape": shape, "region": region, "members": []})
         groups[k]["members"].append(i)
         group_of[i] = k
-        if not region:                                   # recompute forward values instead of reading them
+        if region:                                       # recompute forward values instead of reading them
             for v in e.ins:
                 j = producer.get(v.id)
-                if j is not None and j in group_of and groups[group_of[j]]["fwd"]:
+                if j is not None and j in group_of and groups[group_of[j]]["region"] == 0:
                     cone = _cone(eqns, producer, group_of, groups, j, shape)
                     if cone is not None:
                         remat.setdefault(k, set()).update(cone)
-    keep = {o.id for o in list(g.outputs.values()) + list(g.grads.values())} | ({g.loss.id} if g.loss else set())
+    keep = {o.id for o in list(g.outputs.values()) + list(g.grads.values()) + [w for w, _ in g.writes]} | \
+        ({g.loss.id} if g.loss else set())
     body = {k: sorted(set(grp["members"]) | remat.get(k, set())) for k, grp in enumerate(groups)
             if len(grp["members"]) + len(remat.get(k, ())) >= 2}
     readers: dict = {}
@@ -93,7 +94,7 @@ def fuse_elementwise(g: Graph) -> None:
             break
         for k in bad:
             del body[k]
-    new, n_new_fwd = [], 0
+    new, n_new_fwd, n_new_bwd = [], 0, 0
     for i, e in enumerate(eqns):
         k = group_of.get(i)
         if k in body:
@@ -104,8 +105,9 @@ def fuse_elementwise(g: Graph) -> None:
             out = [e]
         new += out
         n_new_fwd += len(out) if i < n_fwd else 0
+        n_new_bwd += len(out) if i < n_bwd else 0
     g.eqns = new
-    g.n_forward = n_new_fwd
+    g.n_forward, g.n_backward = n_new_fwd, n_new_bwd
 
 
 def _cone(eqns, producer, group_of, groups, j, shape):

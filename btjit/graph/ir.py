@@ -67,8 +67,13 @@ class Graph:
     loss: Var | None = None                         # the scalar that autodiff differentiates
     outputs: dict = field(default_factory=dict)    # name -> Var kept live and readable after a run
     grads: dict = field(default_factory=dict)      # param name -> Var (after autodiff)
+    # values at fixed places outside the planned area, read by the optimizer update (graph/memory.py places
+    # them): Var -> ("slice", k, first param name) = a param group's slice of the params region (k = 0), the
+    # grads (k = 1) or optimizer state j (k = 2 + j); ("hyper", i) = hyper-parameter slot i
+    regions: dict = field(default_factory=dict)
+    writes: list = field(default_factory=list)     # [(new Var, region Var)]: new is stored in region's place
     n_forward: int = 0                              # eqns[:n_forward] compute the outputs
-    n_backward: int = 0                             # eqns[:n_backward] also compute the grads
+    n_backward: int = 0                             # eqns[:n_backward] also compute the grads; the rest update
     _next_id: int = 0
     _scalar_consts: dict = field(default_factory=dict)   # (dtype, bytes) -> Var: dedupes scalar constants
 
@@ -126,9 +131,9 @@ class VerifyError(Exception):
 def verify(graph: Graph, table) -> None:
     """Single assignment, defined-before-use, shapes and dtypes as the op table's shape rules say."""
     defined = set()
-    for v in list(graph.params.values()) + list(graph.inputs) + list(graph.consts):
+    for v in list(graph.params.values()) + list(graph.inputs) + list(graph.consts) + list(graph.regions):
         if v.id in defined:
-            raise VerifyError(f"{v!r} defined twice (param/input/const)")
+            raise VerifyError(f"{v!r} defined twice (param/input/const/region)")
         defined.add(v.id)
     for i, e in enumerate(graph.eqns):
         if e.op not in table:
@@ -144,6 +149,6 @@ def verify(graph: Graph, table) -> None:
             if o.id in defined:
                 raise VerifyError(f"eqn {i} ({e.op}): {o!r} assigned twice")
             defined.add(o.id)
-    for v in [graph.loss, *graph.outputs.values(), *graph.grads.values()]:
+    for v in [graph.loss, *graph.outputs.values(), *graph.grads.values(), *(w for w, _ in graph.writes)]:
         if v is not None and v.id not in defined:
             raise VerifyError(f"output {v!r} is never defined")

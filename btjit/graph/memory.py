@@ -8,7 +8,9 @@ Float arena layout (llm.c style):
 Views (reshape) share their input's storage. Intermediates get offsets by a greedy best-fit over their
 lifetimes on the whole forward+backward schedule: two storages share bytes only if their lifetimes
 [defining eqn, last use] are disjoint. The update kernels run after the schedule and touch only the fixed
-regions. Every buffer starts 16-element aligned (64 bytes in float32).
+regions. Every buffer starts 16-element aligned (64 bytes in float32). The traced optimizer update reads
+graph.regions (a param group's slices of the params / grads / state regions, hyper-parameter slots) in
+place, and its new values (graph.writes, pinned as ("at", region var)) are stored straight into them.
 """
 from __future__ import annotations
 
@@ -121,9 +123,18 @@ def plan(graph: Graph, pinned: dict, n_state: int, n_hyper: int) -> Plan:
             off[v.id], pos = pos, pos + _al(v.size)
     scratch, ipos = ipos, ipos + 8 * MAX_THREADS    # 8 int32 BLAS argument slots per thread
     int_state, ipos = ipos, ipos + ALIGN
+    def region(tag):
+        if tag[0] == "hyper":
+            return hyper_off + tag[1]
+        _, k, first = tag
+        return param_off[first] + k * plen
+    for v, tag in graph.regions.items():
+        off[v.id] = region(tag)
     for r, (kind, name) in pinned.items():
         if kind == "grad":
             off[r] = param_off[name] + plen
+        elif kind == "at":
+            off[r] = region(graph.regions[name])
         elif var[r].dtype == "i32":                 # an integer output of the traced function
             ioff[r], ipos = ipos, ipos + _al(var[r].size)
         else:
@@ -156,7 +167,7 @@ def _itemsize(graph):
 
 
 def var_index(graph: Graph) -> dict:
-    idx = {v.id: v for v in list(graph.params.values()) + graph.inputs + list(graph.consts)}
+    idx = {v.id: v for v in list(graph.params.values()) + graph.inputs + list(graph.consts) + list(graph.regions)}
     for e in graph.eqns:
         for o in e.outs:
             idx[o.id] = o

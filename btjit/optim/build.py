@@ -1,0 +1,154 @@
+"""From an `Optimizer` to equations of the program's graph (btjit.trace calls this; it is not user API).
+
+`Update(opt, params)` resolves the param groups (the arena orders the params group by group, so each group
+is one contiguous slice of the params, grads and state regions), calls `init` for the initial state and lays
+out the hyper-parameter slots: GLOBAL first, then one block per group. `trace_into(graph)` appends, after
+the backward, the step counter's increment and `opt.update` traced once per group over graph.regions (the
+group's slices, the slots), then records each new value with the place it replaces (graph.writes).
+`pin_writes` (after fusion) stores each new value straight into its place, or through a copy at the end of
+the step when an equation still reads the old value after the new one is written.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from btjit.graph import trace as T
+from btjit.graph.memory import ALIGN, storage_roots
+
+from .base import OptimizerError, resolve_groups
+
+GLOBAL = ("lr", "clip_norm", "clip_scale", "clip_value", "step")
+
+
+def _al(n):
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Update:
+    def __init__(self, opt, params: dict):
+        who = type(opt).__name__
+        self.opt, self.groups = opt, resolve_groups(opt, params)
+        self.order = [n for names, _ in self.groups for n in names]
+        self.state_names, self.init = None, {}
+        for name in self.order:
+            p = np.asarray(params[name])
+            st = opt.init(name, p)
+            if not isinstance(st, dict) or not all(isinstance(k, str) for k in st):
+                raise OptimizerError(f"{who}.init({name!r}, param) must return a dict of state name -> array, "
+                                     f"got {type(st).__name__}")
+            if self.state_names is None:
+                self.state_names = list(st)
+            elif list(st) != self.state_names:
+                raise OptimizerError(f"{who}.init gives {name!r} the state {list(st)}, but "
+                                     f"{self.order[0]!r} {self.state_names}: every param needs the same state")
+            for k, v in st.items():
+                v = np.asarray(v, np.float64)
+                if v.shape != p.shape:
+                    raise OptimizerError(f"{who}.init({name!r}): state {k!r} has shape {v.shape}, the param "
+                                         f"{p.shape}; state is elementwise, of the param's shape")
+                self.init.setdefault(k, {})[name] = v
+        self.state_names = self.state_names or []
+        self.slots = {k: i for i, k in enumerate(GLOBAL)}
+        self.group_slots = []
+        self.values = [opt.hp["lr"], 0.0, 1.0, 0.0, 0.0]
+        for _, hp in self.groups:
+            names = [k for k in hp if k != "lr"]
+            self.group_slots.append({k: len(self.values) + i for i, k in enumerate(names)})
+            self.values += [hp[k] for k in names]
+
+    @property
+    def n_hyper(self):
+        return len(self.values)
+
+    def trace_into(self, g, clip_norm=None, clip_value=None, skip_nonfinite=False):
+        fd, opt = g.float_dtype, self.opt
+        self.values[self.slots["clip_norm"]] = float(clip_norm or 0.0)
+        self.values[self.slots["clip_value"]] = float(clip_value or 0.0)
+        who = type(opt).__name__
+        writes = []
+
+        def region(tag, shape):
+            v = g.new_var(shape, fd)
+            g.regions[v] = tag
+            return T.Tracer(v, g)
+
+        hyper = lambda i: region(("hyper", i), ())   # noqa: E731
+        with T.building(g):
+            step = hyper(self.slots["step"])
+            t = step + 1.0
+            scale = hyper(self.slots["clip_scale"]) if clip_norm or skip_nonfinite else None
+            ok = T.equal(scale, scale) if skip_nonfinite else None      # False when a gradient is NaN/Inf
+            writes.append((T.where(ok, t, step) if skip_nonfinite else t, step))
+            for (names, _), slots in zip(self.groups, self.group_slots):
+                n = sum(_al(g.params[k].size) for k in names)
+                first = names[0]
+                p, grad = region(("slice", 0, first), (n,)), region(("slice", 1, first), (n,))
+                state = {k: region(("slice", 2 + j, first), (n,)) for j, k in enumerate(self.state_names)}
+                hp = {k: hyper(i) for k, i in slots.items() if k != "lr_scale"}
+                hp["lr"] = hyper(self.slots["lr"]) * hyper(slots["lr_scale"])
+                if clip_norm:
+                    grad = grad * scale
+                if clip_value:
+                    cv = hyper(self.slots["clip_value"])
+                    grad = T.minimum(T.maximum(grad, -cv), cv)
+                res = opt.update(p, grad, dict(state), hp, t)
+                if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict)):
+                    raise OptimizerError(f"{who}.update must return (new_param, {{state name: new value}})")
+                new_p, new_s = res
+                if sorted(new_s) != sorted(self.state_names):
+                    raise OptimizerError(f"{who}.update returned the state {sorted(new_s)}; init gave "
+                                         f"{sorted(self.state_names)}")
+                for what, new, old in [("the new param", new_p, p), *((f"state {k!r}", new_s[k], state[k])
+                                                                       for k in self.state_names)]:
+                    new = T.lift(new) if not isinstance(new, T.Tracer) else new
+                    if new.shape != (n,):
+                        new = _as_slice(new, n, who, what)
+                    if skip_nonfinite:
+                        new = T.where(ok, new, old)
+                    writes.append((new, old))
+        g.writes = [(new.var, old.var) for new, old in writes if new.var is not old.var]
+
+
+def _as_slice(new, n, who, what):
+    if new.shape == ():
+        return T.broadcast_to(new, (n,))
+    raise OptimizerError(f"{who}.update: {what} has shape {new.shape}; the group's values are flat vectors of "
+                         f"shape ({n},): use elementwise ops only")
+
+
+def pin_writes(g, pinned: dict) -> None:
+    """Pin each new value of graph.writes to the place it replaces (pinned[id] = ("at", region var)); where
+    that is unsafe (the value is not its own storage, or the old value is read after it is written) the
+    step ends with a copy into the place instead."""
+    root = storage_roots(g)
+    fixed = {v.id for v in list(g.params.values()) + g.inputs + list(g.consts) + list(g.regions)}
+    producer = {o.id: i for i, e in enumerate(g.eqns) for o in e.outs}
+    out = []
+    for new, old in g.writes:
+        if root.get(new.id, new.id) != new.id or new.id in fixed or new.id in pinned or \
+                _read_after(g, producer[new.id], new, old, root):
+            with T.building(g):
+                new = T.copy(T.Tracer(new, g)).var
+        pinned[new.id] = ("at", old)
+        out.append((new, old))
+    g.writes = out
+
+
+def _read_after(g, i, new, old, root) -> bool:
+    """Is old (or a view of it) read after eqns[i] writes new? Inside a fused chain, by the members after the
+    one computing new; an unfused equation reading old is not assumed to work in place."""
+    reads = lambda e: any(root.get(v.id, v.id) == old.id for v in e.ins)   # noqa: E731
+    if any(reads(e) for e in g.eqns[i + 1:]):
+        return True
+    e = g.eqns[i]
+    if not reads(e):
+        return False
+    if e.op != "ew_fused":
+        return True
+    body = e.attrs["body"]
+    at = next(k for k, m in enumerate(body) if m[3] == new.id)
+    alias = {old.id}
+    for op, _, ins, out in body:
+        if op in ("copy", "broadcast_to") and ins[0] in alias:
+            alias.add(out)
+    return any(set(ins) & alias for _, _, ins, _ in body[at + 1:])
