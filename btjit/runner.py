@@ -127,6 +127,19 @@ class Runner:
     def _state_views(self):
         return {name: self.a[off:off + self._span] for name, off in self._state}
 
+    @property
+    def opt_state(self) -> dict:
+        """{state name: {param name: its state}}: views into the arena (state j of a param lies (2 + j) params
+        spans after it)."""
+        base = self.a.__array_interface__["data"][0]
+        out = {}
+        for j, (name, _) in enumerate(self._state):
+            views = out[name[len("opt/"):]] = {}
+            for k, v in self.params.items():
+                o = (v.__array_interface__["data"][0] - base) // v.itemsize + (2 + j) * self._span
+                views[k] = self.a[o:o + v.size].reshape(v.shape)
+        return out
+
     def state_dict(self) -> dict:
         d = {f"param/{k}": v.copy() for k, v in self.params.items()}
         d.update({k: v.copy() for k, v in self._state_views().items()})
@@ -170,7 +183,7 @@ class HyperParams:
 
     def keys(self):
         return [k for k in self._g if k not in ("clip_scale", "step")] + \
-            [k for k in (self.groups[0]._s if self.groups else ()) if k not in self._g]
+            [k for k in (self.groups[0]._s if self.groups else ()) if k not in self._g and not k.startswith("1-")]
 
     def __getitem__(self, name):
         vals = {float(self._a[o]) for o in self._slots(name)}
@@ -180,8 +193,12 @@ class HyperParams:
         return vals.pop()
 
     def __setitem__(self, name, value):
-        for o in self._slots(name):
-            self._a[o] = value
+        self._slots(name)                          # a KeyError naming what there is
+        if name in self._g:
+            self._a[self._g[name]] = value
+        for s in self.groups:
+            if name in s._s:
+                s[name] = value
 
     def __contains__(self, name):
         return name in self.keys()
@@ -198,9 +215,12 @@ class _Slots:
         return float(self._a[self._s[name]])
 
     def __setitem__(self, name, value):
-        if name not in self._s:
-            raise KeyError(f"no hyper-parameter {name!r} in this param group (it has: {', '.join(self._s)})")
+        if name not in self._s or name.startswith("1-"):
+            raise KeyError(f"no hyper-parameter {name!r} in this param group (it has: "
+                           f"{', '.join(k for k in self._s if not k.startswith('1-'))})")
         self._a[self._s[name]] = value
+        if "1-" + name in self._s:                 # 1 - value in float64 (btjit/optim/build.py: _Hyper)
+            self._a[self._s["1-" + name]] = 1.0 - float(value)
 
     def __repr__(self):
-        return repr({k: float(self._a[o]) for k, o in self._s.items()})
+        return repr({k: float(self._a[o]) for k, o in self._s.items() if not k.startswith("1-")})

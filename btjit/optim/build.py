@@ -13,11 +13,14 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.graph import trace as T
+from btjit.graph.fuse_ew import BINARY, UNARY
 from btjit.graph.memory import ALIGN, storage_roots
 
 from .base import OptimizerError, resolve_groups
 
 GLOBAL = ("lr", "clip_norm", "clip_scale", "clip_value", "step")
+ELEMENTWISE = set(UNARY) | set(BINARY) | {"where"}
+ONE_MINUS = "1-"              # the slot of 1 - hp[k] is named "1-" + k (see _Hyper)
 
 
 def _al(n):
@@ -53,8 +56,9 @@ class Update:
         self.values = [opt.hp["lr"], 0.0, 1.0, 0.0, 0.0]
         for _, hp in self.groups:
             names = [k for k in hp if k != "lr"]
+            names += [ONE_MINUS + k for k in names if k != "lr_scale"]
             self.group_slots.append({k: len(self.values) + i for i, k in enumerate(names)})
-            self.values += [hp[k] for k in names]
+            self.values += [1.0 - hp[k[len(ONE_MINUS):]] if k.startswith(ONE_MINUS) else hp[k] for k in names]
 
     @property
     def n_hyper(self):
@@ -84,7 +88,8 @@ class Update:
                 first = names[0]
                 p, grad = region(("slice", 0, first), (n,)), region(("slice", 1, first), (n,))
                 state = {k: region(("slice", 2 + j, first), (n,)) for j, k in enumerate(self.state_names)}
-                hp = {k: hyper(i) for k, i in slots.items() if k != "lr_scale"}
+                hp = {k: _Hyper(hyper(i).var, g, hyper(slots[ONE_MINUS + k])) for k, i in slots.items()
+                      if k != "lr_scale" and not k.startswith(ONE_MINUS)}
                 hp["lr"] = hyper(self.slots["lr"]) * hyper(slots["lr_scale"])
                 if clip_norm:
                     grad = grad * scale
@@ -107,6 +112,21 @@ class Update:
                         new = T.where(ok, new, old)
                     writes.append((new, old))
         g.writes = [(new.var, old.var) for new, old in writes if new.var is not old.var]
+
+
+class _Hyper(T.Tracer):
+    """A hyper-parameter's slot. `1 - hp` reads a slot of its own that the host fills with 1 - value computed in
+    float64: a float32 arena rounds 0.999 to 0.99900001, and 1 - beta2 would be 1.3e-5 off torch's."""
+    __slots__ = ("one_minus",)
+
+    def __init__(self, var, graph, one_minus):
+        super().__init__(var, graph)
+        self.one_minus = one_minus
+
+    def __rsub__(self, o):
+        if isinstance(o, (int, float)) and o == 1:
+            return self.one_minus
+        return super().__rsub__(o)
 
 
 def _as_slice(new, n, who, what):
@@ -136,15 +156,15 @@ def pin_writes(g, pinned: dict) -> None:
 
 def _read_after(g, i, new, old, root) -> bool:
     """Is old (or a view of it) read after eqns[i] writes new? Inside a fused chain, by the members after the
-    one computing new; an unfused equation reading old is not assumed to work in place."""
+    one computing new; an unfused equation reading old only if it is one elementwise op."""
     reads = lambda e: any(root.get(v.id, v.id) == old.id for v in e.ins)   # noqa: E731
     if any(reads(e) for e in g.eqns[i + 1:]):
         return True
     e = g.eqns[i]
     if not reads(e):
         return False
-    if e.op != "ew_fused":
-        return True
+    if e.op != "ew_fused":                           # one elementwise op works in place, any other may not
+        return not (e.op in ELEMENTWISE and old.shape == e.outs[0].shape)
     body = e.attrs["body"]
     at = next(k for k, m in enumerate(body) if m[3] == new.id)
     alias = {old.id}
