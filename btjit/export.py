@@ -9,8 +9,8 @@ The export dir holds:
     arena.bin          the initial float arena: params, optimizer state, constants              (tensor only)
     iarena.bin         the initial int32 arena                                                  (tensor only)
     btjit_program.h    the C header: sizes, offsets, the btjit_* functions
-    manifest.json      format version, kind, dtype; names, shapes and offsets of params, grads, inputs and
-                       outputs; the optimizer and its hyper-parameter slots; the CPU it was built for; the
+    manifest.json      format version, kind, dtype; names, shapes and offsets of params, grads, buffers,
+                       inputs and outputs; the optimizer and its hyper-parameter slots; the CPU it was built for; the
                        BLAS library it links (or none); every file's size and CRC-32
 `btjit.runtime.load(path)` runs it with ctypes and numpy only; examples/c/train.c from C. A scalar export
 (btjit/export_scalar.py) has the same files but the tape and arenas, plus a CPython call module.
@@ -291,6 +291,7 @@ def export_program(prog, path, extra_files=None) -> Path:
                  "n_bwd": prog.n_bwd},
         "params": {k: slot(v) for k, v in prog.params.items()},
         "grads": {k: slot(v) for k, v in prog.grads.items()},
+        "buffers": {k: slot(v) for k, v in prog.buffers.items()}, "assigns": prog.has_assigns,
         "inputs": inputs,
         "outputs": {k: slot(v) for k, v in prog.outputs.items()},
         "loss": "out" if prog.has_grad else None,

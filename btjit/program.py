@@ -14,13 +14,13 @@ import numpy as np
 
 from .graph import autodiff, fuse, fuse_ew, trace as T
 from .graph.ir import Graph, np_dtype, verify
-from .graph.lower import Lowering, lower_eqns
-from .graph.memory import plan as make_plan, storage_roots
+from .graph.lower import Lowering, assign_rows, lower_eqns
+from .graph.memory import Shared, plan as make_plan, storage_roots
 from .graph.ops import TABLE
 from .optim import Optimizer
 from . import executor as X, threads
 from .kernels.library import LIBRARY
-from .optim.build import Update, pin_writes
+from .optim.build import Update, assign_in_place
 from .runner import Runner
 
 threads.set_num_threads(threads.default_threads())   # btjit's default: 1 thread (btjit/threads.py)
@@ -35,7 +35,7 @@ def _arg_names(fn, n):
 
 
 def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=False, dtype="float32", grad=None,
-          replicas=1, fuse_elementwise=True, clip_value=None):
+          replicas=1, fuse_elementwise=True, clip_value=None, buffers=None, training=True, _share=None):
     """Trace fn(params, *batch) once and compile it. With an optimizer (a btjit.optim.Optimizer: its update is
     traced after the backward, one fused pass per param group), `step()` trains; without one, `forward()`
     (and `value_and_grad()` for a scalar output) evaluate. clip_norm: clip gradients by global norm;
@@ -50,7 +50,12 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     of btjit.models are); fn may return nothing else.
 
     fuse_elementwise: chains of elementwise ops run as one row each (btjit/graph/fuse_ew.py); False keeps
-    one row per op (the reference the fused chains are tested against)."""
+    one row per op (the reference the fused chains are tested against).
+
+    buffers={name: array}: state the step reads and writes but does not train (running statistics, a carried
+    hidden state). fn sees them in its first argument beside the params; `btjit.assign(p[name], value)` writes
+    one when the step ends; `prog.buffers[name]` views them. training: what btjit.is_training() returns
+    inside fn (prog.eval traces fn again with training=False)."""
     t0 = time.perf_counter()
     try:
         name = np.dtype(dtype).name
@@ -61,21 +66,32 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be a positive int, got {replicas!r}")
-    g = Graph(float_dtype=fd)
+    g = Graph(float_dtype=fd, training=bool(training))
     if not isinstance(params, dict):
         raise TypeError("params must be a dict of name -> numpy float array")
-    for name, v in params.items():
-        arr = np.asarray(v)
-        if arr.dtype.kind != "f":
-            raise TypeError(f"parameter {name!r} has dtype {arr.dtype}; parameters must be float arrays")
+    buffers = {} if buffers is None else buffers
+    if not isinstance(buffers, dict):
+        raise TypeError("buffers must be a dict of name -> numpy float array")
+    if buffers and replicas > 1:
+        raise ValueError(f"replicas={replicas}: buffers are not supported with replicas (each replica would "
+                         f"update its own copy)")
     if optimizer is not None and not isinstance(optimizer, Optimizer):
         raise TypeError(f"optimizer must be a btjit.optim.Optimizer, got {type(optimizer).__name__}")
     for k, v in (("clip_norm", clip_norm), ("clip_value", clip_value)):
         if v is not None and not (isinstance(v, (int, float, np.floating)) and v > 0):
             raise ValueError(f"{k} must be a positive number or None, got {v!r}")
+    for kind, src in (("parameter", params), ("buffer", buffers)):
+        for name, v in src.items():
+            arr = np.asarray(v)
+            if arr.dtype.kind != "f":
+                raise TypeError(f"{kind} {name!r} has dtype {arr.dtype}; {kind}s must be float arrays")
+            if kind == "buffer" and name in params:
+                raise ValueError(f"buffer {name!r} has the name of a parameter; fn sees both in one dict")
     update = Update(optimizer, params) if optimizer is not None else None
     for name in (update.order if update else params):         # the arena holds each param group contiguously
         g.params[name] = g.new_var(np.shape(params[name]), fd)
+    for name, v in buffers.items():
+        g.buffers[name] = g.new_var(np.shape(v), fd)
     names = _arg_names(fn, len(batch))
     for name, x in zip(names, batch):
         x = np.asarray(x)
@@ -88,7 +104,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         g.inputs.append(g.new_var(shard, "i32" if x.dtype.kind in "iu" else fd))
         g.input_names.append(name)
     with T.building(g):
-        ptr = {k: T.Tracer(v, g) for k, v in g.params.items()}
+        ptr = {k: T.Tracer(v, g) for k, v in {**g.params, **g.buffers}.items()}
         res = fn(ptr, *[T.Tracer(v, g) for v in g.inputs])
     out, aux = (res if isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict) else (res, {}))
     if not isinstance(out, T.Tracer):
@@ -127,21 +143,26 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     g.n_backward = len(g.eqns)
     if update:
         update.trace_into(g, clip_norm, clip_value, skip_nonfinite)
-    live = list(g.outputs.values()) + list(g.grads.values()) + [w for w, _ in g.writes]
+    live = g.kept()
     autodiff.eliminate_dead_code(g, live)
     if fuse_elementwise:
         fuse_ew.fuse_elementwise(g)
         autodiff.eliminate_dead_code(g, live)
-    pin_writes(g, pinned)
+    assign_in_place(g, pinned)
     verify(g, TABLE)
-    return Program(g, params, update, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas)
+    prog = Program(g, params, update, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas,
+                   buffers, _share)
+    prog._retrace = lambda share, *b: trace(fn, params, *b, dtype=dtype, replicas=1, buffers=buffers,
+                                            fuse_elementwise=fuse_elementwise, training=False, grad=False,
+                                            _share=share)
+    return prog
 
 
 def _pin(g: Graph, grads: dict) -> dict:
-    """Give each output and grad its own storage in its fixed slot, copying where the value's storage is
-    fixed (a param, input, constant) or already pinned."""
+    """Give each output, grad and assigned value its own storage in its fixed slot, copying where the value's
+    storage is fixed (a param, buffer, input, constant) or already pinned."""
     root = storage_roots(g)
-    fixed = {v.id for v in list(g.params.values()) + g.inputs + list(g.consts)}
+    fixed = {v.id for v in list(g.params.values()) + list(g.buffers.values()) + g.inputs + list(g.consts)}
     pinned = {}
     fwd_copies, bwd_copies = [], []
 
@@ -159,6 +180,11 @@ def _pin(g: Graph, grads: dict) -> dict:
     if g.loss is not None:
         g.loss = g.outputs["out"]
     g.grads = {k: own(v, ("grad", k), bwd_copies) for k, v in grads.items()}
+    backward = {o.id for e in g.eqns[g.n_forward:] for o in e.outs}   # assigned values of the update: after it
+    state = g.state_vars()
+    for a in g.assigns:
+        a.value = own(a.value, ("out", "assign/%s/%s" % state[a.target.id]),
+                      bwd_copies if a.value.id in backward else fwd_copies)
     g.eqns = g.eqns[:g.n_forward] + fwd_copies + g.eqns[g.n_forward:] + bwd_copies
     g.n_forward += len(fwd_copies)
     return pinned
@@ -170,13 +196,14 @@ class Program(Runner):
     arena."""
 
     def __init__(self, graph, init_params, update, clip_norm, skip_nonfinite, pinned, trace_seconds,
-                 replicas=1):
+                 replicas=1, init_buffers=None, share=None):
         import numba
         t0 = time.perf_counter()
         optimizer = update and update.opt
         self.graph, self.optimizer, self.clip_norm, self.replicas = graph, optimizer, clip_norm, replicas
         n_state = len(update.state_names) if update else 0
-        self.plan = p = make_plan(graph, pinned, n_state, update.n_hyper if update else 0)
+        shared = share and Shared(share.plan.param_off, share.plan.buffer_off, share._A.size)
+        self.plan = p = make_plan(graph, pinned, n_state, update.n_hyper if update else 0, shared)
         if update:
             self._hyper = {k: p.hyper_off + i for k, i in update.slots.items()}
             self._group_hyper = [{k: p.hyper_off + i for k, i in s.items()} for s in update.group_slots]
@@ -198,15 +225,16 @@ class Program(Runner):
         rows, upd_labels = lower_eqns(graph.eqns[graph.n_backward:], L)
         upd += rows
         self._computed_checks = L.computed_checks
+        asg = assign_rows(graph, L)
         self.row_labels = fwd_labels + [f"{op} (bwd)" for op in bwd_labels] + \
-            [f"update:{type(optimizer).__name__}"] * len(upd)
+            [f"update:{type(optimizer).__name__}"] * len(upd) + ["assign"] * len(asg)
         self.n_fwd, self.n_bwd = len(fwd), len(fwd) + len(bwd)
-        rows = fwd + bwd + upd
+        rows = fwd + bwd + upd + asg
         self.tape = np.array(rows, np.int64).reshape(len(rows), -1)
         fdt = np_dtype(graph.float_dtype)
         self.dtype = np.dtype(fdt)
         # replica r's arenas are rows r of A / IA (one row, and A[0] is self.a, without replicas)
-        self._A = _aligned_rows(replicas, p.float_size + len(L.consts), fdt)
+        self._full, self._A = _arena(replicas, p.float_size + len(L.consts), fdt, share)
         self._IA = np.zeros((replicas, max(p.int_size, 1)), np.int32)
         self.a, self.ia = self._A[0], self._IA[0]
         self.a[p.float_size:p.float_size + len(L.consts)] = L.consts
@@ -215,6 +243,7 @@ class Program(Runner):
         view = lambda v, off=None, r=0: (self._IA if v.dtype == "i32" else self._A)[r,  # noqa: E731
             (p.off[v.id] if off is None else off):][:v.size].reshape(v.shape)
         self.params = {k: view(v) for k, v in graph.params.items()}
+        self.buffers = {k: view(v) for k, v in graph.buffers.items()}
         self.grads = {k: view(v, p.param_off[k] + p.params_span[1]) for k, v in graph.params.items()}
         self._in_shards = [[view(v, r=r) for v in graph.inputs] for r in range(replicas)]   # batch slots
         self._in = self._in_shards[0]
@@ -222,8 +251,9 @@ class Program(Runner):
         self.outputs = {k: view(v) for k, v in graph.outputs.items()}
         self._in_types = [((v.shape[0] * replicas,) + v.shape[1:] if replicas > 1 else v.shape,
                            np.dtype(np.int32) if v.dtype == "i32" else self.dtype) for v in graph.inputs]
-        for k, v in init_params.items():
-            self.params[k][...] = v
+        for k, v in ({} if share else {**init_params, **(init_buffers or {})}).items():
+            (self.params if k in self.params else self.buffers)[k][...] = v
+        self._evals = {}
         if update:
             self.a[p.hyper_off:p.hyper_off + update.n_hyper] = update.values
             for j, k in enumerate(update.state_names):
@@ -244,6 +274,7 @@ class Program(Runner):
         self.input_names = graph.input_names
         self.n_rows = self.tape.shape[0]
         self.has_optimizer, self.has_grad = optimizer is not None, graph.loss is not None
+        self.has_assigns = bool(asg)
         self._span = p.params_span[1]
         self._state = [(f"opt/{k}", p.state_start(j)) for j, k in enumerate(update.state_names if update else ())]
 
@@ -264,6 +295,17 @@ class Program(Runner):
 
     def _clear_flag(self):
         self._IA[:, self._flag] = 0
+
+    def eval(self, *batch):
+        """fn evaluated in eval mode (btjit.is_training() False, no assign applied) on this program's params and
+        buffers: a float for a scalar result, else a copy of the array. The eval program is traced and compiled
+        on the first call for each batch shape; it shares this program's arena memory for params and buffers
+        (an edit through prog.params is seen by both), its activations its own."""
+        key = tuple((np.shape(x), np.asarray(x).dtype.kind in "iu") for x in batch)
+        ev = self._evals.get(key)
+        if ev is None:
+            ev = self._evals[key] = self._retrace(self, *batch)
+        return ev.forward(*batch)
 
     def export(self, path, extra_files=None):
         """Write this program as a self-contained native library dir (btjit/export.py): btjit.runtime.load(path)
@@ -374,6 +416,32 @@ def _index_bounds(graph) -> dict:
                 raise T.TraceError(f"{e.op}: constant index values must be in [0, {hi}), got min {c.min()} "
                                    f"max {c.max()} — {e.src}")
     return bounds
+
+
+RESERVE = 1 << 30      # bytes of address space past a program's arena kept for its prog.eval programs
+
+
+def _arena(rows, n, dtype, share=None):
+    """(the whole mapping, the (rows, n') arena): a program's arena at the start of an anonymous mapping that
+    reserves address space (never touched, never committed) for the eval programs that share it; an eval
+    program's (share=) is its parent's mapping, its own values past the parent's arena."""
+    if share is not None:
+        if n > share._full.size:
+            raise MemoryError(f"prog.eval: the eval program needs {n * share.dtype.itemsize / 1e6:.1f} MB past the "
+                              f"arena's start; {share._full.nbytes / 1e6:.1f} MB are reserved (btjit.program.RESERVE)")
+        return share._full, share._full[:n].reshape(1, n)
+    import mmap
+    itemsize = np.dtype(dtype).itemsize
+    per = 64 // itemsize
+    n = -(-n // per) * per
+    size = rows * n * itemsize + RESERVE
+    try:
+        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+    except (OSError, ValueError):      # no lazy reservation here: the arena alone (prog.eval then refuses)
+        A = _aligned_rows(rows, n, dtype)
+        return A.reshape(-1), A
+    full = np.frombuffer(m, dtype)
+    return full, full[:rows * n].reshape(rows, n)
 
 
 def _aligned_rows(rows, n, dtype):

@@ -19,8 +19,8 @@ class Runner:
     None)}), _flag (the index-check flag's ia slot), _computed_checks (messages of checks on computed
     indices), _hyper ({name: a slot} of the global hyper-parameters: lr, clip_norm, clip_scale, clip_value,
     step), _group_hyper ([{name: a slot}] per param group), _out (the loss / output view), n_fwd, n_bwd, n_rows,
-    has_optimizer, has_grad, params, _state ([(name, offset)] of optimizer state, params-span long), _span
-    (params span length) -- and implement _exec(stop, split)."""
+    has_optimizer, has_grad, has_assigns, params, buffers, _state ([(name, offset)] of optimizer state,
+    params-span long), _span (params span length) -- and implement _exec(stop, split)."""
 
     replicas = 1
 
@@ -77,8 +77,8 @@ class Runner:
                              "; ".join(self._computed_checks))
 
     def step(self, *batch) -> float:
-        """Forward, backward and optimizer update in one native call; returns the loss."""
-        if not self.has_optimizer:
+        """Forward, backward, optimizer update and the buffers' assigns in one native call; returns the loss."""
+        if not (self.has_optimizer or self.has_assigns):
             raise RuntimeError("this program was traced without an optimizer; use forward() or value_and_grad()")
         self._load(batch)
         self._run_checked(self.n_rows, self.n_bwd)
@@ -142,17 +142,21 @@ class Runner:
 
     def state_dict(self) -> dict:
         d = {f"param/{k}": v.copy() for k, v in self.params.items()}
+        d.update({f"buffer/{k}": v.copy() for k, v in self.buffers.items()})
         d.update({k: v.copy() for k, v in self._state_views().items()})
         if self._hyper:
             d["opt/step"] = np.array(self.step_count, np.int64)
         return d
 
     def load_state_dict(self, d: dict):
-        for k, v in self.params.items():
-            src = np.asarray(d[f"param/{k}"])
-            if src.shape != v.shape:
-                raise ValueError(f"parameter {k!r}: checkpoint has shape {src.shape}, program has {v.shape}")
-            v[...] = src
+        for kind, views in (("param", self.params), ("buffer", self.buffers)):
+            for k, v in views.items():
+                if f"{kind}/{k}" not in d:
+                    raise ValueError(f"{kind} {k!r}: the state dict has no {kind}/{k}")
+                src = np.asarray(d[f"{kind}/{k}"])
+                if src.shape != v.shape:
+                    raise ValueError(f"{kind} {k!r}: the state dict has shape {src.shape}, the program {v.shape}")
+                v[...] = src
         for k, v in self._state_views().items():
             if k in d:
                 v[...] = d[k]

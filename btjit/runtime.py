@@ -3,7 +3,7 @@ or scipy is imported, and nothing compiles.
 
     prog = btjit.runtime.load("out/gpt")      # what prog.export("out/gpt") wrote
     loss = prog.step(x, y)                    # the same step(), forward(), value_and_grad(), params, grads,
-                                              # lr, state_dict() and batch checks as btjit.Program
+                                              # buffers, lr, state_dict() and batch checks as btjit.Program
     f = btjit.runtime.load("out/e1")          # what f.export("out/e1") wrote for a trace_scalar function
     value, grads = f(a, b);  values, grads = f.many(X)
 
@@ -169,6 +169,8 @@ class Exported(Runner):
             return arena[s["offset"]:s["offset"] + int(np.prod(s["shape"], dtype=np.int64))].reshape(s["shape"])
         self.params = {k: view(s) for k, s in m["params"].items()}
         self.grads = {k: view(s) for k, s in m["grads"].items()}
+        self.buffers = {k: view(s) for k, s in m.get("buffers", {}).items()}
+        self.has_assigns = bool(m.get("assigns"))
         self.outputs = {k: view(s) for k, s in m["outputs"].items()}
         self._in = [view(s) for s in m["inputs"]]
         self.input_names = [s["name"] for s in m["inputs"]]

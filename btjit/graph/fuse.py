@@ -27,7 +27,7 @@ from .ir import Eqn, Graph
 
 def _uses(graph: Graph) -> Counter:
     n = Counter(v.id for e in graph.eqns for v in e.ins)
-    for v in graph.outputs.values():
+    for v in list(graph.outputs.values()) + [a.value for a in graph.assigns]:
         n[v.id] += 1
     if graph.loss is not None:
         n[graph.loss.id] += 1

@@ -75,8 +75,7 @@ def fuse_elementwise(g: Graph) -> None:
                     cone = _cone(eqns, producer, group_of, groups, j, shape)
                     if cone is not None:
                         remat.setdefault(k, set()).update(cone)
-    keep = {o.id for o in list(g.outputs.values()) + list(g.grads.values()) + [w for w, _ in g.writes]} | \
-        ({g.loss.id} if g.loss else set())
+    keep = {o.id for o in g.kept()}
     body = {k: sorted(set(grp["members"]) | remat.get(k, set())) for k, grp in enumerate(groups)
             if len(grp["members"]) + len(remat.get(k, ())) >= 2}
     readers: dict = {}

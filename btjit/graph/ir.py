@@ -57,6 +57,20 @@ def _fmt(v):
 
 
 @dataclass(eq=False)
+class Assign:
+    """`target` (a param's, buffer's or optimizer state's Var: a fixed arena region) takes `value` when the
+    step ends, after every equation has read the old one."""
+    target: Var
+    value: Var
+    src: str = ""
+    in_place: bool = False   # value is computed straight into the target's place: no copy ends the step
+
+    def __str__(self):
+        return f"assign {self.target!r} <- {self.value!r}" + (" (in place)" if self.in_place else "") + \
+            (f"   # {self.src}" if self.src else "")
+
+
+@dataclass(eq=False)
 class Graph:
     float_dtype: str = "f32"
     eqns: list = field(default_factory=list)
@@ -67,15 +81,29 @@ class Graph:
     loss: Var | None = None                         # the scalar that autodiff differentiates
     outputs: dict = field(default_factory=dict)    # name -> Var kept live and readable after a run
     grads: dict = field(default_factory=dict)      # param name -> Var (after autodiff)
-    # values at fixed places outside the planned area, read by the optimizer update (graph/memory.py places
-    # them): Var -> ("slice", k, first param name) = a param group's slice of the params region (k = 0), the
-    # grads (k = 1) or optimizer state j (k = 2 + j); ("hyper", i) = hyper-parameter slot i
+    buffers: dict = field(default_factory=dict)    # name -> Var: state a step reads and writes, not trained
+    assigns: list = field(default_factory=list)    # Assign: a value written into a state Var when the step ends
+    training: bool = True                          # the mode btjit.is_training() reports while tracing
+    # values at fixed places outside the planned area, read and assigned by the optimizer update
+    # (graph/memory.py places them): Var -> ("slice", k, first param name) = a param group's slice of the params
+    # region (k = 0), the grads (k = 1) or optimizer state j (k = 2 + j); ("hyper", i) = hyper-parameter slot i
     regions: dict = field(default_factory=dict)
-    writes: list = field(default_factory=list)     # [(new Var, region Var)]: new is stored in region's place
     n_forward: int = 0                              # eqns[:n_forward] compute the outputs
     n_backward: int = 0                             # eqns[:n_backward] also compute the grads; the rest update
     _next_id: int = 0
     _scalar_consts: dict = field(default_factory=dict)   # (dtype, bytes) -> Var: dedupes scalar constants
+
+    def state_vars(self) -> dict:
+        """var id -> (kind, name) of the values that live in fixed arena regions across steps and that an
+        assign may write: params, buffers and the optimizer's regions (a group's slices, the step slot)."""
+        return {**{v.id: ("param", k) for k, v in self.params.items()},
+                **{v.id: ("buffer", k) for k, v in self.buffers.items()},
+                **{v.id: ("optimizer", ":".join(map(str, tag))) for v, tag in self.regions.items()}}
+
+    def kept(self) -> list:
+        """The values a run must leave readable: outputs, loss, grads and the assigned values."""
+        return list(self.outputs.values()) + list(self.grads.values()) + ([self.loss] if self.loss is not None
+                                                                          else []) + [a.value for a in self.assigns]
 
     def new_var(self, shape, dtype) -> Var:
         v = Var(self._next_id, shape, dtype)
@@ -99,11 +127,15 @@ class Graph:
         lines = []
         for name, v in self.params.items():
             lines.append(f"param  {v!r:>6} {v.type_str:<20s} {name}")
+        for name, v in self.buffers.items():
+            lines.append(f"buffer {v!r:>6} {v.type_str:<20s} {name}")
         for name, v in zip(self.input_names, self.inputs):
             lines.append(f"input  {v!r:>6} {v.type_str:<20s} {name}")
         for v, c in self.consts.items():
             val = f"{c.item():g}" if c.ndim == 0 else f"array{c.shape}"
             lines.append(f"const  {v!r:>6} {v.type_str:<20s} {val}")
+        for v, tag in self.regions.items():
+            lines.append(f"region {v!r:>6} {v.type_str:<20s} {':'.join(map(str, tag))}")
         for i, e in enumerate(self.eqns):
             if i == self.n_forward and self.n_backward > self.n_forward:
                 lines.append("# ---- backward ----")
@@ -114,6 +146,7 @@ class Graph:
             lines.append(f"loss   {self.loss!r}")
         for name, v in self.grads.items():
             lines.append(f"grad   {v!r:>6} {name}")
+        lines += [str(a) for a in self.assigns]
         return "\n".join(lines)
 
 
@@ -131,7 +164,8 @@ class VerifyError(Exception):
 def verify(graph: Graph, table) -> None:
     """Single assignment, defined-before-use, shapes and dtypes as the op table's shape rules say."""
     defined = set()
-    for v in list(graph.params.values()) + list(graph.inputs) + list(graph.consts) + list(graph.regions):
+    for v in list(graph.params.values()) + list(graph.buffers.values()) + list(graph.inputs) + list(graph.consts) + \
+            list(graph.regions):
         if v.id in defined:
             raise VerifyError(f"{v!r} defined twice (param/input/const/region)")
         defined.add(v.id)
@@ -149,6 +183,10 @@ def verify(graph: Graph, table) -> None:
             if o.id in defined:
                 raise VerifyError(f"eqn {i} ({e.op}): {o!r} assigned twice")
             defined.add(o.id)
-    for v in [graph.loss, *graph.outputs.values(), *graph.grads.values(), *(w for w, _ in graph.writes)]:
+    for v in [graph.loss, *graph.outputs.values(), *graph.grads.values(), *(a.value for a in graph.assigns)]:
         if v is not None and v.id not in defined:
             raise VerifyError(f"output {v!r} is never defined")
+    state = graph.state_vars()
+    for a in graph.assigns:
+        if a.target.id not in state or (a.target.shape, a.target.dtype) != (a.value.shape, a.value.dtype):
+            raise VerifyError(f"{a}: the target is not a state value, or its type differs from the value's")

@@ -11,7 +11,10 @@ import numpy as np
 from btjit.kernels.common import ROW, ROWS
 from btjit.kernels.library import LIBRARY
 
+from btjit.kernels import elementwise as EW
+
 from .ops import TABLE
+from .optable import cstrides, strided_rows
 
 
 class RowError(ValueError):
@@ -78,3 +81,16 @@ def lower_eqns(eqns, L: Lowering) -> tuple[list, list]:
         rows += r
         labels += [e.op] * len(r)
     return rows, labels
+
+
+def assign_rows(graph, L: Lowering) -> list:
+    """The rows that end a step: each assigned value copied into its target's region (graph.assigns), but
+    those computed in place."""
+    rows = []
+    for a in graph.assigns:
+        if a.in_place:
+            continue
+        st = cstrides(a.target.shape)
+        rows += strided_rows(L, EW.B_COPY, a.target.shape, (L.off(a.target), st), [(L.off(a.value), st)],
+                             ints=a.target.dtype == "i32")
+    return rows

@@ -2,15 +2,18 @@
 [integer consts | integer inputs | BLAS scratch | step counter | planned integer intermediates]).
 
 Float arena layout (llm.c style):
-  [16 unused | params | grads (same layout) | optimizer state (k copies of that layout) | constants and
-   hyper-parameters | float inputs | outputs (loss, named outputs) | planned intermediates]
+  [16 unused | params | grads (same layout) | optimizer state (k copies of that layout) | buffers |
+   hyper-parameters | constants | float inputs | outputs (loss, named outputs, assigned values) | planned
+   intermediates]
+A program that shares another's params and buffers (prog.eval's) reads them at the other's offsets and
+places everything else from `shared.base` on (past the other's arena: see Program.eval).
 (no float value at offset 0: kernel rows use offset 0 for "no bias / residual / ...")
 Views (reshape) share their input's storage. Intermediates get offsets by a greedy best-fit over their
 lifetimes on the whole forward+backward schedule: two storages share bytes only if their lifetimes
 [defining eqn, last use] are disjoint. The update kernels run after the schedule and touch only the fixed
 regions. Every buffer starts 16-element aligned (64 bytes in float32). The traced optimizer update reads
 graph.regions (a param group's slices of the params / grads / state regions, hyper-parameter slots) in
-place, and its new values (graph.writes, pinned as ("at", region var)) are stored straight into them.
+place, and its assigned values (graph.assigns, pinned as ("at", region var)) are stored straight into them.
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ class Plan:
     int_size: int
     scratch: int                 # int32 BLAS scratch (8 slots)
     int_state: int               # int32 optimizer step counter
+    buffer_off: dict = field(default_factory=dict)  # buffer name -> offset
+    buffers_span: tuple = (0, 0)                     # (start, length) of the buffers region
     intervals: dict = field(default_factory=dict)   # storage var id -> (def, last use, offset, size) planned
     naive_bytes: int = 0
     min_bytes: int = 0
@@ -95,19 +100,34 @@ def place(sizes: dict, life: dict) -> tuple[dict, int]:
     return offs, top
 
 
-def plan(graph: Graph, pinned: dict, n_state: int, n_hyper: int) -> Plan:
+@dataclass
+class Shared:
+    """The params and buffers another program owns (offsets in its arena), and where this one's own begin."""
+    param_off: dict
+    buffer_off: dict
+    base: int
+
+
+def plan(graph: Graph, pinned: dict, n_state: int, n_hyper: int, shared: Shared | None = None) -> Plan:
     """pinned: storage var id -> ("grad", name) | ("out", name); everything else unpinned is planned."""
     root = storage_roots(graph)
     life = lifetimes(graph, root)
     var = var_index(graph)
     off, ioff = {}, {}
     pos = p0 = ALIGN        # offset 0 stays unused: kernel rows take an offset of 0 to mean "no such operand"
-    param_off = {}
+    param_off, buffer_off = {}, {}
     for name, v in graph.params.items():
-        param_off[name] = off[v.id] = pos
+        param_off[name] = off[v.id] = pos if shared is None else shared.param_off[name]
         pos += _al(v.size)
     plen = pos - p0
     pos = p0 + plen * (2 + n_state)
+    b0 = pos
+    for name, v in graph.buffers.items():
+        buffer_off[name] = off[v.id] = pos if shared is None else shared.buffer_off[name]
+        pos += _al(v.size)
+    blen = pos - b0
+    if shared is not None:
+        pos = shared.base
     hyper_off = pos
     pos += _al(n_hyper)
     ipos = 0
@@ -156,9 +176,9 @@ def plan(graph: Graph, pinned: dict, n_state: int, n_hyper: int) -> Plan:
         if vid != r:
             (ioff if r in ioff else off)[vid] = (ioff if r in ioff else off)[r]
     p = Plan({**off, **ioff}, param_off, (p0, plen), n_state, hyper_off, n_hyper, fsize, ipos, scratch, int_state,
-             intervals)
+             buffer_off, (b0, blen), intervals)
     p.naive_bytes = (pos + sum(sizes.values())) * _itemsize(graph) + naive_ints * 4
-    p.min_bytes = plen * (2 + n_state) * _itemsize(graph)
+    p.min_bytes = (plen * (2 + n_state) + blen) * _itemsize(graph)
     return p
 
 
@@ -167,7 +187,8 @@ def _itemsize(graph):
 
 
 def var_index(graph: Graph) -> dict:
-    idx = {v.id: v for v in list(graph.params.values()) + graph.inputs + list(graph.consts) + list(graph.regions)}
+    idx = {v.id: v for v in list(graph.params.values()) + list(graph.buffers.values()) + graph.inputs +
+           list(graph.consts) + list(graph.regions)}
     for e in graph.eqns:
         for o in e.outs:
             idx[o.id] = o

@@ -36,10 +36,10 @@ import numpy as np
 
 from btjit.cachedir import cache_dir
 from btjit.kernels import (attention, attn_kept, attn_lanes, attn_loops, common, elementwise, fused, linalg, nn,
-                           objcode, optim, reduce, tiles)
+                           norm, objcode, optim, reduce, tiles)
 from btjit.kernels.common import ROW, ROWS
 
-MODULES = (elementwise, fused, reduce, linalg, nn, optim, attn_loops, attention, attn_kept)
+MODULES = (elementwise, fused, reduce, linalg, nn, norm, optim, attn_loops, attention, attn_kept)
 STATIC = [(m.__name__, n) for m in MODULES for n in sorted(vars(m)) if n in ROWS]
 GENERATED = attn_lanes.KERNEL_NAMES             # entries per (T, hs), float32 only
 KERNELS = [n for _, n in STATIC] + list(GENERATED)

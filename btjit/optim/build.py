@@ -4,9 +4,10 @@
 is one contiguous slice of the params, grads and state regions), calls `init` for the initial state and lays
 out the hyper-parameter slots: GLOBAL first, then one block per group. `trace_into(graph)` appends, after
 the backward, the step counter's increment and `opt.update` traced once per group over graph.regions (the
-group's slices, the slots), then records each new value with the place it replaces (graph.writes).
-`pin_writes` (after fusion) stores each new value straight into its place, or through a copy at the end of
-the step when an equation still reads the old value after the new one is written.
+group's slices, the slots), then assigns each new value to the place it replaces (graph.assigns, the
+mechanism of btjit.assign). `assign_in_place` (after fusion) computes each
+new value straight into its place, or leaves it to the copy that ends the step when an equation still reads
+the old value after the new one is written.
 """
 from __future__ import annotations
 
@@ -111,7 +112,9 @@ class Update:
                     if skip_nonfinite:
                         new = T.where(ok, new, old)
                     writes.append((new, old))
-        g.writes = [(new.var, old.var) for new, old in writes if new.var is not old.var]
+            for new, old in writes:
+                if new.var is not old.var:
+                    T.assign_state(old.var, new)
 
 
 class _Hyper(T.Tracer):
@@ -136,22 +139,32 @@ def _as_slice(new, n, who, what):
                          f"shape ({n},): use elementwise ops only")
 
 
-def pin_writes(g, pinned: dict) -> None:
-    """Pin each new value of graph.writes to the place it replaces (pinned[id] = ("at", region var)); where
-    that is unsafe (the value is not its own storage, or the old value is read after it is written) the
-    step ends with a copy into the place instead."""
+def assign_in_place(g, pinned: dict) -> None:
+    """The optimizer's assigns (graph.assigns whose target is one of graph.regions), after fusion: each new
+    value is computed straight into its target's place (pinned[id] = ("at", target), no copy row) unless the
+    old value is still read after the new one is written; then it is pinned as an output and copied into the
+    place when the step ends (graph/lower.py: assign_rows), as every other assign is. A value that is not its
+    own storage (a param, a region, one value assigned twice) is first copied where the update begins."""
     root = storage_roots(g)
-    fixed = {v.id for v in list(g.params.values()) + g.inputs + list(g.consts) + list(g.regions)}
-    producer = {o.id: i for i, e in enumerate(g.eqns) for o in e.outs}
-    out = []
-    for new, old in g.writes:
-        if root.get(new.id, new.id) != new.id or new.id in fixed or new.id in pinned or \
-                _read_after(g, producer[new.id], new, old, root):
+    fixed = {v.id for v in list(g.params.values()) + list(g.buffers.values()) + g.inputs + list(g.consts) +
+             list(g.regions)}
+    mine = [a for a in g.assigns if a.target in g.regions]
+    claimed = set(pinned)
+    for a in mine:
+        r = root.get(a.value.id, a.value.id)
+        if r != a.value.id or r in fixed or r in claimed:
             with T.building(g):
-                new = T.copy(T.Tracer(new, g)).var
-        pinned[new.id] = ("at", old)
-        out.append((new, old))
-    g.writes = out
+                c = T.copy(T.Tracer(a.value, g))
+            g.eqns.insert(g.n_backward, g.eqns.pop())       # reads the value before any update writes
+            a.value = c.var
+        claimed.add(a.value.id)
+    producer = {o.id: i for i, e in enumerate(g.eqns) for o in e.outs}
+    for a in mine:
+        if _read_after(g, producer[a.value.id], a.value, a.target, root):
+            pinned[a.value.id] = ("out", f"assign/optimizer/{':'.join(map(str, g.regions[a.target]))}")
+        else:
+            pinned[a.value.id] = ("at", a.target)
+            a.in_place = True
 
 
 def _read_after(g, i, new, old, root) -> bool:

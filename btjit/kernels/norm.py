@@ -1,0 +1,149 @@
+# Batch normalization tape kernels, generic over float32/float64 arenas (btjit.batch_norm, graph/ops/batchnorm.py).
+# x is viewed as (P, C, Q): the channel axis C in the middle, every axis before it merged into P and every axis
+# after it into Q ((N, C): Q = 1; (N, C, L): P = N, Q = L; (B, T, C) with the channels last: P = B*T, Q = 1).
+# Statistics run over P and Q, per channel. Q = 1 has its own loops (vectorized along C); outputs overwrite.
+import math
+
+from numba import njit
+
+from btjit.kernels.common import FM, cvt, row
+
+
+@row("ox ow ob oy omean ovar orstd P C Q oeps")
+@njit(**FM)
+def k_batchnorm_fwd(a, ia, r):
+    """y = (x - mean) * rstd * w + b per channel, mean and biased var over the P*Q values of each channel
+    (two passes: the mean, then the squared deviations), rstd = 1 / sqrt(var + eps), eps = a[oeps].
+
+      x, y: (P, C, Q); w, b, mean, var, rstd: (C,) (mean, var for the running statistics, rstd for the backward).
+    """
+    ox = r[1]; ow = r[2]; ob = r[3]; oy = r[4]; omean = r[5]; ovar = r[6]; orstd = r[7]; P = r[8]; C = r[9]
+    Q = r[10]; eps = a[r[11]]
+    zero = cvt(a, 0.0)
+    inv_n = cvt(a, 1.0) / cvt(a, P * Q)
+    w = a[ow:ow + C]
+    b = a[ob:ob + C]
+    mean = a[omean:omean + C]
+    var = a[ovar:ovar + C]
+    rstd = a[orstd:orstd + C]
+    for c in range(C):
+        mean[c] = zero
+        var[c] = zero
+    if Q == 1:
+        for p in range(P):
+            x = a[ox + p * C:ox + p * C + C]
+            for c in range(C):
+                mean[c] += x[c]
+        for c in range(C):
+            mean[c] *= inv_n
+        for p in range(P):
+            x = a[ox + p * C:ox + p * C + C]
+            for c in range(C):
+                d = x[c] - mean[c]
+                var[c] += d * d
+    else:
+        for p in range(P):
+            for c in range(C):
+                x = a[ox + (p * C + c) * Q:ox + (p * C + c) * Q + Q]
+                s = zero
+                for q in range(Q):
+                    s += x[q]
+                mean[c] += s
+        for c in range(C):
+            mean[c] *= inv_n
+        for p in range(P):
+            for c in range(C):
+                x = a[ox + (p * C + c) * Q:ox + (p * C + c) * Q + Q]
+                m = mean[c]
+                s = zero
+                for q in range(Q):
+                    d = x[q] - m
+                    s += d * d
+                var[c] += s
+    for c in range(C):
+        var[c] *= inv_n
+        rstd[c] = cvt(a, 1.0) / math.sqrt(var[c] + eps)
+    if Q == 1:
+        for p in range(P):
+            x = a[ox + p * C:ox + p * C + C]
+            y = a[oy + p * C:oy + p * C + C]
+            for c in range(C):
+                y[c] = (x[c] - mean[c]) * (rstd[c] * w[c]) + b[c]
+    else:
+        for p in range(P):
+            for c in range(C):
+                o = (p * C + c) * Q
+                x = a[ox + o:ox + o + Q]
+                y = a[oy + o:oy + o + Q]
+                m = mean[c]
+                s = rstd[c] * w[c]
+                bc = b[c]
+                for q in range(Q):
+                    y[q] = (x[q] - m) * s + bc
+
+
+@row("ox ow omean orstd ody odx odw odb P C Q")
+@njit(**FM)
+def k_batchnorm_bwd(a, ia, r):
+    """Batch norm backward from the saved mean and rstd, xh = (x - mean) * rstd:
+    db = sum dy, dw = sum dy * xh (over P and Q), dx = w * rstd * (dy - db / n - xh * dw / n), n = P * Q.
+
+      x, dy, dx: (P, C, Q); w, mean, rstd, dw, db: (C,).
+    """
+    ox = r[1]; ow = r[2]; omean = r[3]; orstd = r[4]; ody = r[5]; odx = r[6]; odw = r[7]; odb = r[8]
+    P = r[9]; C = r[10]; Q = r[11]
+    zero = cvt(a, 0.0)
+    inv_n = cvt(a, 1.0) / cvt(a, P * Q)
+    w = a[ow:ow + C]
+    mean = a[omean:omean + C]
+    rstd = a[orstd:orstd + C]
+    dw = a[odw:odw + C]
+    db = a[odb:odb + C]
+    for c in range(C):
+        dw[c] = zero
+        db[c] = zero
+    if Q == 1:
+        for p in range(P):
+            x = a[ox + p * C:ox + p * C + C]
+            dy = a[ody + p * C:ody + p * C + C]
+            for c in range(C):
+                db[c] += dy[c]
+                dw[c] += dy[c] * (x[c] - mean[c])
+        for c in range(C):
+            dw[c] *= rstd[c]
+        for p in range(P):
+            x = a[ox + p * C:ox + p * C + C]
+            dy = a[ody + p * C:ody + p * C + C]
+            dx = a[odx + p * C:odx + p * C + C]
+            for c in range(C):
+                xh = (x[c] - mean[c]) * rstd[c]
+                dx[c] = w[c] * rstd[c] * (dy[c] - db[c] * inv_n - xh * (dw[c] * inv_n))
+    else:
+        for p in range(P):
+            for c in range(C):
+                o = (p * C + c) * Q
+                x = a[ox + o:ox + o + Q]
+                dy = a[ody + o:ody + o + Q]
+                m = mean[c]
+                s1 = zero
+                s2 = zero
+                for q in range(Q):
+                    s1 += dy[q]
+                    s2 += dy[q] * (x[q] - m)
+                db[c] += s1
+                dw[c] += s2
+        for c in range(C):
+            dw[c] *= rstd[c]
+        for p in range(P):
+            for c in range(C):
+                o = (p * C + c) * Q
+                x = a[ox + o:ox + o + Q]
+                dy = a[ody + o:ody + o + Q]
+                dx = a[odx + o:odx + o + Q]
+                m = mean[c]
+                rs = rstd[c]
+                k = w[c] * rs
+                mb = db[c] * inv_n
+                mw = dw[c] * inv_n
+                for q in range(Q):
+                    dx[q] = k * (dy[q] - mb - (x[q] - m) * rs * mw)
