@@ -116,7 +116,7 @@ class Runner:
 
     @property
     def step_count(self) -> int:
-        return int(self.a[self._hyper["step"]]) if self._hyper else 0
+        return int(self.a[self._hyper["step"]]) if "step" in self._hyper else 0
 
     @property
     def hp(self) -> "HyperParams":
@@ -144,7 +144,7 @@ class Runner:
         d = {f"param/{k}": v.copy() for k, v in self.params.items()}
         d.update({f"buffer/{k}": v.copy() for k, v in self.buffers.items()})
         d.update({k: v.copy() for k, v in self._state_views().items()})
-        if self._hyper:
+        if "step" in self._hyper:
             d["opt/step"] = np.array(self.step_count, np.int64)
         return d
 
@@ -160,7 +160,7 @@ class Runner:
         for k, v in self._state_views().items():
             if k in d:
                 v[...] = d[k]
-        if "opt/step" in d and self._hyper:
+        if "opt/step" in d and "step" in self._hyper:
             self.a[self._hyper["step"]] = int(d["opt/step"])
 
     @property

@@ -23,7 +23,7 @@ import numpy as np
 
 from .runner import Runner
 
-FORMAT = 2                      # the export format this runtime reads (btjit/export.py writes it)
+FORMAT = 1                      # the export format this runtime reads (btjit/export.py writes it)
 _c = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -183,7 +183,8 @@ class Exported(Runner):
         self.n_fwd, self.n_bwd, self.n_rows = t["n_fwd"], t["n_bwd"], t["rows"]
         self.optimizer = m["optimizer"]
         self.has_optimizer, self.has_grad = m["optimizer"] is not None, m["loss"] is not None
-        self._group_hyper, self._state, self._span = m["group_hyper"], [tuple(s) for s in m["state"]], m["span"]
+        self._group_hyper = m.get("group_hyper", [])
+        self._state, self._span = [tuple(s) for s in m["state"]], m["span"]
 
     def _exec(self, stop, split=None):
         rc = self._fn(self._pp, stop)
