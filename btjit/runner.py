@@ -146,7 +146,13 @@ class Runner:
         d.update({k: v.copy() for k, v in self._state_views().items()})
         if "step" in self._hyper:
             d["opt/step"] = np.array(self.step_count, np.int64)
+            d["opt/hyper"] = self.a[self._hyper_slots()].astype(np.float64)
         return d
+
+    def _hyper_slots(self):
+        """The slots of every hyper-parameter a user may set (as torch keeps them in its param_groups)."""
+        return sorted(o for k, o in [*self._hyper.items(), *(kv for s in self._group_hyper for kv in s.items())]
+                      if k not in ("step", "clip_scale"))
 
     def load_state_dict(self, d: dict):
         for kind, views in (("param", self.params), ("buffer", self.buffers)):
@@ -162,6 +168,12 @@ class Runner:
                 v[...] = d[k]
         if "opt/step" in d and "step" in self._hyper:
             self.a[self._hyper["step"]] = int(d["opt/step"])
+        if "opt/hyper" in d and "step" in self._hyper:
+            slots = self._hyper_slots()
+            if np.shape(d["opt/hyper"]) != (len(slots),):
+                raise ValueError(f"opt/hyper: the state dict has {np.size(d['opt/hyper'])} hyper-parameters, the "
+                                 f"program {len(slots)} (another optimizer or other param groups)")
+            self.a[slots] = d["opt/hyper"]
 
     @property
     def n_params(self) -> int:
