@@ -25,7 +25,7 @@ from btjit import rundir
 from btjit import schedule as sched_mod
 from btjit import usermodel
 from btjit.checkpoint import CheckpointError
-from btjit.config import Config
+from btjit.config import Config, ConfigError
 
 METRICS, CONFIG_FILE = "metrics.jsonl", "config.toml"
 MAX_SKIPS = 100   # consecutive non-finite steps tolerated with on_nonfinite = "skip"
@@ -65,16 +65,54 @@ def first_nonfinite(arrays: dict) -> str | None:
 trim_metrics = rundir.trim_metrics
 
 
-def build_program(cfg: Config, model, params, x, y, replicas=1):
-    """The training program of a config: the model's loss traced on a batch like (x, y) with the config's
-    optimizer, clipping and dtype (`btjit train` and `btjit export`)."""
-    o = cfg.optim
-    if o.name == "sgd":
-        opt = btjit.optim.SGD(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+# the [optim] keys each built-in takes besides lr (the others keep the optimizer's own defaults)
+OPTIM_KEYS = {"sgd": ("momentum", "weight_decay"), "adam": ("betas", "eps", "weight_decay"),
+              "adamw": ("betas", "eps", "weight_decay"), "adagrad": ("weight_decay",), "adadelta": ("weight_decay",),
+              "rmsprop": ("eps", "momentum", "weight_decay"), "lion": ("weight_decay",)}
+
+
+def make_optimizer(o, optim_file=None):
+    """The btjit.optim optimizer of an [optim] section: a built-in by name with its keys, or the one
+    Optimizer subclass of the user's optimizer file (usermodel.ModelFile, kind "optimizer") with lr, weight_decay
+    when not 0, and [optim.hp]; decay = "matrices" or [[optim.groups]] as its param groups."""
+    if optim_file is None:
+        cls, kw = btjit.optim.BUILTIN[o.name], {k: getattr(o, k) for k in OPTIM_KEYS[o.name]}
     else:
-        opt = btjit.optim.AdamW(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        found = [c for c in vars(optim_file.module).values() if isinstance(c, type) and
+                 issubclass(c, btjit.optim.Optimizer) and c.__module__ == optim_file.module.__name__]
+        if len(found) != 1:
+            raise usermodel.ModelFileError(f"{optim_file.name} must define one btjit.optim.Optimizer subclass, "
+                                           f"found {len(found)}" + (f" ({', '.join(c.__name__ for c in found)})"
+                                                                    if found else ""))
+        cls, kw = found[0], ({"weight_decay": o.weight_decay} if o.weight_decay else {})
+    kw = {"lr": o.lr, **kw, **{k: tuple(v) if isinstance(v, list) else v for k, v in o.hp.items()}}
+    if "betas" in kw:
+        kw["betas"] = tuple(kw["betas"])
+    groups = btjit.optim.decay_matrices() if o.decay == "matrices" else [dict(g) for g in o.groups]
+    if groups:
+        kw["groups"] = groups
+    what = f"{optim_file.name}: {cls.__name__}" if optim_file else f"optim.name = {o.name!r}"
+    try:
+        if optim_file is None:
+            return cls(**kw)
+        with usermodel.guard(optim_file.name, str(optim_file.path), f"{cls.__name__}(**{kw})"):
+            return cls(**kw)
+    except (btjit.optim.OptimizerError, TypeError) as e:
+        raise ConfigError(f"[optim] ({what}): {e}") from None
+
+
+def build_program(cfg: Config, model, params, x, y, replicas=1, optim_file=None):
+    """The training program of a config: the model's loss traced on a batch like (x, y) with the config's
+    optimizer (optim_file: the user's, [optim] file), clipping and dtype (`btjit train` and `btjit export`)."""
+    o = cfg.optim
+    opt = make_optimizer(o, optim_file)
+    try:
+        btjit.optim.resolve_groups(opt, params)
+    except btjit.optim.OptimizerError as e:
+        raise ConfigError(f"[optim]: {e}") from None
     with model.guard("tracing loss(p, x, y)"):
         return btjit.trace(model.loss, params, x, y, optimizer=opt, clip_norm=o.clip_norm or None,
+                           clip_value=o.clip_value or None,
                            dtype=cfg.train.dtype,
                            skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
                            replicas=replicas)      # replicas average losses: only for a mean over the batch
@@ -97,6 +135,8 @@ class Trainer:
         t = cfg.train
         self._prepare(resume)
         self.model_file = usermodel.for_run(cfg.model, self.run_dir, self.resumed, self.echo)   # kind "python"
+        self.optim_file = cfg.optim.file and usermodel.file_for_run(cfg.optim.file, self.run_dir, self.resumed,
+                                                                    self.echo, "optimizer")
         self.threads = set_threads(threads if threads is not None else t.threads)
         vocab = data_mod.Vocab(self.resumed.meta["vocab"]) if self.resumed else None
         self.ds = data_mod.load(cfg, data_path, vocab)
@@ -145,8 +185,9 @@ class Trainer:
         self.prog.load_state_dict(state)
 
     def _write_run_files(self, resume):
-        if self.model_file is not None:
-            self.model_file.copy_into(self.run_dir)
+        for f in (self.model_file, self.optim_file):
+            if f:
+                f.copy_into(self.run_dir)
         if resume:
             trim_metrics(self.metrics_path, self.step)
         (self.run_dir / CONFIG_FILE).write_text(
@@ -178,7 +219,8 @@ class Trainer:
         x, y = self.ds.batch("train", self.local_batch_size, np.random.default_rng(0))
         replicas = btjit.replicas_for(len(y), y.size, self.threads) if self.model.mean_over_batch else 1
         t0 = time.perf_counter()
-        self.prog = build_program(cfg, self.model, self.model.init_params(self.param_rng), x, y, replicas)
+        self.prog = build_program(cfg, self.model, self.model.init_params(self.param_rng), x, y, replicas,
+                                  self.optim_file)
         self.build_seconds = time.perf_counter() - t0
         self.tokens_per_step = (len(y) if self.model.format == "lines" else x.size) * cfg.train.grad_accum
 
@@ -234,7 +276,8 @@ class Trainer:
         """The metadata of a checkpoint written now."""
         return {"rng_state": ckpt_mod.rng_state(self.rng), "config": self.cfg.to_dict(),
                 "vocab": self.ds.vocab.chars, "data": self.ds.name, "n_params": int(self.prog.n_params),
-                "best": self.best, **({"model_file": self.model_file.meta()} if self.model_file else {})}
+                "best": self.best, **({"model_file": self.model_file.meta()} if self.model_file else {}),
+                **({"optimizer_file": self.optim_file.meta()} if self.optim_file else {})}
 
     def track_best(self, val: float) -> None:
         """After a val loss at step > 0: write best.npz when it is the lowest so far (a tie keeps the older)."""
