@@ -222,7 +222,7 @@ class Program(Runner):
         bwd, bwd_labels = lower_eqns(graph.eqns[graph.n_forward:graph.n_backward], L)
         upd = [L.row("k_clip_scale", og=p.grads_start, n=p.params_span[1], omax=self._hyper["clip_norm"],
                      oscale=self._hyper["clip_scale"])] if update and (clip_norm or skip_nonfinite) else []
-        rows, upd_labels = lower_eqns(graph.eqns[graph.n_backward:], L)
+        rows, _ = lower_eqns(graph.eqns[graph.n_backward:], L)
         upd += rows
         self._computed_checks = L.computed_checks
         asg = assign_rows(graph, L)

@@ -43,7 +43,7 @@ class Plan:
     float_size: int
     int_size: int
     scratch: int                 # int32 BLAS scratch (8 slots)
-    int_state: int               # int32 optimizer step counter
+    int_state: int               # int32 slots: [unused, the index-check flag] (the step counter is a hyper slot)
     buffer_off: dict = field(default_factory=dict)  # buffer name -> offset
     buffers_span: tuple = (0, 0)                     # (start, length) of the buffers region
     intervals: dict = field(default_factory=dict)   # storage var id -> (def, last use, offset, size) planned

@@ -52,6 +52,10 @@ class Optimizer:
     def hyper(self) -> dict:
         return dict(self.hp)
 
+    def nonzero(self, name) -> bool:
+        """Whether hyper-parameter `name` is non-zero for some group: the terms it scales are traced at all."""
+        return bool(self.hp.get(name)) or any(g.get(name) for g in self.groups or ())
+
     def __repr__(self):
         hp = ", ".join(f"{k}={v:g}" for k, v in self.hp.items())
         return f"{type(self).__name__}({hp}{f', {len(self.groups)} groups' if self.groups else ''})"

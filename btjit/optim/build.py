@@ -15,17 +15,13 @@ import numpy as np
 
 from btjit.graph import trace as T
 from btjit.graph.fuse_ew import BINARY, UNARY
-from btjit.graph.memory import ALIGN, storage_roots
+from btjit.graph.memory import _al, storage_roots
 
 from .base import OptimizerError, resolve_groups
 
 GLOBAL = ("lr", "clip_norm", "clip_scale", "clip_value", "step")
 ELEMENTWISE = set(UNARY) | set(BINARY) | {"where"}
 ONE_MINUS = "1-"              # the slot of 1 - hp[k] is named "1-" + k (see _Hyper)
-
-
-def _al(n):
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 class Update:
@@ -52,9 +48,10 @@ class Update:
                                          f"{p.shape}; state is elementwise, of the param's shape")
                 self.init.setdefault(k, {})[name] = v
         self.state_names = self.state_names or []
+        start = {"lr": opt.hp["lr"], "clip_norm": 0.0, "clip_scale": 1.0, "clip_value": 0.0, "step": 0.0}
         self.slots = {k: i for i, k in enumerate(GLOBAL)}
+        self.values = [start[k] for k in GLOBAL]
         self.group_slots = []
-        self.values = [opt.hp["lr"], 0.0, 1.0, 0.0, 0.0]
         for _, hp in self.groups:
             names = [k for k in hp if k != "lr"]
             names += [ONE_MINUS + k for k in names if k != "lr_scale"]

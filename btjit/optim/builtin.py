@@ -22,9 +22,9 @@ def _check(who, **ranges):
             raise OptimizerError(f"{who}: {k} must be in [{lo}, {hi}], got {v}")
 
 
-def _decay(grad, param, hp, has):
-    """torch's coupled L2 decay: grad + weight_decay * param (only if the optimizer was made with decay)."""
-    return grad + hp["weight_decay"] * param if has else grad
+def _decay(opt, grad, param, hp):
+    """torch's coupled L2 decay: grad + weight_decay * param (only if some group decays)."""
+    return grad + hp["weight_decay"] * param if opt.nonzero("weight_decay") else grad
 
 
 class SGD(Optimizer):
@@ -36,18 +36,16 @@ class SGD(Optimizer):
             raise OptimizerError("SGD: nesterov needs momentum > 0 and dampening = 0")
         super().__init__(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, groups=groups)
         self.nesterov = bool(nesterov)
-        self._has_buf = momentum != 0 or any(g.get("momentum") for g in groups or ())
-        self._has_wd = weight_decay != 0 or any(g.get("weight_decay") for g in groups or ())
 
     def init(self, name, param):
-        return {"momentum_buffer": _zeros(param)} if self._has_buf else {}
+        return {"momentum_buffer": _zeros(param)} if self.nonzero("momentum") else {}
 
     def update(self, p, g, s, hp, step):
-        g = _decay(g, p, hp, self._has_wd)
-        if not self._has_buf:
+        g = _decay(self, g, p, hp)
+        if not self.nonzero("momentum"):
             return p - hp["lr"] * g, {}
         buf = hp["momentum"] * s["momentum_buffer"] + (1.0 - hp["dampening"]) * g
-        if self.hp["dampening"] or any(x.get("dampening") for x in self.groups or ()):
+        if self.nonzero("dampening"):
             buf = T.where(step == 1.0, g, buf)       # torch starts the buffer at the first gradient
         d = g + hp["momentum"] * buf if self.nesterov else buf
         return p - hp["lr"] * d, {"momentum_buffer": buf}
@@ -60,7 +58,6 @@ class Adam(Optimizer):
     def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, groups=None):
         _check(type(self).__name__, beta1=(betas[0], 0.0, 1.0), beta2=(betas[1], 0.0, 1.0))
         super().__init__(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay, groups=groups)
-        self._has_wd = weight_decay != 0 or any(g.get("weight_decay") for g in groups or ())
 
     def init(self, name, param):
         return {"exp_avg": _zeros(param), "exp_avg_sq": _zeros(param)}
@@ -68,9 +65,9 @@ class Adam(Optimizer):
     def update(self, p, g, s, hp, step):
         lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
         if self.decoupled:
-            p = p * (1.0 - lr * hp["weight_decay"]) if self._has_wd else p
+            p = p * (1.0 - lr * hp["weight_decay"]) if self.nonzero("weight_decay") else p
         else:
-            g = _decay(g, p, hp, self._has_wd)
+            g = _decay(self, g, p, hp)
         m = s["exp_avg"] + (1.0 - b1) * (g - s["exp_avg"])          # torch's lerp (weight < 0.5)
         v = b2 * s["exp_avg_sq"] + (1.0 - b2) * (g * g)
         step_size = lr / (1.0 - b1 ** step)
@@ -94,13 +91,12 @@ class Adagrad(Optimizer):
                  groups=None):
         super().__init__(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, groups=groups)
         self.initial_accumulator_value = float(initial_accumulator_value)
-        self._has_wd = weight_decay != 0 or any(g.get("weight_decay") for g in groups or ())
 
     def init(self, name, param):
         return {"sum": np.full(np.shape(param), self.initial_accumulator_value)}
 
     def update(self, p, g, s, hp, step):
-        g = _decay(g, p, hp, self._has_wd)
+        g = _decay(self, g, p, hp)
         clr = hp["lr"] / (1.0 + (step - 1.0) * hp["lr_decay"])
         acc = s["sum"] + g * g
         return p + (-clr) * g / (T.sqrt(acc) + hp["eps"]), {"sum": acc}
@@ -112,14 +108,13 @@ class Adadelta(Optimizer):
     def __init__(self, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, groups=None):
         _check("Adadelta", rho=(rho, 0.0, 1.0))
         super().__init__(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, groups=groups)
-        self._has_wd = weight_decay != 0 or any(g.get("weight_decay") for g in groups or ())
 
     def init(self, name, param):
         return {"square_avg": _zeros(param), "acc_delta": _zeros(param)}
 
     def update(self, p, g, s, hp, step):
         rho, eps = hp["rho"], hp["eps"]
-        g = _decay(g, p, hp, self._has_wd)
+        g = _decay(self, g, p, hp)
         sq = rho * s["square_avg"] + (1.0 - rho) * (g * g)
         delta = T.sqrt(s["acc_delta"] + eps) / T.sqrt(sq + eps) * g
         acc = rho * s["acc_delta"] + (1.0 - rho) * (delta * delta)
@@ -133,12 +128,10 @@ class RMSprop(Optimizer):
         _check("RMSprop", alpha=(alpha, 0.0, 1.0), momentum=(momentum, 0.0, 1.0))
         super().__init__(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, groups=groups)
         self.centered = bool(centered)
-        self._has_buf = momentum != 0 or any(g.get("momentum") for g in groups or ())
-        self._has_wd = weight_decay != 0 or any(g.get("weight_decay") for g in groups or ())
 
     def init(self, name, param):
         st = {"square_avg": _zeros(param)}
-        if self._has_buf:
+        if self.nonzero("momentum"):
             st["momentum_buffer"] = _zeros(param)
         if self.centered:
             st["grad_avg"] = _zeros(param)
@@ -146,7 +139,7 @@ class RMSprop(Optimizer):
 
     def update(self, p, g, s, hp, step):
         a = hp["alpha"]
-        g = _decay(g, p, hp, self._has_wd)
+        g = _decay(self, g, p, hp)
         sq = a * s["square_avg"] + (1.0 - a) * (g * g)
         new = {"square_avg": sq}
         if self.centered:
@@ -155,7 +148,7 @@ class RMSprop(Optimizer):
             avg = T.sqrt(sq - ga * ga) + hp["eps"]
         else:
             avg = T.sqrt(sq) + hp["eps"]
-        if self._has_buf:
+        if self.nonzero("momentum"):
             buf = hp["momentum"] * s["momentum_buffer"] + g / avg
             new["momentum_buffer"] = buf
             return p - hp["lr"] * buf, new
