@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.kernels import elementwise as EW
-from btjit.kernels.fused import BIN, LOAD, MAX_OPERANDS, NREG, WHERE
+from btjit.kernels.fused import BIN, LOAD, LOADC, MAX_OPERANDS, NREG, WHERE
 
 from .ir import Eqn, Graph
 from .ops import bstrides, cstrides, loop_nest
@@ -145,11 +145,35 @@ def _fused_eqn(g, eqns, body, members, needed, dry=False):
         return None
     opers = [(0, bstrides(v.shape, shape) or (0,)) for v in ins] + [(0, cstrides(shape) or (0,)) for _ in outs]
     (_, inner), *_ = loop_nest(shape or (1,), opers, 4)
-    code = {v.id: -1 - k for k, v in enumerate(ins) if inner[-1][1][k] == 1}     # read in place
-    code.update({o.id: -1 - len(ins) - k for k, o in enumerate(outs)})            # written in place
+    base = {v.id: -1 - k for k, v in enumerate(ins) if inner[-1][1][k] == 1}     # read in place
+    base.update({o.id: -1 - len(ins) - k for k, o in enumerate(outs)})            # written in place
+    scalars = [k for k in range(len(ins)) if all(st[k] == 0 for _, st in inner)]
+    instrs = _registers(es, ins, base, scalars) or _registers(es, ins, base, [])   # hoisted if registers allow
+    if instrs is None:                                   # out of registers
+        return None
+    if dry:
+        return True
+    prog = [len(instrs), len(opers), *[n for n, _ in inner]] + \
+        [st[q] for q in range(len(opers)) for _, st in inner] + [x for q in instrs for x in q]
+    pvar = g.const(np.array(prog, np.int64).astype(np.int32), "i32")
+    return Eqn("ew_fused", (pvar, *ins), tuple(outs),
+               {"shape": shape, "outs": tuple(o.id for o in outs), "ins": tuple(v.id for v in ins),
+                "body": tuple((eqns[j].op, tuple(sorted(eqns[j].attrs.items())), tuple(v.id for v in eqns[j].ins),
+                               eqns[j].outs[0].id) for j in body)}, eqns[body[-1]].src)
+
+
+def _registers(es, ins, code, scalars):
+    """The instructions computing es with registers allocated SSA-style (None if NREG are too few). Operands
+    read in place and outputs written in place are in `code`; the scalar operands (every stride 0) `scalars`
+    get registers of their own, filled once per row (LOADC) instead of at every block."""
+    code = dict(code)
     last = {v.id: t for t, e in enumerate(es) for v in e.ins}
-    free, instrs = list(range(NREG - 1, -1, -1)), []
+    free, instrs, kept = list(range(NREG - 1, -1, -1)), [], set()
     try:
+        for k in scalars:
+            code[ins[k].id] = r = free.pop()
+            kept.add(r)
+            instrs.append((LOADC, r, k, 0, 0))
         for t, e in enumerate(es):
             for v in e.ins:
                 if v.id not in code:                     # broadcast / strided operand: into a register
@@ -169,17 +193,9 @@ def _fused_eqn(g, eqns, body, members, needed, dry=False):
                 instrs.append((WHERE, code[o.id], *srcs) if e.op == "where" else (op_, code[o.id], srcs[0], srcs[-1], 0))
             for v in set(e.ins):                         # registers read for the last time are free again
                 r = code[v.id]                           # (once: aliases, e.g. x and broadcast_to(x), share one)
-                if r >= 0 and r not in free and last[v.id] == t \
+                if r >= 0 and r not in free and r not in kept and last[v.id] == t \
                         and not any(c == r and last.get(w, -1) > t for w, c in code.items()):
                     free.append(r)
-    except IndexError:                                   # out of registers
+    except IndexError:
         return None
-    if dry:
-        return True
-    prog = [len(instrs), len(opers), *[n for n, _ in inner]] + \
-        [st[q] for q in range(len(opers)) for _, st in inner] + [x for q in instrs for x in q]
-    pvar = g.const(np.array(prog, np.int64).astype(np.int32), "i32")
-    return Eqn("ew_fused", (pvar, *ins), tuple(outs),
-               {"shape": shape, "outs": tuple(o.id for o in outs), "ins": tuple(v.id for v in ins),
-                "body": tuple((eqns[j].op, tuple(sorted(eqns[j].attrs.items())), tuple(v.id for v in eqns[j].ins),
-                               eqns[j].outs[0].id) for j in body)}, eqns[body[-1]].src)
+    return instrs

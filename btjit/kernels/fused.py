@@ -12,7 +12,7 @@ that computes them, so a single op costs one pass, as a dedicated loop would.
 Program at ia[oprog:] (int32): [ninstr, nops, n0, n1, n2, n3, strides (4 per operand), instructions (5 each:
 op, dst, x, y, z)]. Operand k's float-arena offset is the row's o<k>. Opcodes: the unary (U_*) and binary
 (B_* + BIN) sub-op codes of btjit/kernels/elementwise.py, WHERE (dst = y where x != 0 else z), LOAD (register
-dst = operand x).
+dst = operand x), LOADC (the same for a scalar operand, at the first block only: its register is kept).
 """
 import math
 
@@ -28,7 +28,7 @@ BLOCK = 1024         # elements per register
 NREG = 16            # registers (BLOCK * NREG floats of stack: 64 KB in float32)
 MAX_OPERANDS = 23    # o0 .. o22 in the row
 BIN = 16             # binary opcodes are BIN + B_*
-WHERE, LOAD = 40, 41
+WHERE, LOAD, LOADC = 40, 41, 42
 HEAD = 6
 RSIZE = BLOCK * NREG
 
@@ -169,6 +169,9 @@ def k_ew_program(a, ia, r):
                             else:
                                 for j in range(m):
                                     d[j] = a[base + j * st]
+                        elif op == LOADC:                # a scalar operand xr: its register filled once
+                            if i0 == 0 and i1 == 0 and i2 == 0 and j0 == 0:
+                                _fill(d, a[r[2 + xr]], m)
                         elif op == WHERE:
                             _where(d, _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0),
                                    _at(a, R, P, r, zr, i0, i1, i2, j0), m)
