@@ -7,6 +7,7 @@
 # parsing (btjit.cli). Errors are TrainError (or Config/Data/CheckpointError, ModelFileError), one line each.
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -65,55 +66,27 @@ def first_nonfinite(arrays: dict) -> str | None:
 trim_metrics = rundir.trim_metrics
 
 
-# the [optim] keys each built-in takes besides lr (the others keep the optimizer's own defaults)
-OPTIM_KEYS = {"sgd": ("momentum", "weight_decay"), "adam": ("betas", "eps", "weight_decay"),
-              "adamw": ("betas", "eps", "weight_decay"), "adagrad": ("weight_decay",), "adadelta": ("weight_decay",),
-              "rmsprop": ("eps", "momentum", "weight_decay"), "lion": ("weight_decay",)}
-
-
-def make_optimizer(o, optim_file=None):
-    """The btjit.optim optimizer of an [optim] section: a built-in by name with its keys, or the one
-    Optimizer subclass of the user's optimizer file (usermodel.ModelFile, kind "optimizer") with lr, weight_decay
-    when not 0, and [optim.hp]; decay = "matrices" or [[optim.groups]] as its param groups."""
-    if optim_file is None:
-        cls, kw = btjit.optim.BUILTIN[o.name], {k: getattr(o, k) for k in OPTIM_KEYS[o.name]}
-    else:
-        found = [c for c in vars(optim_file.module).values() if isinstance(c, type) and
-                 issubclass(c, btjit.optim.Optimizer) and c.__module__ == optim_file.module.__name__]
-        if len(found) != 1:
-            raise usermodel.ModelFileError(f"{optim_file.name} must define one btjit.optim.Optimizer subclass, "
-                                           f"found {len(found)}" + (f" ({', '.join(c.__name__ for c in found)})"
-                                                                    if found else ""))
-        cls, kw = found[0], ({"weight_decay": o.weight_decay} if o.weight_decay else {})
-    kw = {"lr": o.lr, **kw, **{k: tuple(v) if isinstance(v, list) else v for k, v in o.hp.items()}}
-    if "betas" in kw:
-        kw["betas"] = tuple(kw["betas"])
-    groups = btjit.optim.decay_matrices() if o.decay == "matrices" else [dict(g) for g in o.groups]
-    if groups:
-        kw["groups"] = groups
-    what = f"{optim_file.name}: {cls.__name__}" if optim_file else f"optim.name = {o.name!r}"
+def make_optimizer(o, optim_file=None, params=None):
+    """The optimizer of an [optim] section (btjit.optim.from_section; optim_file: the user's, a ModelFile of kind
+    "optimizer"), its groups checked on params if given: a bad argument or group is a ConfigError."""
+    guard = optim_file and (lambda: usermodel.guard(optim_file.name, str(optim_file.path), "making the optimizer"))
     try:
-        if optim_file is None:
-            return cls(**kw)
-        with usermodel.guard(optim_file.name, str(optim_file.path), f"{cls.__name__}(**{kw})"):
-            return cls(**kw)
-    except (btjit.optim.OptimizerError, TypeError) as e:
-        raise ConfigError(f"[optim] ({what}): {e}") from None
+        opt = btjit.optim.from_section(o, optim_file and optim_file.module, guard or contextlib.nullcontext)
+        if params is not None:
+            btjit.optim.resolve_groups(opt, params)
+        return opt
+    except btjit.optim.OptimizerError as e:
+        raise ConfigError(f"[optim]: {e}") from None
 
 
 def build_program(cfg: Config, model, params, x, y, replicas=1, optim_file=None):
     """The training program of a config: the model's loss traced on a batch like (x, y) with the config's
     optimizer (optim_file: the user's, [optim] file), clipping and dtype (`btjit train` and `btjit export`)."""
     o = cfg.optim
-    opt = make_optimizer(o, optim_file)
-    try:
-        btjit.optim.resolve_groups(opt, params)
-    except btjit.optim.OptimizerError as e:
-        raise ConfigError(f"[optim]: {e}") from None
+    opt = make_optimizer(o, optim_file, params)
     with model.guard("tracing loss(p, x, y)"):
         return btjit.trace(model.loss, params, x, y, optimizer=opt, clip_norm=o.clip_norm or None,
-                           clip_value=o.clip_value or None,
-                           dtype=cfg.train.dtype,
+                           clip_value=o.clip_value or None, dtype=cfg.train.dtype,
                            skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
                            replicas=replicas)      # replicas average losses: only for a mean over the batch
 

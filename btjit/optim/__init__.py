@@ -9,8 +9,7 @@ The built-ins (torch.optim's semantics) and a user's subclass of `Optimizer` are
 """
 from .base import Optimizer, OptimizerError, decay_matrices, resolve_groups
 from .builtin import SGD, Adadelta, Adagrad, Adam, AdamW, Lion, RMSprop, sign
+from .config import BUILTIN, from_section
 
 __all__ = ["Optimizer", "OptimizerError", "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "RMSprop", "Lion",
-           "decay_matrices", "resolve_groups", "sign", "BUILTIN"]
-
-BUILTIN = {c.__name__.lower(): c for c in (SGD, Adam, AdamW, Adagrad, Adadelta, RMSprop, Lion)}
+           "decay_matrices", "resolve_groups", "sign", "BUILTIN", "from_section"]

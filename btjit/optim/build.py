@@ -74,7 +74,12 @@ class Update:
             g.regions[v] = tag
             return T.Tracer(v, g)
 
-        hyper = lambda i: region(("hyper", i), ())   # noqa: E731
+        slot_vars = {}
+
+        def hyper(i):                                 # slot i as a scalar value (one var per slot)
+            if i not in slot_vars:
+                slot_vars[i] = region(("hyper", i), ())
+            return slot_vars[i]
         with T.building(g):
             step = hyper(self.slots["step"])
             t = step + 1.0
