@@ -8,10 +8,11 @@ The API below is imported on first use (btjit/_api.py): `import btjit.runtime` l
 """
 __version__ = "0.1.0"
 __all__ = ["trace", "trace_scalar", "Program", "set_num_threads", "replicas_for", "optim", "TraceError",
-           "abs", "arange", "assign", "batch_norm", "is_training", "broadcast_to", "causal_attention", "concatenate", "roll", "setitem", "stack",
+           "abs", "arange", "broadcast_to", "causal_attention", "concatenate", "roll", "setitem", "stack",
            "copy", "cross_entropy", "equal", "exp", "gelu", "layer_norm", "log", "log_softmax", "matmul", "max",
            "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "split", "sqrt", "sum", "swapaxes",
-           "take", "tanh", "transpose", "where"]
+           "take", "tanh", "transpose", "where",
+           "assign", "batch_norm", "is_training"]
 
 
 def __getattr__(name):

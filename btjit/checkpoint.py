@@ -1,5 +1,5 @@
 # btjit/checkpoint.py -- checkpoints of a training run: one .npz file per checkpoint holding the
-# program's state_dict (params, optimizer state, step counter), the step, the batch RNG state, the
+# program's state_dict (params, buffers, optimizer state, step counter), the step, the batch RNG state, the
 # resolved config, the vocabulary and a format version, sealed by a sha256 over the whole payload.
 # Files are written atomically (temp file in the same dir, flush + fsync, os.replace, fsync of the dir),
 # so a process killed mid-write leaves the previous checkpoint intact. Loading verifies the checksum;
@@ -46,6 +46,11 @@ class Checkpoint:
     def params(self) -> dict:
         """The model parameters: state entries 'param/<name>' -> {name: array}."""
         return {k[len("param/"):]: v for k, v in self.state.items() if k.startswith("param/")}
+
+    @property
+    def buffers(self) -> dict:
+        """The model's buffers (running statistics...): state entries 'buffer/<name>' -> {name: array}."""
+        return {k[len("buffer/"):]: v for k, v in self.state.items() if k.startswith("buffer/")}
 
 
 def rng_state(rng: np.random.Generator) -> dict:

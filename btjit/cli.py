@@ -170,7 +170,7 @@ def sample(ckpt, prompt, n_chars, temperature, top_k, seed, debug):
     model = model_for(cfg.model, len(vocab), model_file, cfg.data.format)
     expected = model.init_params(np.random.default_rng(0))
     check_compatible(ck, {f"param/{k}": v for k, v in expected.items()}, prefix="param/")
-    sampler = Sampler(model, vocab, ck.params, cfg.train.dtype)
+    sampler = Sampler(model, vocab, ck.params, cfg.train.dtype, ck.buffers or model.buffers())
     sampler.check_prompt(prompt)
     rng = np.random.default_rng(cfg.train.seed if seed is None else seed)
     click.echo(sampler.generate(prompt, n_chars, rng, temperature, top_k))
@@ -325,7 +325,8 @@ def export_cmd(source, out, data_path, debug):
     ds = data_mod.load(cfg, data_path, vocab)
     model = model_for(cfg.model, len(ds.vocab), model_file, cfg.data.format)
     x, y = ds.batch("train", cfg.train.batch_size, np.random.default_rng(0))
-    prog = build_program(cfg, model, model.init_params(seeds(cfg.train.seed)[0]), x, y, optim_file=optim_file)
+    prog = build_program(cfg, model, model.init_params(seeds(cfg.train.seed)[0]), x, y,   # buffers: the model's
+                         optim_file=optim_file)
     if ck is not None:
         prog.load_state_dict({k: v for k, v in ck.state.items() if not k.startswith("dist/")})
         prog.lr = schedule.for_config(cfg)(ck.step)

@@ -242,6 +242,9 @@ class DistributedTrainer(Trainer):
         root_do(self.comm, lambda: Trainer._build_program(self))
         if not self.is_root:
             Trainer._build_program(self)
+        if self.prog.buffers:
+            raise DistributedError(f"the model has buffers ({', '.join(self.prog.buffers)}): a distributed run "
+                                   f"would update one copy per rank from its own batches; train it in one process")
         self.tokens_per_step *= self.size
         d = self.cfg.distributed
         self.dp = DataParallel(self.prog, self.comm, d.compressor, d.ratio, seed=self.cfg.train.seed)
@@ -307,7 +310,7 @@ class DistributedTrainer(Trainer):
             losses = []
             for _ in range(t.eval_batches):
                 x, y = self.ds.batch("val", t.batch_size, rng)
-                losses += [self.prog.forward(xs, ys) for xs, ys in zip(np.split(x, self.size), np.split(y, self.size))]
+                losses += [self.prog.eval(xs, ys) for xs, ys in zip(np.split(x, self.size), np.split(y, self.size))]
             val = float(np.mean(losses))
         return self.comm.bcast(val, root=0)
 

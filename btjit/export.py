@@ -141,6 +141,12 @@ def _c_float(x, ctype) -> str:
     return x.hex() + ("f" if ctype == "float" else "")
 
 
+def _buffers_c(buffers) -> str:
+    rows = ", ".join(f'{{"{k}", {s["offset"]}, {int(np.prod(s["shape"]))}}}' for k, s in buffers.items())
+    return f"const btjit_buffer btjit_buffers[] = {{{rows or '{0, 0, 0}'}}};\n" \
+        f"const int64_t btjit_n_buffers = {len(buffers)};\n"
+
+
 def _crc(data: bytes) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
@@ -160,6 +166,9 @@ _TENSOR_DECLS = [
     "typedef struct { const char *name; int64_t offset, size; int32_t is_int, bound; } btjit_input;",
     "extern const btjit_input btjit_inputs[];     /* offsets into a (floats) or ia (int32, is_int) */",
     "extern const int64_t btjit_n_inputs;",
+    "typedef struct { const char *name; int64_t offset, size; } btjit_buffer;",
+    "extern const btjit_buffer btjit_buffers[];   /* offsets into a: what btjit.assign updates every step */",
+    "extern const int64_t btjit_n_buffers;",
     "typedef struct { void *a; int64_t na; int32_t *ia; int64_t nia; int64_t *tape; int64_t rows, cols; } "
     "btjit_program;",
     "/* rows [start, stop) of the tape: 0, 1 (an index out of range stopped it) or 2 (a kernel failed) */",
@@ -313,5 +322,6 @@ def export_program(prog, path, extra_files=None) -> Path:
                            '#include "btjit_program.h"',
                            "typedef int32_t (*btjit_entry)(void *, int64_t, int32_t *, int64_t, int64_t *);",
                            _table_c(symbols), f"const btjit_input btjit_inputs[] = {{{ins}}};",
-                           f"const int64_t btjit_n_inputs = {len(inputs)};", _cpu_c(cpu), _blas_c(blas)])
+                           f"const int64_t btjit_n_inputs = {len(inputs)};", _buffers_c(man["buffers"]), _cpu_c(cpu),
+                           _blas_c(blas)])
     return _build(Path(path), program_c, header, objects, blas, files, man)

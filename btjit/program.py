@@ -15,7 +15,7 @@ import numpy as np
 from .graph import autodiff, fuse, fuse_ew, trace as T
 from .graph.ir import Graph, np_dtype, verify
 from .graph.lower import Lowering, assign_rows, lower_eqns
-from .graph.memory import Shared, plan as make_plan, storage_roots
+from .graph.memory import Shared, pin, plan as make_plan, storage_roots
 from .graph.ops import TABLE
 from .optim import Optimizer
 from . import executor as X, threads
@@ -139,7 +139,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
                               stacklevel=2)
     else:
         grads = {}
-    pinned = _pin(g, grads)
+    pinned = pin(g, grads)
     g.n_backward = len(g.eqns)
     if update:
         update.trace_into(g, clip_norm, clip_value, skip_nonfinite)
@@ -152,42 +152,10 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     verify(g, TABLE)
     prog = Program(g, params, update, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas,
                    buffers, _share)
-    prog._retrace = lambda share, *b: trace(fn, params, *b, dtype=dtype, replicas=1, buffers=buffers,
+    prog._retrace = lambda share, *b: trace(fn, share.params, *b, dtype=dtype, buffers=share.buffers,    # eval
                                             fuse_elementwise=fuse_elementwise, training=False, grad=False,
                                             _share=share)
     return prog
-
-
-def _pin(g: Graph, grads: dict) -> dict:
-    """Give each output, grad and assigned value its own storage in its fixed slot, copying where the value's
-    storage is fixed (a param, buffer, input, constant) or already pinned."""
-    root = storage_roots(g)
-    fixed = {v.id for v in list(g.params.values()) + list(g.buffers.values()) + g.inputs + list(g.consts)}
-    pinned = {}
-    fwd_copies, bwd_copies = [], []
-
-    def own(v, tag, copies):
-        r = root.get(v.id, v.id)
-        if r in fixed or r in pinned:
-            with T.building(g):
-                c = T.copy(T.Tracer(v, g))
-            copies.append(g.eqns.pop())
-            v, r = c.var, c.var.id
-        pinned[r] = tag
-        return v
-
-    g.outputs = {k: own(v, ("out", k), fwd_copies) for k, v in g.outputs.items()}
-    if g.loss is not None:
-        g.loss = g.outputs["out"]
-    g.grads = {k: own(v, ("grad", k), bwd_copies) for k, v in grads.items()}
-    backward = {o.id for e in g.eqns[g.n_forward:] for o in e.outs}   # assigned values of the update: after it
-    state = g.state_vars()
-    for a in g.assigns:
-        a.value = own(a.value, ("out", "assign/%s/%s" % state[a.target.id]),
-                      bwd_copies if a.value.id in backward else fwd_copies)
-    g.eqns = g.eqns[:g.n_forward] + fwd_copies + g.eqns[g.n_forward:] + bwd_copies
-    g.n_forward += len(fwd_copies)
-    return pinned
 
 
 class Program(Runner):
@@ -253,7 +221,7 @@ class Program(Runner):
                            np.dtype(np.int32) if v.dtype == "i32" else self.dtype) for v in graph.inputs]
         for k, v in ({} if share else {**init_params, **(init_buffers or {})}).items():
             (self.params if k in self.params else self.buffers)[k][...] = v
-        self._evals = {}
+        self._evals, self._retrace = {}, None       # eval programs by batch shape; trace() sets _retrace
         if update:
             self.a[p.hyper_off:p.hyper_off + update.n_hyper] = update.values
             for j, k in enumerate(update.state_names):
@@ -304,6 +272,8 @@ class Program(Runner):
         key = tuple((np.shape(x), np.asarray(x).dtype.kind in "iu") for x in batch)
         ev = self._evals.get(key)
         if ev is None:
+            if self._retrace is None:
+                raise RuntimeError("prog.eval needs the traced function: trace the program with btjit.trace")
             ev = self._evals[key] = self._retrace(self, *batch)
         return ev.forward(*batch)
 

@@ -34,25 +34,29 @@ class Sampler:
     "words" (makemore.py): idx (1, block_size) starting with the start token 0, right-padded, the logits read
     at the last position; a word ends at token 0 or at block_size - 1 characters (the longest the data holds)."""
 
-    def __init__(self, model: Model, vocab: Vocab, params: dict, dtype: str = "float32"):
+    def __init__(self, model: Model, vocab: Vocab, params: dict, dtype: str = "float32", buffers: dict | None = None):
         import btjit
         self.format, self.vocab, self.model = model.format, vocab, model
         self.block = model.cfg.context if self.format == "lines" else model.cfg.block_size
         example = np.zeros((1, self.block), dtype=np.int32)
         with model.guard("tracing logits(p, x) (for samples)"):
-            self.fwd = btjit.trace(model.logits, params, example, optimizer=None, dtype=dtype)
+            self.fwd = btjit.trace(model.logits, params, example, optimizer=None, dtype=dtype, buffers=buffers,
+                                   training=False)
         want = (1, len(vocab)) if self.format == "lines" else (1, self.block, len(vocab))
         got = tuple(self.fwd.graph.outputs["out"].shape)
         if got != want and model.model_file is not None:
             from btjit.usermodel import ModelFileError
             raise ModelFileError(f"{model.model_file.name}: logits(p, x) of x {example.shape} must return shape "
                                  f"{want} for data.format = \"{self.format}\", got {got}")
-        self.set_params(params)
+        self.set_params(params, buffers)
 
-    def set_params(self, params: dict) -> None:
-        """Copy parameter values (e.g. prog.params of the training program) into the forward program."""
+    def set_params(self, params: dict, buffers: dict | None = None) -> None:
+        """Copy parameter and buffer values (e.g. prog.params, prog.buffers of the training program) into the
+        forward program."""
         for name, dst in self.fwd.params.items():
             dst[...] = params[name]
+        for name, dst in self.fwd.buffers.items():
+            dst[...] = buffers[name]
 
     def _logits(self, ctx: list[int]) -> np.ndarray:
         idx = np.zeros((1, self.block), dtype=np.int32)

@@ -86,7 +86,7 @@ def build_program(cfg: Config, model, params, x, y, replicas=1, optim_file=None)
     opt = make_optimizer(o, optim_file, params)
     with model.guard("tracing loss(p, x, y)"):
         return btjit.trace(model.loss, params, x, y, optimizer=opt, clip_norm=o.clip_norm or None,
-                           clip_value=o.clip_value or None, dtype=cfg.train.dtype,
+                           clip_value=o.clip_value or None, dtype=cfg.train.dtype, buffers=model.buffers(),
                            skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
                            replicas=replicas)      # replicas average losses: only for a mean over the batch
 
@@ -231,18 +231,19 @@ class Trainer:
             f.write(json.dumps(event) + "\n")
 
     def evaluate(self) -> float:
-        """Mean loss over eval_batches val batches; the same batches every time (fixed seed)."""
+        """Mean loss over eval_batches val batches in eval mode; the same batches every time (fixed seed)."""
         t = self.cfg.train
         rng = seeds(t.seed)[2]
-        losses = [self.prog.forward(*self.ds.batch("val", t.batch_size, rng)) for _ in range(t.eval_batches)]
+        losses = [self.prog.eval(*self.ds.batch("val", t.batch_size, rng)) for _ in range(t.eval_batches)]
         return float(np.mean(losses))
 
     def sample(self) -> str:
         from btjit.sampling import Sampler
         if self.sampler is None:
-            self.sampler = Sampler(self.model, self.ds.vocab, self.prog.params, self.cfg.train.dtype)
+            self.sampler = Sampler(self.model, self.ds.vocab, self.prog.params, self.cfg.train.dtype,
+                                   self.prog.buffers)
         else:
-            self.sampler.set_params(self.prog.params)
+            self.sampler.set_params(self.prog.params, self.prog.buffers)
         return self.sampler.generate("", self.cfg.train.sample_chars, self.sample_rng)
 
     def meta(self) -> dict:

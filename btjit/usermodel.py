@@ -1,8 +1,9 @@
 # btjit/usermodel.py -- the user's own model for `btjit train` ([model] kind = "python", file = "mymodel.py"),
 # and the same handling for the user's own optimizer file ([optim] file = "myopt.py", kind "optimizer"):
 # reading the model file (a self-contained Python file defining init_params(cfg, rng) -> dict, loss(p, x, y) and
-# logits(p, x); loss and logits may take cfg as a last argument), executing it as a module, checking the three
-# functions, the cfg namespace it is given, copying it into the run dir (--resume and `btjit sample` use that
+# logits(p, x); loss and logits may take cfg as a last argument; optionally init_buffers(cfg) -> dict of
+# buffers, which loss and logits see in p beside the params and update with btjit.assign), executing it as a
+# module, checking the functions, the cfg namespace it is given, copying it into the run dir (--resume and `btjit sample` use that
 # copy, or the source kept in each checkpoint), and turning an error raised in the user's code while building or
 # tracing into ModelFileError: one line naming the file and line. The training itself is btjit.train's.
 from __future__ import annotations
@@ -170,6 +171,23 @@ def _with_cfg(fn, n_args: int, cfg):
     if n_args == 3:
         return lambda p, x, y: fn(p, x, y, cfg)
     return lambda p, x: fn(p, x, cfg)
+
+
+def buffers_fn(mf: ModelFile, cfg):
+    """The model file's init_buffers(cfg) as a () -> dict (checked as init_params' result), or None."""
+    import numpy as np
+    fn = getattr(mf.module, "init_buffers", None)
+    if fn is None:
+        return None
+
+    def init_buffers():
+        with guard(mf.name, str(mf.path), "init_buffers(cfg)"):
+            bufs = fn(cfg)
+        if not isinstance(bufs, dict) or not all(isinstance(k, str) and isinstance(v, np.ndarray) and
+                                                 v.dtype.kind == "f" for k, v in bufs.items()):
+            raise ModelFileError(f"{mf.name}: init_buffers(cfg) must return a dict of name -> numpy float array")
+        return bufs
+    return init_buffers
 
 
 def functions(mf: ModelFile, cfg):

@@ -57,6 +57,18 @@ def test_eval_shares_params_and_buffers():
     assert prog.eval(x[:2]) == pytest.approx(2 * ((x[:2] @ prog.params["w"]) ** 2).mean(), rel=1e-12)
 
 
+def test_trace_in_eval_mode():
+    prog, x, params = _prog()
+    ev = btjit.trace(_ema, params, x, buffers={"rm": np.zeros(3), "n": np.zeros(())}, training=False, grad=False,
+                     dtype="float64")
+    h = x @ params["w"]
+    assert ev.forward(x) == pytest.approx(2 * (h * h).mean(), rel=1e-12) and not ev.graph.assigns
+    with pytest.raises(RuntimeError, match="without an optimizer"):
+        ev.step(x)
+    with pytest.raises(TraceError, match="inside a function traced"):
+        btjit.is_training()
+
+
 def test_state_dict_round_trip():
     prog, x, _ = _prog()
     prog.step(x)
@@ -102,3 +114,113 @@ def test_no_gradient_through_buffer():
     prog = btjit.trace(f, {"w": np.ones(3)}, np.ones(1), buffers={"b": np.full(3, 2.0)}, grad=True, dtype="float64")
     prog.value_and_grad(np.ones(1))
     np.testing.assert_array_equal(prog.grads["w"], np.full(3, 2.0))    # d(w*b)/dw = b: b is a constant
+
+
+# ----------------------------------------------------------------------------- checkpoints, --resume, exports
+BN_MODEL = '''"""A makemore-style word model with batch norm over (B, T, C), channels last (makemore part 5's layout)."""
+import numpy as np
+
+import btjit
+
+
+def init_params(cfg, rng):
+    V, E, H = cfg.vocab_size, cfg.n_embd, cfg.hidden
+    return {"wte": rng.standard_normal((V, E)).astype(np.float32),
+            "w1": (rng.standard_normal((E, H)) / np.sqrt(E)).astype(np.float32),
+            "gain": np.ones(H, np.float32), "bias": np.zeros(H, np.float32),
+            "head": (rng.standard_normal((H, V)) * 0.1).astype(np.float32)}
+
+
+def init_buffers(cfg):
+    return {"rm": np.zeros(cfg.hidden, np.float32), "rv": np.ones(cfg.hidden, np.float32)}
+
+
+def logits(p, x):
+    h = btjit.take(p["wte"], x) @ p["w1"]                           # (B, T, H)
+    h = btjit.batch_norm(h, p["gain"], p["bias"], p["rm"], p["rv"], axis=-1)
+    return btjit.tanh(h) @ p["head"]
+
+
+def loss(p, x, y):
+    lg = logits(p, x)
+    return btjit.cross_entropy(lg.reshape(-1, lg.shape[-1]), y.reshape(-1), ignore_index=-1)
+'''
+
+
+def test_buffers_through_checkpoints_and_resume_bit_exact(tmp_path):
+    from test_cli import assert_same_state, final_state
+    from test_usermodel import config, run
+    from textdata import words
+    (tmp_path / "bn.py").write_text(BN_MODEL)
+    (tmp_path / "c.toml").write_text(config("bn.py", steps=20, sample_interval=10))
+    (tmp_path / "w.txt").write_text(words())
+    a = run("train", tmp_path / "c.toml", "--data", tmp_path / "w.txt", "--out", tmp_path / "a")
+    assert a.exit_code == 0 and "--- sample at step 10 ---" in a.output, a.output
+    assert run("train", tmp_path / "c.toml", "--data", tmp_path / "w.txt", "--out", tmp_path / "b",
+               "--set", "train.steps=13").exit_code == 0
+    res = run("train", tmp_path / "c.toml", "--data", tmp_path / "w.txt", "--out", tmp_path / "b", "--resume")
+    assert res.exit_code == 0 and "resumed from ckpt_00000013.npz" in res.output, res.output
+    ck = final_state(tmp_path / "a")
+    assert ck.step == 20 and set(ck.buffers) == {"rm", "rv"} and np.abs(ck.buffers["rm"]).max() > 0.01
+    assert_same_state(ck, final_state(tmp_path / "b"))          # buffers included, bit for bit
+    s = run("sample", tmp_path / "a", "--n", 30, "--seed", 1)
+    assert s.exit_code == 0 and s.stdout.strip(), s.output
+
+
+FRESH = r"""
+import json, sys
+import numpy as np
+import btjit.runtime as R
+p = R.load(sys.argv[1])
+d = np.load(sys.argv[2])
+losses = [p.step(d[f"x{i}"]) for i in range(3)]
+print(json.dumps({"losses": losses, "buffers": {k: v.tolist() for k, v in p.buffers.items()},
+                  "imported": [m for m in ("numba", "llvmlite") if m in sys.modules]}))
+"""
+
+
+def test_buffers_in_exports_update_bitwise(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    prog, x, _ = _prog("float32")
+    xs = [(x + k).astype(np.float32) for k in range(3)]
+    prog.step(xs[0].astype(np.float32))                      # a trained state goes into the export
+    prog.export(tmp_path / "e")
+    np.savez(tmp_path / "b.npz", **{f"x{i}": v for i, v in enumerate(xs)})
+    want = [prog.step(v) for v in xs]
+    r = subprocess.run([sys.executable, "-c", FRESH, str(tmp_path / "e"), str(tmp_path / "b.npz")], cwd=root,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["imported"] == [] and got["losses"] == want
+    assert got["buffers"] == {k: v.tolist() for k, v in prog.buffers.items()}      # bitwise
+    import btjit.runtime as R
+    e = R.load(tmp_path / "e")
+    assert set(e.state_dict()) == set(prog.state_dict())
+
+
+def test_the_c_host_updates_buffers_as_python(tmp_path):
+    import subprocess
+    from test_export import CC, cc_build
+    if CC is None:
+        pytest.skip("no C compiler (cc/gcc) on this machine")
+    prog, x, _ = _prog("float32")
+    prog.export(tmp_path / "e")
+    xs = [(x + k).astype(np.float32) for k in range(3)]
+    (tmp_path / "b.bin").write_bytes(b"".join(v.tobytes() for v in xs))
+    cc_build(tmp_path / "e", tmp_path / "train")
+    r = subprocess.run([str(tmp_path / "train"), str(tmp_path / "e"), "3", str(tmp_path / "b.bin")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    losses = [np.float32(prog.step(v)) for v in xs]
+    lines = r.stdout.splitlines()
+    assert [np.float32(ln.split()[-1]) for ln in lines[:3]] == losses
+    assert len(lines) == 3 + len(prog.buffers)
+    for ln, (k, v) in zip(lines[3:], prog.buffers.items()):
+        s = 0.0
+        for e in v.ravel():
+            s += float(e)                                  # the C host's sum: in order, in double (%.17g)
+        assert ln.split()[:3] == ["buffer", k, "sum"] and float(ln.split()[3]) == s, (ln, s)

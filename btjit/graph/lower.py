@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from btjit.kernels import elementwise as EW
 from btjit.kernels.common import ROW, ROWS
 from btjit.kernels.library import LIBRARY
-
-from btjit.kernels import elementwise as EW
 
 from .ops import TABLE
 from .optable import cstrides, strided_rows

@@ -5,6 +5,7 @@ Float arena layout (llm.c style):
   [16 unused | params | grads (same layout) | optimizer state (k copies of that layout) | buffers |
    hyper-parameters | constants | float inputs | outputs (loss, named outputs, assigned values) | planned
    intermediates]
+`pin` first gives the values a run leaves readable (outputs, grads, assigned values) their fixed slots.
 A program that shares another's params and buffers (prog.eval's) reads them at the other's offsets and
 places everything else from `shared.base` on (past the other's arena: see Program.eval).
 (no float value at offset 0: kernel rows use offset 0 for "no bias / residual / ...")
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 from btjit.kernels.common import MAX_THREADS
 
+from . import trace as T
 from .ir import Graph
 from .ops import TABLE
 
@@ -184,6 +186,38 @@ def plan(graph: Graph, pinned: dict, n_state: int, n_hyper: int, shared: Shared 
 
 def _itemsize(graph):
     return 4 if graph.float_dtype == "f32" else 8
+
+
+def pin(g: Graph, grads: dict) -> dict:
+    """Give each output, grad and assigned value its own storage in its fixed slot, copying where the value's
+    storage is fixed (a param, buffer, input, constant) or already pinned."""
+    root = storage_roots(g)
+    fixed = {v.id for v in list(g.params.values()) + list(g.buffers.values()) + g.inputs + list(g.consts)}
+    pinned = {}
+    fwd_copies, bwd_copies = [], []
+
+    def own(v, tag, copies):
+        r = root.get(v.id, v.id)
+        if r in fixed or r in pinned:
+            with T.building(g):
+                c = T.copy(T.Tracer(v, g))
+            copies.append(g.eqns.pop())
+            v, r = c.var, c.var.id
+        pinned[r] = tag
+        return v
+
+    g.outputs = {k: own(v, ("out", k), fwd_copies) for k, v in g.outputs.items()}
+    if g.loss is not None:
+        g.loss = g.outputs["out"]
+    g.grads = {k: own(v, ("grad", k), bwd_copies) for k, v in grads.items()}
+    backward = {o.id for e in g.eqns[g.n_forward:] for o in e.outs}   # assigned values of the update: after it
+    state = g.state_vars()
+    for a in g.assigns:
+        a.value = own(a.value, ("out", "assign/%s/%s" % state[a.target.id]),
+                      bwd_copies if a.value.id in backward else fwd_copies)
+    g.eqns = g.eqns[:g.n_forward] + fwd_copies + g.eqns[g.n_forward:] + bwd_copies
+    g.n_forward += len(fwd_copies)
+    return pinned
 
 
 def var_index(graph: Graph) -> dict:

@@ -1,8 +1,9 @@
 """From a [model] config section (btjit.config.ModelConfig) to a Model: the built-in kinds (the paper's GPT and
 MLP, makemore.py's six models) and the user's model file (kind "python", btjit.usermodel). A Model is what
 `btjit train` and `btjit sample` need of any model: init_params(rng) -> dict, loss(p, x, y), logits(p, x), the
-data format it reads, a one-line description, and `guard(what)`, which turns an error raised in the user's code
-into one line naming the file and line (a no-op for the built-in models)."""
+data format it reads, a one-line description, its buffers (init_buffers, or None), and `guard(what)`, which
+turns an error raised in the user's code into one line naming the file and line (a no-op for the built-in
+models)."""
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +22,10 @@ class Model:
     arch: str                           # for the start-up banner
     mean_over_batch: bool               # the loss is a mean over the batch's first axis (replicas may split it)
     model_file: Any = None              # btjit.usermodel.ModelFile of kind "python"
+    init_buffers: Callable[[], dict] | None = None   # () -> name -> float array: the model's buffers, if any
+
+    def buffers(self) -> dict | None:
+        return self.init_buffers() if self.init_buffers else None
 
     def guard(self, what: str):
         if self.model_file is None:
@@ -52,7 +57,7 @@ def model_for(m, vocab_size: int, model_file=None, data_format: str | None = Non
         init, loss, logits = usermodel.functions(model_file, c)
         own = "".join(f", {k} {v}" for k, v in m.extra.items())
         return Model("python", c, init, loss, logits, data_format or "text",
-                     f"python {model_file.name}{own}", False, model_file)
+                     f"python {model_file.name}{own}", False, model_file, usermodel.buffers_fn(model_file, c))
     from btjit.models import makemore
     c = makemore.MakemoreConfig(vocab_size=vocab_size, block_size=m.block_size, n_layer=m.n_layer,
                                 n_head=m.n_head, n_embd=m.n_embd, n_embd2=m.n_embd2)

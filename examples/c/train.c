@@ -6,7 +6,7 @@
  *
  * Tensor program: STEPS steps (default 100), each feeding one batch -- read from the file BATCHES (every
  * input's values in order, int32 or BTJIT_FLOAT, one batch after another) or, without it, random valid
- * values -- and printing "step i loss L". Scalar function: STEPS calls of btjit_scalar_many on one random
+ * values -- and printing "step i loss L", then "buffer NAME sum S" for each buffer. Scalar function: STEPS calls of btjit_scalar_many on one random
  * row (BurTorch's E1 loop), printing the row, the value and the gradients. Either way the last line, on
  * stderr, gives the seconds spent in the library's calls and in all.
  */
@@ -49,6 +49,11 @@ int main(int argc, char **argv)
         busy += now() - t;
         if (rc) { fprintf(stderr, "step %ld: %s\n", s, rc == 1 ? "an index is out of range" : "a kernel failed"); return 1; }
         printf("step %ld loss %.9g\n", s, (double)((BTJIT_FLOAT *)p.a)[BTJIT_OUT_OFFSET]);
+    }
+    for (int64_t i = 0; i < btjit_n_buffers; i++) {      /* the buffers the steps updated (btjit.assign) */
+        double sum = 0;
+        for (int64_t j = 0; j < btjit_buffers[i].size; j++) sum += (double)((BTJIT_FLOAT *)p.a)[btjit_buffers[i].offset + j];
+        printf("buffer %s sum %.17g\n", btjit_buffers[i].name, sum);
     }
     btjit_close(&p);
 #else
