@@ -17,7 +17,6 @@ from .graph.ir import Graph, np_dtype, verify
 from .graph.lower import Lowering, assign_rows, lower_eqns
 from .graph.memory import Shared, pin, plan as make_plan, storage_roots
 from .graph.ops import TABLE
-from .optim import Optimizer
 from . import executor as X, threads
 from .kernels.library import LIBRARY
 from .optim.build import Update, assign_in_place
@@ -75,11 +74,6 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     if buffers and replicas > 1:
         raise ValueError(f"replicas={replicas}: buffers are not supported with replicas (each replica would "
                          f"update its own copy)")
-    if optimizer is not None and not isinstance(optimizer, Optimizer):
-        raise TypeError(f"optimizer must be a btjit.optim.Optimizer, got {type(optimizer).__name__}")
-    for k, v in (("clip_norm", clip_norm), ("clip_value", clip_value)):
-        if v is not None and not (isinstance(v, (int, float, np.floating)) and v > 0):
-            raise ValueError(f"{k} must be a positive number or None, got {v!r}")
     for kind, src in (("parameter", params), ("buffer", buffers)):
         for name, v in src.items():
             arr = np.asarray(v)
@@ -87,7 +81,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
                 raise TypeError(f"{kind} {name!r} has dtype {arr.dtype}; {kind}s must be float arrays")
             if kind == "buffer" and name in params:
                 raise ValueError(f"buffer {name!r} has the name of a parameter; fn sees both in one dict")
-    update = Update(optimizer, params) if optimizer is not None else None
+    update = Update(optimizer, params, clip_norm, clip_value) if optimizer is not None else None
     for name in (update.order if update else params):         # the arena holds each param group contiguously
         g.params[name] = g.new_var(np.shape(params[name]), fd)
     for name, v in buffers.items():
@@ -142,7 +136,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     pinned = pin(g, grads)
     g.n_backward = len(g.eqns)
     if update:
-        update.trace_into(g, clip_norm, clip_value, skip_nonfinite)
+        update.trace_into(g, skip_nonfinite)
     live = g.kept()
     autodiff.eliminate_dead_code(g, live)
     if fuse_elementwise:
@@ -172,11 +166,7 @@ class Program(Runner):
         n_state = len(update.state_names) if update else 0
         shared = share and Shared(share.plan.param_off, share.plan.buffer_off, share._A.size)
         self.plan = p = make_plan(graph, pinned, n_state, update.n_hyper if update else 0, shared)
-        if update:
-            self._hyper = {k: p.hyper_off + i for k, i in update.slots.items()}
-            self._group_hyper = [{k: p.hyper_off + i for k, i in s.items()} for s in update.group_slots]
-        else:
-            self._hyper, self._group_hyper = {}, []
+        self._hyper, self._group_hyper = update.slot_offsets(p) if update else ({}, [])
         self._bounds = _index_bounds(graph)
         self._flag = p.int_state + 1
         L = Lowering(p, const_base=p.float_size, threads=numba.get_num_threads() // replicas,
@@ -223,11 +213,7 @@ class Program(Runner):
             (self.params if k in self.params else self.buffers)[k][...] = v
         self._evals, self._retrace = {}, None       # eval programs by batch shape; trace() sets _retrace
         if update:
-            self.a[p.hyper_off:p.hyper_off + update.n_hyper] = update.values
-            for j, k in enumerate(update.state_names):
-                for name, v in update.init[k].items():
-                    o = p.param_off[name] + (2 + j) * p.params_span[1]
-                    self.a[o:o + v.size] = v.ravel()
+            update.write_initial(self.a, p)
         self._A[1:], self._IA[1:] = self.a, self.ia            # constants; params are copied every step
         self.trace_seconds = trace_seconds
         self.plan_seconds = time.perf_counter() - t0

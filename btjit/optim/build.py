@@ -17,7 +17,7 @@ from btjit.graph import trace as T
 from btjit.graph.fuse_ew import BINARY, UNARY
 from btjit.graph.memory import _al, storage_roots
 
-from .base import OptimizerError, resolve_groups
+from .base import Optimizer, OptimizerError, resolve_groups
 
 GLOBAL = ("lr", "clip_norm", "clip_scale", "clip_value", "step")
 ELEMENTWISE = set(UNARY) | set(BINARY) | {"where"}
@@ -25,7 +25,12 @@ ONE_MINUS = "1-"              # the slot of 1 - hp[k] is named "1-" + k (see _Hy
 
 
 class Update:
-    def __init__(self, opt, params: dict):
+    def __init__(self, opt, params: dict, clip_norm=None, clip_value=None):
+        if not isinstance(opt, Optimizer):
+            raise TypeError(f"optimizer must be a btjit.optim.Optimizer, got {type(opt).__name__}")
+        for k, v in (("clip_norm", clip_norm), ("clip_value", clip_value)):
+            if v is not None and not (isinstance(v, (int, float, np.floating)) and v > 0):
+                raise ValueError(f"{k} must be a positive number or None, got {v!r}")
         who = type(opt).__name__
         self.opt, self.groups = opt, resolve_groups(opt, params)
         self.order = [n for names, _ in self.groups for n in names]
@@ -48,7 +53,9 @@ class Update:
                                          f"{p.shape}; state is elementwise, of the param's shape")
                 self.init.setdefault(k, {})[name] = v
         self.state_names = self.state_names or []
-        start = {"lr": opt.hp["lr"], "clip_norm": 0.0, "clip_scale": 1.0, "clip_value": 0.0, "step": 0.0}
+        self.clip_norm, self.clip_value = clip_norm, clip_value
+        start = {"lr": opt.hp["lr"], "clip_norm": float(clip_norm or 0.0), "clip_scale": 1.0,
+                 "clip_value": float(clip_value or 0.0), "step": 0.0}
         self.slots = {k: i for i, k in enumerate(GLOBAL)}
         self.values = [start[k] for k in GLOBAL]
         self.group_slots = []
@@ -62,10 +69,21 @@ class Update:
     def n_hyper(self):
         return len(self.values)
 
-    def trace_into(self, g, clip_norm=None, clip_value=None, skip_nonfinite=False):
-        fd, opt = g.float_dtype, self.opt
-        self.values[self.slots["clip_norm"]] = float(clip_norm or 0.0)
-        self.values[self.slots["clip_value"]] = float(clip_value or 0.0)
+    def slot_offsets(self, plan):
+        """({global name: arena offset}, [{name: arena offset} per group]) of the hyper-parameter slots."""
+        return ({k: plan.hyper_off + i for k, i in self.slots.items()},
+                [{k: plan.hyper_off + i for k, i in s.items()} for s in self.group_slots])
+
+    def write_initial(self, a, plan):
+        """The hyper-parameters' and the state's initial values into the arena a."""
+        a[plan.hyper_off:plan.hyper_off + self.n_hyper] = self.values
+        for j, k in enumerate(self.state_names):
+            for name, v in self.init[k].items():
+                o = plan.param_off[name] + (2 + j) * plan.params_span[1]
+                a[o:o + v.size] = v.ravel()
+
+    def trace_into(self, g, skip_nonfinite=False):
+        fd, opt, clip_norm, clip_value = g.float_dtype, self.opt, self.clip_norm, self.clip_value
         who = type(opt).__name__
         writes = []
 
