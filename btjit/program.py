@@ -178,10 +178,7 @@ class Program(Runner):
         fwd, fwd_labels = lower_eqns(graph.eqns[:graph.n_forward], L)
         fwd, fwd_labels = checks + fwd, ["check_index"] * len(checks) + fwd_labels
         bwd, bwd_labels = lower_eqns(graph.eqns[graph.n_forward:graph.n_backward], L)
-        upd = [L.row("k_clip_scale", og=p.grads_start, n=p.params_span[1], omax=self._hyper["clip_norm"],
-                     oscale=self._hyper["clip_scale"])] if update and (clip_norm or skip_nonfinite) else []
-        rows, _ = lower_eqns(graph.eqns[graph.n_backward:], L)
-        upd += rows
+        upd = update.rows(graph, L, self._hyper, skip_nonfinite) if update else []
         self._computed_checks = L.computed_checks
         asg = assign_rows(graph, L)
         self.row_labels = fwd_labels + [f"{op} (bwd)" for op in bwd_labels] + \

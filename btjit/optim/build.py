@@ -15,6 +15,7 @@ import numpy as np
 
 from btjit.graph import trace as T
 from btjit.graph.fuse_ew import BINARY, UNARY
+from btjit.graph.lower import lower_eqns
 from btjit.graph.memory import _al, storage_roots
 
 from .base import Optimizer, OptimizerError, resolve_groups
@@ -81,6 +82,14 @@ class Update:
             for name, v in self.init[k].items():
                 o = plan.param_off[name] + (2 + j) * plan.params_span[1]
                 a[o:o + v.size] = v.ravel()
+
+    def rows(self, g, L, hyper, skip_nonfinite):
+        """The update's tape rows: the gradient-norm row (a clip by global norm, a non-finite step skipped: the
+        one hand-written kernel), then the traced update's equations (g.eqns[g.n_backward:])."""
+        p = L.plan
+        clip = [L.row("k_clip_scale", og=p.grads_start, n=p.params_span[1], omax=hyper["clip_norm"],
+                      oscale=hyper["clip_scale"])] if self.clip_norm or skip_nonfinite else []
+        return clip + lower_eqns(g.eqns[g.n_backward:], L)[0]
 
     def trace_into(self, g, skip_nonfinite=False):
         fd, opt, clip_norm, clip_value = g.float_dtype, self.opt, self.clip_norm, self.clip_value
