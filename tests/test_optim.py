@@ -201,6 +201,10 @@ def test_bad_optimizer_arguments_are_named():
         O.AdamW(groups=[{"params": "w", "betas": 0.5}])
     with pytest.raises(O.OptimizerError, match="group 0: weight_decay='x' must be a number"):
         O.AdamW(groups=[{"params": "w", "weight_decay": "x"}])
+    with pytest.raises(O.OptimizerError, match="group 0 sets lr; a group scales the optimizer's: lr_scale"):
+        O.AdamW(groups=[{"params": "w", "lr": 0.5}])
+    with pytest.raises(O.OptimizerError, match="'step' is reserved"):
+        O.Optimizer(lr=0.1, step=2)
     with pytest.raises(O.OptimizerError, match="nesterov needs momentum > 0"):
         O.SGD(lr=0.1, nesterov=True)
     with pytest.raises(O.OptimizerError, match=r"beta1 must be in \[0.0, 1.0\], got 1.5"):

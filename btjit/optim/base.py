@@ -17,6 +17,7 @@ import re
 import numpy as np
 
 GROUP_KEYS = ("params", "lr_scale")      # a group's keys besides the optimizer's hyper-parameters
+RESERVED = GROUP_KEYS + ("clip_norm", "clip_scale", "clip_value", "step")   # btjit's own slots (build.GLOBAL)
 
 
 class OptimizerError(ValueError):
@@ -38,8 +39,9 @@ class Optimizer:
             if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
                 raise OptimizerError(f"{type(self).__name__}: hyper-parameter {k}={v!r} must be a number "
                                      f"(options that change the update's structure are attributes, not hp)")
-            if k in GROUP_KEYS:
-                raise OptimizerError(f"{type(self).__name__}: {k!r} is reserved for param groups")
+            if k in RESERVED:
+                raise OptimizerError(f"{type(self).__name__}: {k!r} is reserved (param groups, clipping, the step "
+                                     f"counter): name the hyper-parameter otherwise")
         self.hp = {k: float(v) for k, v in hp.items()}
         self.groups = _check_groups(type(self).__name__, groups, self.hp)
 
@@ -70,6 +72,8 @@ def _check_groups(who, groups, hp):
     for i, g in enumerate(groups):
         if not isinstance(g, dict) or "params" not in g:
             raise OptimizerError(f"{who}: group {i} must be a dict with a 'params' key, got {g!r}")
+        if "lr" in g:
+            raise OptimizerError(f"{who}: group {i} sets lr; a group scales the optimizer's: lr_scale = ...")
         bad = [k for k in g if k not in GROUP_KEYS and k not in hp]
         if bad:
             raise OptimizerError(f"{who}: group {i} has unknown key {bad[0]!r} (allowed: params, lr_scale, "
