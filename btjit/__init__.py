@@ -6,7 +6,7 @@
 
 The API below is imported on first use (btjit/_api.py): `import btjit.runtime` loads no compiler.
 """
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["trace", "trace_scalar", "Program", "set_num_threads", "replicas_for", "optim", "TraceError",
            "abs", "arange", "broadcast_to", "causal_attention", "concatenate", "roll", "setitem", "stack",
            "copy", "cross_entropy", "equal", "exp", "gelu", "layer_norm", "log", "log_softmax", "matmul", "max",
@@ -17,7 +17,7 @@ __all__ = ["trace", "trace_scalar", "Program", "set_num_threads", "replicas_for"
 
 def __getattr__(name):
     if name in __all__:
-        from . import _api
+        from btjit import _api
         return getattr(_api, name)
     raise AttributeError(f"module 'btjit' has no attribute {name!r}")
 

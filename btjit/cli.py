@@ -1,7 +1,7 @@
 # btjit/cli.py -- the `btjit` command line (click): `train`, `sample`, `plot`, `precompile`, `cache`. The
 # group turns every known error into one line on stderr and a non-zero exit (a traceback only with --debug). Other
 # commands (e.g. `bench`) register on the same group with @cli.command() / cli.add_command().
-# The work itself lives in btjit.train, btjit.sampling, btjit.checkpoint; nothing heavy at import.
+# The work itself lives in btjit.train.trainer, btjit.train.sampling, btjit.train.checkpoint; nothing heavy at import.
 from __future__ import annotations
 
 import json
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import click
 
-from btjit.checkpoint import CheckpointError
-from btjit.config import ConfigError
-from btjit.data import DataError
+from btjit.train.checkpoint import CheckpointError
+from btjit.train.config import ConfigError
+from btjit.train.data import DataError
 
 
 class CLIError(Exception):
@@ -22,8 +22,8 @@ class CLIError(Exception):
 
 
 def _known_errors():
-    from btjit.train import TrainError
-    from btjit.usermodel import ModelFileError
+    from btjit.train.trainer import TrainError
+    from btjit.train.usermodel import ModelFileError
     return (ConfigError, DataError, CheckpointError, TrainError, CLIError, ModelFileError)
 
 
@@ -83,14 +83,14 @@ def cli(debug):
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override a config value (a TOML value), e.g. --set train.steps=100. Repeatable.")
 @click.option("--resume", is_flag=True, help="Continue from the latest valid checkpoint of the run dir.")
-@click.option("--threads", type=int, help="Threads (overrides train.threads; 0 = all cores).")
+@click.option("--threads", type=int, help="Threads (overrides train.threads; 0 = every core, the default).")
 @click.option("--distributed/--no-distributed", default=None,
               help="Data-parallel over MPI: run as `mpiexec -n N btjit train ...` (needs mpi4py: pip install "
                    "'btjit[mpi]'). Default: on when an MPI launcher started more than one process.")
 @debug_option
 def train(config, data_path, out, overrides, resume, threads, distributed, debug):
     """Train a model from a TOML CONFIG (e.g. configs/gpt3_tiny.toml)."""
-    from btjit import config as config_mod
+    from btjit.train import config as config_mod
     from btjit.train import train as run_training
     if threads is not None and threads < 0:
         raise CLIError(f"--threads must be >= 0, got {threads}")
@@ -106,7 +106,7 @@ def train(config, data_path, out, overrides, resume, threads, distributed, debug
                      echo=lambda s="": click.echo(s), resume_hint=" ".join(shlex.quote(h) for h in hint),
                      distributed=distributed)
     except Exception:
-        from btjit import distributed as dist_mod
+        from btjit.train import distributed as dist_mod
         if dist_mod.wanted(distributed) and dist_mod.launched()[1] > 0 and not debug:
             raise click.exceptions.Exit(1) from None    # every rank failed alike; rank 0 prints it
         raise
@@ -114,7 +114,7 @@ def train(config, data_path, out, overrides, resume, threads, distributed, debug
 
 def _load_checkpoint(path: Path):
     """A checkpoint file as given; for a run dir its best.npz (the lowest val loss), else its newest valid one."""
-    from btjit import checkpoint
+    from btjit.train import checkpoint
     if path.is_dir():
         best = path / checkpoint.BEST
         if best.exists():
@@ -147,10 +147,10 @@ def _load_checkpoint(path: Path):
 def sample(ckpt, prompt, n_chars, temperature, top_k, seed, debug):
     """Generate text from a checkpoint file CKPT, or from a run dir (its best.npz, else its newest checkpoint)."""
     import numpy as np
-    from btjit.checkpoint import check_compatible
-    from btjit.config import Config
-    from btjit.data import Vocab
-    from btjit.sampling import Sampler, model_for
+    from btjit.train.checkpoint import check_compatible
+    from btjit.train.config import Config
+    from btjit.train.data import Vocab
+    from btjit.train.sampling import Sampler, model_for
     if n_chars < 0:
         raise CLIError(f"--n must be >= 0, got {n_chars}")
     if not temperature >= 0.0:
@@ -165,7 +165,7 @@ def sample(ckpt, prompt, n_chars, temperature, top_k, seed, debug):
         raise CheckpointError(f"checkpoint {ck.path} has no {e.args[0]} entry") from None
     model_file = None
     if cfg.model.kind == "python":                  # the model file the run was trained with, kept in ck.meta
-        from btjit import usermodel
+        from btjit.train import usermodel
         model_file = usermodel.from_checkpoint(ck)
     model = model_for(cfg.model, len(vocab), model_file, cfg.data.format)
     expected = model.init_params(np.random.default_rng(0))
@@ -178,7 +178,7 @@ def sample(ckpt, prompt, n_chars, temperature, top_k, seed, debug):
 
 def read_metrics(run_dir: Path):
     """(train steps, train losses, val steps, val losses) from a run dir's metrics.jsonl."""
-    from btjit.train import METRICS
+    from btjit.train.trainer import METRICS
     path = run_dir / METRICS
     if not run_dir.is_dir():
         raise CLIError(f"run dir not found: {run_dir}")
@@ -242,7 +242,8 @@ def plot(run_dir, out, debug):
 @click.option("--only", default=None, metavar="E1,E6b1,...", help="Only these workloads.")
 @click.option("--peers", default=None, metavar="torch,jax,micrograd,autograd|none",
               help="Peers to run beside btjit (default: every installed one).")
-@click.option("--threads", type=int, default=1, show_default=True, help="Threads for every measurement.")
+@click.option("--threads", type=int, default=None,
+              help="Threads for every measurement (default: every core the process may run on).")
 @click.option("--reps", type=int, default=5, show_default=True, help="Timed repetitions (median reported).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the rows as JSON.")
 @click.option("--compile", "use_compile", is_flag=True, help="Add torch.compile rows for E5/E6.")
@@ -251,9 +252,11 @@ def plot(run_dir, out, debug):
 def bench(suite, only, peers, threads, reps, json_path, use_compile, profile, debug):
     """Run the paper's workloads (E1-E6) for btjit and each installed peer, side by side."""
     from btjit.bench import harness
+    from btjit.host.threads import cores
+    threads = threads or cores()
     if suite == "mpi":                  # E6 data-parallel over MPI at 1 and 2 ranks (btjit/bench/mpi.py)
         from btjit.bench import mpi as mpi_bench
-        from btjit.distributed import require_mpi
+        from btjit.train.distributed import require_mpi
         require_mpi()
         rows = mpi_bench.run(reps=reps, threads=threads, progress=lambda r: click.echo(
             f"  {r['ranks']} rank(s) {r['compressor']:<6} {r['scaling']:<6} {r['status']}", err=True))
@@ -306,9 +309,9 @@ def export_cmd(source, out, data_path, debug):
     state and the learning rate its schedule had)."""
     import json
     import numpy as np
-    from btjit import config as config_mod, data as data_mod, schedule, usermodel
-    from btjit.models.registry import model_for
-    from btjit.train import build_program, seeds, set_threads
+    from btjit.train import config as config_mod, data as data_mod, schedule, usermodel
+    from btjit.train.registry import model_for
+    from btjit.train.trainer import build_program, seeds, set_threads
     set_threads(1)                                  # an export is one thread
     ck = None
     if source.suffix == ".toml":

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import torch_models as TM  # noqa: E402
 
 import btjit  # noqa: E402
-from btjit import data as D  # noqa: E402
-from btjit.config import load as load_config  # noqa: E402
+from btjit.train import data as D  # noqa: E402
+from btjit.train.config import load as load_config  # noqa: E402
 from btjit.models import gpt  # noqa: E402
 
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import numpy as np  # noqa: E402
 
 import btjit  # noqa: E402
-from btjit import data as D  # noqa: E402
+from btjit.train import data as D  # noqa: E402
 from btjit.models import makemore as M  # noqa: E402
 
 try:

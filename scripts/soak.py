@@ -8,7 +8,7 @@ so a leak of ~100 bytes per step shows up over the default 20,000 steps. No timi
     python scripts/soak.py --steps 3000 --every 500 --warmup 1000     # the short form CI runs
     python scripts/soak.py --json soak.json         # also write the samples
 
-It drives the real training loop (btjit.train.Trainer: data batches, the native step, val loss, samples,
+It drives the real training loop (btjit.train.trainer.Trainer: data batches, the native step, val loss, samples,
 checkpoints, the metrics log) in a temporary run dir unless --out is given.
 """
 from __future__ import annotations
@@ -56,8 +56,8 @@ def main(argv=None) -> int:
     if a.every < 1 or a.steps < 1 or not 0 <= a.warmup < a.steps:
         ap.error("need --steps >= 1, --every >= 1 and 0 <= --warmup < --steps")
 
-    from btjit import config as C
-    from btjit.train import Trainer
+    from btjit.train import config as C
+    from btjit.train.trainer import Trainer
     interval = a.interval or a.every
     cfg = C.load(a.config, [f"train.steps={a.steps}", f"train.batch_size={a.batch_size}",
                             f"train.eval_interval={interval}", "train.eval_batches=4",

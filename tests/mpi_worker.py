@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 import btjit
-from btjit.distributed import DataParallel, rank_rng
+from btjit.train.distributed import DataParallel, rank_rng
 from btjit.models import gpt
 
 V, B, T = 13, 8, 4

@@ -117,7 +117,7 @@ def test_no_gradient_through_buffer():
 
 
 # ----------------------------------------------------------------------------- checkpoints, --resume, exports
-BN_MODEL = '''"""A makemore-style word model with batch norm over (B, T, C), channels last (makemore part 5's layout)."""
+BN_MODEL = '''"""A makemore-style word model with batch norm over (B, T, C), channels last (makemore part 5)."""
 import numpy as np
 
 import btjit

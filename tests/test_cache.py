@@ -188,7 +188,7 @@ def test_every_kernel_reads_its_row_as_declared(monkeypatch):
 
 def test_the_executor_runs_library_entries_through_the_table(tmp_path, monkeypatch):
     """The fixed executor calls entries by address; a failed index check stops the tape after its row."""
-    from btjit import executor
+    from btjit.core import executor
     from btjit.graph.lower import make_row
     from btjit.kernels import library
     monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))

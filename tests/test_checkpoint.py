@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from btjit import checkpoint as K
-from btjit.checkpoint import CheckpointError, CorruptCheckpoint
+from btjit.train import checkpoint as K
+from btjit.train.checkpoint import CheckpointError, CorruptCheckpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -160,7 +160,7 @@ def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
 WRITER = """
 import sys, numpy as np
-from btjit import checkpoint as K
+from btjit.train import checkpoint as K
 run_dir, start = sys.argv[1], int(sys.argv[2])
 big = {"param/w": np.random.default_rng(0).standard_normal((2_000_000,)).astype(np.float32),
        "opt/v": np.ones((1_000_000,), np.float32), "step": np.array(0)}

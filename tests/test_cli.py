@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from btjit import checkpoint as K
+from btjit.train import checkpoint as K
 from btjit.models import gpt as gpt_model
 from btjit.cli import cli
 from textdata import corpus, tiny_config, write_run_files
@@ -163,7 +163,7 @@ def test_short_training_loss_falls(setup, gpt):
     assert train[-1]["loss"] < train[0]["loss"]
     assert [p.name for p in K.list_checkpoints(tmp / "a")] == \
         ["ckpt_00000010.npz", "ckpt_00000020.npz", "ckpt_00000030.npz"]
-    from btjit import config
+    from btjit.train import config
     saved = config.load(tmp / "a" / "config.toml")
     assert saved == config.load(cfg)
     ck = final_state(tmp / "a")
@@ -233,16 +233,16 @@ def test_resume_refusals(setup, gpt):
 
 
 def test_nonfinite_loss_stops_or_skips(setup, gpt, monkeypatch):
-    import btjit.program
+    import btjit.core.program
     cfg, data, tmp = setup
-    real_step = btjit.program.Program.step
+    real_step = btjit.core.program.Program.step
     calls = {"n": 0}
 
     def step(self, *batch):
         loss = real_step(self, *batch)
         calls["n"] += 1
         return float("nan") if calls["n"] == 17 else loss
-    monkeypatch.setattr(btjit.program.Program, "step", step)
+    monkeypatch.setattr(btjit.core.program.Program, "step", step)
     line = assert_error(run("train", cfg, "--data", data, "--out", tmp / "s"), "loss is nan at step 17",
                         "Last good checkpoint", "ckpt_00000010.npz")
     assert "stopped" in line

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from btjit import checkpoint as K
+from btjit.train import checkpoint as K
 from btjit.cli import cli
 from btjit.models import makemore
 from test_cli import assert_error, final_state, metrics

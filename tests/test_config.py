@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from btjit import config as C
-from btjit.config import ConfigError
+from btjit.train import config as C
+from btjit.train.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

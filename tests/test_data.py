@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from btjit import config as C
-from btjit import data as D
-from btjit.data import DataError
+from btjit.train import config as C
+from btjit.train import data as D
+from btjit.train.data import DataError
 
 TEXT = "".join(f"line {i}: the cat sat on the mat; {i * i}\n" for i in range(200))
 
@@ -98,7 +98,7 @@ def test_bundled_corpora_are_the_papers_data():
 
 
 def test_default_corpus_by_format():
-    from btjit.sampling import model_for
+    from btjit.train.sampling import model_for
     ds = D.load(C.Config())                       # [data] corpus left out, format "text"
     assert ds.name == "<bundled corpus: Tiny Shakespeare>" and len(ds.vocab) == 65
     assert ds.vocab.decode(ds.train.x[:14]) == "First Citizen:"

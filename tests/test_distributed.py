@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from btjit import checkpoint as K
-from btjit import compress, distributed
+from btjit.train import checkpoint as K
+from btjit.train import compress, distributed
 from btjit.cli import cli
-from btjit.config import ConfigError, loads
+from btjit.train.config import ConfigError, loads
 from textdata import corpus, tiny_config, write_run_files
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +60,7 @@ def setup(tmp_path):
 
 def mpirun(n, args, timeout=240, cwd=None):
     """Run `mpiexec -n n <args>` (args: the program and its arguments); Open MPI's as-root and
-    oversubscription switches come from btjit.distributed.mpiexec_command."""
+    oversubscription switches come from btjit.train.distributed.mpiexec_command."""
     argv, env = distributed.mpiexec_command(n)
     env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -114,7 +114,7 @@ def test_launch_detection(monkeypatch):
 
 def test_rank_generators_are_reproducible_and_distinct():
     one = distributed.rank_rng(5, 0, 1).integers(0, 1 << 30, 8)
-    from btjit.train import seeds
+    from btjit.train.trainer import seeds
     assert np.array_equal(one, seeds(5)[1].integers(0, 1 << 30, 8))     # 1 process: the usual stream
     a = [distributed.rank_rng(5, r, 2).integers(0, 1 << 30, 8) for r in range(2)]
     b = [distributed.rank_rng(5, r, 2).integers(0, 1 << 30, 8) for r in range(2)]

@@ -361,7 +361,7 @@ def test_cli_error_in_a_real_process_is_one_line_on_stderr_and_traceback_only_wi
 
 def test_unexpected_exception_is_one_line_with_a_debug_hint(monkeypatch, tmp_path):
     from click.testing import CliRunner
-    from btjit import config as config_mod
+    from btjit.train import config as config_mod
     from btjit.cli import cli
 
     def boom(*a, **k):
@@ -375,7 +375,7 @@ def test_unexpected_exception_is_one_line_with_a_debug_hint(monkeypatch, tmp_pat
 
 def _tiny_run(tmp_path, steps=4):
     """A finished tiny GPT run in tmp_path/run (via the API, no CLI parsing)."""
-    from btjit import config as C
+    from btjit.train import config as C
     from btjit.train import train
     data = tmp_path / "text.txt"
     data.write_text("the cat sees the dog. a bird eats seeds.\n" * 40)
@@ -388,7 +388,7 @@ def _tiny_run(tmp_path, steps=4):
 
 def test_cli_checkpoint_from_a_newer_format_or_another_model(tmp_path, monkeypatch):
     from click.testing import CliRunner
-    from btjit import checkpoint as K
+    from btjit.train import checkpoint as K
     from btjit.cli import cli
     _tiny_run(tmp_path)
     run = tmp_path / "run"

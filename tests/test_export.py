@@ -13,7 +13,7 @@ import pytest
 
 import btjit
 import btjit.runtime as R
-from btjit.export import ExportError
+from btjit.export.build import ExportError
 from btjit.models import gpt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -300,7 +300,7 @@ def test_the_c_host_evaluates_a_scalar_export(tmp_path):
 
 
 def test_btjit_export_writes_a_trained_run(tmp_path):
-    from btjit import checkpoint
+    from btjit.train import checkpoint
     from btjit.cli import main
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(open(ROOT / "configs/gpt3_tiny.toml").read())

@@ -181,9 +181,9 @@ def nan_grad_at_step_17(monkeypatch):
     is 0 * inf = NaN (a finite loss with a non-finite gradient). At step 17 head.b[0] is set to 0.25 for that
     one step (restored before step 18, unless the update moved it)."""
     import btjit
-    import btjit.program
+    import btjit.core.program
     from btjit.models import gpt
-    real_loss, real_step = gpt.loss_fn, btjit.program.Program.step
+    real_loss, real_step = gpt.loss_fn, btjit.core.program.Program.step
 
     def loss_fn(cfg):
         f = real_loss(cfg)
@@ -208,7 +208,7 @@ def nan_grad_at_step_17(monkeypatch):
                 self.params["head.b"][0] = calls["saved"]
         return loss
     monkeypatch.setattr(gpt, "loss_fn", loss_fn)
-    monkeypatch.setattr(btjit.program.Program, "step", step)
+    monkeypatch.setattr(btjit.core.program.Program, "step", step)
     return calls
 
 
@@ -225,7 +225,7 @@ def test_nonfinite_gradient_with_finite_loss_stops_at_that_step(setup, nan_grad_
 
 
 def test_nonfinite_gradient_with_finite_loss_is_skipped_in_skip_mode(setup, nan_grad_at_step_17):
-    from btjit import checkpoint as K
+    from btjit.train import checkpoint as K
     cfg, data, tmp = setup
     res = _run("train", cfg, "--data", data, "--out", tmp / "k", "--set", "train.on_nonfinite=skip")
     assert res.exit_code == 0, res.output
@@ -239,9 +239,9 @@ def test_nonfinite_gradient_with_finite_loss_is_skipped_in_skip_mode(setup, nan_
 
 # ----------------------------------------------------------------------------- permission error while saving
 def test_permission_error_while_saving_stops_cleanly_and_keeps_memory_state(setup, monkeypatch):
-    from btjit import checkpoint as K
-    from btjit import config as C
-    from btjit.train import TrainError, Trainer
+    from btjit.train import checkpoint as K
+    from btjit.train import config as C
+    from btjit.train.trainer import TrainError, Trainer
     cfg_path, data, tmp = setup
     cfg = C.load(cfg_path)
     quiet = lambda s="": None  # noqa: E731

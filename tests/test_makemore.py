@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import btjit
-from btjit import data as D
+from btjit.train import data as D
 from btjit.models import makemore as M
 
 torch = pytest.importorskip("torch")

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import btjit
-from btjit import config as C
+from btjit.train import config as C
 from btjit import runtime
-from btjit.train import make_optimizer
+from btjit.train.trainer import make_optimizer
 from test_cli import assert_error, assert_same_state, final_state
 from test_usermodel import EXAMPLE, config, run
 from textdata import words

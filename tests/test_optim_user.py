@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import btjit
-import btjit.checkpoint as K
+import btjit.train.checkpoint as K
 import optim_numpy as R
 from test_export import CC, batches, cc_build, gpt_program, run_fresh
 from test_optim import SHAPES, loss, params0

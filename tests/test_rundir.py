@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from btjit import checkpoint as K
+from btjit.train import checkpoint as K
 from btjit.cli import cli
-from btjit.rundir import LOCK_FILE, RunDirError, RunDirLock
+from btjit.train.rundir import LOCK_FILE, RunDirError, RunDirLock
 from textdata import corpus, tiny_config, write_run_files
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +49,7 @@ FAKE_VAL = {0: 5.0, 5: 3.0, 10: 3.5, 15: 2.0, 20: 2.0, 25: 2.5, 30: 2.2}     # t
 
 @pytest.fixture
 def fake_val(monkeypatch):
-    from btjit.train import Trainer
+    from btjit.train.trainer import Trainer
     monkeypatch.setattr(Trainer, "evaluate", lambda self: FAKE_VAL[self.step])
 
 
@@ -83,7 +83,7 @@ def test_best_checkpoint_tracks_the_minimum_val_loss(tmp_path, fake_val):
 # ---- the lock ---------------------------------------------------------------------------------------------
 HOLDER = textwrap.dedent("""
     import sys, time
-    from btjit.rundir import RunDirLock
+    from btjit.train.rundir import RunDirLock
     RunDirLock(sys.argv[1]).acquire()
     print("locked", flush=True)
     time.sleep(600)

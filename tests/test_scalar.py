@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import btjit
-from btjit.graph.scalar import STRAIGHT_LINE_MAX
-from btjit.scalar import NodeFileError, load_values, save_values
+from btjit.scalar.lower import STRAIGHT_LINE_MAX
+from btjit.scalar.front import NodeFileError, load_values, save_values
 
 LOWERINGS = ["straight", "tape"]
 

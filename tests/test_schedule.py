@@ -13,9 +13,9 @@ import pytest
 from click.testing import CliRunner
 
 import btjit
-from btjit import checkpoint as K
-from btjit import config as C
-from btjit import schedule as S
+from btjit.train import checkpoint as K
+from btjit.train import config as C
+from btjit.train import schedule as S
 from btjit.cli import cli
 from btjit.models import gpt
 from textdata import corpus, tiny_config, write_run_files
@@ -74,14 +74,14 @@ def events(run_dir, kind):
 
 
 def test_each_steps_lr_is_set_before_the_native_step_and_logged(tmp_path, monkeypatch):
-    import btjit.program
+    import btjit.core.program
     cfg, data, tmp = write_run_files(tmp_path, SCHED, corpus())
-    seen, real = [], btjit.program.Program.step
+    seen, real = [], btjit.core.program.Program.step
 
     def step(self, *batch):
         seen.append(self.lr)
         return real(self, *batch)
-    monkeypatch.setattr(btjit.program.Program, "step", step)
+    monkeypatch.setattr(btjit.core.program.Program, "step", step)
     res = run("train", cfg, "--data", data, "--out", tmp / "a")
     assert res.exit_code == 0, res.output
     want = [float(np.float32(S.lr_at(it, 0.02, "cosine", 10, 26, 0.002))) for it in range(30)]
@@ -106,7 +106,7 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_resume_mid_warmup_and_mid_decay_is_bit_exact(tmp_path, monkeypatch, accum):
-    from btjit.train import Trainer
+    from btjit.train.trainer import Trainer
     cfg, data, tmp = write_run_files(tmp_path, SCHED, corpus())
     acc = ("--set", f"train.grad_accum={accum}")
     assert run("train", cfg, "--data", data, "--out", tmp / "a", *acc).exit_code == 0
@@ -133,7 +133,7 @@ def test_resume_mid_warmup_and_mid_decay_is_bit_exact(tmp_path, monkeypatch, acc
 
 
 def test_grad_accum_draws_k_micro_batches_and_counts_their_tokens(tmp_path):
-    from btjit.train import Trainer, seeds
+    from btjit.train.trainer import Trainer, seeds
     cfg_path, data, tmp = write_run_files(tmp_path, SCHED, corpus())
     cfg = C.load(cfg_path, ["train.grad_accum=3", "train.steps=12"])
     lines = []
@@ -187,7 +187,7 @@ def test_accumulated_micro_batches_equal_one_big_batch_step(name):
 def test_data_parallel_accumulates_like_one_process(monkeypatch):
     """DataParallel.step_batches on one rank (a stand-in communicator: MPI is not needed for one rank) gives
     the big-batch step too: the distributed path runs the same accumulation before its one Allreduce."""
-    from btjit import distributed
+    from btjit.train import distributed
 
     class OneRank:
         def Get_rank(self):

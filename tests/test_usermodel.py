@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from btjit import checkpoint as K
+from btjit.train import checkpoint as K
 from btjit.cli import cli
 from test_cli import assert_error, assert_same_state, final_state, metrics
 from textdata import words

@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 import btjit
-from btjit import scalar
+from btjit.scalar import front as scalar
 from btjit.bench import workloads as W
 from btjit.bench.peers import Runner
 

@@ -46,7 +46,7 @@ RUNTIME_CHILD = r"""
 import json, sys, time
 from pathlib import Path
 import numpy as np
-import btjit.runtime as R
+import btjit.export.runtime as R
 d, reps = Path(sys.argv[1]), int(sys.argv[2])
 p = R.load(d)
 if (d / "batch.npz").exists():

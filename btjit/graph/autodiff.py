@@ -7,9 +7,9 @@ gradients; a final dead-code pass drops what no output needs.
 """
 from __future__ import annotations
 
-from . import trace as T
-from .ir import Graph
-from .ops import TABLE
+from btjit.graph import trace as T
+from btjit.graph.ir import Graph
+from btjit.graph.ops import TABLE
 
 
 def unbroadcast(g: T.Tracer, shape: tuple) -> T.Tracer:

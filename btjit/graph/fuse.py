@@ -22,7 +22,7 @@ from collections import Counter
 
 import numpy as np
 
-from .ir import Eqn, Graph
+from btjit.graph.ir import Eqn, Graph
 
 
 def _uses(graph: Graph) -> Counter:

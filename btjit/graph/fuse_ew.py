@@ -17,8 +17,8 @@ import numpy as np
 from btjit.kernels import elementwise as EW
 from btjit.kernels.fused import BIN, LOAD, LOADC, MAX_OPERANDS, NREG, WHERE
 
-from .ir import Eqn, Graph
-from .ops import bstrides, cstrides, loop_nest
+from btjit.graph.ir import Eqn, Graph
+from btjit.graph.ops import bstrides, cstrides, loop_nest
 
 UNARY = {"neg": EW.U_NEG, "exp": EW.U_EXP, "log": EW.U_LOG, "tanh": EW.U_TANH, "relu": EW.U_RELU,
          "sigmoid": EW.U_SIGMOID, "sqrt": EW.U_SQRT, "abs": EW.U_ABS}

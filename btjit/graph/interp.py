@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ops import TABLE
+from btjit.graph.ops import TABLE
 
 
 def run(prog, *batch, upto: str = "backward"):

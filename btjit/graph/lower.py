@@ -12,8 +12,8 @@ from btjit.kernels import elementwise as EW
 from btjit.kernels.common import ROW, ROWS
 from btjit.kernels.library import LIBRARY
 
-from .ops import TABLE
-from .optable import cstrides, strided_rows
+from btjit.graph.ops import TABLE
+from btjit.graph.optable import cstrides, strided_rows
 
 
 class RowError(ValueError):

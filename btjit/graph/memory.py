@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from btjit.kernels.common import MAX_THREADS
 
-from . import trace as T
-from .ir import Graph
-from .ops import TABLE
+from btjit.graph import trace as T
+from btjit.graph.ir import Graph
+from btjit.graph.ops import TABLE
 
 ALIGN = 16
 

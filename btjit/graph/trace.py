@@ -14,8 +14,8 @@ import sys
 
 import numpy as np
 
-from .ir import Assign, Eqn, Graph
-from .optable import TABLE, ShapeError
+from btjit.graph.ir import Eqn, Graph
+from btjit.graph.optable import TABLE, ShapeError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _STACK: list = []          # graphs being built (innermost last)
@@ -554,39 +554,6 @@ def layer_norm(x, weight, bias, eps=1e-5):
 def causal_attention(qkv, n_head):
     """Fused causal self-attention: qkv (B, T, 3C) holding q | k | v -> (B, T, C), n_head heads of C/n_head."""
     return emit("causal_attention", (lift(qkv),), n_head=int(n_head))[0]
-
-
-def is_training() -> bool:
-    """Inside a traced function: True while the training step is traced, False in prog.eval's trace (and in
-    btjit.trace(..., training=False)). Outside one it is an error."""
-    return current_graph().training
-
-
-def assign(target, value):
-    """Write `value` into the buffer `target` (p[name] of btjit.trace(..., buffers=)) when the step ends: every
-    read of p[name] in this step sees the old value. No gradient flows through a buffer. In eval mode
-    (is_training() False) nothing is written."""
-    g = current_graph()
-    state = g.state_vars()
-    if not isinstance(target, Tracer) or target.graph is not g or state.get(target.var.id, ("",))[0] != "buffer":
-        raise TraceError(f"assign: the target must be a buffer as the traced function receives it (p[name] of a "
-                         f"name in btjit.trace(..., buffers=)), got {target!r} — {user_src()}")
-    if g.training:
-        assign_state(target.var, lift(value, target))
-
-
-def assign_state(target_var, value):
-    """Record that the state value `target_var` (a param, buffer or optimizer state: see Graph.state_vars)
-    takes `value` when the step ends. One assign per target; the types must agree."""
-    g = current_graph()
-    kind, name = g.state_vars()[target_var.id]
-    if value.var.dtype != target_var.dtype or value.shape != target_var.shape:
-        raise TraceError(f"assign: {kind} {name!r} is {target_var.type_str}, the value assigned is "
-                         f"{value.var.type_str} — {user_src()}")
-    for a in g.assigns:
-        if a.target.id == target_var.id:
-            raise TraceError(f"assign: {kind} {name!r} is assigned twice: at {a.src} and at {user_src()}")
-    g.assigns.append(Assign(target_var, value.var, user_src()))
 
 
 _UFUNCS = {"add": lambda x, y: _binop("add", x, y), "subtract": lambda x, y: _binop("sub", x, y),

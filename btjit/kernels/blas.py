@@ -27,7 +27,7 @@ MIN_GAIN = 1.05
 def _openblas():
     """scipy's OpenBLAS: {name, path, sgemm, dgemm (addresses), symbols (btjit's -> the library's, for an
     export; None if the library file is not found), init (the C call an export makes at load)}."""
-    from btjit.threads import _openblas_libs, set_blas_threads
+    from btjit.host.threads import _openblas_libs, set_blas_threads
     wheel = _wheel_openblas()
     if wheel:                       # the library file of scipy's wheel, loaded without importing scipy.linalg
         lib = ctypes.CDLL(wheel)    # (0.25 s of every process start, measured)
@@ -111,7 +111,7 @@ def _key(cands) -> str:
 
 def choose() -> dict:
     """The BLAS to bind (see the module docstring)."""
-    from btjit.cachedir import cache_dir
+    from btjit.host.cachedir import cache_dir
     want = os.environ.get("BTJIT_BLAS", "").lower()
     cands = [c for c in (_openblas(), _mkl() if want != "openblas" else None) if c]
     if want:

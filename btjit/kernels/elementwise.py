@@ -19,7 +19,7 @@ import math
 import numpy as np
 from numba import njit
 
-from .common import FM, cvt, fexp, ftanh, row
+from btjit.kernels.common import FM, cvt, fexp, ftanh, row
 
 # unary sub-ops
 U_COPY, U_NEG, U_EXP, U_LOG, U_TANH, U_RELU, U_SIGMOID, U_SQRT, U_POW, U_ABS = range(10)

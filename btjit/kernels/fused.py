@@ -19,8 +19,8 @@ import math
 import numpy as np
 from numba import carray, njit
 
-from .common import FM, fexp, ftanh, row, stack_buf
-from .elementwise import (B_ADD, B_DIV, B_EQ, B_GE, B_GT, B_LE, B_LT, B_MAX, B_MIN, B_MUL, B_NE, B_POW,
+from btjit.kernels.common import FM, fexp, ftanh, row, stack_buf
+from btjit.kernels.elementwise import (B_ADD, B_DIV, B_EQ, B_GE, B_GT, B_LE, B_LT, B_MAX, B_MIN, B_MUL, B_NE, B_POW,
                           B_RELU_GRAD, B_SIGMOID_GRAD, B_SUB, B_TANH_GRAD, U_ABS, U_COPY, U_EXP, U_LOG, U_NEG,
                           U_RELU, U_SIGMOID, U_SQRT, U_TANH)
 

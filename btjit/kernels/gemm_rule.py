@@ -55,7 +55,7 @@ def nt_macs() -> int:
 def _remembered(name, field, measure_fn) -> int:
     """The value `field` of the cache dir's `name`, if measured for this CPU and BLAS; else measure_fn()
     (-> (value, times)), written there."""
-    from btjit.cachedir import cache_dir
+    from btjit.host.cachedir import cache_dir
     from btjit.kernels import blas
     key = json.dumps([llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(), blas.CHOICE["name"]])
     path = cache_dir() / name

@@ -34,7 +34,7 @@ import llvmlite
 import numba
 import numpy as np
 
-from btjit.cachedir import cache_dir
+from btjit.host.cachedir import cache_dir
 from btjit.kernels import (attention, attn_kept, attn_lanes, attn_loops, common, elementwise, fused, linalg, nn,
                            norm, objcode, optim, reduce, tiles)
 from btjit.kernels.common import ROW, ROWS

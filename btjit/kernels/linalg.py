@@ -197,29 +197,50 @@ def k_matmul_micro(a, ia, r):
     (nbatch 1, tb 0): also a[osum:osum+N] = the column sums of B (ops' matmul_colsum: dW = X^T dY and db
     together).
     """
+    _micro_rows(a, r, 0, r[5])
+
+
+@row("oA oB oC nbatch M N K sA sB sC ta tb obias osum ores relu nparts")
+@njit(**FM_PAR)
+def k_matmul_micro_par(a, ia, r):
+    """k_matmul_micro with C's rows cut into nparts blocks (multiples of MR rows; nparts <= M / MR) computed on the
+    thread pool. Every entry of C is the same sequence of multiply-adds as on one thread, so the result is
+    bitwise equal to k_matmul_micro's; each block transposes its own stack copy of B where one is used."""
+    M = r[5]; nparts = r[17]
+    nblk = M // MR
+    for j in prange(nparts):               # nparts <= M // MR (the lowering's): every block has >= MR rows
+        lo = j * nblk // nparts * MR
+        hi = M if j == nparts - 1 else (j + 1) * nblk // nparts * MR
+        _micro_rows(a, r, lo, hi - lo)
+
+
+@njit(**FM)
+def _micro_rows(a, r, lo, m):
+    """Rows lo .. lo+m of every product of a k_matmul_micro row (m >= MR)."""
     oA = r[1]; oB = r[2]; oC = r[3]; nbatch = r[4]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
     sC = r[10]; ta = r[11]; tb = r[12]; obias = r[13]; osum = r[14]; ores = r[15]; relu = r[16]
     lda = M if ta == 1 else K
     sar, sak = (1, lda) if ta == 1 else (lda, 1)
     wt = carray(stack_buf(a, WT_MAX), (WT_MAX,))
     one, zero = np.int64(1), np.int64(0)     # not literals: a literal argument compiles gemm_micro a second time
+    osum = osum if lo == 0 else 0            # B's column sums: once, by the block with the first rows
     for i in range(nbatch):
-        oa, ob, oc = oA + i * sA, oB + i * sB, oC + i * sC
+        oa, ob, oc = oA + i * sA + lo * sar, oB + i * sB, oC + i * sC + lo * N
         if tb == 0:
-            gemm_micro(a, a, oa, sar, sak, ob, N, oc, N, M, N, K, obias, osum, ores + i * sC if ores > 0 else 0,
-                       relu)
+            gemm_micro(a, a, oa, sar, sak, ob, N, oc, N, m, N, K, obias, osum,
+                       ores + i * sC + lo * N if ores > 0 else 0, relu)
         elif M < COPY_MIN_ROWS:
-            gemm_micro_nt(a, oa, K, ob, K, oc, N, M, N, K, wt)
+            gemm_micro_nt(a, oa, K, ob, K, oc, N, m, N, K, wt)
         elif N * K <= WT_MAX:
             if i == 0 or sB != 0:
                 transpose(a, ob, wt, 0, N, K)
-            gemm_micro(a, wt, oa, K, one, zero, N, oc, N, M, N, K, zero, zero, zero, zero)
+            gemm_micro(a, wt, oa, K, one, zero, N, oc, N, m, N, K, zero, zero, zero, zero)
         else:                   # column blocks of C: nc rows of B at a time transposed onto the stack
             nc = WT_MAX // K // 16 * 16
             for n in range(0, N, nc):
                 n0 = min(n, N - nc)
                 transpose(a, ob + n0 * K, wt, 0, nc, K)
-                gemm_micro(a, wt, oa, K, one, zero, nc, oc + n0, N, M, nc, K, zero, zero, zero, zero)
+                gemm_micro(a, wt, oa, K, one, zero, nc, oc + n0, N, m, nc, K, zero, zero, zero, zero)
 
 
 @row("oA oB oC nbatch M N K sA sB sC ta tb beta osc oconst obias nparts")

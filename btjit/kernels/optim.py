@@ -9,7 +9,7 @@ import math
 import numpy as np
 from numba import njit
 
-from .common import FM, row
+from btjit.kernels.common import FM, row
 
 
 @row("og n omax oscale")

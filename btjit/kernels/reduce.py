@@ -11,7 +11,7 @@ import math
 import numpy as np
 from numba import carray, njit
 
-from .common import FM, cvt, fexp, row, stack_buf
+from btjit.kernels.common import FM, cvt, fexp, row, stack_buf
 
 R_SUM, R_MAX = 0, 1
 

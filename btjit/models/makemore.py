@@ -1,7 +1,7 @@
 """Karpathy's makemore model family (makemore.py), written with btjit's public tensor API the way makemore
 writes them: Bigram, MLP, RNN, GRU, BoW and Transformer, each a character model of (B, T) int token ids (0 is
 the start/stop token) -> (B, T, vocab) logits, trained with cross_entropy(..., ignore_index=-1) against
-makemore's targets (the next characters, -1 after a word's end; btjit.data's "words" format).
+makemore's targets (the next characters, -1 after a word's end; btjit.train.data's "words" format).
 
     model = makemore.model("transformer", makemore.MakemoreConfig())
     params = model.init_params(rng);  model.loss(p, x, y);  model.logits(p, x)

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from btjit.graph import trace as T
+from btjit.graph import state as S, trace as T
 from btjit.graph.fuse_ew import BINARY, UNARY
 from btjit.graph.lower import lower_eqns
 from btjit.graph.memory import _al, storage_roots
 
-from .base import Optimizer, OptimizerError, resolve_groups
+from btjit.optim.base import Optimizer, OptimizerError, resolve_groups
 
 GLOBAL = ("lr", "clip_norm", "clip_scale", "clip_value", "step")
 ELEMENTWISE = set(UNARY) | set(BINARY) | {"where"}
@@ -143,7 +143,7 @@ class Update:
                     writes.append((new, old))
             for new, old in writes:
                 if new.var is not old.var:
-                    T.assign_state(old.var, new)
+                    S.assign_state(old.var, new)
 
 
 class _Hyper(T.Tracer):

@@ -9,7 +9,7 @@ import numpy as np
 
 from btjit.graph import trace as T
 
-from .base import Optimizer, OptimizerError
+from btjit.optim.base import Optimizer, OptimizerError
 
 
 def _zeros(param):

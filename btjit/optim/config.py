@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from .base import Optimizer, OptimizerError, decay_matrices
-from .builtin import SGD, Adadelta, Adagrad, Adam, AdamW, Lion, RMSprop
+from btjit.optim.base import Optimizer, OptimizerError, decay_matrices
+from btjit.optim.builtin import SGD, Adadelta, Adagrad, Adam, AdamW, Lion, RMSprop
 
 BUILTIN = {c.__name__.lower(): c for c in (SGD, Adam, AdamW, Adagrad, Adadelta, RMSprop, Lion)}
 # the [optim] keys each built-in takes besides lr (the others keep the optimizer's own defaults)

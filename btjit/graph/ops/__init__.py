@@ -1,5 +1,5 @@
-"""THE op table. Each op is defined once, in one module of this package (elementwise, layout, matmul, nn, batchnorm;
-the machinery in table): shape rule, VJP rule (written with the tracer API, so it emits IR), numpy reference,
+"""THE op table. Each op is defined once, in one module of this package (elementwise, layout, matmul, nn,
+batchnorm; the machinery in table): shape rule, VJP rule (written with the tracer API, so it emits IR), numpy reference,
 lowering to kernel rows, and gradient-check cases. Tests are parametrized over TABLE; adding an op = adding an
 entry.
 
@@ -7,7 +7,7 @@ Lowering uses a context `L` (graph/lower.py): L.off(var) arena offset, L.const(x
 constant, L.scratch int32 scratch offset, L.row(kernel_name, name=value...) builds one tape row from the
 kernel's row declaration (`@row` in btjit/kernels).
 """
-from . import batchnorm, elementwise, layout, matmul, nn  # noqa: F401 -- each registers its ops in TABLE
-from .matmul import micro_gemm, split_gemm  # noqa: F401
-from .nn import IGNORE_NONE  # noqa: F401
-from ..optable import TABLE, Case, OpDef, ShapeError, bstrides, cstrides, loop_nest  # noqa: F401
+from btjit.graph.ops import batchnorm, elementwise, layout, matmul, nn  # noqa: F401 -- each registers its ops in TABLE
+from btjit.graph.ops.matmul import micro_gemm, split_gemm  # noqa: F401
+from btjit.graph.ops.nn import IGNORE_NONE  # noqa: F401
+from btjit.graph.optable import TABLE, Case, OpDef, ShapeError, bstrides, cstrides, loop_nest  # noqa: F401

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from btjit.graph import trace as T
+from btjit.graph import state, trace as T
 
-from ..optable import Case, F, ShapeError, _float, op
+from btjit.graph.optable import Case, F, ShapeError, _float, op
 
 
 def _pcq(shape, axis):
@@ -108,7 +108,7 @@ def batch_norm(x, weight, bias, running_mean, running_var, training=None, moment
                                f"axis {axis} — {T.user_src()}")
     if len(stats) == 1:
         raise T.TraceError(f"batch_norm: give both running_mean and running_var, or neither — {T.user_src()}")
-    training = T.is_training() if training is None else bool(training)
+    training = state.is_training() if training is None else bool(training)
     if training or not stats:
         n = x.size // C
         if n < 2 and training:
@@ -116,8 +116,8 @@ def batch_norm(x, weight, bias, running_mean, running_var, training=None, moment
                                f"{T.user_src()}")
         y, mean, var, _ = T.emit("batchnorm", (x, w, b), axis=axis, eps=float(eps))
         if training and stats:
-            T.assign(running_mean, running_mean * (1.0 - momentum) + mean * float(momentum))
-            T.assign(running_var, running_var * (1.0 - momentum) + var * (momentum * n / (n - 1)))
+            state.assign(running_mean, running_mean * (1.0 - momentum) + mean * float(momentum))
+            state.assign(running_var, running_var * (1.0 - momentum) + var * (momentum * n / (n - 1)))
         return y
     shape = (1,) * axis + (C,) + (1,) * (x.ndim - axis - 1)
     scale = T.reshape(w / T.sqrt(T.lift(running_var) + float(eps)), shape)

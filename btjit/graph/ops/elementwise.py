@@ -7,7 +7,7 @@ from btjit.graph import trace as T
 from btjit.kernels import elementwise as EW
 from btjit.kernels.reduce import R_MAX, R_SUM
 
-from ..optable import (TABLE, Case, F, _bcast_shape, _float, _int_rule, bstrides, cstrides, elementwise_rule,
+from btjit.graph.optable import (TABLE, Case, F, _bcast_shape, _float, _int_rule, bstrides, cstrides, elementwise_rule,
     lower_elementwise, op, same_as_input, strided_rows)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 from btjit.graph import trace as T
 from btjit.kernels import elementwise as EW
 
-from ..optable import Case, F, ShapeError, _bcast_shape, bstrides, copy_rows, cstrides, op, strided_rows
+from btjit.graph.optable import Case, F, ShapeError, _bcast_shape, bstrides, copy_rows, cstrides, op, strided_rows
 
 
 # ----------------------------------------------------------------------------- layout ops

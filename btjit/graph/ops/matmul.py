@@ -8,7 +8,7 @@ from btjit.graph import trace as T
 from btjit.kernels import gemm_rule, linalg
 from btjit.kernels.common import MAX_THREADS
 
-from ..optable import Case, F, ShapeError, TABLE, _bcast_shape, _float, bstrides, cstrides, loop_nest, op
+from btjit.graph.optable import Case, F, ShapeError, TABLE, _bcast_shape, _float, bstrides, cstrides, loop_nest, op
 
 
 # ----------------------------------------------------------------------------- matmul
@@ -82,13 +82,16 @@ def _lower_matmul(e, L, beta=0, bias=0, osum=0, res=None, relu=False):
     par = par_gemm(M * N * K * nb_total, threads)
 
     def micro(m):
-        return not par and micro_gemm(m, N, K, ta, tb, beta, bias, C.dtype)
+        return micro_gemm(m, N, K, ta, tb, beta, bias, C.dtype)
 
     def row(oa, ob, oc, nb, m, sa_, sb_, sc_):
         args = dict(oA=oa, oB=ob, oC=oc, nbatch=nb, M=m, N=N, K=K, sA=sa_, sB=sb_, sC=sc_, ta=ta, tb=tb)
-        if micro(m):
-            return L.row("k_matmul_micro", **args, obias=bias, osum=osum, relu=int(relu),
+        if micro(m):        # split over the threads by blocks of C's rows: bitwise equal to one thread
+            margs = dict(args, obias=bias, osum=osum, relu=int(relu),
                          ores=L.off(res) + oc - L.off(C) if res is not None else 0)
+            if par and m >= 2 * linalg.MR:
+                return L.row("k_matmul_micro_par", **margs, nparts=min(threads, m // linalg.MR))
+            return L.row("k_matmul_micro", **margs)
         kernel, parts = ("k_matmul_par", threads) if par else ("k_matmul", split_gemm(nb, m, N, K))
         return L.row(kernel, **args, beta=beta, osc=L.scratch, oconst=L.one_zero, obias=bias, nparts=parts)
     if len(B.shape) == 2 and not ta:      # fold A's batch dims into M: one GEMM
@@ -164,7 +167,7 @@ def _lower_matmul_colsum(e, L):
     (X, G), (dW, db) = e.ins, e.outs
     mm = type(e)("matmul", (X, G), (dW,), {"ta": True, "tb": False})
     M, N, K = X.shape[1], G.shape[1], X.shape[0]
-    if micro_gemm(M, N, K, 1, 0, 0, 0, X.dtype) and not par_gemm(M * N * K, L.threads):
+    if micro_gemm(M, N, K, 1, 0, 0, 0, X.dtype):
         return _lower_matmul(mm, L, osum=L.off(db))
     return _lower_matmul(mm, L) + TABLE["sum"].lower(type(e)("sum", (G,), (db,), {"lo": 0, "hi": 1}), L)
 

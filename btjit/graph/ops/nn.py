@@ -9,7 +9,7 @@ from btjit.graph import trace as T
 from btjit.kernels import attention, attn_kept, attn_lanes
 from btjit.kernels.attn_loops import BL_MIN_B, attn_blocks, attn_bwd_scratch_size, attn_scratch_size
 
-from ..optable import Case, F, ShapeError, TABLE, _float, bstrides, cstrides, loop_nest, op, same_as_input
+from btjit.graph.optable import Case, F, ShapeError, TABLE, _float, bstrides, cstrides, loop_nest, op, same_as_input
 
 
 # ----------------------------------------------------------------------------- softmax family
@@ -240,8 +240,8 @@ def _attn_lower(e, L):
     pairs; they keep qkv and the probabilities in their scratch W, and leave P unused) or, where those do not
     apply, the per-head loops; from BL_MIN_B the sequence-vectorized ("bl") pair or its generated twin
     ("lanes", one thread), whose forward saves the transposed qkv in W and the probabilities in P in its own
-    layout for the backward. With more than one thread the bl blocks and the kept kernels' blocks of sequences
-    are split over the thread pool; the flash kernels run on one."""
+    layout for the backward. With more than one thread the bl loops' blocks and the kept kernels' blocks of
+    sequences are split over the thread pool; the lanes and flash kernels run on one."""
     B, T_ = e.ins[0].shape[:2]
     C, nh = e.ins[0].shape[2] // 3, e.attrs["n_head"]
     dims = dict(B=B, T=T_, C=C, NH=nh, oscale=L.const(1.0 / math.sqrt(C // nh)))
@@ -276,9 +276,8 @@ def _attn_lower(e, L):
         offs = dict(oqkv=L.off(qkv), oP=L.off(P), ody=L.off(gy), odqkv=L.off(dqkv)) if grad else \
             dict(oqkv=L.off(qkv), oy=L.off(y), oP=L.off(P))
         return [L.row(f"k_attn_{kind}", **offs, **dims)]
-    par = "_par" if L.threads > 1 else ""
-    nb = attn_blocks(B, L.threads)
-    if not par and attn_lanes.eligible(T_, hs, B, nb, qkv.dtype):     # the bl layouts, generated per (T, hs)
+    nb = attn_blocks(B, 1)
+    if attn_lanes.eligible(T_, hs, B, nb, qkv.dtype):   # the bl layouts, generated per (T, hs); one thread: 2-2.5x
         if not grad:
             return [L.row("k_attn_bl_move", osrc=L.off(qkv), odst=L.off(W), B=B, n=3 * T_ * C, nb=nb, out=0),
                     L.row("k_attn_fwd_lanes", shape=(T_, hs), oW=L.off(W), oP=L.off(P), oy=L.off(y), **dims, nb=nb)]
@@ -287,7 +286,8 @@ def _attn_lower(e, L):
         return [L.row("k_attn_bl_move", osrc=L.off(gy), odst=oS, B=B, n=T_ * C, nb=nb, out=0),
                 L.row("k_attn_bwd_lanes", shape=(T_, hs), oW=L.off(W), oP=L.off(P), oS=oS, oD=oD, **dims, nb=nb),
                 L.row("k_attn_bl_move", osrc=oD, odst=L.off(dqkv), B=B, n=3 * T_ * C, nb=nb, out=1)]
-    return [L.row(f"k_attn_{kind}_bl{par}", **offs, **dims, nb=nb)]
+    par = "_par" if L.threads > 1 else ""        # else the loops, their blocks on the thread pool
+    return [L.row(f"k_attn_{kind}_bl{par}", **offs, **dims, nb=attn_blocks(B, L.threads))]
 
 
 op("causal_attention", infer=_attn_rule, ref=_attn_ref, lower=_attn_lower,

@@ -1,9 +1,9 @@
-# btjit/train.py -- the training loop of `btjit train`: data, model (btjit.models.registry; the user's model
+# btjit/train.py -- the training loop of `btjit train`: data, model (btjit.train.registry; the user's model
 # file is copied into the run dir, and --resume uses that copy), one traced program (btjit.trace), the
-# start-up banner, the LR of each step and gradient accumulation (btjit.schedule), progress lines, val loss,
+# start-up banner, the LR of each step and gradient accumulation (btjit.train.schedule), progress lines, val loss,
 # the best-val checkpoint, samples, the JSONL metrics log, checkpoints, Ctrl+C (finish the step, save, exit
 # 0), --resume (bit-exact: the batch RNG state is checkpointed) and NaN/Inf handling. Not here: the run dir
-# checks and lock (btjit.rundir), the compiler (btjit.trace), the models (btjit.models, btjit.usermodel), argument
+# checks and lock (btjit.train.rundir), the compiler (btjit.trace), the models (btjit.models, btjit.train.usermodel), argument
 # parsing (btjit.cli). Errors are TrainError (or Config/Data/CheckpointError, ModelFileError), one line each.
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ from pathlib import Path
 import numpy as np
 
 import btjit
-from btjit import checkpoint as ckpt_mod
-from btjit import data as data_mod
-from btjit import rundir
-from btjit import schedule as sched_mod
-from btjit import usermodel
-from btjit.checkpoint import CheckpointError
-from btjit.config import Config, ConfigError
+from btjit.train import checkpoint as ckpt_mod
+from btjit.train import data as data_mod
+from btjit.train import rundir
+from btjit.train import schedule as sched_mod
+from btjit.train import usermodel
+from btjit.train.checkpoint import CheckpointError
+from btjit.train.config import Config, ConfigError
 
 METRICS, CONFIG_FILE = "metrics.jsonl", "config.toml"
 MAX_SKIPS = 100   # consecutive non-finite steps tolerated with on_nonfinite = "skip"
@@ -130,7 +130,7 @@ class Trainer:
             self.lock.release()
             self.lock = None
 
-    # ---- set-up (btjit.distributed.DistributedTrainer overrides these hooks) ----------------------
+    # ---- set-up (btjit.train.distributed.DistributedTrainer overrides these hooks) ----------------------
     @property
     def local_batch_size(self) -> int:
         """Sequences (samples) this process computes per step: train.batch_size in a single process."""
@@ -186,7 +186,7 @@ class Trainer:
         return ck
 
     def _build_program(self):
-        from btjit.models.registry import model_for
+        from btjit.train.registry import model_for
         cfg = self.cfg
         self.model = model_for(cfg.model, len(self.ds.vocab), self.model_file, cfg.data.format)
         x, y = self.ds.batch("train", self.local_batch_size, np.random.default_rng(0))
@@ -209,10 +209,10 @@ class Trainer:
         plan = getattr(p, "plan_seconds", None)
         times = f"trace {tr:.2f} s + " + (f"plan {plan:.2f} s + " if plan is not None else "") + \
             f"compile {cs:.2f} s (btjit.trace wall time {self.build_seconds:.2f} s)"
-        reps = getattr(p, "replicas", 1)
+        reps, used = getattr(p, "replicas", 1), getattr(p, "threads", 1)
+        how = f"{reps} data-parallel replicas" if reps > 1 else "threaded kernels" if used > 1 else "one thread"
         self.echo(f"btjit {ver} | numba {numba.__version__} | numpy {np.__version__} | "
-                  f"threads {self.threads}" + (f" ({reps} data-parallel replicas)" if reps > 1 else "") +
-                  f" | {t.dtype}")
+                  f"threads {used} of {self.threads} ({how}) | {t.dtype}")
         self.echo(f"model: {self.model.arch} | {p.n_params:,} params | arena {p.arena_bytes / 1e6:.2f} MB")
         self.echo(self.ds.describe())
         accum = f" x {t.grad_accum} micro-batches = {t.batch_size * t.grad_accum}" if t.grad_accum > 1 else ""
@@ -238,7 +238,7 @@ class Trainer:
         return float(np.mean(losses))
 
     def sample(self) -> str:
-        from btjit.sampling import Sampler
+        from btjit.train.sampling import Sampler
         if self.sampler is None:
             self.sampler = Sampler(self.model, self.ds.vocab, self.prog.params, self.cfg.train.dtype,
                                    self.prog.buffers)
@@ -410,14 +410,3 @@ def check_world_size(ck, n: int) -> None:
         how = f"mpiexec -n {had} btjit train ... --resume" if had > 1 else "btjit train ... --resume (one process)"
         raise TrainError(f"--resume: {ck.path.name} was written by a run on {had} process(es), this run has {n}; "
                          f"resume it with the same number: {how}")
-
-
-def train(cfg: Config, run_dir, data_path=None, resume=False, threads=None, echo=None,
-          resume_hint="--resume", distributed=None) -> Result:
-    """Run (or resume) a training run; returns a Result. Raises TrainError & co. with one-line messages.
-    distributed: True = data-parallel over MPI (mpi4py; run this under `mpiexec -n N`), False = one process,
-    None = data-parallel exactly when an MPI launcher started this process with N > 1 (see btjit.distributed)."""
-    from btjit import distributed as dist_mod
-    if dist_mod.wanted(distributed):
-        return dist_mod.train(cfg, run_dir, data_path, resume, threads, echo, resume_hint)
-    return Trainer(cfg, run_dir, data_path, resume, threads, echo, resume_hint).run()

@@ -1,7 +1,8 @@
-"""Thread control for btjit's native code: numba's thread pool (parallel kernels) and the OpenBLAS that the
-GEMM kernels call (scipy's). Small-matrix training is fastest single-threaded, and OpenBLAS's default of
-one busy thread per core is ruinous on a loaded machine (measured: 5.5 -> 40 ms per E6 step), so btjit
-starts with 1 thread unless BTJIT_NUM_THREADS (or OPENBLAS_NUM_THREADS) says otherwise.
+"""Thread control for btjit's native code: numba's thread pool (parallel kernels, data-parallel replicas) and the
+OpenBLAS that the GEMM kernels call (scipy's). btjit uses every core the process may run on
+(os.sched_getaffinity) unless told otherwise: `btjit.set_num_threads(n)`, `trace(..., threads=n)`,
+$BTJIT_NUM_THREADS, `--threads`, `[train] threads`. OpenBLAS's own threads stay off: its spinning threads beside
+numba's pool cost 30x on 2 cores and 7x on a loaded machine (measured), so all parallelism is numba's.
 """
 from __future__ import annotations
 
@@ -10,12 +11,40 @@ import os
 from pathlib import Path
 
 
-def default_threads() -> int:
-    v = os.environ.get("BTJIT_NUM_THREADS") or os.environ.get("OPENBLAS_NUM_THREADS") or "1"
+def cores() -> int:
+    """The cores this process may run on."""
     try:
-        return max(1, int(v))
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """$BTJIT_NUM_THREADS if set (0 = every core), else every core the process may run on."""
+    v = os.environ.get("BTJIT_NUM_THREADS", "").strip()
+    if not v:
+        return cores()
+    try:
+        n = int(v)
     except ValueError:
-        return 1
+        raise ValueError(f"BTJIT_NUM_THREADS={v!r}: expected a whole number of threads (0 = every core)") from None
+    if n < 0:
+        raise ValueError(f"BTJIT_NUM_THREADS={v!r}: expected a whole number of threads >= 0 (0 = every core)")
+    return n or cores()
+
+
+def resolve(n=None) -> int:
+    """The thread count a program traced now uses: n (0 = every core), else btjit.set_num_threads's. The
+    numba pool grows to it if it is smaller."""
+    import numba
+    if n is None:
+        return numba.get_num_threads()
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"threads must be a whole number >= 0 (0 = every core), got {n!r}")
+    n = max(1, min(n or cores(), numba.config.NUMBA_NUM_THREADS))
+    if n > numba.get_num_threads():
+        numba.set_num_threads(n)
+    return n
 
 
 def _openblas_libs(scipy_only: bool):
@@ -54,8 +83,7 @@ def set_num_threads(n: int = 0) -> int:
     numba's thread pool: large GEMMs are split into one single-threaded BLAS call per thread, and OpenBLAS
     itself stays at 1 thread (its spinning threads beside numba's pool cost 30x on 2 cores, measured)."""
     import numba
-    n = n or os.cpu_count() or 1
-    n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+    n = max(1, min(n or cores(), numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(n)
     set_blas_threads(1)
     return n

@@ -8,7 +8,7 @@ The function takes N positional scalars (named by its parameters: the graph's pa
 needs `n_args=`) and uses plain Python operators (+ - * / **, unary minus, comparisons inside btjit.where) and
 btjit.relu/tanh/exp/log/sigmoid/sqrt/abs/maximum/minimum/gelu/where on them; `x += y` rebinding works. It is
 traced once into the ordinary IR (shape () values), differentiated by the ordinary autodiff, dead code is
-removed, and it is lowered by btjit.graph.scalar: straight-line native code up to STRAIGHT_LINE_MAX
+removed, and it is lowered by btjit.scalar.lower: straight-line native code up to STRAIGHT_LINE_MAX
 instructions, a scalar tape run by one cached interpreter above it (`lowering=` forces either).
 
 What the function may return:
@@ -46,10 +46,10 @@ import zlib
 
 import numpy as np
 
-from .graph import autodiff, trace as T
-from .graph.ir import Graph, verify
-from .graph.ops import TABLE
-from .graph.scalar import ARGS_MAX, STRAIGHT_LINE_MAX, ScalarGraphError, ScalarProgram, ScalarTape, StraightLine
+from btjit.graph import autodiff, trace as T
+from btjit.graph.ir import Graph, verify
+from btjit.graph.ops import TABLE
+from btjit.scalar.lower import ARGS_MAX, STRAIGHT_LINE_MAX, ScalarGraphError, ScalarProgram, ScalarTape, StraightLine
 
 __all__ = ["trace_scalar", "ScalarFunction", "save_values", "load_values", "NodeFileError", "STRAIGHT_LINE_MAX"]
 
@@ -207,7 +207,7 @@ class ScalarFunction:
     def export(self, path):
         """Write this function as a self-contained native library (btjit/export_scalar.py); btjit.runtime.load(path)
         gives the same callable without numba. Returns the dir."""
-        from .export_scalar import export_scalar
+        from btjit.scalar.export import export_scalar
         return export_scalar(self, path)
 
     # -- evaluation

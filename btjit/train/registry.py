@@ -1,5 +1,5 @@
-"""From a [model] config section (btjit.config.ModelConfig) to a Model: the built-in kinds (the paper's GPT and
-MLP, makemore.py's six models) and the user's model file (kind "python", btjit.usermodel). A Model is what
+"""From a [model] config section (btjit.train.config.ModelConfig) to a Model: the built-in kinds (the paper's GPT and
+MLP, makemore.py's six models) and the user's model file (kind "python", btjit.train.usermodel). A Model is what
 `btjit train` and `btjit sample` need of any model: init_params(rng) -> dict, loss(p, x, y), logits(p, x), the
 data format it reads, a one-line description, its buffers (init_buffers, or None), and `guard(what)`, which
 turns an error raised in the user's code into one line naming the file and line (a no-op for the built-in
@@ -21,7 +21,7 @@ class Model:
     format: str                         # the data format of x and y: "text", "lines" or "words"
     arch: str                           # for the start-up banner
     mean_over_batch: bool               # the loss is a mean over the batch's first axis (replicas may split it)
-    model_file: Any = None              # btjit.usermodel.ModelFile of kind "python"
+    model_file: Any = None              # btjit.train.usermodel.ModelFile of kind "python"
     init_buffers: Callable[[], dict] | None = None   # () -> name -> float array: the model's buffers, if any
 
     def buffers(self) -> dict | None:
@@ -30,13 +30,13 @@ class Model:
     def guard(self, what: str):
         if self.model_file is None:
             return contextlib.nullcontext()
-        from btjit import usermodel
+        from btjit.train import usermodel
         return usermodel.guard(self.model_file.name, str(self.model_file.path), what)
 
 
 def model_for(m, vocab_size: int, model_file=None, data_format: str | None = None) -> Model:
     """The Model of ModelConfig `m` with `vocab_size` characters. kind "python" needs `model_file` (a
-    btjit.usermodel.ModelFile) and the run's `data_format`."""
+    btjit.train.usermodel.ModelFile) and the run's `data_format`."""
     if m.kind == "gpt":
         from btjit.models import gpt
         c = gpt.GPTConfig(vocab_size=vocab_size, n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
@@ -50,7 +50,7 @@ def model_for(m, vocab_size: int, model_file=None, data_format: str | None = Non
         return Model("mlp", c, lambda rng: mlp.init_params(c, rng), mlp.loss_fn(c), mlp.logits_fn(c), "lines",
                      f"mlp context {m.context}, n_emb {m.n_emb}, n_hidden {m.n_hidden}", True)
     if m.kind == "python":
-        from btjit import usermodel
+        from btjit.train import usermodel
         if model_file is None:
             raise ValueError('model.kind = "python" needs its model file')
         c = usermodel.namespace(m, vocab_size)

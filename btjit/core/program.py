@@ -12,17 +12,18 @@ import warnings
 
 import numpy as np
 
-from .graph import autodiff, fuse, fuse_ew, trace as T
-from .graph.ir import Graph, np_dtype, verify
-from .graph.lower import Lowering, assign_rows, lower_eqns
-from .graph.memory import Shared, pin, plan as make_plan, storage_roots
-from .graph.ops import TABLE
-from . import executor as X, threads
-from .kernels.library import LIBRARY
-from .optim.build import Update, assign_in_place
-from .runner import Runner
+from btjit.graph import autodiff, fuse, fuse_ew, trace as T
+from btjit.graph.ir import Graph, np_dtype, verify
+from btjit.graph.lower import Lowering, assign_rows, lower_eqns
+from btjit.graph.memory import Shared, pin, plan as make_plan, storage_roots
+from btjit.graph.ops import TABLE
+from btjit.core import executor as X
+from btjit.host import threads as _threads
+from btjit.kernels.library import LIBRARY
+from btjit.optim.build import Update, assign_in_place
+from btjit.export.runner import Runner
 
-threads.set_num_threads(threads.default_threads())   # btjit's default: 1 thread (btjit/threads.py)
+_threads.set_num_threads(_threads.default_threads())   # every core the process may run on (btjit/host/threads.py)
 
 
 def _arg_names(fn, n):
@@ -34,7 +35,7 @@ def _arg_names(fn, n):
 
 
 def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=False, dtype="float32", grad=None,
-          replicas=1, fuse_elementwise=True, clip_value=None, buffers=None, training=True, _share=None):
+          replicas=1, fuse_elementwise=True, threads=None, clip_value=None, buffers=None, training=True, _share=None):
     """Trace fn(params, *batch) once and compile it. With an optimizer (a btjit.optim.Optimizer: its update is
     traced after the backward, one fused pass per param group), `step()` trains; without one, `forward()`
     (and `value_and_grad()` for a scalar output) evaluate. clip_norm: clip gradients by global norm;
@@ -50,6 +51,12 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
 
     fuse_elementwise: chains of elementwise ops run as one row each (btjit/graph/fuse_ew.py); False keeps
     one row per op (the reference the fused chains are tested against).
+
+    threads: how many threads the step may use (default: btjit.set_num_threads's, which starts at every core
+    the process may run on or $BTJIT_NUM_THREADS; 0 = every core). Each kernel decides for itself whether its
+    work is large enough to split (GEMMs by blocks of rows, the attention by blocks of sequences), and a split
+    kernel computes bit for bit what it does on one thread, so the result does not depend on the thread count
+    (replicas, which sum their gradients, do). `prog.threads` is what the step uses: 1 when no kernel splits.
 
     buffers={name: array}: state the step reads and writes but does not train (running statistics, a carried
     hidden state). fn sees them in its first argument beside the params; `btjit.assign(p[name], value)` writes
@@ -145,10 +152,10 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     assign_in_place(g, pinned)
     verify(g, TABLE)
     prog = Program(g, params, update, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas,
-                   buffers, _share)
+                   _threads.resolve(threads), buffers, _share)
     prog._retrace = lambda share, *b: trace(fn, share.params, *b, dtype=dtype, buffers=share.buffers,    # eval
-                                            fuse_elementwise=fuse_elementwise, training=False, grad=False,
-                                            _share=share)
+                                            fuse_elementwise=fuse_elementwise, threads=threads, training=False,
+                                            grad=False, _share=share)
     return prog
 
 
@@ -158,8 +165,7 @@ class Program(Runner):
     arena."""
 
     def __init__(self, graph, init_params, update, clip_norm, skip_nonfinite, pinned, trace_seconds,
-                 replicas=1, init_buffers=None, share=None):
-        import numba
+                 replicas=1, n_threads=1, init_buffers=None, share=None):
         t0 = time.perf_counter()
         optimizer = update and update.opt
         self.graph, self.optimizer, self.clip_norm, self.replicas = graph, optimizer, clip_norm, replicas
@@ -169,7 +175,7 @@ class Program(Runner):
         self._hyper, self._group_hyper = update.slot_offsets(p) if update else ({}, [])
         self._bounds = _index_bounds(graph)
         self._flag = p.int_state + 1
-        L = Lowering(p, const_base=p.float_size, threads=numba.get_num_threads() // replicas,
+        L = Lowering(p, const_base=p.float_size, threads=max(1, n_threads // replicas),
                      checked={v.id for v in graph.inputs} | {v.id for v in graph.consts}, root=storage_roots(graph),
                      flag=self._flag)
         self._inv_replicas = L.const(1.0 / replicas)
@@ -186,6 +192,8 @@ class Program(Runner):
         self.n_fwd, self.n_bwd = len(fwd), len(fwd) + len(bwd)
         rows = fwd + bwd + upd + asg
         self.tape = np.array(rows, np.int64).reshape(len(rows), -1)
+        split = any(LIBRARY.entry_of(op)[0].endswith("_par") for op in self.tape[:, 0])
+        self.threads = replicas * (L.threads if split else 1)     # what the step uses (prog.threads)
         fdt = np_dtype(graph.float_dtype)
         self.dtype = np.dtype(fdt)
         # replica r's arenas are rows r of A / IA (one row, and A[0] is self.a, without replicas)
@@ -264,7 +272,7 @@ class Program(Runner):
         """Write this program as a self-contained native library dir (btjit/export.py): btjit.runtime.load(path)
         runs it without numba, examples/c/train.c from C. extra_files: {name: bytes} also written. Returns
         the dir."""
-        from .export import export_program
+        from btjit.export.build import export_program
         return export_program(self, path, extra_files)
 
     def _run(self, a, ia, tape, start, stop):
@@ -322,7 +330,7 @@ class Program(Runner):
                 f"arena {self.arena_bytes / 1e6:.2f} MB, {self.dtype})")
 
     # ------------------------------------------------------------------ split step (data parallel, issue 6)
-    # step() == value_and_grad() + apply_update(); in between, btjit.distributed averages grad_slice in place.
+    # step() == value_and_grad() + apply_update(); in between, btjit.train.distributed averages grad_slice in place.
     @property
     def param_slice(self) -> np.ndarray:
         """A view of the whole params region of the arena (contiguous; alignment padding included)."""

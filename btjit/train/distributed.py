@@ -9,8 +9,8 @@
 # Then the loss and a Ctrl+C flag go through a 2-number Allreduce (one latency, 16 bytes), so every rank
 # sees the same global loss and takes the same decisions (log, stop on NaN, skip, interrupt).
 # With train.grad_accum = k each rank first averages its k micro-batches' gradients locally
-# (btjit.schedule.Accumulator), then the ranks average once: one Allreduce per update, not per micro-batch.
-# With [distributed] compressor = "topk" | "randk" the gradient goes through EF21 (btjit.compress) instead.
+# (btjit.train.schedule.Accumulator), then the ranks average once: one Allreduce per update, not per micro-batch.
+# With [distributed] compressor = "topk" | "randk" the gradient goes through EF21 (btjit.train.compress) instead.
 #
 # Pieces: launch detection and the mpi4py import with an install hint (wanted, require_mpi); DataParallel
 # (the step above, usable on any traced Program: the notebook/script API); DistributedTrainer (btjit
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from btjit.schedule import Accumulator
-from btjit.train import TrainError, Trainer, check_world_size, seeds
+from btjit.train.schedule import Accumulator
+from btjit.train.trainer import TrainError, Trainer, check_world_size, seeds
 
 INSTALL_HINT = ("pip install 'btjit[mpi]' (mpi4py and an MPICH from PyPI; on a cluster: pip install mpi4py, "
                 "which also runs on the system's MPI)")
@@ -103,7 +103,7 @@ class DataParallel:
     """Synchronous data parallelism for a traced Program with an optimizer, under `mpiexec -n N`.
 
         prog = btjit.trace(loss_fn, params, x_shard, y_shard, optimizer=...)   # the per-rank batch shape
-        dp = btjit.distributed.DataParallel(prog)             # broadcasts rank 0's parameters
+        dp = btjit.train.distributed.DataParallel(prog)             # broadcasts rank 0's parameters
         loss = dp.step(x_shard, y_shard)                      # the global mean loss, the same on every rank
 
     compressor: "none" (one dense in-place Allreduce of the grads region), "topk" or "randk" (EF21 error
@@ -111,7 +111,7 @@ class DataParallel:
 
     def __init__(self, prog, comm=None, compressor: str = "none", ratio: float = 0.01, seed: int = 0,
                  broadcast: bool = True):
-        from btjit import compress
+        from btjit.train import compress
         self.MPI = require_mpi()
         if prog.optimizer is None:
             raise DistributedError("DataParallel needs a program traced with an optimizer")
@@ -200,7 +200,7 @@ def rank_rng(seed: int, rank: int, size: int) -> np.random.Generator:
 
 # ---- btjit train on N ranks ---------------------------------------------------------------------------
 class DistributedTrainer(Trainer):
-    """btjit.train.Trainer on every rank of an MPI job. train.batch_size is the GLOBAL batch: each rank
+    """btjit.train.trainer.Trainer on every rank of an MPI job. train.batch_size is the GLOBAL batch: each rank
     draws batch_size / N sequences from its own generator. Rank 0 alone prints, logs, evaluates, samples
     and writes checkpoints (with every rank's batch-generator state and, with compression, EF21 state)."""
 
@@ -254,7 +254,7 @@ class DistributedTrainer(Trainer):
         self._load_program_state(ck)
         meta = ck.meta.get("distributed", {})
         states = meta.get("rng_states") or [ck.meta["rng_state"]]
-        from btjit import checkpoint as ckpt_mod
+        from btjit.train import checkpoint as ckpt_mod
         self.rng = ckpt_mod.rng_from_state(states[self.rank])
         ef = self.dp.ef
         if ef is not None:
@@ -322,8 +322,8 @@ class DistributedTrainer(Trainer):
         root_do(self.comm, lambda: Trainer._save_best(self))
 
     def save(self) -> Path:
-        from btjit import checkpoint as ckpt_mod
-        from btjit.train import first_nonfinite
+        from btjit.train import checkpoint as ckpt_mod
+        from btjit.train.trainer import first_nonfinite
         bad = first_nonfinite(self.prog.params)
         if bad is not None:
             raise TrainError(f"parameter {bad} is not finite at step {self.step}; not saved. {self._last_good()}")
@@ -415,11 +415,11 @@ def mpiexec_command(n: int, mpiexec: str | None = None) -> tuple[list[str], dict
 def launch(config, n: int = 2, out=None, data=None, overrides=(), resume: bool = False, threads=None,
            echo=None, mpiexec: str | None = None, timeout: float | None = None):
     """Run `btjit train` on n MPI processes from Python (e.g. a notebook): starts `mpiexec -n n python -m
-    btjit.cli train ... --distributed`, streams rank 0's output to echo, and returns a btjit.train.Result.
-    config: a TOML path or a btjit.config.Config. Raises TrainError with the job's last error line."""
-    from btjit import checkpoint as ckpt_mod
-    from btjit.config import Config
-    from btjit.train import METRICS, Result
+    btjit.cli train ... --distributed`, streams rank 0's output to echo, and returns a btjit.train.trainer.Result.
+    config: a TOML path or a btjit.train.config.Config. Raises TrainError with the job's last error line."""
+    from btjit.train import checkpoint as ckpt_mod
+    from btjit.train.config import Config
+    from btjit.train.trainer import METRICS, Result
     import json
     echo = echo or (lambda s="": print(s, flush=True))
     tmp = None

@@ -1,4 +1,4 @@
-# btjit/compress.py -- compressed gradient communication for data-parallel training (btjit.distributed):
+# btjit/compress.py -- compressed gradient communication for data-parallel training (btjit.train.distributed):
 # TopK and RandK sparsification wrapped in EF21 error feedback (Richtarik, Sokolov, Fatkhullin, "EF21: A
 # New, Simpler, Theoretically Better, and Practically Faster Error Feedback", NeurIPS 2021).
 #

@@ -285,7 +285,7 @@ def load_words(path, block_size: int, val_fraction: float = 0.1, seed: int = 0,
 
 
 def load(cfg, data_path=None, vocab: Vocab | None = None) -> Dataset:
-    """Dataset for a btjit.config.Config: the file `data_path` (the --data option), else cfg.data.path, else
+    """Dataset for a btjit.train.config.Config: the file `data_path` (the --data option), else cfg.data.path, else
     the corpus cfg.data.corpus (left out: DEFAULT_CORPUS of the format)."""
     path = data_path if data_path is not None else cfg.data.path
     corpus = cfg.data.corpus or DEFAULT_CORPUS[cfg.data.format]

@@ -1,6 +1,6 @@
 # btjit/rundir.py -- the run dir of `btjit train`: the checks before a run starts writing to it (a file in
 # the way, --resume of a missing dir, a new run over old checkpoints), the lock that keeps it to one run at a
-# time, and trimming metrics.jsonl on resume. The checkpoints themselves are btjit.checkpoint's.
+# time, and trimming metrics.jsonl on resume. The checkpoints themselves are btjit.train.checkpoint's.
 #
 # The lock: run_dir/train.lock, held with fcntl.flock(LOCK_EX | LOCK_NB) for the whole run and holding one
 # JSON line {pid, host, started, argv} of the holder. A second run (or --resume) fails at once naming that
@@ -16,13 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-from btjit import checkpoint as ckpt_mod
+from btjit.train import checkpoint as ckpt_mod
 
 LOCK_FILE = "train.lock"
 
 
 class RunDirError(Exception):
-    """The run dir cannot be used; str(e) is one readable line. (btjit.train raises it as TrainError.)"""
+    """The run dir cannot be used; str(e) is one readable line. (btjit.train.trainer raises it as TrainError.)"""
 
 
 class RunDirLock:

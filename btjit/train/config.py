@@ -50,20 +50,20 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 3000
-    batch_size: int = 64
+    steps: int = 3000                   # optimizer steps (updates) to train for
+    batch_size: int = 64                # sequences (or examples) per micro-batch
     grad_accum: int = 1                 # micro-batches of batch_size per update (gradient accumulation)
-    seed: int = 1337
+    seed: int = 1337                    # drives everything: init, batches, sampling
     dtype: str = "float32"              # "float32" or "float64"
     eval_interval: int = 250            # 0 = never (still evaluated at start and end)
-    eval_batches: int = 20
+    eval_batches: int = 20              # val batches averaged per evaluation
     sample_interval: int = 1000         # 0 = never
-    sample_chars: int = 200
-    log_interval: int = 100
+    sample_chars: int = 200             # characters per sample
+    log_interval: int = 100             # steps between progress lines (and train events in metrics.jsonl)
     checkpoint_interval: int = 500      # 0 = only at the end
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = 3           # newest checkpoints kept in the run dir (best.npz apart)
     on_nonfinite: str = "stop"          # "stop" or "skip"
-    threads: int = 1                    # 0 = all cores
+    threads: int = 0                    # threads the step may use; 0 = every core the process may run on
 
 
 @dataclass
@@ -71,9 +71,9 @@ class OptimConfig:
     name: str = "sgd"                   # btjit.optim's: sgd adam adamw adagrad adadelta rmsprop lion (not with file)
     file: typing.Optional[str] = None   # your own optimizer: a Python file defining one btjit.optim.Optimizer
     #                                     subclass, called with lr= and the [optim.hp] keys (docs/optim-new.md)
-    lr: float = 3e-4
+    lr: float = 3e-4                    # peak learning rate (the schedule scales it per step)
     momentum: float = 0.0               # sgd, rmsprop
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0           # decoupled (adamw, lion) or L2 (the others) weight decay
     betas: typing.Tuple[float, float] = (0.9, 0.999)   # adam, adamw
     eps: float = 1e-8                   # adam, adamw, rmsprop
     decay: str = "all"                  # "matrices": weight decay only on params of >= 2 dims (nanoGPT's rule)
@@ -82,7 +82,7 @@ class OptimConfig:
     #                                              hyper-parameters (weight_decay, lr_scale, ...)
     clip_norm: float = 0.0              # global gradient-norm clip; 0 = off
     clip_value: float = 0.0             # elementwise gradient clip to [-clip_value, clip_value]; 0 = off
-    schedule: str = "constant"          # "constant", "cosine" or "linear" (btjit.schedule; nanoGPT's get_lr)
+    schedule: str = "constant"          # "constant", "cosine" or "linear" (btjit.train.schedule; nanoGPT's get_lr)
     warmup_steps: int = 0               # linear warm-up over the first steps (any schedule)
     decay_steps: int = 0                # cosine/linear: lr reaches lr_min at this step; 0 = train.steps
     lr_min: float = 0.0                 # cosine/linear: the final learning rate
@@ -134,7 +134,7 @@ CHOICES = {
     ("optim", "name"): ("sgd", "adam", "adamw", "adagrad", "adadelta", "rmsprop", "lion"),   # btjit.optim.BUILTIN
     ("optim", "decay"): ("all", "matrices"),
     ("optim", "schedule"): ("constant", "cosine", "linear"),
-    ("data", "corpus"): ("tinyshakespeare", "names", "pydoc"),     # btjit.data.CORPUS_NAMES; None allowed
+    ("data", "corpus"): ("tinyshakespeare", "names", "pydoc"),     # btjit.train.data.CORPUS_NAMES; None allowed
     ("distributed", "compressor"): ("none", "topk", "randk"),
 }
 POSITIVE = {  # must be >= 1
@@ -304,7 +304,7 @@ def _validate_optim_tables(o: OptimConfig, bad) -> None:
 
 
 def _validate_schedule(cfg: Config, bad) -> None:
-    """The [optim] LR schedule must be possible within train.steps (btjit.schedule.lr_at)."""
+    """The [optim] LR schedule must be possible within train.steps (btjit.train.schedule.lr_at)."""
     o, steps = cfg.optim, cfg.train.steps
     if o.warmup_steps >= steps:
         bad(f"optim.warmup_steps = {o.warmup_steps} must be less than train.steps ({steps}): the warm-up "

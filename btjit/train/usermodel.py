@@ -3,9 +3,9 @@
 # reading the model file (a self-contained Python file defining init_params(cfg, rng) -> dict, loss(p, x, y) and
 # logits(p, x); loss and logits may take cfg as a last argument; optionally init_buffers(cfg) -> dict of
 # buffers, which loss and logits see in p beside the params and update with btjit.assign), executing it as a
-# module, checking the functions, the cfg namespace it is given, copying it into the run dir (--resume and `btjit sample` use that
-# copy, or the source kept in each checkpoint), and turning an error raised in the user's code while building or
-# tracing into ModelFileError: one line naming the file and line. The training itself is btjit.train's.
+# module, checking the functions, the cfg namespace it is given, copying it into the run dir (--resume and
+# `btjit sample` use that copy, or the source kept in each checkpoint), and turning an error raised in the user's code while building or
+# tracing into ModelFileError: one line naming the file and line. The training itself is btjit.train.trainer's.
 from __future__ import annotations
 
 import contextlib

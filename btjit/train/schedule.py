@@ -7,7 +7,7 @@
 #     micro-batches, the gradients summed in one buffer, their mean copied back into the arena's grads region
 #     (prog.grad_slice), then prog.apply_update() (clip / non-finite skip + optimizer rows): for a mean loss
 #     this is one step on the k-times batch.
-# No config parsing here (btjit.config validates the keys) and no numpy at import.
+# No config parsing here (btjit.train.config validates the keys) and no numpy at import.
 from __future__ import annotations
 
 import math
@@ -47,7 +47,7 @@ def decay_end(optim_cfg, steps: int) -> int:
 
 
 def for_config(cfg):
-    """it -> learning rate for a btjit.config.Config (its [optim] schedule over train.steps)."""
+    """it -> learning rate for a btjit.train.config.Config (its [optim] schedule over train.steps)."""
     o = cfg.optim
     end = decay_end(o, cfg.train.steps)
     return lambda it: lr_at(it, o.lr, o.schedule, o.warmup_steps, end, o.lr_min)

@@ -1,5 +1,5 @@
 # btjit/sampling.py -- text generation with a forward-only program of a model's logits (a Model of
-# btjit.models.registry, whose model_for() maps the [model] section to a model): Sampler traces the logits
+# btjit.train.registry, whose model_for() maps the [model] section to a model): Sampler traces the logits
 # once (batch 1) and draws characters with temperature and top-k from a seeded numpy Generator, as the model's
 # data format needs: "text" one stream, "lines" and "words" one word per line. Used by `btjit train`
 # (samples during training) and `btjit sample`. No training here.
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from btjit.data import PAD, DataError, Vocab
-from btjit.models.registry import Model, model_for  # noqa: F401  (model_for: its old home)
+from btjit.train.data import PAD, DataError, Vocab
+from btjit.train.registry import Model, model_for  # noqa: F401  (model_for: its old home)
 
 
 def pick(logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.0, top_k: int = 0) -> int:
@@ -45,7 +45,7 @@ class Sampler:
         want = (1, len(vocab)) if self.format == "lines" else (1, self.block, len(vocab))
         got = tuple(self.fwd.graph.outputs["out"].shape)
         if got != want and model.model_file is not None:
-            from btjit.usermodel import ModelFileError
+            from btjit.train.usermodel import ModelFileError
             raise ModelFileError(f"{model.model_file.name}: logits(p, x) of x {example.shape} must return shape "
                                  f"{want} for data.format = \"{self.format}\", got {got}")
         self.set_params(params, buffers)

@@ -1,0 +1,91 @@
+"""Threads: every core by default, the thread count from trace(threads=), $BTJIT_NUM_THREADS and set_num_threads;
+GEMMs split over the threads by blocks of rows are bitwise equal to one thread, and a program whose kernels are
+too small to split runs on one (prog.threads says so)."""
+import numpy as np
+import pytest
+
+import btjit
+from btjit.host import threads as TH
+
+
+def _mlp(p, x, y):
+    h = btjit.relu(x @ p["w1"] + p["b1"])
+    return btjit.cross_entropy(h @ p["w2"] + p["b2"], y)
+
+
+def _params(rng, d_in, d_h, d_out):
+    return {"w1": rng.normal(0, 0.1, (d_in, d_h)).astype(np.float32), "b1": np.zeros(d_h, np.float32),
+            "w2": rng.normal(0, 0.1, (d_h, d_out)).astype(np.float32), "b2": np.zeros(d_out, np.float32)}
+
+
+def _train(threads, batch, d_in, d_h, d_out, steps=3):
+    rng = np.random.default_rng(0)
+    params = _params(rng, d_in, d_h, d_out)
+    x = rng.normal(size=(batch, d_in)).astype(np.float32)
+    y = rng.integers(0, d_out, batch).astype(np.int32)
+    prog = btjit.trace(_mlp, params, x, y, optimizer=btjit.optim.AdamW(lr=1e-2), threads=threads)
+    losses = [prog.step(x, y) for _ in range(steps)]
+    return prog, losses
+
+
+def test_default_is_every_core(monkeypatch):
+    monkeypatch.delenv("BTJIT_NUM_THREADS", raising=False)
+    assert TH.default_threads() == TH.cores() >= 1
+    monkeypatch.setenv("BTJIT_NUM_THREADS", "1")
+    assert TH.default_threads() == 1
+    monkeypatch.setenv("BTJIT_NUM_THREADS", "0")
+    assert TH.default_threads() == TH.cores()
+
+
+@pytest.mark.parametrize("bad", ["two", "-1", "1.5"])
+def test_bad_thread_counts_are_named(monkeypatch, bad):
+    monkeypatch.setenv("BTJIT_NUM_THREADS", bad)
+    with pytest.raises(ValueError, match="BTJIT_NUM_THREADS"):
+        TH.default_threads()
+    with pytest.raises(ValueError, match="threads must be"):
+        TH.resolve(-1)
+
+
+def test_large_gemms_split_bitwise_equal_to_one_thread():
+    p1, l1 = _train(1, 256, 96, 200, 40)
+    p2, l2 = _train(2, 256, 96, 200, 40)
+    assert p1.threads == 1 and p2.threads == 2
+    assert l1 == l2
+    for k in p1.params:
+        np.testing.assert_array_equal(p1.params[k], p2.params[k])
+    names = {btjit.core.program.LIBRARY.entry_of(op)[0] for op in p2.tape[:, 0]}
+    assert "k_matmul_micro_par" in names
+
+
+def test_small_program_stays_on_one_thread():
+    prog, _ = _train(2, 8, 12, 16, 5)
+    assert prog.threads == 1
+
+
+@pytest.mark.parametrize("M,N,K,ta,tb", [(37, 29, 13, 0, 0), (130, 50, 9, 1, 0), (19, 24, 40, 0, 1),
+                                         (77, 48, 33, 0, 1), (16, 8, 100, 0, 0)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_variants_against_numpy(M, N, K, ta, tb, threads):
+    """Products at odd shapes through every path (micro-kernels, split micro-kernels, BLAS), forward and both
+    gradients, float32 and float64, against numpy."""
+    rng = np.random.default_rng(M * N + K)
+    A = rng.normal(size=(K, M) if ta else (M, K))
+    B = rng.normal(size=(N, K) if tb else (K, N))
+    G = rng.normal(size=(M, N))
+
+    def f(p):
+        a = p["A"].T if ta else p["A"]
+        b = p["B"].T if tb else p["B"]
+        return btjit.sum((a @ b) * G)
+
+    for dtype, tol in (("float32", 2e-4), ("float64", 1e-12)):
+        params = {"A": A.astype(dtype), "B": B.astype(dtype)}
+        prog = btjit.trace(f, params, grad=True, dtype=dtype, threads=threads)
+        val = prog.value_and_grad()
+        a = A.T if ta else A
+        b = B.T if tb else B
+        ref = float(np.sum((a @ b) * G))
+        assert abs(val - ref) <= tol * max(1.0, abs(ref)) * K
+        dA, dB = G @ b.T, a.T @ G
+        np.testing.assert_allclose(prog.grads["A"], dA.T if ta else dA, rtol=tol * 10, atol=tol * K)
+        np.testing.assert_allclose(prog.grads["B"], dB.T if tb else dB, rtol=tol * 10, atol=tol * K)
