@@ -305,9 +305,10 @@ def test_skip_nonfinite_leaves_params_and_state_untouched():
 
 def _serial_and_two_thread(loss, params, *batch):
     """The same float64 gradient program traced with 1 thread and with 2 (the parallel kernels)."""
-    serial = btjit.trace(loss, params, *batch, dtype="float64", grad=True)
-    btjit.set_num_threads(2)
     try:
+        btjit.set_num_threads(1)        # serial at any core count (the default is every core)
+        serial = btjit.trace(loss, params, *batch, dtype="float64", grad=True)
+        btjit.set_num_threads(2)
         par = btjit.trace(loss, params, *batch, dtype="float64", grad=True)
     finally:
         btjit.set_num_threads(default_threads())

@@ -97,12 +97,10 @@ def test_dropout_sites_train_and_eval():
     """dropout 0.2 at the four sites: eval mode is the dropout-0 model exactly; training draws masks from the seed
     (the same seed the same loss, another seed another loss) and changes the loss at every site."""
     from dataclasses import replace
-    from btjit.graph.trace import training_mode
     cfg, params, x, y = _case(True, B=4, n_layer=1)
     base = btjit.trace(nanogpt.loss_fn(cfg), params, x, y, grad=True).value_and_grad(x, y)
     drop = replace(cfg, dropout=0.2)
-    with training_mode(False):
-        assert btjit.trace(nanogpt.loss_fn(drop), params, x, y, grad=True).value_and_grad(x, y) == base
+    assert btjit.trace(nanogpt.loss_fn(drop), params, x, y, grad=True, training=False).value_and_grad(x, y) == base
     losses = [btjit.trace(nanogpt.loss_fn(drop), params, x, y, grad=True, seed=s).value_and_grad(x, y)
               for s in (1, 1, 2)]
     assert losses[0] == losses[1] != losses[2] and abs(losses[0] - base) > 1e-4
