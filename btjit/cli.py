@@ -300,15 +300,18 @@ def export_cmd(source, out, data_path, debug):
         cfg, vocab, model_file = config_mod.load(source), None, None
         if cfg.model.kind == "python":
             model_file = usermodel.read(cfg.model.file)
+        optim_file = cfg.optim.file and usermodel.read(cfg.optim.file, "optimizer")
     else:
         ck = _load_checkpoint(source)
         cfg = config_mod.Config.from_dict(ck.meta["config"], source=f"config in {ck.path}")
         vocab = data_mod.Vocab(ck.meta["vocab"])
         model_file = usermodel.from_checkpoint(ck) if cfg.model.kind == "python" else None
+        optim_file = cfg.optim.file and usermodel.from_checkpoint(ck, "optimizer")
     ds = arrays.load(cfg, data_path, vocab)                 # any format
     model = model_for(cfg.model, len(ds.vocab), model_file, cfg.data.format)
     x, y = ds.batch("train", cfg.train.batch_size, np.random.default_rng(0))
-    prog = build_program(cfg, model, model.init_params(seeds(cfg.train.seed)[0]), x, y)   # buffers: the model's
+    prog = build_program(cfg, model, model.init_params(seeds(cfg.train.seed)[0]), x, y,   # buffers: the model's
+                         optim_file=optim_file)
     if ck is not None:
         prog.load_state_dict({k: v for k, v in ck.state.items() if not k.startswith("dist/")})
         prog.lr = schedule.for_config(cfg)(ck.step)

@@ -144,7 +144,7 @@ def test_workers_reporting_many_entries_at_once_are_all_heard(tmp_path):
         import sys
         from btjit.kernels import library
         library.WORKER = [sys.executable, "-c", {fake!r}]
-        es = [(n, fd, None) for n in ("k_unary", "k_binary", "k_matmul", "k_reduce", "k_adamw", "k_sgd")
+        es = [(n, fd, None) for n in ("k_unary", "k_binary", "k_matmul", "k_reduce", "k_clip_scale", "k_fill")
               for fd in ("f32", "f64")]
         seen = []
         library.compile_entries(es, seen.append)

@@ -20,7 +20,7 @@ from btjit.graph.ops import TABLE
 from btjit.core import executor as X
 from btjit.host import threads as _threads
 from btjit.kernels.library import LIBRARY
-from btjit.optim import HYPER, update_rows
+from btjit.optim.build import Update, assign_in_place
 from btjit.export.runner import Runner
 
 _threads.set_num_threads(_threads.default_threads())   # every core the process may run on (btjit/host/threads.py)
@@ -35,10 +35,13 @@ def _arg_names(fn, n):
 
 
 def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=False, dtype="float32", grad=None,
-          replicas=1, fuse_elementwise=True, threads=None, seed=0, buffers=None, training=True, _share=None):
-    """Trace fn(params, *batch) once and compile it. With an optimizer, `step()` trains; without one,
-    `forward()` (and `value_and_grad()` for a scalar output) evaluate. clip_norm: clip gradients by global
-    norm. skip_nonfinite: a step whose gradients contain NaN/Inf leaves params and optimizer state untouched
+          replicas=1, fuse_elementwise=True, threads=None, clip_value=None, seed=0, buffers=None, training=True,
+          _share=None):
+    """Trace fn(params, *batch) once and compile it. With an optimizer (a btjit.optim.Optimizer: its update is
+    traced after the backward, one fused pass per param group), `step()` trains; without one, `forward()`
+    (and `value_and_grad()` for a scalar output) evaluate. clip_norm: clip gradients by global norm;
+    clip_value: clip each gradient element to [-clip_value, clip_value] (both arena slots, `prog.hp`).
+    skip_nonfinite: a step whose gradients contain NaN/Inf leaves params and optimizer state untouched
     (`prog.last_step_skipped` tells).
 
     replicas=R > 1: data parallel on R threads of one process. Every batch argument's first axis is cut into
@@ -82,14 +85,18 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     if buffers and replicas > 1:
         raise ValueError(f"replicas={replicas}: buffers are not supported with replicas (each replica would "
                          f"update its own copy)")
-    for kind, src, dst in (("parameter", params, g.params), ("buffer", buffers, g.buffers)):
+    for kind, src in (("parameter", params), ("buffer", buffers)):
         for name, v in src.items():
             arr = np.asarray(v)
             if arr.dtype.kind != "f":
                 raise TypeError(f"{kind} {name!r} has dtype {arr.dtype}; {kind}s must be float arrays")
             if kind == "buffer" and name in params:
                 raise ValueError(f"buffer {name!r} has the name of a parameter; fn sees both in one dict")
-            dst[name] = g.new_var(arr.shape, fd)
+    update = Update(optimizer, params, clip_norm, clip_value) if optimizer is not None else None
+    for name in (update.order if update else params):         # the arena holds each param group contiguously
+        g.params[name] = g.new_var(np.shape(params[name]), fd)
+    for name, v in buffers.items():
+        g.buffers[name] = g.new_var(np.shape(v), fd)
     names = _arg_names(fn, len(batch))
     for name, x in zip(names, batch):
         x = np.asarray(x)
@@ -139,14 +146,17 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     else:
         grads = {}
     pinned = pin(g, grads)
+    g.n_backward = len(g.eqns)
+    if update:
+        update.trace_into(g, skip_nonfinite)
     live = g.kept()
     autodiff.eliminate_dead_code(g, live)
     if fuse_elementwise:
         fuse_ew.fuse_elementwise(g)
         autodiff.eliminate_dead_code(g, live)
-    g.n_backward = len(g.eqns)
+    assign_in_place(g, pinned)
     verify(g, TABLE)
-    prog = Program(g, params, optimizer, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas,
+    prog = Program(g, params, update, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas,
                    _threads.resolve(threads), seed, buffers, _share)
     prog._retrace = lambda share, *b: trace(fn, share.params, *b, dtype=dtype, buffers=share.buffers,    # eval
                                             fuse_elementwise=fuse_elementwise, threads=threads, training=False,
@@ -159,13 +169,15 @@ class Program(Runner):
     optimizer state and updates are replica 0's). Views (`params`, `grads`, `inputs`, `outputs`) alias the
     arena."""
 
-    def __init__(self, graph, init_params, optimizer, clip_norm, skip_nonfinite, pinned, trace_seconds,
+    def __init__(self, graph, init_params, update, clip_norm, skip_nonfinite, pinned, trace_seconds,
                  replicas=1, n_threads=1, seed=0, init_buffers=None, share=None):
         t0 = time.perf_counter()
+        optimizer = update and update.opt
         self.graph, self.optimizer, self.clip_norm, self.replicas = graph, optimizer, clip_norm, replicas
-        n_state = optimizer.n_state if optimizer else 0
+        n_state = len(update.state_names) if update else 0
         shared = share and Shared(share.plan.param_off, share.plan.buffer_off, share._A.size)
-        self.plan = p = make_plan(graph, pinned, n_state, len(HYPER), shared)
+        self.plan = p = make_plan(graph, pinned, n_state, update.n_hyper if update else 0, shared)
+        self._hyper, self._group_hyper = update.slot_offsets(p) if update else ({}, [])
         self._bounds = _index_bounds(graph)
         self._flag = p.int_state + 1
         L = Lowering(p, const_base=p.float_size, threads=max(1, n_threads // replicas),
@@ -176,11 +188,12 @@ class Program(Runner):
                         oflag=self._flag, ok=ok or 0) for i, (hi, ok) in sorted(self._bounds.items())]
         fwd, fwd_labels = lower_eqns(graph.eqns[:graph.n_forward], L)
         fwd, fwd_labels = checks + fwd, ["check_index"] * len(checks) + fwd_labels
-        bwd, bwd_labels = lower_eqns(graph.eqns[graph.n_forward:], L)
+        bwd, bwd_labels = lower_eqns(graph.eqns[graph.n_forward:graph.n_backward], L)
+        upd = update.rows(graph, L, self._hyper, skip_nonfinite) if update else []
         self._computed_checks = L.computed_checks
-        upd = update_rows(optimizer, clip_norm, skip_nonfinite, L, p) if optimizer else []
-        upd += rng.tick_rows(graph, upd, L, p)
         asg = assign_rows(graph, L)
+        self.has_assigns = bool(asg)
+        asg += rng.step_rows(upd, L, p, self._hyper)    # the int step count from the optimizer's step slot
         self.row_labels = fwd_labels + [f"{op} (bwd)" for op in bwd_labels] + \
             [f"update:{type(optimizer).__name__}"] * len(upd) + ["assign"] * len(asg)
         self.n_fwd, self.n_bwd = len(fwd), len(fwd) + len(bwd)
@@ -211,11 +224,8 @@ class Program(Runner):
         for k, v in ({} if share else {**init_params, **(init_buffers or {})}).items():
             (self.params if k in self.params else self.buffers)[k][...] = v
         self._evals, self._retrace = {}, None       # eval programs by batch shape; trace() sets _retrace
-        self._hyper = {k: p.hyper_off + i for i, k in enumerate(HYPER)}
-        self.a[self._hyper["clip_scale"]] = 1.0
-        self.a[self._hyper["clip_norm"]] = clip_norm or 0.0
-        for k, v in (optimizer.hyper().items() if optimizer else ()):
-            self.a[self._hyper[k]] = v
+        if update:
+            update.write_initial(self.a, p)
         self._A[1:], self._IA[1:] = self.a, self.ia            # constants; params are copied every step
         rng.set_key(self._IA, p.int_state, seed)
         self.trace_seconds = trace_seconds
@@ -232,9 +242,8 @@ class Program(Runner):
         self.n_rows = self.tape.shape[0]
         self.has_optimizer, self.has_grad = optimizer is not None, graph.loss is not None
         self._rng_ticks = graph.rng_key is not None and optimizer is None    # forward() counts its calls
-        self.has_assigns = bool(asg)
         self._int_state, self._span = p.int_state, p.params_span[1]
-        self._state = [(f"opt/state{k}", p.state_start(k)) for k in range(n_state)]
+        self._state = [(f"opt/{k}", p.state_start(j)) for j, k in enumerate(update.state_names if update else ())]
 
     # ------------------------------------------------------------------ running (Runner's hooks)
     def _exec(self, stop, split=None):

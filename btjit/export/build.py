@@ -321,14 +321,15 @@ def export_program(prog, path, extra_files=None) -> Path:
         "outputs": {k: slot(v) for k, v in prog.outputs.items()},
         "loss": "out" if prog.has_grad else None,
         "optimizer": prog.optimizer and {"type": type(prog.optimizer).__name__, **prog.optimizer.hyper()},
-        "hyper": prog._hyper, "state": [[n, int(o)] for n, o in prog._state], "span": int(prog._span),
-        "flag": int(prog._flag), "int_state": int(prog._int_state), "computed_checks": prog._computed_checks})
+        "hyper": prog._hyper, "group_hyper": prog._group_hyper, "state": [[n, int(o)] for n, o in prog._state],
+        "span": int(prog._span), "flag": int(prog._flag), "int_state": int(prog._int_state),
+        "computed_checks": prog._computed_checks})
     files = {"tape.bin": tape.astype("<i8").tobytes(), "arena.bin": prog.a.tobytes(),
              "iarena.bin": prog.ia.tobytes(), **(extra_files or {})}
     out_slot = man["outputs"]["out"]
     defines = {"ARENA_FLOATS": prog.a.size, "ARENA_INTS": prog.ia.size, "TAPE_ROWS": tape.shape[0],
                "TAPE_COLS": tape.shape[1], "N_FWD": prog.n_fwd, "N_BWD": prog.n_bwd,
-               "OUT_OFFSET": out_slot["offset"], "LR_OFFSET": prog._hyper["lr"], "FLAG_OFFSET": prog._flag,
+               "OUT_OFFSET": out_slot["offset"], "LR_OFFSET": prog._hyper.get("lr", 0), "FLAG_OFFSET": prog._flag,
                **{f"{k.upper()}_CRC": f"0x{_crc(v):08x}u" for k, v in
                   (("arena", files["arena.bin"]), ("iarena", files["iarena.bin"]), ("tape", files["tape.bin"]))}}
     header = _header("tensor", ctype, defines, _TENSOR_DECLS)

@@ -1,8 +1,8 @@
 """What a traced Program and an exported one (btjit.runtime) share: running a kernel tape over one arena.
 
 `Runner` holds the per-step Python path -- the batch checks and their messages, the index-check flag, the
-hyper-parameter slots (lr), the optimizer state views and state_dict -- over attributes its subclass sets
-(listed in the class docstring). It imports numpy only: `btjit.runtime` uses it without numba.
+hyper-parameter slots (lr, `hp`), the optimizer state views and state_dict -- over attributes its subclass
+sets (listed in the class docstring). It imports numpy only: `btjit.runtime` uses it without numba.
 """
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ class Runner:
     """Subclasses set: a, ia (the float / int32 arenas), _in (input slot views), _in_types ((shape, dtype)
     per input as the caller passes it), input_names, _bounds ({input position: (upper bound, ignore value or
     None)}), _flag (the index-check flag's ia slot), _computed_checks (messages of checks on computed
-    indices), _hyper ({name: a slot}), _out (the loss / output view), n_fwd, n_bwd, n_rows, has_optimizer,
-    has_grad, has_assigns, params, buffers, _int_state (the step counter's ia slot), _state ([(name, offset)]
-    of optimizer state, params-span long), _span (params span length) -- and implement _exec(stop, split)."""
+    indices), _hyper ({name: a slot} of the global hyper-parameters: lr, clip_norm, clip_scale, clip_value,
+    step), _group_hyper ([{name: a slot}] per param group), _out (the loss / output view), n_fwd, n_bwd, n_rows,
+    has_optimizer, has_grad, has_assigns, params, buffers, _int_state (the ia key block: the step counter, then
+    the index-check flag and the seed), _state ([(name, offset)] of optimizer state,
+    params-span long), _span (params span length) -- and implement _exec(stop, split)."""
 
     replicas = 1
 
@@ -120,26 +122,55 @@ class Runner:
     @property
     def last_step_skipped(self) -> bool:
         """True if the last step() found a non-finite gradient and skipped the update (skip_nonfinite)."""
-        return bool(np.isnan(self.a[self._hyper["clip_scale"]]))
+        return bool(self._hyper) and bool(np.isnan(self.a[self._hyper["clip_scale"]]))
 
     @property
     def step_count(self) -> int:
-        """The steps taken: the optimizer's count and the random numbers' step (btjit/kernels/rng.py)."""
+        """The steps taken: the random numbers' step (btjit/kernels/rng.py), equal to the optimizer's step slot
+        (the update copies that slot here: a skipped step counts in neither)."""
         return int(self.ia[self._int_state])
+
+    @property
+    def hp(self) -> "HyperParams":
+        """The optimizer's hyper-parameters as arena slots: `prog.hp["beta1"] = 0.95` (every group),
+        `prog.hp.groups[1]["weight_decay"]` (one group); read and written between steps, no recompiling."""
+        return HyperParams(self)
 
     @step_count.setter
     def step_count(self, v: int):
         self.ia[self._int_state] = v
+        if "step" in self._hyper:
+            self.a[self._hyper["step"]] = v
 
     def _state_views(self):
         return {name: self.a[off:off + self._span] for name, off in self._state}
+
+    @property
+    def opt_state(self) -> dict:
+        """{state name: {param name: its state}}: views into the arena (state j of a param lies (2 + j) params
+        spans after it)."""
+        base = self.a.__array_interface__["data"][0]
+        out = {}
+        for j, (name, _) in enumerate(self._state):
+            views = out[name[len("opt/"):]] = {}
+            for k, v in self.params.items():
+                o = (v.__array_interface__["data"][0] - base) // v.itemsize + (2 + j) * self._span
+                views[k] = self.a[o:o + v.size].reshape(v.shape)
+        return out
 
     def state_dict(self) -> dict:
         d = {f"param/{k}": v.copy() for k, v in self.params.items()}
         d.update({f"buffer/{k}": v.copy() for k, v in self.buffers.items()})
         d.update({k: v.copy() for k, v in self._state_views().items()})
-        d["opt/step"] = np.array(self.ia[self._int_state], np.int64)
+        d["opt/step"] = np.array(self.step_count, np.int64)
+        if "step" in self._hyper:
+            d["opt/hyper"] = self.a[self._hyper_slots()].astype(np.float64)
         return d
+
+    def _hyper_slots(self):
+        """The slots of every hyper-parameter a user may set (as torch keeps them in its param_groups)."""
+        return sorted(o for k, o in [*self._hyper.items(), *(kv for s in self._group_hyper for kv in s.items())]
+                      if k not in ("step", "clip_scale"))
 
     def load_state_dict(self, d: dict):
         for kind, views in (("param", self.params), ("buffer", self.buffers)):
@@ -154,8 +185,76 @@ class Runner:
             if k in d:
                 v[...] = d[k]
         if "opt/step" in d:
-            self.ia[self._int_state] = int(d["opt/step"])
+            self.step_count = int(d["opt/step"])
+        if "opt/hyper" in d and "step" in self._hyper:
+            slots = self._hyper_slots()
+            if np.shape(d["opt/hyper"]) != (len(slots),):
+                raise ValueError(f"opt/hyper: the state dict has {np.size(d['opt/hyper'])} hyper-parameters, the "
+                                 f"program {len(slots)} (another optimizer or other param groups)")
+            self.a[slots] = d["opt/hyper"]
 
     @property
     def n_params(self) -> int:
         return int(sum(v.size for v in self.params.values()))
+
+
+class HyperParams:
+    """prog.hp: the global slots (lr, clip_norm, clip_value) and each group's (the optimizer's hyper-parameters,
+    lr_scale). hp[name] reads a global slot, or a group slot equal in every group; hp[name] = v writes it
+    (in every group); hp.groups[i] is group i's {name: value} view."""
+
+    def __init__(self, prog):
+        self._a, self._g = prog.a, prog._hyper
+        self.groups = [_Slots(prog.a, s) for s in prog._group_hyper]
+
+    def _slots(self, name):
+        if name in self._g and name not in ("clip_scale", "step"):
+            return [self._g[name]]
+        got = [s._s[name] for s in self.groups if name in s._s]
+        if not got:
+            raise KeyError(f"no hyper-parameter {name!r} (this program has: {', '.join(self.keys())})")
+        return got
+
+    def keys(self):
+        return [k for k in self._g if k not in ("clip_scale", "step")] + \
+            [k for k in (self.groups[0]._s if self.groups else ()) if k not in self._g and not k.startswith("1-")]
+
+    def __getitem__(self, name):
+        vals = {float(self._a[o]) for o in self._slots(name)}
+        if len(vals) > 1:
+            raise KeyError(f"hyper-parameter {name!r} differs between param groups ({sorted(vals)}): "
+                           f"read it as hp.groups[i][{name!r}]")
+        return vals.pop()
+
+    def __setitem__(self, name, value):
+        self._slots(name)                          # a KeyError naming what there is
+        if name in self._g:
+            self._a[self._g[name]] = value
+        for s in self.groups:
+            if name in s._s:
+                s[name] = value
+
+    def __contains__(self, name):
+        return name in self.keys()
+
+    def __repr__(self):
+        return "{" + ", ".join(f"{k!r}: {self._a[self._slots(k)[0]]:g}" for k in self.keys()) + "}"
+
+
+class _Slots:
+    def __init__(self, a, slots):
+        self._a, self._s = a, slots
+
+    def __getitem__(self, name):
+        return float(self._a[self._s[name]])
+
+    def __setitem__(self, name, value):
+        if name not in self._s or name.startswith("1-"):
+            raise KeyError(f"no hyper-parameter {name!r} in this param group (it has: "
+                           f"{', '.join(k for k in self._s if not k.startswith('1-'))})")
+        self._a[self._s[name]] = value
+        if "1-" + name in self._s:                 # 1 - value in float64 (btjit/optim/build.py: _Hyper)
+            self._a[self._s["1-" + name]] = 1.0 - float(value)
+
+    def __repr__(self):
+        return repr({k: float(self._a[o]) for k, o in self._s.items() if not k.startswith("1-")})

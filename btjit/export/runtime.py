@@ -183,6 +183,7 @@ class Exported(Runner):
         self.n_fwd, self.n_bwd, self.n_rows = t["n_fwd"], t["n_bwd"], t["rows"]
         self.optimizer = m["optimizer"]
         self.has_optimizer, self.has_grad = m["optimizer"] is not None, m["loss"] is not None
+        self._group_hyper = m.get("group_hyper", [])
         self._int_state, self._state, self._span = m["int_state"], [tuple(s) for s in m["state"]], m["span"]
 
     def _exec(self, stop, split=None):

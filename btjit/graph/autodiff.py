@@ -73,7 +73,8 @@ def eliminate_dead_code(graph: Graph, keep) -> None:
         if any(o.id in need for o in e.outs):
             kept.append(e)
             need.update(v.id for v in e.ins)
-    n_fwd_before = graph.n_forward
-    fwd_ids = {id(e) for e in graph.eqns[:n_fwd_before]}
+    fwd_ids = {id(e) for e in graph.eqns[:graph.n_forward]}
+    bwd_ids = {id(e) for e in graph.eqns[:graph.n_backward or len(graph.eqns)]}
     graph.eqns = list(reversed(kept))
     graph.n_forward = sum(1 for e in graph.eqns if id(e) in fwd_ids)
+    graph.n_backward = sum(1 for e in graph.eqns if id(e) in bwd_ids)

@@ -4,8 +4,9 @@ row of the program-interpreting kernel (btjit/kernels/fused.py), so a new chain 
 Runs on the whole schedule after autodiff. A group is a set of float elementwise equations (unary, binary
 with broadcasting, where, the *_grad ops, broadcast_to and copy of an operand, a slice of a value made outside
 the group: read in place with the slice's offset and strides) with one output shape, the iteration space,
-inside one region (forward or backward), and concatenations of its values, which the group writes straight
-into their regions (an LSTM's gate gradients into one (B, 4H) array). Equations join in schedule order; a group closes
+inside one region (forward, backward or the optimizer update), and concatenations of its values, which the group
+writes straight into their regions (an LSTM's gate gradients into one (B, 4H) array). Equations join in schedule
+order; a group closes
 as soon as an equation outside it reads one of its values (the fused equation sits at its last member's
 place, so every reader must come later). A backward group that needs a value computed inside a forward group
 recomputes it from that group's operands (up to REMAT equations) instead of reading it: the forward group
@@ -18,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.kernels import elementwise as EW
-from btjit.kernels.fused import BIN, LOAD, MAX_OPERANDS, NREG, RAND, WHERE
+from btjit.kernels.fused import BIN, LOAD, LOADC, MAX_OPERANDS, NREG, RAND, WHERE
 
 from btjit.graph.ir import Eqn, Graph
 from btjit.graph.ops import bstrides, cstrides, loop_nest
@@ -49,7 +50,7 @@ def _sink(e: Eqn, producer, group_of, groups, closed, region):
     if e.op != "concatenate" or e.outs[0].dtype == "i32":
         return None
     ks = sorted({group_of.get(producer.get(v.id)) for v in e.ins} - {None})
-    if not ks or any(k in closed or groups[k]["fwd"] != region for k in ks):
+    if not ks or any(k in closed or groups[k]["region"] != region for k in ks):
         return None
     ok = all(v.shape == groups[ks[0]]["shape"] for v in e.ins)
     return ks if ok and sum(len(groups[k]["members"]) for k in ks) < MAX_MEMBERS else None
@@ -70,12 +71,12 @@ def _merge(groups, group_of, closed, remat, ks):
 
 def fuse_elementwise(g: Graph) -> None:
     eqns = g.eqns
-    n_fwd = g.n_forward
+    n_fwd, n_bwd = g.n_forward, g.n_backward or len(eqns)
     producer = {o.id: i for i, e in enumerate(eqns) for o in e.outs}
     group_of, groups, closed = {}, [], set()
     remat: dict = {}                     # group -> [forward eqn indices recomputed in it]
     for i, e in enumerate(eqns):
-        region = i < n_fwd
+        region = 0 if i < n_fwd else 1 if i < n_bwd else 2
         src_groups = {group_of[producer[v.id]] for v in e.ins if producer.get(v.id) in group_of}
         ks = _sink(e, producer, group_of, groups, closed, region)
         if ks is not None:
@@ -89,7 +90,7 @@ def fuse_elementwise(g: Graph) -> None:
             continue
         shape = e.outs[0].shape
         join = [k for k in src_groups if k not in closed and groups[k]["shape"] == shape and
-                groups[k]["fwd"] == region]
+                groups[k]["region"] == region]
         for k in src_groups - set(join):
             closed.add(k)
         if join and sum(len(groups[k]["members"]) for k in join) < MAX_MEMBERS:
@@ -97,13 +98,13 @@ def fuse_elementwise(g: Graph) -> None:
         else:
             closed.update(join)
             k = len(groups)
-            groups.append({"shape": shape, "fwd": region, "members": []})
+            groups.append({"shape": shape, "region": region, "members": []})
         groups[k]["members"].append(i)
         group_of[i] = k
-        if not region:                                   # recompute forward values instead of reading them
+        if region:                                       # recompute forward values instead of reading them
             for v in e.ins:
                 j = producer.get(v.id)
-                if j is not None and j in group_of and groups[group_of[j]]["fwd"]:
+                if j is not None and j in group_of and groups[group_of[j]]["region"] == 0:
                     cone = _cone(eqns, producer, group_of, groups, j, shape)
                     if cone is not None:
                         remat.setdefault(k, set()).update(cone)
@@ -126,7 +127,7 @@ def fuse_elementwise(g: Graph) -> None:
             break
         for k in bad:
             del body[k]
-    new, n_new_fwd = [], 0
+    new, n_new_fwd, n_new_bwd = [], 0, 0
     for i, e in enumerate(eqns):
         k = group_of.get(i)
         if k in body:
@@ -137,8 +138,9 @@ def fuse_elementwise(g: Graph) -> None:
             out = [e]
         new += out
         n_new_fwd += len(out) if i < n_fwd else 0
+        n_new_bwd += len(out) if i < n_bwd else 0
     g.eqns = new
-    g.n_forward = n_new_fwd
+    g.n_forward, g.n_backward = n_new_fwd, n_new_bwd
 
 
 def _cone(eqns, producer, group_of, groups, j, shape):
@@ -211,9 +213,37 @@ def _fused_eqn(g, eqns, body, members, needed, shape, dry=False):
         v = es[t].ins[p]
         if v.id in computed and v.id not in code and sum(v.id == w.id for e in es for w in e.ins) == 1:
             code[v.id] = c
+    scalars = [k for k in range(len(ins)) if all(st[k] == 0 for _, st in inner)]
+    # the scalar operands hoisted (LOADC) if the registers allow
+    instrs = _registers(es, ins, code, region, scalars) or _registers(es, ins, code, region, [])
+    if instrs is None:                                   # out of registers
+        return None
+    if dry:
+        return True
+    prog = [len(instrs), len(opers), *[n for n, _ in inner]] + \
+        [st[q] for q in range(len(opers)) for _, st in inner] + [x for q in instrs for x in q]
+    pvar = g.const(np.array(prog, np.int64).astype(np.int32), "i32")
+    return Eqn("ew_fused", (pvar, *[w[1] for w in ins], *keys), tuple(outs),
+               {"shape": shape, "outs": tuple(o.id for o in outs), "ins": tuple(w[1].id for w in ins) + tuple(k.id for k in keys),
+                "oshapes": tuple(o.shape for o in outs), "iview": tuple((off, st) for _, _, off, st in ins),
+                "oview": tuple(oview),
+                "body": tuple((eqns[j].op, tuple(sorted(eqns[j].attrs.items())), tuple(v.id for v in eqns[j].ins),
+                               eqns[j].outs[0].id) for j in body)}, eqns[body[-1]].src)
+
+
+def _registers(es, ins, code, region, scalars):
+    """The instructions computing es with registers allocated SSA-style (None if NREG are too few). Operands
+    read in place and outputs written in place are in `code`, a concatenation's output regions in `region`; the
+    scalar operands (every stride 0) `scalars` get registers of their own, filled once per row (LOADC) instead
+    of at every block."""
+    code = dict(code)
     last = {v.id: t for t, e in enumerate(es) for v in e.ins}
-    free, instrs = list(range(NREG - 1, -1, -1)), []
+    free, instrs, kept = list(range(NREG - 1, -1, -1)), [], set()
     try:
+        for k in scalars:
+            code[ins[k][0]] = r = free.pop()
+            kept.add(r)
+            instrs.append((LOADC, r, k, 0, 0))
         for t, e in enumerate(es):
             o = e.outs[0]
             if e.op == "rand":
@@ -228,7 +258,7 @@ def _fused_eqn(g, eqns, body, members, needed, shape, dry=False):
                     instrs.append((LOAD, code[key], next(k for k, w in enumerate(ins) if w[0] == key), 0, 0))
                 if o.id in code:                         # a needed slice: copied out, later reads from there
                     instrs.append((EW.U_COPY, code[o.id], code[key], code[key], 0))
-                    if code[key] >= 0:
+                    if code[key] >= 0 and code[key] not in kept:
                         free.append(code[key])
                 else:
                     code[o.id] = code[key]
@@ -253,19 +283,9 @@ def _fused_eqn(g, eqns, body, members, needed, shape, dry=False):
                 instrs.append((WHERE, code[o.id], *srcs) if e.op == "where" else (op_, code[o.id], srcs[0], srcs[-1], 0))
             for v in set(e.ins):                         # registers read for the last time are free again
                 r = code[v.id]                           # (once: aliases, e.g. x and broadcast_to(x), share one)
-                if r >= 0 and r not in free and last[v.id] == t \
+                if r >= 0 and r not in free and r not in kept and last[v.id] == t \
                         and not any(c == r and last.get(w, -1) > t for w, c in code.items()):
                     free.append(r)
-    except IndexError:                                   # out of registers
+    except IndexError:
         return None
-    if dry:
-        return True
-    prog = [len(instrs), len(opers), *[n for n, _ in inner]] + \
-        [st[q] for q in range(len(opers)) for _, st in inner] + [x for q in instrs for x in q]
-    pvar = g.const(np.array(prog, np.int64).astype(np.int32), "i32")
-    return Eqn("ew_fused", (pvar, *[w[1] for w in ins], *keys), tuple(outs),
-               {"shape": shape, "outs": tuple(o.id for o in outs), "ins": tuple(w[1].id for w in ins) + tuple(k.id for k in keys),
-                "oshapes": tuple(o.shape for o in outs), "iview": tuple((off, st) for _, _, off, st in ins),
-                "oview": tuple(oview),
-                "body": tuple((eqns[j].op, tuple(sorted(eqns[j].attrs.items())), tuple(v.id for v in eqns[j].ins),
-                               eqns[j].outs[0].id) for j in body)}, eqns[body[-1]].src)
+    return instrs

@@ -63,9 +63,11 @@ class Assign:
     target: Var
     value: Var
     src: str = ""
+    in_place: bool = False   # value is computed straight into the target's place: no copy ends the step
 
     def __str__(self):
-        return f"assign {self.target!r} <- {self.value!r}" + (f"   # {self.src}" if self.src else "")
+        return f"assign {self.target!r} <- {self.value!r}" + (" (in place)" if self.in_place else "") + \
+            (f"   # {self.src}" if self.src else "")
 
 
 @dataclass(eq=False)
@@ -82,8 +84,12 @@ class Graph:
     buffers: dict = field(default_factory=dict)    # name -> Var: state a step reads and writes, not trained
     assigns: list = field(default_factory=list)    # Assign: a value written into a state Var when the step ends
     training: bool = True                          # the mode btjit.is_training() reports while tracing
+    # values at fixed places outside the planned area, read and assigned by the optimizer update
+    # (graph/memory.py places them): Var -> ("slice", k, first param name) = a param group's slice of the params
+    # region (k = 0), the grads (k = 1) or optimizer state j (k = 2 + j); ("hyper", i) = hyper-parameter slot i
+    regions: dict = field(default_factory=dict)
     n_forward: int = 0                              # eqns[:n_forward] compute the outputs
-    n_backward: int = 0                             # eqns[:n_backward] also compute the grads
+    n_backward: int = 0                             # eqns[:n_backward] also compute the grads; the rest update
     rng_key: Var | None = None                      # i32: the random ops' key block (kernels/rng.py)
     rng_sites: int = 0                              # random ops traced so far (each op's site number)
     _next_id: int = 0
@@ -91,9 +97,10 @@ class Graph:
 
     def state_vars(self) -> dict:
         """var id -> (kind, name) of the values that live in fixed arena regions across steps and that an
-        assign may write: params and buffers (an optimizer's state adds its own kind here)."""
+        assign may write: params, buffers and the optimizer's regions (a group's slices, the step slot)."""
         return {**{v.id: ("param", k) for k, v in self.params.items()},
-                **{v.id: ("buffer", k) for k, v in self.buffers.items()}}
+                **{v.id: ("buffer", k) for k, v in self.buffers.items()},
+                **{v.id: ("optimizer", ":".join(map(str, tag))) for v, tag in self.regions.items()}}
 
     def kept(self) -> list:
         """The values a run must leave readable: outputs, loss, grads and the assigned values."""
@@ -129,6 +136,8 @@ class Graph:
         for v, c in self.consts.items():
             val = f"{c.item():g}" if c.ndim == 0 else f"array{c.shape}"
             lines.append(f"const  {v!r:>6} {v.type_str:<20s} {val}")
+        for v, tag in self.regions.items():
+            lines.append(f"region {v!r:>6} {v.type_str:<20s} {':'.join(map(str, tag))}")
         for i, e in enumerate(self.eqns):
             if i == self.n_forward and self.n_backward > self.n_forward:
                 lines.append("# ---- backward ----")
@@ -158,9 +167,9 @@ def verify(graph: Graph, table) -> None:
     """Single assignment, defined-before-use, shapes and dtypes as the op table's shape rules say."""
     defined = set()
     for v in list(graph.params.values()) + list(graph.buffers.values()) + list(graph.inputs) + \
-            list(graph.consts) + ([graph.rng_key] if graph.rng_key is not None else []):
+            list(graph.consts) + list(graph.regions) + ([graph.rng_key] if graph.rng_key is not None else []):
         if v.id in defined:
-            raise VerifyError(f"{v!r} defined twice (param/input/const)")
+            raise VerifyError(f"{v!r} defined twice (param/input/const/region)")
         defined.add(v.id)
     for i, e in enumerate(graph.eqns):
         if e.op not in table:

@@ -83,9 +83,12 @@ def lower_eqns(eqns, L: Lowering) -> tuple[list, list]:
 
 
 def assign_rows(graph, L: Lowering) -> list:
-    """The rows that end a step: each assigned value copied into its target's region (graph.assigns)."""
+    """The rows that end a step: each assigned value copied into its target's region (graph.assigns), but
+    those computed in place."""
     rows = []
     for a in graph.assigns:
+        if a.in_place:
+            continue
         st = cstrides(a.target.shape)
         rows += strided_rows(L, EW.B_COPY, a.target.shape, (L.off(a.target), st), [(L.off(a.value), st)],
                              ints=a.target.dtype == "i32")

@@ -12,7 +12,9 @@ places everything else from `shared.base` on (past the other's arena: see Progra
 Views (reshape) share their input's storage. Intermediates get offsets by a greedy best-fit over their
 lifetimes on the whole forward+backward schedule: two storages share bytes only if their lifetimes
 [defining eqn, last use] are disjoint. The update kernels run after the schedule and touch only the fixed
-regions. Every buffer starts 16-element aligned (64 bytes in float32).
+regions. Every buffer starts 16-element aligned (64 bytes in float32). The traced optimizer update reads
+graph.regions (a param group's slices of the params / grads / state regions, hyper-parameter slots) in
+place, and its assigned values (graph.assigns, pinned as ("at", region var)) are stored straight into them.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ class Plan:
     float_size: int
     int_size: int
     scratch: int                 # int32 BLAS scratch (8 slots)
-    int_state: int               # int32 step counter, then the index-check flag and the seed (kernels/rng.py)
+    int_state: int               # int32 key block: [step, index-check flag, seed lo, seed hi, replica] (kernels/rng.py)
     buffer_off: dict = field(default_factory=dict)  # buffer name -> offset
     buffers_span: tuple = (0, 0)                     # (start, length) of the buffers region
     intervals: dict = field(default_factory=dict)   # storage var id -> (def, last use, offset, size) planned
@@ -145,9 +147,18 @@ def plan(graph: Graph, pinned: dict, n_state: int, n_hyper: int, shared: Shared 
     int_state, ipos = ipos, ipos + ALIGN
     if graph.rng_key is not None:               # the random ops' key block: [step, flag, seed, seed]
         ioff[graph.rng_key.id] = int_state
+    def region(tag):
+        if tag[0] == "hyper":
+            return hyper_off + tag[1]
+        _, k, first = tag
+        return param_off[first] + k * plen
+    for v, tag in graph.regions.items():
+        off[v.id] = region(tag)
     for r, (kind, name) in pinned.items():
         if kind == "grad":
             off[r] = param_off[name] + plen
+        elif kind == "at":
+            off[r] = region(graph.regions[name])
         elif var[r].dtype == "i32":                 # an integer output of the traced function
             ioff[r], ipos = ipos, ipos + _al(var[r].size)
         else:
@@ -213,7 +224,7 @@ def pin(g: Graph, grads: dict) -> dict:
 
 def var_index(graph: Graph) -> dict:
     idx = {v.id: v for v in list(graph.params.values()) + list(graph.buffers.values()) + graph.inputs +
-           list(graph.consts)}
+           list(graph.consts) + list(graph.regions)}
     for e in graph.eqns:
         for o in e.outs:
             idx[o.id] = o

@@ -15,7 +15,6 @@ import numpy as np
 from btjit.graph import functional as F, trace as T
 from btjit.kernels import rng as K
 from btjit.kernels.attention import KEPT_MIN_HS, KEPT_MIN_T
-from btjit.kernels.library import LIBRARY
 
 
 # ----------------------------------------------------------------------------- public tensor functions
@@ -104,11 +103,10 @@ def set_key(IA, okey: int, seed: int) -> None:
         IA[r, okey + K.KEY_SEED], IA[r, okey + K.KEY_SEED + 1], IA[r, okey + K.KEY_REPLICA] = lo, hi, r
 
 
-def tick_rows(graph, update_rows, L, plan) -> list:
-    """[k_step_tick] when the graph draws random numbers and the update rows do not count steps (AdamW's
-    does; SGD's does not): the count is the generator's step, new numbers every step."""
-    if graph.rng_key is None or not update_rows:
+def step_rows(update_rows, L, plan, hyper) -> list:
+    """[k_step_set] after the update (and its assigns): the key block's step count (`prog.step_count`, saved in
+    checkpoints as opt/step) copied from the optimizer's step slot, so both count the same steps (a skipped
+    step in neither) and the random numbers are new every step."""
+    if not update_rows:
         return []
-    if any(r[0] == LIBRARY.opcode("k_adamw") for r in update_rows):
-        return []
-    return [L.row("k_step_tick", ostep=plan.int_state)]
+    return [L.row("k_step_set", ostep=plan.int_state, ofrom=hyper["step"])]

@@ -14,7 +14,8 @@ op, dst, x, y, z)]. Operand k's float-arena offset is the row's o<k>. Opcodes: t
 (B_* + BIN) sub-op codes of btjit/kernels/elementwise.py, WHERE (dst = y where x != 0 else z), LOAD (register
 dst = operand x), RAND (register or output dst = the random numbers of site x, kind y, btjit/kernels/rng.py:
 drawn in the block, from the key block at ia[okey:] and the element's C-order index in the iteration space
-of esize elements, ebase + its position in the row's loops).
+of esize elements, ebase + its position in the row's loops), LOADC (register dst = scalar operand x, filled at
+the first block only: its register is kept).
 """
 import math
 
@@ -31,7 +32,7 @@ BLOCK = 1024         # elements per register
 NREG = 16            # registers (BLOCK * NREG floats of stack: 64 KB in float32)
 MAX_OPERANDS = 23    # o0 .. o22 in the row
 BIN = 16             # binary opcodes are BIN + B_*
-WHERE, LOAD, RAND = 40, 41, 42
+WHERE, LOAD, RAND, LOADC = 40, 41, 42, 43
 HEAD = 6
 RSIZE = BLOCK * NREG
 
@@ -183,6 +184,9 @@ def k_ew_program(a, ia, r):
                             k0, k1, c2, c3 = key(ia, okey, xr)
                             e = first(ia, okey, esize) + ebase + ((i0 * n1 + i1) * n2 + i2) * n3 + j0
                             fill(d, m, e, yr, k0, k1, c2, c3)
+                        elif op == LOADC:                # a scalar operand xr: its register filled once
+                            if i0 == 0 and i1 == 0 and i2 == 0 and j0 == 0:
+                                _fill(d, a[r[2 + xr]], m)
                         elif op == WHERE:
                             _where(d, _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0),
                                    _at(a, R, P, r, zr, i0, i1, i2, j0), m)

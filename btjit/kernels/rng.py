@@ -104,12 +104,13 @@ def k_rand(a, ia, r):
     fill(a[oout:oout + n], n, first(ia, okey, n), kind, k0, k1, c2, c3)
 
 
-@row("ostep")
+@row("ostep ofrom")
 @njit(**FM)
-def k_step_tick(a, ia, r):
-    """ia[ostep] += 1: the step count of a program whose update does not count its steps (AdamW does)."""
-    ostep = r[1]
-    ia[ostep] += 1
+def k_step_set(a, ia, r):
+    """ia[ostep] = a[ofrom]: the random numbers' step count set, when the step ends, from the optimizer's step
+    slot (a float hyper-parameter, which a skipped step leaves as it was)."""
+    ostep, ofrom = r[1], r[2]
+    ia[ostep] = np.int32(a[ofrom])
 
 
 # ----------------------------------------------------------------------------- the numpy reference

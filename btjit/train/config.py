@@ -1,6 +1,6 @@
 # btjit/config.py -- the TOML run configuration of `btjit train`: typed dataclasses for the sections
-# [model] [data] [train] [optim] [distributed], loading with tomllib, `--set section.key=value` overrides, validation
-# with one readable message per error (ConfigError), and to_dict()/from_dict() for the run dir and
+# [model] [data] [train] [optim] (with [optim.hp], [[optim.groups]]) [distributed], loading with tomllib, `--set
+# section.key=value` overrides, validation with one readable message per error (ConfigError), and to_dict()/from_dict() for the run dir and
 # checkpoints. The makemore kinds take makemore's sizes (and data.format "words") for the [model] keys left
 # out; kind = "python" (the user's model file) keeps the user's own [model] keys in ModelConfig.extra.
 # It holds no training logic and imports nothing heavy (no numpy, no numba).
@@ -74,13 +74,20 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "sgd"                   # "sgd" or "adamw"
+    name: str = "sgd"                   # btjit.optim's: sgd adam adamw adagrad adadelta rmsprop lion (not with file)
+    file: typing.Optional[str] = None   # your own optimizer: a Python file defining one btjit.optim.Optimizer
+    #                                     subclass, called with lr= and the [optim.hp] keys (docs/guide.md)
     lr: float = 3e-4                    # peak learning rate (the schedule scales it per step)
-    momentum: float = 0.0               # sgd only
-    weight_decay: float = 0.0           # decoupled (adamw) or L2 (sgd) weight decay
-    betas: typing.Tuple[float, float] = (0.9, 0.999)   # adamw only
-    eps: float = 1e-8                   # adamw only
+    momentum: float = 0.0               # sgd, rmsprop
+    weight_decay: float = 0.0           # decoupled (adamw, lion) or L2 (the others) weight decay
+    betas: typing.Tuple[float, float] = (0.9, 0.999)   # adam, adamw
+    eps: float = 1e-8                   # adam, adamw, rmsprop
+    decay: str = "all"                  # "matrices": weight decay only on params of >= 2 dims (nanoGPT's rule)
+    hp: dict = field(default_factory=dict)    # [optim.hp]: more arguments of the optimizer (nesterov = true ...)
+    groups: list = field(default_factory=list)   # [[optim.groups]]: params = regex or [names], and its own
+    #                                              hyper-parameters (weight_decay, lr_scale, ...)
     clip_norm: float = 0.0              # global gradient-norm clip; 0 = off
+    clip_value: float = 0.0             # elementwise gradient clip to [-clip_value, clip_value]; 0 = off
     schedule: str = "constant"          # "constant", "cosine" or "linear" (btjit.train.schedule; nanoGPT's get_lr)
     warmup_steps: int = 0               # linear warm-up over the first steps (any schedule)
     decay_steps: int = 0                # cosine/linear: lr reaches lr_min at this step; 0 = train.steps
@@ -105,7 +112,7 @@ class Config:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["optim"]["betas"] = list(d["optim"]["betas"])
-        for sec, k in (("data", "path"), ("data", "corpus"), ("model", "file")):   # TOML has no null: left out
+        for sec, k in (("data", "path"), ("data", "corpus"), ("model", "file"), ("optim", "file")):   # no null in TOML
             if d[sec][k] is None:
                 del d[sec][k]
         d["model"].update(d["model"].pop("extra"))      # the user's own keys, flat in [model]
@@ -129,7 +136,9 @@ SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "opt
 CHOICES = {
     ("model", "kind"): ("gpt", "nanogpt", "mlp", *MAKEMORE_KINDS, "python"), ("model", "activation"): ("relu", "gelu"),
     ("data", "format"): ("text", "lines", "words", "arrays"), ("train", "dtype"): ("float32", "float64"),
-    ("train", "on_nonfinite"): ("stop", "skip"), ("optim", "name"): ("sgd", "adamw"),
+    ("train", "on_nonfinite"): ("stop", "skip"),
+    ("optim", "name"): ("sgd", "adam", "adamw", "adagrad", "adadelta", "rmsprop", "lion"),   # btjit.optim.BUILTIN
+    ("optim", "decay"): ("all", "matrices"),
     ("optim", "schedule"): ("constant", "cosine", "linear"),
     ("data", "corpus"): ("tinyshakespeare", "names", "pydoc", "digits"),  # btjit.train.data.CORPUS_NAMES; None allowed
     ("distributed", "compressor"): ("none", "topk", "randk"),
@@ -140,7 +149,7 @@ POSITIVE = {  # must be >= 1
               "keep_checkpoints"),
 }
 NON_NEGATIVE = {"train": ("seed", "eval_interval", "sample_interval", "checkpoint_interval", "threads"),
-                "optim": ("weight_decay", "clip_norm", "warmup_steps", "decay_steps", "lr_min")}
+                "optim": ("weight_decay", "clip_norm", "clip_value", "warmup_steps", "decay_steps", "lr_min")}
 
 
 def _toml_value(v) -> str:
@@ -153,6 +162,9 @@ def _toml_value(v) -> str:
                                                                  ("inf" if v > 0 else "-inf"))
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):                     # an inline table ([optim.hp], [[optim.groups]])
+        return "{" + ", ".join(f"{k if k.replace('_', '').replace('-', '').isalnum() else _toml_value(k)} = "
+                               f"{_toml_value(x)}" for k, x in v.items()) + "}"
     return str(v)
 
 
@@ -193,6 +205,8 @@ def _build(d: dict, source: str) -> Config:
         vals = _kind_defaults(d, sec, vals)
         hints = {k: t for k, t in typing.get_type_hints(cls).items() if (sec, k) != ("model", "extra")}
         kwargs, extra = {}, {}
+        if sec == "optim" and isinstance(vals.get("groups"), dict):    # [optim.groups.<name>] tables, in order
+            vals = {**vals, "groups": list(vals["groups"].values())}
         for k, v in vals.items():
             if k not in hints and sec == "model" and vals.get("kind") == "python":
                 extra[k] = _own_value(f"model.{k}", v, source)
@@ -277,11 +291,31 @@ def validate(cfg: Config, source: str = "config") -> None:
         bad(f"optim.betas must both be in [0, 1), got {list(o.betas)}")
     if not o.eps > 0.0:
         bad(f"optim.eps must be > 0, got {o.eps}")
+    _validate_optim_tables(o, bad)
     _validate_schedule(cfg, bad)
     if not 0.0 < cfg.distributed.ratio <= 1.0:
         bad(f"distributed.ratio must be in (0, 1], got {cfg.distributed.ratio}")
     if cfg.data.path is not None and not cfg.data.path:
         bad("data.path is empty (leave it out to use data.corpus)")
+
+
+def _validate_optim_tables(o: OptimConfig, bad) -> None:
+    """[optim.hp] takes numbers, booleans and lists of numbers; each [[optim.groups]] entry a params regex or
+    list of names and numbers (the optimizer checks the names of both when it is built)."""
+    num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
+    for k, v in o.hp.items():
+        if not (num(v) or isinstance(v, bool) or isinstance(v, list) and all(map(num, v))):
+            bad(f"optim.hp.{k} = {v!r}: takes a number, a boolean or a list of numbers")
+    for i, g in enumerate(o.groups):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), (str, list)):
+            bad(f"optim.groups[{i}] needs params = a regex or a list of parameter names, got {g!r}")
+        if isinstance(g["params"], list) and not all(isinstance(n, str) for n in g["params"]):
+            bad(f"optim.groups[{i}].params: a list of parameter names (strings), got {g['params']!r}")
+        for k, v in g.items():
+            if k != "params" and not num(v):
+                bad(f"optim.groups[{i}].{k} = {v!r}: must be a number")
+    if o.groups and o.decay != "all":
+        bad(f'optim.decay = "{o.decay}" and [[optim.groups]] both choose the groups: use one of them')
 
 
 def _validate_schedule(cfg: Config, bad) -> None:
@@ -345,9 +379,10 @@ def load(path, overrides=()) -> Config:
             raise ConfigError(f"{p}: [{sec}] must be a table")
         table[key] = value
     cfg = _build(d, str(p))
-    if cfg.model.file is not None:
-        f = Path(cfg.model.file).expanduser()
-        cfg.model.file = str(f if f.is_absolute() else (p.parent / f).resolve())
+    for sec in (cfg.model, cfg.optim):
+        if sec.file is not None:
+            f = Path(sec.file).expanduser()
+            sec.file = str(f if f.is_absolute() else (p.parent / f).resolve())
     return cfg
 
 

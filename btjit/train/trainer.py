@@ -7,6 +7,7 @@
 # parsing (btjit.cli). Errors are TrainError (or Config/Data/CheckpointError, ModelFileError), one line each.
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -27,7 +28,7 @@ from btjit.train import rundir
 from btjit.train import schedule as sched_mod
 from btjit.train import usermodel
 from btjit.train.checkpoint import CheckpointError
-from btjit.train.config import Config, ModelConfig
+from btjit.train.config import Config, ConfigError, ModelConfig
 
 METRICS, CONFIG_FILE = "metrics.jsonl", "config.toml"
 MAX_SKIPS = 100   # consecutive non-finite steps tolerated with on_nonfinite = "skip"
@@ -67,17 +68,27 @@ def first_nonfinite(arrays: dict) -> str | None:
 trim_metrics = rundir.trim_metrics
 
 
-def build_program(cfg: Config, model, params, x, y, replicas=1):
+def make_optimizer(o, optim_file=None, params=None):
+    """The optimizer of an [optim] section (btjit.optim.from_section; optim_file: the user's, a ModelFile of kind
+    "optimizer"), its groups checked on params if given: a bad argument or group is a ConfigError."""
+    guard = optim_file and (lambda: usermodel.guard(optim_file.name, str(optim_file.path), "making the optimizer"))
+    try:
+        opt = btjit.optim.from_section(o, optim_file and optim_file.module, guard or contextlib.nullcontext)
+        if params is not None:
+            btjit.optim.resolve_groups(opt, params)
+        return opt
+    except btjit.optim.OptimizerError as e:
+        raise ConfigError(f"[optim]: {e}") from None
+
+
+def build_program(cfg: Config, model, params, x, y, replicas=1, optim_file=None):
     """The training program of a config: the model's loss traced on a batch like (x, y) with the config's
-    optimizer, clipping and dtype (`btjit train` and `btjit export`)."""
+    optimizer (optim_file: the user's, [optim] file), clipping and dtype (`btjit train` and `btjit export`)."""
     o = cfg.optim
-    if o.name == "sgd":
-        opt = btjit.optim.SGD(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    else:
-        opt = btjit.optim.AdamW(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    opt = make_optimizer(o, optim_file, params)
     with model.guard("tracing loss(p, x, y)"):
         return btjit.trace(model.loss, params, x, y, optimizer=opt, clip_norm=o.clip_norm or None,
-                           dtype=cfg.train.dtype, buffers=model.buffers(),
+                           clip_value=o.clip_value or None, dtype=cfg.train.dtype, buffers=model.buffers(),
                            skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
                            replicas=replicas,      # replicas average losses: only for a mean over the batch
                            seed=cfg.train.seed)    # of the random numbers inside the step (dropout)
@@ -100,6 +111,8 @@ class Trainer:
         t = cfg.train
         self._prepare(resume)
         self.model_file = usermodel.for_run(cfg.model, self.run_dir, self.resumed, self.echo)   # kind "python"
+        self.optim_file = cfg.optim.file and usermodel.file_for_run(cfg.optim.file, self.run_dir, self.resumed,
+                                                                    self.echo, "optimizer")
         self.threads = set_threads(threads if threads is not None else t.threads)
         vocab = data_mod.Vocab(self.resumed.meta["vocab"]) if self.resumed else None
         self.ds = arrays.load(cfg, data_path, vocab)         # any format (the text ones: data_mod.load)
@@ -148,8 +161,9 @@ class Trainer:
         self.prog.load_state_dict(state)
 
     def _write_run_files(self, resume):
-        if self.model_file is not None:
-            self.model_file.copy_into(self.run_dir)
+        for f in (self.model_file, self.optim_file):
+            if f:
+                f.copy_into(self.run_dir)
         if resume:
             trim_metrics(self.metrics_path, self.step)
         (self.run_dir / CONFIG_FILE).write_text(
@@ -182,7 +196,8 @@ class Trainer:
         x, y = self.ds.batch("train", self.local_batch_size, np.random.default_rng(0))
         replicas = btjit.replicas_for(len(y), y.size, self.threads) if self.model.mean_over_batch else 1
         t0 = time.perf_counter()
-        self.prog = build_program(cfg, self.model, self.model.init_params(self.param_rng), x, y, replicas)
+        self.prog = build_program(cfg, self.model, self.model.init_params(self.param_rng), x, y, replicas,
+                                  self.optim_file)
         self.build_seconds = time.perf_counter() - t0
         per_sample = self.model.format in ("lines", "arrays")
         self.tokens_per_step = (len(y) if per_sample else x.size) * cfg.train.grad_accum
@@ -248,7 +263,8 @@ class Trainer:
         """The metadata of a checkpoint written now."""
         return {"rng_state": ckpt_mod.rng_state(self.rng), "config": self.cfg.to_dict(),
                 "vocab": self.ds.vocab.chars, "data": self.ds.name, "n_params": int(self.prog.n_params),
-                "best": self.best, **({"model_file": self.model_file.meta()} if self.model_file else {})}
+                "best": self.best, **({"model_file": self.model_file.meta()} if self.model_file else {}),
+                **({"optimizer_file": self.optim_file.meta()} if self.optim_file else {})}
 
     def track_best(self, val: float) -> None:
         """After a val loss at step > 0: write best.npz when it is the lowest so far (a tie keeps the older)."""

@@ -1,4 +1,5 @@
-# btjit/usermodel.py -- the user's own model for `btjit train` ([model] kind = "python", file = "mymodel.py"):
+# btjit/usermodel.py -- the user's own model for `btjit train` ([model] kind = "python", file = "mymodel.py"),
+# and the same handling for the user's own optimizer file ([optim] file = "myopt.py", kind "optimizer"):
 # reading the model file (a self-contained Python file defining init_params(cfg, rng) -> dict, loss(p, x, y) and
 # logits(p, x); loss and logits may take cfg as a last argument; optionally init_buffers(cfg) -> dict of
 # buffers, which loss and logits see in p beside the params and update with btjit.assign), executing it as a
@@ -48,35 +49,41 @@ class ModelFile:
         return dst
 
 
-def read(path) -> ModelFile:
-    """Read, execute and check the model file at `path`; ModelFileError names the problem."""
+KEY = {"model": "model.file", "optimizer": "optim.file"}    # kind of user file -> its config key
+
+
+def read(path, kind="model") -> ModelFile:
+    """Read, execute and check the model file (or, kind "optimizer", the optimizer file: [optim] file) at
+    `path`; ModelFileError names the problem."""
     p = Path(path)
     if not p.exists():
-        raise ModelFileError(f"model file not found: {p} (model.file, relative to the config file's dir)")
+        raise ModelFileError(f"{kind} file not found: {p} ({KEY[kind]}, relative to the config file's dir)")
     if p.is_dir():
-        raise ModelFileError(f"model.file is a directory, not a Python file: {p}")
+        raise ModelFileError(f"{KEY[kind]} is a directory, not a Python file: {p}")
     try:
         source = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise ModelFileError(f"model file {p} is not UTF-8 text") from None
+        raise ModelFileError(f"{kind} file {p} is not UTF-8 text") from None
     except OSError as e:
-        raise ModelFileError(f"cannot read model file {p}: {e.strerror}") from None
-    return from_source(p.name, source, p)
+        raise ModelFileError(f"cannot read {kind} file {p}: {e.strerror}") from None
+    return from_source(p.name, source, p, kind)
 
 
-def from_source(name: str, source: str, path) -> ModelFile:
+def from_source(name: str, source: str, path, kind="model") -> ModelFile:
     """Execute `source` as the module of model file `name` (tracebacks and TraceErrors show `name:line`)."""
     path = Path(path)
     try:
         code = compile(source, str(path), "exec")
     except SyntaxError as e:
-        raise ModelFileError(f"{name}:{e.lineno}: syntax error in the model file: {e.msg} ({path})") from None
+        raise ModelFileError(f"{name}:{e.lineno}: syntax error in the {kind} file: {e.msg} ({path})") from None
     linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))
-    mod = types.ModuleType(f"btjit_user_model_{next(_COUNTER)}")
+    mod = types.ModuleType(f"btjit_user_{kind}_{next(_COUNTER)}")
     mod.__file__ = str(path)
     sys.modules[mod.__name__] = mod            # dataclasses and pickling look the module up here
-    with guard(name, str(path), "executing the model file"):
+    with guard(name, str(path), f"executing the {kind} file"):
         exec(code, mod.__dict__)
+    if kind != "model":
+        return ModelFile(name, source, path, mod)
     missing = [f for f in FUNCTIONS if not callable(getattr(mod, f.split("(")[0], None))]
     if missing:
         raise ModelFileError(f"{name} does not define {' or '.join(missing)} ({path}); a model file defines "
@@ -89,15 +96,20 @@ def for_run(model_cfg, run_dir, resumed, echo) -> ModelFile | None:
     checkpoint --resume continues) the run dir's copy, saying so when model.file differs from it."""
     if model_cfg.kind != "python":
         return None
-    file = model_cfg.file
+    return file_for_run(model_cfg.file, run_dir, resumed, echo)
+
+
+def file_for_run(file, run_dir, resumed, echo, kind="model") -> ModelFile:
+    """A user file of a run (the model's, or kind "optimizer": [optim] file): `file` for a new run, the run dir's
+    copy (kept in checkpoints' meta as "<kind>_file") with --resume."""
     if resumed is None:
-        return read(file)
-    saved = resumed.meta.get("model_file") or {}
+        return read(file, kind)
+    saved = resumed.meta.get(f"{kind}_file") or {}
     copy = Path(run_dir) / saved.get("name", Path(file).name)
     if not copy.is_file():
-        raise ModelFileError(f"--resume: the run's copy of the model file, {copy}, is missing (the run uses it, "
+        raise ModelFileError(f"--resume: the run's copy of the {kind} file, {copy}, is missing (the run uses it, "
                              f"not {file})")
-    mf = read(copy)
+    mf = read(copy, kind)
     if saved.get("sha256") not in (None, mf.sha256):
         echo(f"warning: {copy} was edited after {resumed.path.name} was written; resuming with it")
     try:
@@ -105,16 +117,16 @@ def for_run(model_cfg, run_dir, resumed, echo) -> ModelFile | None:
     except (OSError, UnicodeDecodeError):
         edited = True
     if edited:
-        echo(f"note: resuming with the run's copy of the model file, {copy} ({file} differs or is gone)")
+        echo(f"note: resuming with the run's copy of the {kind} file, {copy} ({file} differs or is gone)")
     return mf
 
 
-def from_checkpoint(ck) -> ModelFile:
-    """The model file kept in a checkpoint's metadata (the source it was trained with)."""
-    saved = ck.meta.get("model_file")
+def from_checkpoint(ck, kind="model") -> ModelFile:
+    """The model (or optimizer) file kept in a checkpoint's metadata (the source it was trained with)."""
+    saved = ck.meta.get(f"{kind}_file")
     if not isinstance(saved, dict) or "source" not in saved or "name" not in saved:
-        raise ModelFileError(f"checkpoint {ck.path} of a model.kind = \"python\" run has no model_file entry")
-    return from_source(saved["name"], saved["source"], Path(ck.path).parent / saved["name"])
+        raise ModelFileError(f"checkpoint {ck.path} of a run with {KEY[kind]} has no {kind}_file entry")
+    return from_source(saved["name"], saved["source"], Path(ck.path).parent / saved["name"], kind)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,146 @@
+"""The optimizer API: `Optimizer` (hyper-parameters, `init`, `update`) and param groups.
+
+An optimizer is a pair of functions written with btjit's tensor ops (optax's shape, torch.optim's names):
+    init(name, param)                       -> {state name: initial numpy array of param's shape}
+    update(param, grad, state, hp, step)    -> (new_param, {state name: new value})
+`update` is traced into the program after the backward, once per param group, over the group's contiguous
+slice of the arena: param, grad and every state value are flat traced vectors of the group's length; `hp`
+maps each hyper-parameter to a traced scalar read from the arena (so `prog.hp["beta1"] = 0.95` takes effect
+at the next step without recompiling) and `step` is the traced step number (1 at the first step). Only
+elementwise ops may combine them (the update runs as one fused pass per group). btjit/optim/build.py does
+the tracing; this file holds no graph code.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+GROUP_KEYS = ("params", "lr_scale")      # a group's keys besides the optimizer's hyper-parameters
+RESERVED = GROUP_KEYS + ("clip_norm", "clip_scale", "clip_value", "step")   # btjit's own slots (build.GLOBAL)
+
+
+class OptimizerError(ValueError):
+    """A bad optimizer definition, hyper-parameter or param group; str(e) names the problem."""
+
+
+class Optimizer:
+    """Base of every optimizer. A subclass calls `super().__init__(lr=lr, beta=beta, ..., groups=groups)`
+    with its hyper-parameters as numbers, and defines `init` (default: no state) and `update`.
+
+    groups: None (one group of every param) or a list of dicts: "params" is a predicate on (name, shape), a
+    list of names or a regex (matched against the whole name); the other keys override hyper-parameters
+    for the group, plus "lr_scale" (the group's lr is lr * lr_scale). Every param must be in exactly one."""
+
+    def __init__(self, groups=None, **hp):
+        if "lr" not in hp:
+            raise OptimizerError(f"{type(self).__name__}: an optimizer needs a learning rate, lr=...")
+        for k, v in hp.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+                raise OptimizerError(f"{type(self).__name__}: hyper-parameter {k}={v!r} must be a number "
+                                     f"(options that change the update's structure are attributes, not hp)")
+            if k in RESERVED:
+                raise OptimizerError(f"{type(self).__name__}: {k!r} is reserved (param groups, clipping, the step "
+                                     f"counter): name the hyper-parameter otherwise")
+        self.hp = {k: float(v) for k, v in hp.items()}
+        self.groups = _check_groups(type(self).__name__, groups, self.hp)
+
+    def init(self, name: str, param: np.ndarray) -> dict:
+        return {}
+
+    def update(self, param, grad, state, hp, step):
+        raise NotImplementedError(f"{type(self).__name__} must define update(param, grad, state, hp, step)")
+
+    def hyper(self) -> dict:
+        return dict(self.hp)
+
+    def nonzero(self, name) -> bool:
+        """Whether hyper-parameter `name` is non-zero for some group: the terms it scales are traced at all."""
+        return bool(self.hp.get(name)) or any(g.get(name) for g in self.groups or ())
+
+    def __repr__(self):
+        hp = ", ".join(f"{k}={v:g}" for k, v in self.hp.items())
+        return f"{type(self).__name__}({hp}{f', {len(self.groups)} groups' if self.groups else ''})"
+
+
+def _check_groups(who, groups, hp):
+    if groups is None:
+        return None
+    if not isinstance(groups, (list, tuple)) or not groups:
+        raise OptimizerError(f"{who}: groups must be a non-empty list of dicts, got {groups!r}")
+    out = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise OptimizerError(f"{who}: group {i} must be a dict with a 'params' key, got {g!r}")
+        if "lr" in g:
+            raise OptimizerError(f"{who}: group {i} sets lr; a group scales the optimizer's: lr_scale = ...")
+        bad = [k for k in g if k not in GROUP_KEYS and k not in hp]
+        if bad:
+            raise OptimizerError(f"{who}: group {i} has unknown key {bad[0]!r} (allowed: params, lr_scale, "
+                                 f"{', '.join(k for k in hp if k != 'lr')})")
+        for k, v in g.items():
+            if k != "params" and (isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer))):
+                raise OptimizerError(f"{who}: group {i}: {k}={v!r} must be a number")
+        out.append(dict(g))
+    return out
+
+
+def _matcher(i, sel):
+    if callable(sel):
+        return lambda name, shape: bool(sel(name, shape))
+    if isinstance(sel, str):
+        try:
+            rx = re.compile(sel)
+        except re.error as e:
+            raise OptimizerError(f"group {i}: params regex {sel!r} is invalid: {e}") from None
+        return lambda name, shape: rx.fullmatch(name) is not None
+    if isinstance(sel, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in sel):
+        names = set(sel)
+        return lambda name, shape: name in names
+    raise OptimizerError(f"group {i}: params must be a predicate on (name, shape), a list of names or a regex, "
+                         f"got {sel!r}")
+
+
+def resolve_groups(opt: Optimizer, params: dict) -> list:
+    """[(names, hp)] per group, in group order: names in the params' order, hp the group's hyper-parameters
+    (the optimizer's, overridden by the group's keys, with lr_scale). An error names a param that is in no
+    group or in two, and a listed name that is not a param."""
+    shapes = {k: tuple(np.shape(v)) for k, v in params.items()}
+    specs = opt.groups or [{"params": lambda n, s: True}]
+    found = {}
+    for i, g in enumerate(specs):
+        sel = g["params"]
+        if isinstance(sel, (list, tuple, set, frozenset)):
+            missing = sorted(n for n in sel if isinstance(n, str) and n not in shapes)
+            if missing:
+                raise OptimizerError(f"group {i} lists {missing[0]!r}, which is not a parameter "
+                                     f"(parameters: {', '.join(shapes)})")
+        m = _matcher(i, sel)
+        for name, shape in shapes.items():
+            if m(name, shape):
+                if name in found:
+                    raise OptimizerError(f"parameter {name!r} is in two param groups ({found[name]} and {i}); "
+                                         f"every parameter must be in exactly one")
+                found[name] = i
+    none = [n for n in shapes if n not in found]
+    if none:
+        raise OptimizerError(f"parameter {none[0]!r} (shape {shapes[none[0]]}) is in no param group"
+                             + (f" (nor {len(none) - 1} more)" if len(none) > 1 else "") +
+                             "; every parameter must be in exactly one")
+    out = []
+    for i, g in enumerate(specs):
+        names = [n for n in shapes if found[n] == i]
+        hp = {**opt.hp, **{k: float(v) for k, v in g.items() if k != "params"}}
+        hp.setdefault("lr_scale", 1.0)
+        if names:
+            out.append((names, hp))
+    return out
+
+
+def decay_matrices(weight_decay=None) -> list:
+    """nanoGPT's rule as groups: weight decay on params of >= 2 dims (matrices, embeddings), none on the
+    others (biases, norm gains). weight_decay: the matrices' decay (default: the optimizer's)."""
+    mats = {"params": lambda name, shape: len(shape) >= 2}
+    if weight_decay is not None:
+        mats["weight_decay"] = weight_decay
+    return [mats, {"params": lambda name, shape: len(shape) < 2, "weight_decay": 0.0}]

@@ -1,0 +1,177 @@
+"""The built-in optimizers, each an `Optimizer` whose update is traced like a user's, with torch.optim's
+semantics and argument names (single-tensor implementation, no maximize / amsgrad), plus Lion (Chen et al.
+2023, as lucidrains' lion-pytorch). Hyper-parameters are arena slots; options that change the equations
+(nesterov, centered, whether momentum or a decay term exists at all) are fixed when the program is traced.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from btjit.graph import trace as T
+
+from btjit.optim.base import Optimizer, OptimizerError
+
+
+def _zeros(param):
+    return np.zeros(np.shape(param))
+
+
+def _check(who, **ranges):
+    for k, (v, lo, hi) in ranges.items():
+        if not lo <= v <= hi:
+            raise OptimizerError(f"{who}: {k} must be in [{lo}, {hi}], got {v}")
+
+
+def _decay(opt, grad, param, hp):
+    """torch's coupled L2 decay: grad + weight_decay * param (only if some group decays)."""
+    return grad + hp["weight_decay"] * param if opt.nonzero("weight_decay") else grad
+
+
+class SGD(Optimizer):
+    """torch.optim.SGD: momentum, dampening, nesterov, weight_decay (L2, added to the gradient)."""
+
+    def __init__(self, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, groups=None):
+        _check("SGD", momentum=(momentum, 0.0, 1.0), dampening=(dampening, 0.0, 1.0))
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise OptimizerError("SGD: nesterov needs momentum > 0 and dampening = 0")
+        super().__init__(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, groups=groups)
+        self.nesterov = bool(nesterov)
+
+    def init(self, name, param):
+        return {"momentum_buffer": _zeros(param)} if self.nonzero("momentum") else {}
+
+    def update(self, p, g, s, hp, step):
+        g = _decay(self, g, p, hp)
+        if not self.nonzero("momentum"):
+            return p - hp["lr"] * g, {}
+        buf = hp["momentum"] * s["momentum_buffer"] + (1.0 - hp["dampening"]) * g
+        if self.nonzero("dampening"):
+            buf = T.where(step == 1.0, g, buf)       # torch starts the buffer at the first gradient
+        d = g + hp["momentum"] * buf if self.nesterov else buf
+        return p - hp["lr"] * d, {"momentum_buffer": buf}
+
+
+class Adam(Optimizer):
+    """torch.optim.Adam (weight_decay: L2 added to the gradient)."""
+    decoupled = False
+
+    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, groups=None):
+        _check(type(self).__name__, beta1=(betas[0], 0.0, 1.0), beta2=(betas[1], 0.0, 1.0))
+        super().__init__(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay, groups=groups)
+
+    def init(self, name, param):
+        return {"exp_avg": _zeros(param), "exp_avg_sq": _zeros(param)}
+
+    def update(self, p, g, s, hp, step):
+        lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
+        if self.decoupled:
+            p = p * (1.0 - lr * hp["weight_decay"]) if self.nonzero("weight_decay") else p
+        else:
+            g = _decay(self, g, p, hp)
+        m = s["exp_avg"] + (1.0 - b1) * (g - s["exp_avg"])          # torch's lerp (weight < 0.5)
+        v = b2 * s["exp_avg_sq"] + (1.0 - b2) * (g * g)
+        step_size = lr / (1.0 - b1 ** step)
+        bc2_sqrt = T.sqrt(1.0 - b2 ** step)
+        denom = T.sqrt(v) / bc2_sqrt + hp["eps"]
+        return p + (-step_size) * m / denom, {"exp_avg": m, "exp_avg_sq": v}    # torch's addcdiv
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW: decoupled weight decay (p *= 1 - lr * weight_decay), default 0.01."""
+    decoupled = True
+
+    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, groups=None):
+        super().__init__(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, groups=groups)
+
+
+class Adagrad(Optimizer):
+    """torch.optim.Adagrad: lr_decay, weight_decay, initial_accumulator_value, eps."""
+
+    def __init__(self, lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10,
+                 groups=None):
+        super().__init__(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, groups=groups)
+        self.initial_accumulator_value = float(initial_accumulator_value)
+
+    def init(self, name, param):
+        return {"sum": np.full(np.shape(param), self.initial_accumulator_value)}
+
+    def update(self, p, g, s, hp, step):
+        g = _decay(self, g, p, hp)
+        clr = hp["lr"] / (1.0 + (step - 1.0) * hp["lr_decay"])
+        acc = s["sum"] + g * g
+        return p + (-clr) * g / (T.sqrt(acc) + hp["eps"]), {"sum": acc}
+
+
+class Adadelta(Optimizer):
+    """torch.optim.Adadelta: lr (default 1.0), rho, eps, weight_decay."""
+
+    def __init__(self, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, groups=None):
+        _check("Adadelta", rho=(rho, 0.0, 1.0))
+        super().__init__(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, groups=groups)
+
+    def init(self, name, param):
+        return {"square_avg": _zeros(param), "acc_delta": _zeros(param)}
+
+    def update(self, p, g, s, hp, step):
+        rho, eps = hp["rho"], hp["eps"]
+        g = _decay(self, g, p, hp)
+        sq = rho * s["square_avg"] + (1.0 - rho) * (g * g)
+        delta = T.sqrt(s["acc_delta"] + eps) / T.sqrt(sq + eps) * g
+        acc = rho * s["acc_delta"] + (1.0 - rho) * (delta * delta)
+        return p - hp["lr"] * delta, {"square_avg": sq, "acc_delta": acc}
+
+
+class RMSprop(Optimizer):
+    """torch.optim.RMSprop: alpha, eps, weight_decay, momentum, centered."""
+
+    def __init__(self, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False, groups=None):
+        _check("RMSprop", alpha=(alpha, 0.0, 1.0), momentum=(momentum, 0.0, 1.0))
+        super().__init__(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, groups=groups)
+        self.centered = bool(centered)
+
+    def init(self, name, param):
+        st = {"square_avg": _zeros(param)}
+        if self.nonzero("momentum"):
+            st["momentum_buffer"] = _zeros(param)
+        if self.centered:
+            st["grad_avg"] = _zeros(param)
+        return st
+
+    def update(self, p, g, s, hp, step):
+        a = hp["alpha"]
+        g = _decay(self, g, p, hp)
+        sq = a * s["square_avg"] + (1.0 - a) * (g * g)
+        new = {"square_avg": sq}
+        if self.centered:
+            ga = s["grad_avg"] + (1.0 - a) * (g - s["grad_avg"])
+            new["grad_avg"] = ga
+            avg = T.sqrt(sq - ga * ga) + hp["eps"]
+        else:
+            avg = T.sqrt(sq) + hp["eps"]
+        if self.nonzero("momentum"):
+            buf = hp["momentum"] * s["momentum_buffer"] + g / avg
+            new["momentum_buffer"] = buf
+            return p - hp["lr"] * buf, new
+        return p + (-hp["lr"]) * g / avg, new
+
+
+def sign(x):
+    """-1, 0 or 1 elementwise, from comparisons (no kernel of its own)."""
+    return (x > 0.0) - (x < 0.0)
+
+
+class Lion(Optimizer):
+    """Lion (Chen et al. 2023): p = p * (1 - lr * wd) - lr * sign(b1 * m + (1 - b1) * g); m = b2 * m + (1 - b2) * g."""
+
+    def __init__(self, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, groups=None):
+        _check("Lion", beta1=(betas[0], 0.0, 1.0), beta2=(betas[1], 0.0, 1.0))
+        super().__init__(lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, groups=groups)
+
+    def init(self, name, param):
+        return {"exp_avg": _zeros(param)}
+
+    def update(self, p, g, s, hp, step):
+        m, b1, b2 = s["exp_avg"], hp["beta1"], hp["beta2"]
+        c = b1 * m + (1.0 - b1) * g
+        p = p * (1.0 - hp["lr"] * hp["weight_decay"]) - hp["lr"] * sign(c)
+        return p, {"exp_avg": b2 * m + (1.0 - b2) * g}

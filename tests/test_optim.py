@@ -1,0 +1,213 @@
+"""btjit.optim: every built-in against torch.optim and a numpy transcription (tests/optim_numpy.py) over 20
+steps with param groups, weight decay and momentum, in float64 (1e-12) and float32 (1e-6 relative); the
+update as one fused pass per group; hyper-parameters changed between steps; the group rules and errors.
+A user-written optimizer end to end is in test_optim_user.py."""
+import numpy as np
+import pytest
+
+import btjit
+import btjit.optim as O
+import optim_numpy as R
+
+SHAPES = {"w": (6, 5), "b": (5,), "e": (3, 4), "g": (4,)}
+STEPS = 20
+
+
+def params0():
+    rng = np.random.default_rng(0)
+    return {k: rng.standard_normal(s) for k, s in SHAPES.items()}
+
+
+def batches(n=STEPS):
+    rng = np.random.default_rng(1)
+    return [[rng.standard_normal(s) for s in SHAPES.values()] for _ in range(n)]
+
+
+def loss(p, *a):
+    """sum(a * p) + 0.5 * sum(p * p) per param: the gradient is a + p, computed alike everywhere."""
+    out = 0.0
+    for k, ak in zip(SHAPES, a):
+        out = out + btjit.sum(ak * p[k]) + 0.5 * btjit.sum(p[k] * p[k])
+    return out
+
+
+# nanoGPT's decay on matrices, and a group of its own lr for the biases
+GROUPS = [{"params": lambda name, shape: len(shape) >= 2, "weight_decay": 0.1},
+          {"params": ["b"], "weight_decay": 0.0, "lr_scale": 0.5},
+          {"params": "g", "weight_decay": 0.02}]
+GROUP_NAMES = [["w", "e"], ["b"], ["g"]]
+
+# (name, btjit optimizer, torch class and kwargs, numpy step and its options)
+CASES = [
+    ("sgd", lambda gr: O.SGD(lr=0.05, groups=gr), ("SGD", {}), (R.sgd, {})),
+    ("sgd_momentum", lambda gr: O.SGD(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01, groups=gr),
+     ("SGD", dict(momentum=0.9, dampening=0.1)), (R.sgd, {})),
+    ("sgd_nesterov", lambda gr: O.SGD(lr=0.05, momentum=0.8, nesterov=True, groups=gr),
+     ("SGD", dict(momentum=0.8, nesterov=True)), (R.sgd, {"nesterov": True})),
+    ("adam", lambda gr: O.Adam(lr=0.01, betas=(0.8, 0.99), groups=gr), ("Adam", dict(betas=(0.8, 0.99))),
+     (R.adam, {})),
+    ("adamw", lambda gr: O.AdamW(lr=0.01, groups=gr), ("AdamW", {}), (R.adamw, {})),
+    ("adagrad", lambda gr: O.Adagrad(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1, groups=gr),
+     ("Adagrad", dict(lr_decay=0.01, initial_accumulator_value=0.1)), (R.adagrad, {})),
+    ("adadelta", lambda gr: O.Adadelta(lr=0.5, rho=0.8, groups=gr), ("Adadelta", dict(rho=0.8)), (R.adadelta, {})),
+    ("rmsprop", lambda gr: O.RMSprop(lr=0.01, groups=gr), ("RMSprop", {}), (R.rmsprop, {})),
+    ("rmsprop_centered_momentum", lambda gr: O.RMSprop(lr=0.01, momentum=0.9, centered=True, groups=gr),
+     ("RMSprop", dict(momentum=0.9, centered=True)), (R.rmsprop, {"centered": True})),
+    ("lion", lambda gr: O.Lion(lr=0.01, weight_decay=0.1, groups=gr), None, (R.lion, {})),
+]
+IDS = [c[0] for c in CASES]
+
+
+def btjit_run(make, dtype, steps=STEPS, groups=GROUPS):
+    p0 = {k: v.astype(dtype) for k, v in params0().items()}
+    bs = batches(steps)
+    prog = btjit.trace(loss, p0, *[b.astype(dtype) for b in bs[0]], optimizer=make(groups), dtype=dtype)
+    for b in bs:
+        prog.step(*[x.astype(dtype) for x in b])
+    return prog
+
+
+def torch_run(cls, kw, lr, dtype, steps=STEPS):
+    torch = pytest.importorskip("torch")
+    p = {k: torch.tensor(v.astype(dtype)) for k, v in params0().items()}
+    wd = [g.get("weight_decay", kw.get("weight_decay", 0.0)) for g in GROUPS]
+    tg = [{"params": [p[n] for n in names], "weight_decay": w, "lr": lr * g.get("lr_scale", 1.0)}
+          for names, w, g in zip(GROUP_NAMES, wd, GROUPS)]
+    kw = {k: v for k, v in kw.items() if k != "weight_decay"}
+    extra = {} if cls in ("Adadelta",) else {"foreach": False}
+    opt = getattr(torch.optim, cls)(tg, lr=lr, **kw, **extra)
+    for b in batches(steps):
+        for k, a in zip(SHAPES, b):
+            p[k].grad = torch.tensor(a.astype(dtype)) + p[k]
+        opt.step()
+    return {k: v.numpy() for k, v in p.items()}, {k: opt.state[p[k]] for k in p}
+
+
+def numpy_run(fn, kw, opt):
+    groups = O.resolve_groups(opt, params0())
+    groups = [(names, {**hp, "lr": hp["lr"] * hp["lr_scale"]}) for names, hp in groups]
+    init = lambda name, v: {k: np.asarray(a, np.float64) for k, a in opt.init(name, v).items()}  # noqa: E731
+    grads = lambda t, p: {k: a + p[k] for k, a in zip(SHAPES, batches()[t - 1])}  # noqa: E731
+    return R.run(fn, params0(), grads, groups, STEPS, init, **kw)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_float64_matches_numpy(case):
+    _, make, _, (fn, kw) = case
+    prog = btjit_run(make, np.float64)
+    want, state = numpy_run(fn, kw, make(GROUPS))
+    for k in SHAPES:
+        np.testing.assert_allclose(prog.params[k], want[k], rtol=1e-12, atol=1e-13, err_msg=k)
+        for s, views in prog.opt_state.items():
+            np.testing.assert_allclose(views[k], state[k][s], rtol=1e-12, atol=1e-13, err_msg=f"{s} of {k}")
+    assert prog.step_count == STEPS
+
+
+@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-12), (np.float32, 1e-6)])
+@pytest.mark.parametrize("case", [c for c in CASES if c[2]], ids=[c[0] for c in CASES if c[2]])
+def test_matches_torch(case, dtype, rtol):
+    _, make, (cls, kw), _ = case
+    opt = make(GROUPS)
+    prog = btjit_run(make, dtype)
+    want, state = torch_run(cls, {**kw, "weight_decay": opt.hp.get("weight_decay", 0.0)}, opt.hp["lr"], dtype)
+    for k in SHAPES:                    # relative to the array's scale (a difference of two values can be ~0)
+        close(prog.params[k], want[k], rtol, k)
+        for s, views in prog.opt_state.items():
+            close(views[k], state[k][s].numpy(), rtol, f"{s} of {k}")
+
+
+def close(got, want, rtol, what):
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max(), err_msg=what)
+
+
+@pytest.mark.parametrize("make", [lambda gr: O.SGD(lr=0.1, momentum=0.9, groups=gr),
+                                  lambda gr: O.AdamW(lr=1e-3, groups=gr)], ids=["sgd", "adamw"])
+def test_update_is_one_fused_pass_per_group(make):
+    prog = btjit_run(make, np.float32, steps=1)
+    g = prog.graph
+    big = [e for e in g.eqns[g.n_backward:] if e.outs[0].shape != ()]
+    assert [e.op for e in big] == ["ew_fused"] * len(GROUPS)
+    assert sorted(e.outs[0].shape[0] for e in big) == sorted(sum(-(-int(np.prod(SHAPES[n])) // 16) * 16
+                                                                 for n in names) for names in GROUP_NAMES)
+    assert all(e.op in ("ew_fused", "add", "sub", "mul", "div", "neg", "sqrt", "pow2")
+               for e in g.eqns[g.n_backward:])
+
+
+def test_hyper_parameters_change_between_steps_without_recompiling():
+    torch = pytest.importorskip("torch")
+    bs = batches(6)
+    prog = btjit.trace(loss, params0(), *bs[0], optimizer=O.Adam(lr=0.01, groups=GROUPS), dtype="float64")
+    tape, kernels = prog.tape, prog.kernels
+    p = {k: torch.tensor(v) for k, v in params0().items()}
+    opt = torch.optim.Adam([{"params": [p[n] for n in names], "lr": 0.01 * g.get("lr_scale", 1.0),
+                             "weight_decay": g["weight_decay"]} for names, g in zip(GROUP_NAMES, GROUPS)],
+                           foreach=False)
+    for i, b in enumerate(bs):
+        if i == 3:
+            prog.hp["beta1"] = 0.5
+            prog.hp.groups[1]["lr_scale"] = 2.0
+            prog.lr = 0.02
+            for j, pg in enumerate(opt.param_groups):
+                pg["betas"] = (0.5, 0.999)
+                pg["lr"] = 0.02 * (2.0 if j == 1 else GROUPS[j].get("lr_scale", 1.0))
+        prog.step(*b)
+        for k, a in zip(SHAPES, b):
+            p[k].grad = torch.tensor(a) + p[k]
+        opt.step()
+    assert prog.tape is tape and prog.kernels is kernels
+    assert prog.hp["beta1"] == 0.5 and prog.hp.groups[1]["lr_scale"] == 2.0 and prog.lr == 0.02
+    with pytest.raises(KeyError, match="differs between param groups"):
+        prog.hp["weight_decay"]
+    with pytest.raises(KeyError, match="no hyper-parameter 'beta'"):
+        prog.hp["beta"] = 1.0
+    for k in SHAPES:
+        np.testing.assert_allclose(prog.params[k], p[k].numpy(), rtol=1e-12, atol=1e-13, err_msg=k)
+
+
+def test_clip_value_clips_each_gradient_element():
+    bs = batches(3)
+    prog = btjit.trace(loss, params0(), *bs[0], optimizer=O.SGD(lr=0.1), clip_value=0.5, dtype="float64")
+    p, cv = params0(), 0.5
+    for b in bs:                                # the clip changes between steps: 0.5, 0.25, 0.5
+        prog.hp["clip_value"] = cv
+        prog.step(*b)
+        p = {k: p[k] - 0.1 * np.clip(a + p[k], -cv, cv) for k, a in zip(SHAPES, b)}
+        cv = 0.25 if cv == 0.5 else 0.5
+    for k in SHAPES:
+        np.testing.assert_allclose(prog.params[k], p[k], rtol=1e-13, err_msg=k)
+    assert np.abs(p["w"] - params0()["w"]).max() <= 0.1 * (0.5 + 0.25 + 0.5) + 1e-12
+
+
+def test_decay_matrices_is_nanogpts_rule():
+    opt = O.AdamW(lr=1e-3, weight_decay=0.1, groups=O.decay_matrices())
+    groups = O.resolve_groups(opt, params0())
+    assert [(names, hp["weight_decay"]) for names, hp in groups] == [(["w", "e"], 0.1), (["b", "g"], 0.0)]
+
+
+@pytest.mark.parametrize("groups,msg", [
+    ([{"params": ["w", "e"]}], r"parameter 'b' \(shape \(5,\)\) is in no param group \(nor 1 more\)"),
+    ([{"params": "w|b"}, {"params": lambda n, s: True}], r"parameter 'w' is in two param groups \(0 and 1\)"),
+    ([{"params": ["w", "nope"]}, {"params": "b|e|g"}], "group 0 lists 'nope', which is not a parameter"),
+    ([{"params": "w("}], r"group 0: params regex 'w\(' is invalid"),
+    ([{"params": 3}], "group 0: params must be a predicate on"),
+])
+def test_group_errors_name_the_param(groups, msg):
+    with pytest.raises(O.OptimizerError, match=msg):
+        O.resolve_groups(O.SGD(lr=0.1, groups=groups), params0())
+
+
+def test_bad_optimizer_arguments_are_named():
+    with pytest.raises(O.OptimizerError, match="group 0 has unknown key 'betas'"):
+        O.AdamW(groups=[{"params": "w", "betas": 0.5}])
+    with pytest.raises(O.OptimizerError, match="group 0: weight_decay='x' must be a number"):
+        O.AdamW(groups=[{"params": "w", "weight_decay": "x"}])
+    with pytest.raises(O.OptimizerError, match="group 0 sets lr; a group scales the optimizer's: lr_scale"):
+        O.AdamW(groups=[{"params": "w", "lr": 0.5}])
+    with pytest.raises(O.OptimizerError, match="'step' is reserved"):
+        O.Optimizer(lr=0.1, step=2)
+    with pytest.raises(O.OptimizerError, match="nesterov needs momentum > 0"):
+        O.SGD(lr=0.1, nesterov=True)
+    with pytest.raises(O.OptimizerError, match=r"beta1 must be in \[0.0, 1.0\], got 1.5"):
+        O.Adam(betas=(1.5, 0.9))
+    with pytest.raises(TypeError, match="optimizer must be a btjit.optim.Optimizer"):
+        btjit.trace(loss, params0(), *batches(1)[0], optimizer="adam")

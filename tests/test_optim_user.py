@@ -1,0 +1,132 @@
+"""A user-written optimizer (Lion, written here against btjit.optim.Optimizer) end to end: it matches its numpy
+transcription, compiles no kernel AdamW does not use, and its state goes through state_dict, a checkpoint and
+--resume bit for bit, an export run by btjit.runtime in a fresh interpreter and by the C host; an update
+that reads an old value after writing the new one, and one that returns a param as state."""
+import subprocess
+
+import numpy as np
+import pytest
+
+import btjit
+import btjit.train.checkpoint as K
+import optim_numpy as R
+from test_export import CC, batches, cc_build, gpt_program, run_fresh
+from test_optim import SHAPES, loss, params0
+from test_optim import batches as quad_batches
+
+
+class MyLion(btjit.optim.Optimizer):
+    def __init__(self, lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.0, groups=None):
+        super().__init__(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, groups=groups)
+
+    def init(self, name, param):
+        return {"exp_avg": np.zeros_like(param)}
+
+    def update(self, p, g, state, hp, step):
+        m = state["exp_avg"]
+        c = hp["beta1"] * m + (1 - hp["beta1"]) * g
+        sign = (c > 0) - (c < 0)
+        p = p * (1 - hp["lr"] * hp["weight_decay"]) - hp["lr"] * sign
+        return p, {"exp_avg": hp["beta2"] * m + (1 - hp["beta2"]) * g}
+
+
+def test_user_lion_matches_numpy_and_compiles_no_new_kernel():
+    bs = quad_batches()
+    opt = MyLion(lr=0.01, weight_decay=0.1, groups=[{"params": "w|e"}, {"params": ["b", "g"], "weight_decay": 0.0}])
+    prog = btjit.trace(loss, params0(), *bs[0], optimizer=opt, dtype="float64")
+    for b in bs:
+        prog.step(*b)
+    groups = btjit.optim.resolve_groups(opt, params0())
+    grads = lambda t, p: {k: a + p[k] for k, a in zip(SHAPES, bs[t - 1])}  # noqa: E731
+    want, state = R.run(R.lion, params0(), grads, groups, len(bs), lambda n, v: {"exp_avg": np.zeros_like(v)})
+    for k in SHAPES:
+        np.testing.assert_allclose(prog.params[k], want[k], rtol=1e-12, atol=1e-13, err_msg=k)
+        np.testing.assert_allclose(prog.opt_state["exp_avg"][k], state[k]["exp_avg"], rtol=1e-12, atol=1e-13)
+    adamw = btjit.trace(loss, params0(), *bs[0], optimizer=btjit.optim.AdamW(), dtype="float64")
+    assert set(prog.kernels.entries) <= set(adamw.kernels.entries)
+
+
+def test_user_optimizer_state_survives_a_checkpoint_and_resumes_bit_exact(tmp_path):
+    data = batches(6)
+    whole = gpt_program(MyLion(lr=1e-3, weight_decay=0.1))
+    first = gpt_program(MyLion(lr=1e-3, weight_decay=0.1))
+    for x, y in data[:3]:
+        whole.step(x, y)
+        first.step(x, y)
+    first.hp["beta1"] = whole.hp["beta1"] = 0.8            # a hyper-parameter changed before the checkpoint
+    path = K.save(tmp_path, 3, first.state_dict(), {"rng_state": None})
+    ck = K.load(path)
+    assert ck.state["opt/step"] == 3 and set(ck.state) >= {"opt/exp_avg", "opt/hyper"}
+    resumed = gpt_program(MyLion(lr=1e-3, weight_decay=0.1))
+    K.check_compatible(ck, resumed.state_dict())
+    resumed.load_state_dict(ck.state)
+    assert resumed.hp["beta1"] == np.float32(0.8) and resumed.step_count == 3
+    for x, y in data[3:]:
+        assert resumed.step(x, y) == whole.step(x, y)
+    for k in whole.params:
+        np.testing.assert_array_equal(resumed.params[k], whole.params[k], err_msg=k)
+    np.testing.assert_array_equal(resumed.state_dict()["opt/exp_avg"], whole.state_dict()["opt/exp_avg"])
+
+
+def test_user_optimizer_exports_and_runs_in_the_runtime_and_the_c_host(tmp_path):
+    data = batches(5)
+    prog = gpt_program(MyLion(lr=1e-3, weight_decay=0.1))
+    prog.export(tmp_path / "e")
+    np.savez(tmp_path / "b.npz", **{f"x{i}": x for i, (x, _) in enumerate(data)},
+             **{f"y{i}": y for i, (_, y) in enumerate(data)})
+    got = run_fresh({"lion": {"kind": "tensor", "dir": str(tmp_path / "e"), "batches": str(tmp_path / "b.npz"),
+                              "steps": len(data)}})
+    rt = btjit.runtime.load(tmp_path / "e")
+    assert rt.optimizer["type"] == "MyLion" and rt.hp["beta2"] == np.float32(0.99)
+    losses = [prog.step(x, y) for x, y in data]
+    assert got.pop("imported") == [] and got["lion"]["losses"] == losses
+    assert got["lion"]["params"] == {k: v.tolist() for k, v in prog.params.items()}
+    for x, y in data:
+        rt.step(x, y)
+    ref, mine = prog.state_dict(), rt.state_dict()
+    assert ref.keys() == mine.keys()
+    for k in ref:
+        np.testing.assert_array_equal(mine[k], ref[k], err_msg=k)
+    if CC is None:
+        pytest.skip("no C compiler (cc/gcc) on this machine")
+    with open(tmp_path / "batches.bin", "wb") as f:
+        for x, y in data:
+            f.write(x.tobytes() + y.tobytes())
+    cc_build(tmp_path / "e", tmp_path / "train")
+    r = subprocess.run([str(tmp_path / "train"), str(tmp_path / "e"), "5", str(tmp_path / "batches.bin")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert [np.float32(ln.split()[-1]) for ln in r.stdout.splitlines()] == [np.float32(v) for v in losses]
+
+
+class Lookahead(btjit.optim.Optimizer):
+    """Keeps the param before the step ("prev", the old param itself) and a momentum read after the new
+    param: both need the assigns' copies rather than writing in place."""
+
+    def __init__(self, lr=0.1):
+        super().__init__(lr=lr)
+
+    def init(self, name, param):
+        return {"prev": np.array(param), "mom": np.zeros_like(param)}
+
+    def update(self, p, g, state, hp, step):
+        new_p = p - hp["lr"] * (g + state["mom"])
+        return new_p, {"prev": p, "mom": btjit.sum(new_p * 0.0) + 0.5 * state["mom"] + g + 0.0 * p}
+
+
+def test_an_update_reading_old_values_after_new_ones_is_copied_at_the_end():
+    bs = quad_batches(3)
+    prog = btjit.trace(loss, params0(), *bs[0], optimizer=Lookahead(), dtype="float64")
+    p, mom = params0(), {k: np.zeros(s) for k, s in SHAPES.items()}
+    for b in bs:
+        before = {k: v.copy() for k, v in prog.params.items()}
+        prog.step(*b)
+        g = {k: a + p[k] for k, a in zip(SHAPES, b)}
+        p = {k: p[k] - 0.1 * (g[k] + mom[k]) for k in p}
+        mom = {k: 0.5 * mom[k] + g[k] for k in p}
+        for k in SHAPES:
+            np.testing.assert_array_equal(prog.opt_state["prev"][k], before[k], err_msg=k)
+    assert any(not a.in_place for a in prog.graph.assigns)
+    for k in SHAPES:
+        np.testing.assert_allclose(prog.params[k], p[k], rtol=1e-13, err_msg=k)
+        np.testing.assert_allclose(prog.opt_state["mom"][k], mom[k], rtol=1e-13, err_msg=k)
