@@ -71,3 +71,23 @@ def test_the_measured_choice_is_remembered(cache):
 def test_asking_for_a_missing_blas_warns_and_uses_openblas(cache):
     got, err = run(cache, "essl")
     assert got["choice"] == "openblas" and "BTJIT_BLAS='essl' is not installed here" in err
+
+
+def test_a_measured_rule_is_set_by_the_first_process_to_write_it(tmp_path, monkeypatch):
+    """Processes measuring at once on an empty cache all use the record the first one wrote (a process that
+    kept its own choice of library computed other last bits than one loading the cache); a record made under
+    another key (another CPU, other libraries) or an unreadable file is replaced."""
+    from btjit.host.cachedir import remembered
+    monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))
+    path = tmp_path / "rule.json"
+
+    def other_process_writes_first():          # it finishes its measurement while this one measures
+        path.write_text(json.dumps({"key": "k", "choice": "theirs"}))
+        return {"choice": "mine"}
+    assert remembered("rule.json", "k", other_process_writes_first)["choice"] == "theirs"
+    assert remembered("rule.json", "k", lambda: {"choice": "later"})["choice"] == "theirs"
+    assert remembered("rule.json", "k2", lambda: {"choice": "new cpu"})["choice"] == "new cpu"
+    path.write_text("{not json")
+    assert remembered("rule.json", "k2", lambda: {"choice": "again"})["choice"] == "again"
+    assert json.loads(path.read_text()) == {"choice": "again", "key": "k2"}
+    assert not list(tmp_path.glob("*.tmp*"))

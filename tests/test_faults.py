@@ -51,7 +51,7 @@ def _expected():
 
 
 def _spawn(cache_dir, go):
-    env = dict(os.environ, BTJIT_CACHE_DIR=str(cache_dir), BTJIT_NUM_THREADS="1",    # the cache is the subject here
+    env = dict(os.environ, BTJIT_CACHE_DIR=str(cache_dir),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(go)], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)

@@ -111,7 +111,7 @@ def _key(cands) -> str:
 
 def choose() -> dict:
     """The BLAS to bind (see the module docstring)."""
-    from btjit.host.cachedir import cache_dir
+    from btjit.host.cachedir import remembered
     want = os.environ.get("BTJIT_BLAS", "").lower()
     cands = [c for c in (_openblas(), _mkl() if want != "openblas" else None) if c]
     if want:
@@ -124,24 +124,14 @@ def choose() -> dict:
         return cands[0]
     if len(cands) == 1:
         return cands[0]
-    path, key = cache_dir() / "blas.json", _key(cands)
-    try:
-        saved = json.loads(path.read_text())
-        if saved.get("key") == key:
-            return next(c for c in cands if c["name"] == saved["choice"])
-    except (OSError, ValueError, StopIteration):
-        pass
-    times = {c["name"]: _time_sgemm(c["sgemm"]) for c in cands}
-    best = min(cands[1:], key=lambda c: times[c["name"]])
-    choice = best if times["openblas"] >= MIN_GAIN * times[best["name"]] else cands[0]
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"blas.json.tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "choice": choice["name"], "seconds": times}))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return choice
+
+    def measure():
+        times = {c["name"]: _time_sgemm(c["sgemm"]) for c in cands}
+        best = min(cands[1:], key=lambda c: times[c["name"]])
+        choice = best if times["openblas"] >= MIN_GAIN * times[best["name"]] else cands[0]
+        return {"choice": choice["name"], "seconds": times}
+    saved = remembered("blas.json", _key(cands), measure)
+    return next((c for c in cands if c["name"] == saved.get("choice")), cands[0])
 
 
 CHOICE = choose()

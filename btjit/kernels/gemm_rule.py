@@ -53,37 +53,16 @@ def nt_macs() -> int:
 
 
 def _remembered(name, field, measure_fn) -> int:
-    """The value `field` of the cache dir's `name`, if measured for this CPU and BLAS; else measure_fn()
-    (-> (value, times)), written there."""
-    from btjit.host.cachedir import cache_dir
+    """The value `field` of the cache dir's `name`, measured once for this CPU and BLAS (measure_fn() ->
+    (value, times)); the first process to measure sets the rule for all."""
+    from btjit.host.cachedir import remembered
     from btjit.kernels import blas
     key = json.dumps([llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(), blas.CHOICE["name"]])
-    path = cache_dir() / name
-    try:
-        saved = json.loads(path.read_text())
-        if saved.get("key") == key:
-            return int(saved[field])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    stale = path.exists()
-    value, times = measure_fn()
-    try:       # the first process to finish a measurement sets the rule for all (so they compute alike)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, field: value, "us": times}))
-        if stale:
-            os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                saved = json.loads(path.read_text())
-                value = int(saved[field]) if saved.get("key") == key else value
-            finally:
-                tmp.unlink()
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return value
+
+    def measure():
+        value, times = measure_fn()
+        return {field: value, "us": times}
+    return int(remembered(name, key, measure)[field])
 
 
 def _entries(names=("k_matmul_micro", "k_matmul")):
