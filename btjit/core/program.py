@@ -19,6 +19,7 @@ from btjit.graph.memory import Shared, pin, plan as make_plan, storage_roots
 from btjit.graph.ops import TABLE
 from btjit.core import executor as X
 from btjit.host import threads as _threads
+from btjit.kernels import bf16
 from btjit.kernels.library import LIBRARY
 from btjit.optim.build import Update, assign_in_place
 from btjit.export.runner import Runner
@@ -36,7 +37,7 @@ def _arg_names(fn, n):
 
 def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=False, dtype="float32", grad=None,
           replicas=1, fuse_elementwise=True, threads=None, clip_value=None, seed=0, buffers=None, training=True,
-          _share=None):
+          precision="fp32", _share=None):
     """Trace fn(params, *batch) once and compile it. With an optimizer (a btjit.optim.Optimizer: its update is
     traced after the backward, one fused pass per param group), `step()` trains; without one, `forward()`
     (and `value_and_grad()` for a scalar output) evaluate. clip_norm: clip gradients by global norm;
@@ -65,7 +66,11 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     buffers={name: array}: state the step reads and writes but does not train (running statistics, a carried
     hidden state). fn sees them in its first argument beside the params; `btjit.assign(p[name], value)` writes
     one when the step ends; `prog.buffers[name]` views them. training: what btjit.is_training() returns
-    inside fn (prog.eval traces fn again with training=False)."""
+    inside fn (prog.eval traces fn again with training=False).
+
+    precision="bf16": every matrix product (matmul, linear, convolution) reads its operands rounded to bfloat16
+    (nearest even) and sums in float32, on the CPU's AVX512-BF16 instruction where it has one (`prog.precision`
+    says which); params, gradients, optimizer state and everything else stay float32."""
     t0 = time.perf_counter()
     try:
         name = np.dtype(dtype).name
@@ -74,6 +79,10 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     fd = {"float32": "f32", "float64": "f64", "f32": "f32", "f64": "f64"}.get(name)
     if fd is None:
         raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be \"fp32\" or \"bf16\", got {precision!r}")
+    if precision == "bf16" and fd != "f32":
+        raise ValueError("precision=\"bf16\" needs dtype float32 (its products sum in float32)")
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be a positive int, got {replicas!r}")
     g = Graph(float_dtype=fd, training=bool(training))
@@ -157,10 +166,10 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     assign_in_place(g, pinned)
     verify(g, TABLE)
     prog = Program(g, params, update, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas,
-                   _threads.resolve(threads), seed, buffers, _share)
+                   _threads.resolve(threads), seed, buffers, _share, precision)
     prog._retrace = lambda share, *b: trace(fn, share.params, *b, dtype=dtype, buffers=share.buffers,    # eval
                                             fuse_elementwise=fuse_elementwise, threads=threads, training=False,
-                                            grad=False, _share=share)
+                                            grad=False, precision=precision, _share=share)
     return prog
 
 
@@ -170,7 +179,7 @@ class Program(Runner):
     arena."""
 
     def __init__(self, graph, init_params, update, clip_norm, skip_nonfinite, pinned, trace_seconds,
-                 replicas=1, n_threads=1, seed=0, init_buffers=None, share=None):
+                 replicas=1, n_threads=1, seed=0, init_buffers=None, share=None, precision="fp32"):
         t0 = time.perf_counter()
         optimizer = update and update.opt
         self.graph, self.optimizer, self.clip_norm, self.replicas = graph, optimizer, clip_norm, replicas
@@ -182,7 +191,7 @@ class Program(Runner):
         self._flag = p.int_state + 1
         L = Lowering(p, const_base=p.float_size, threads=max(1, n_threads // replicas),
                      checked={v.id for v in graph.inputs} | {v.id for v in graph.consts}, root=storage_roots(graph),
-                     flag=self._flag)
+                     flag=self._flag, precision=precision)
         self._inv_replicas = L.const(1.0 / replicas)
         checks = [L.row("k_check_index", oidx=p.off[graph.inputs[i].id], n=graph.inputs[i].size, hi=hi,
                         oflag=self._flag, ok=ok or 0) for i, (hi, ok) in sorted(self._bounds.items())]
@@ -201,6 +210,8 @@ class Program(Runner):
         self.tape = np.array(rows, np.int64).reshape(len(rows), -1)
         split = any(LIBRARY.entry_of(op)[0].endswith("_par") for op in self.tape[:, 0])
         self.threads = replicas * (L.threads if split else 1)     # what the step uses (prog.threads)
+        self.precision = bf16.describe() if any(LIBRARY.entry_of(op)[0].startswith("k_matmul_bf16")
+                                                for op in self.tape[:, 0]) else "fp32"
         fdt = np_dtype(graph.float_dtype)
         self.dtype = np.dtype(fdt)
         # replica r's arenas are rows r of A / IA (one row, and A[0] is self.a, without replicas)

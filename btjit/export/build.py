@@ -43,7 +43,7 @@ CPU_FEATURES = {"sse3": ("pni", "sse3"), "ssse3": ("ssse3", "ssse3"), "sse4.1": 
                 "avx2": ("avx2", "avx2"), "fma": ("fma", "fma"), "bmi": ("bmi1", "bmi"), "bmi2": ("bmi2", "bmi2"),
                 "avx512f": ("avx512f", "avx512f"), "avx512dq": ("avx512dq", "avx512dq"),
                 "avx512cd": ("avx512cd", "avx512cd"), "avx512bw": ("avx512bw", "avx512bw"),
-                "avx512vl": ("avx512vl", "avx512vl")}
+                "avx512vl": ("avx512vl", "avx512vl"), "avx512bf16": ("avx512_bf16", "avx512bf16")}
 
 
 class ExportError(Exception):

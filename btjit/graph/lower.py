@@ -38,8 +38,9 @@ def make_row(kernel, shape=None, **args) -> list:
 class Lowering:
     """What an op's lower() sees: offsets of vars, a pool of float constants, the int scratch."""
 
-    def __init__(self, plan, const_base, threads=1, checked=(), root=None, flag=0):
+    def __init__(self, plan, const_base, threads=1, checked=(), root=None, flag=0, precision="fp32"):
         self.threads = max(1, threads)      # numba pool threads one run of the tape may use (par kernels if > 1)
+        self.precision = precision          # of the products: "fp32" or "bf16" (btjit.trace's precision=)
         self.checked, self.root, self.flag = set(checked), root or {}, flag
         self.computed_checks: list = []     # what each check row of a computed index guards, for the error
         self.plan = plan

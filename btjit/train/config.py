@@ -70,6 +70,7 @@ class TrainConfig:
     keep_checkpoints: int = 3           # newest checkpoints kept in the run dir (best.npz apart)
     on_nonfinite: str = "stop"          # "stop" or "skip"
     threads: int = 0                    # threads the step may use; 0 = every core the process may run on
+    precision: str = "fp32"             # "fp32", or "bf16": matrix products on bf16-rounded operands, float32 sums
 
 
 @dataclass
@@ -136,6 +137,7 @@ SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "opt
 CHOICES = {
     ("model", "kind"): ("gpt", "nanogpt", "mlp", *MAKEMORE_KINDS, "python"), ("model", "activation"): ("relu", "gelu"),
     ("data", "format"): ("text", "lines", "words", "arrays"), ("train", "dtype"): ("float32", "float64"),
+    ("train", "precision"): ("fp32", "bf16"),
     ("train", "on_nonfinite"): ("stop", "skip"),
     ("optim", "name"): ("sgd", "adam", "adamw", "adagrad", "adadelta", "rmsprop", "lion"),   # btjit.optim.BUILTIN
     ("optim", "decay"): ("all", "matrices"),
@@ -262,6 +264,8 @@ def validate(cfg: Config, source: str = "config") -> None:
     m, o = cfg.model, cfg.optim
     if m.kind in ("gpt", "nanogpt", "transformer") and m.n_embd % m.n_head != 0:
         bad(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
+    if cfg.train.precision == "bf16" and cfg.train.dtype != "float32":
+        bad(f'train.precision = "bf16" needs train.dtype = "float32" (its products sum in float32), not "{cfg.train.dtype}"')
     if not 0.0 <= cfg.model.dropout < 1.0:
         bad(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
     if not 0.0 < cfg.data.val_fraction < 1.0:

@@ -91,7 +91,8 @@ def build_program(cfg: Config, model, params, x, y, replicas=1, optim_file=None)
                            clip_value=o.clip_value or None, dtype=cfg.train.dtype, buffers=model.buffers(),
                            skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
                            replicas=replicas,      # replicas average losses: only for a mean over the batch
-                           seed=cfg.train.seed)    # of the random numbers inside the step (dropout)
+                           seed=cfg.train.seed,    # of the random numbers inside the step (dropout)
+                           precision=cfg.train.precision)
 
 
 class Trainer:
@@ -218,7 +219,8 @@ class Trainer:
         reps, used = getattr(p, "replicas", 1), getattr(p, "threads", 1)
         how = f"{reps} data-parallel replicas" if reps > 1 else "threaded kernels" if used > 1 else "one thread"
         self.echo(f"btjit {ver} | numba {numba.__version__} | numpy {np.__version__} | "
-                  f"threads {used} of {self.threads} ({how}) | {t.dtype}")
+                  f"threads {used} of {self.threads} ({how}) | {t.dtype}" +
+                  (f", products {p.precision}" if getattr(p, "precision", "fp32") != "fp32" else ""))
         self.echo(f"model: {self.model.arch} | {p.n_params:,} params | arena {p.arena_bytes / 1e6:.2f} MB")
         self.echo(self.ds.describe())
         accum = f" x {t.grad_accum} micro-batches = {t.batch_size * t.grad_accum}" if t.grad_accum > 1 else ""

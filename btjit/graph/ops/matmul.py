@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.graph import trace as T
-from btjit.kernels import gemm_rule, linalg
+from btjit.kernels import bf16, gemm_rule, linalg
 from btjit.kernels.common import MAX_THREADS
 
 from btjit.graph.optable import Case, F, ShapeError, TABLE, _bcast_shape, _float, bstrides, cstrides, loop_nest, op
@@ -62,6 +62,12 @@ def micro_gemm(M, N, K, ta, tb, beta, bias, float_dtype) -> bool:
     return not bias and (macs <= linalg.NT_MACS or (K <= linalg.WT_MAX // linalg.MR and macs <= gemm_rule.nt_macs()))
 
 
+def bf16_gemm(L, N, float_dtype) -> bool:
+    """Whether a product runs on k_matmul_bf16 (bf16 operands, float32 sums): a float32 program traced with
+    precision="bf16", C at least bf16.N_MIN columns wide (narrower products stay float32)."""
+    return L.precision == "bf16" and float_dtype == "f32" and N >= bf16.N_MIN
+
+
 def par_gemm(macs, threads) -> bool:
     """Whether a product of `macs` multiply-adds in all runs split over the thread pool (k_matmul_par)."""
     return min(threads, MAX_THREADS) > 1 and macs >= PAR_GEMM_MACS
@@ -81,11 +87,18 @@ def _lower_matmul(e, L, beta=0, bias=0, osum=0, res=None, relu=False):
     threads = min(L.threads, MAX_THREADS)
     par = par_gemm(M * N * K * nb_total, threads)
 
-    def micro(m):
-        return micro_gemm(m, N, K, ta, tb, beta, bias, C.dtype)
+    bf = bf16_gemm(L, N, C.dtype) and not beta
+
+    def micro(m):           # bias, residual and relu inside the product's kernel
+        return bf or micro_gemm(m, N, K, ta, tb, beta, bias, C.dtype)
 
     def row(oa, ob, oc, nb, m, sa_, sb_, sc_):
         args = dict(oA=oa, oB=ob, oC=oc, nbatch=nb, M=m, N=N, K=K, sA=sa_, sB=sb_, sC=sc_, ta=ta, tb=tb)
+        if bf:              # split by blocks of C's rows as the micro-kernels
+            bargs = dict(args, obias=bias, relu=int(relu), ores=L.off(res) + oc - L.off(C) if res is not None else 0)
+            if par and m >= 2 * bf16.MR:
+                return L.row("k_matmul_bf16_par", **bargs, nparts=min(threads, m // bf16.MR))
+            return L.row("k_matmul_bf16", **bargs)
         if micro(m):        # split over the threads by blocks of C's rows: bitwise equal to one thread
             margs = dict(args, obias=bias, osum=osum, relu=int(relu),
                          ores=L.off(res) + oc - L.off(C) if res is not None else 0)
@@ -167,7 +180,7 @@ def _lower_matmul_colsum(e, L):
     (X, G), (dW, db) = e.ins, e.outs
     mm = type(e)("matmul", (X, G), (dW,), {"ta": True, "tb": False})
     M, N, K = X.shape[1], G.shape[1], X.shape[0]
-    if micro_gemm(M, N, K, 1, 0, 0, 0, X.dtype):
+    if micro_gemm(M, N, K, 1, 0, 0, 0, X.dtype) and not bf16_gemm(L, N, X.dtype):
         return _lower_matmul(mm, L, osum=L.off(db))
     return _lower_matmul(mm, L) + TABLE["sum"].lower(type(e)("sum", (G,), (db,), {"lo": 0, "hi": 1}), L)
 

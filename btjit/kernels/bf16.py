@@ -1,0 +1,323 @@
+# bf16 products (precision="bf16"): C = op(A) @ op(B) on the float32 arena with A and B rounded to bfloat16
+# (nearest even) and the products summed in float32. Not the matrix units' tiles (AMX): the AVX512-BF16
+# instruction VDPBF16PS, one 16-lane float32 accumulator += a pair of bf16 products per lane, where the CPU has
+# it; elsewhere the same numbers from float32 FMAs on the rounded operands (a bf16 times a bf16 is exact in
+# float32, so each FMA rounds once, as VDPBF16PS's halves do).
+#
+# Per column panel of C (48, 32 or 16 wide) and block of KB k-steps: B's block is rounded and packed onto the
+# stack as pairs (B[k, c], B[k+1, c]) in one int32 (the VNNI layout), then per block of MR rows A's block
+# likewise (A[r, k], A[r, k+1]), and the register micro-kernel runs MR x panel accumulators over the pairs.
+# Every entry of C is the same sequence of operations whichever thread computes its rows, so the split over
+# the threads (k_matmul_bf16_par) is bitwise equal to one thread.
+import llvmlite.binding as llvm
+import numpy as np
+from llvmlite import ir
+from numba import carray, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from btjit.kernels.common import FM, FM_FLAGS, FM_PAR, row, stack_buf
+
+MR = 8              # rows of C per micro-kernel call
+KB = 256            # k-steps per packed block
+NC = 192            # columns of B packed at a time (KB / 2 x NC int32 pairs, 96 KB: in L2), as panels of 48, 32, 16
+OBP = MR * KB // 2  # where B's pairs start in the stack workspace (A's pairs, MR x KB / 2, first)
+WS = OBP + KB // 2 * NC
+N_MIN = 16          # a panel is 16 columns at least: narrower products stay float32 (graph/ops/matmul.py)
+
+
+def has_dpbf16() -> bool:
+    """Whether this CPU (as LLVM compiles for it) has VDPBF16PS (AVX512-BF16)."""
+    return "+avx512bf16" in llvm.get_host_cpu_features().flatten().split(",")
+
+
+def describe() -> str:
+    """What a bf16 program's products run on here, for prog.precision and the banner."""
+    return "bf16 (AVX512-BF16 vdpbf16ps)" if has_dpbf16() else "bf16 (float32 FMAs on bf16-rounded operands)"
+
+
+def _micro(width):
+    """Intrinsic micro(a, ws, sp, sr, obp, kp, oC, ldc, mrows, skip, init, obias, ores, relu): for r < mrows
+    and skip <= c < width (columns before skip are stored unchanged: another panel computed them):
+    C[oC + r*ldc + c] = init + sum_p A pair (ws[p*sp + r*sr]) . B pair (ws[obp + p*width + c]) for p < kp, where
+    init is 0 (init 0), the bias row a[obias + c] (init 1) or C's entry (init 2: a later K block); with ores > 0
+    the rows R[ores + r*ldc] are added as C is stored, with relu > 0 relu of that is stored."""
+    nv = width // 16
+
+    @intrinsic
+    def micro(typingctx, a, ws, sp, sr, obp, kp, oC, ldc, mrows, skip, init, obias, ores, relu):
+        def impl(context, builder, sig, args):
+            ad = context.make_array(sig.args[0])(context, builder, args[0]).data
+            wd = context.make_array(sig.args[1])(context, builder, args[1]).data
+            _, _, sp, sr, obp, kp, oC, ldc, mrows, skip, init, obias, ores, relu = args
+            i64, i32, f32 = ir.IntType(64), ir.IntType(32), ir.FloatType()
+            vf, vi = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
+            c = lambda x: ir.Constant(i64, x)  # noqa: E731
+            zero = ir.Constant(vf, None)
+            dp = has_dpbf16() and builder.module.declare_intrinsic(
+                "llvm.x86.avx512bf16.dpbf16ps.512", fnty=ir.FunctionType(vf, [vf, vi, vi]))
+            hi_mask = ir.Constant(vi, [-65536] * 16)
+            sixteen = ir.Constant(vi, [16] * 16)
+
+            def vload(data, off, vt):
+                return builder.load(builder.bitcast(builder.gep(data, [off]), vt.as_pointer()), align=4)
+
+            def vstore(v, off):
+                builder.store(v, builder.bitcast(builder.gep(ad, [off]), vf.as_pointer()), align=4)
+
+            def crow(base, r, j):
+                return builder.add(builder.add(base, builder.mul(c(r), ldc)), c(16 * j))
+
+            def splat(x):
+                return builder.shuffle_vector(builder.insert_element(ir.Constant(vi, ir.Undefined), x, c(0)),
+                                              ir.Constant(vi, ir.Undefined), ir.Constant(vi, [0] * 16))
+
+            def row_valid(r):
+                return builder.icmp_signed(">", mrows, c(r))
+
+            acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(nv)] for _ in range(MR)]
+            with builder.if_then(builder.icmp_signed("==", init, c(1))):
+                bias = [vload(ad, builder.add(obias, c(16 * j)), vf) for j in range(nv)]
+                for r in range(MR):
+                    for j in range(nv):
+                        builder.store(bias[j], acc[r][j])
+            with builder.if_then(builder.icmp_signed("==", init, c(2))):
+                for r in range(MR):
+                    with builder.if_then(row_valid(r)):
+                        for j in range(nv):
+                            builder.store(vload(ad, crow(oC, r, j), vf), acc[r][j])
+
+            with cgutils.for_range(builder, kp) as loop:
+                p = loop.index
+                bv = [vload(wd, builder.add(builder.add(obp, builder.mul(p, c(width))), c(16 * j)), vi)
+                      for j in range(nv)]
+                if not dp:          # the pairs' halves as float32: the low bf16 shifted up, the high one masked
+                    bh = [[builder.bitcast(builder.shl(b, sixteen), vf), builder.bitcast(builder.and_(b, hi_mask), vf)]
+                          for b in bv]
+                for r in range(MR):
+                    x = builder.load(builder.gep(wd, [builder.add(builder.mul(p, sp), builder.mul(c(r), sr))]))
+                    xv = splat(x)
+                    if not dp:
+                        xh = [builder.bitcast(builder.shl(xv, sixteen), vf), builder.bitcast(builder.and_(xv, hi_mask), vf)]
+                    for j in range(nv):
+                        s = builder.load(acc[r][j])
+                        if dp:
+                            s = builder.call(dp, [s, xv, bv[j]])
+                        else:
+                            for h in (1, 0):
+                                s = builder.fadd(s, builder.fmul(xh[h], bh[j][h], flags=FM_FLAGS), flags=FM_FLAGS)
+                        builder.store(s, acc[r][j])
+
+            for r in range(MR):
+                with builder.if_then(row_valid(r)):
+                    for j in range(nv):
+                        v = builder.load(acc[r][j])
+                        with builder.if_then(builder.icmp_signed(">", ores, c(0))):
+                            builder.store(builder.fadd(v, vload(ad, crow(ores, r, j), vf), flags=FM_FLAGS), acc[r][j])
+                        v = builder.load(acc[r][j])
+                        with builder.if_then(builder.icmp_signed(">", relu, c(0))):
+                            builder.store(builder.select(builder.fcmp_ordered(">", v, zero), v, zero), acc[r][j])
+                        with builder.if_else(builder.icmp_signed(">", skip, c(16 * j))) as (part, whole):
+                            with part:      # the last panel moved back to end at N: keep the columns before skip
+                                cols = ir.Constant(vi, list(range(16 * j, 16 * j + 16)))
+                                keep = builder.icmp_signed("<", cols, splat(builder.trunc(skip, i32)))
+                                vstore(builder.select(keep, vload(ad, crow(oC, r, j), vf), builder.load(acc[r][j])),
+                                       crow(oC, r, j))
+                            with whole:
+                                vstore(builder.load(acc[r][j]), crow(oC, r, j))
+            return context.get_dummy_value()
+        i = types.int64
+        return types.void(a, ws, i, i, i, i, i, i, i, i, i, i, i, i), impl
+    return micro
+
+
+_micro48, _micro32, _micro16 = _micro(48), _micro(32), _micro(16)
+
+
+@intrinsic
+def _bits(typingctx, x):
+    """The bits of a float32, as a non-negative int64."""
+    if x != types.float32:
+        return None
+
+    def impl(context, builder, sig, args):
+        return builder.zext(builder.bitcast(args[0], ir.IntType(32)), ir.IntType(64))
+    return types.int64(x), impl
+
+
+@njit(**FM)
+def _bf16(x):
+    """The bfloat16 nearest to the float32 x (ties to even), as the high 16 bits of its float32's bits, in an
+    int64; a NaN stays a (quiet) NaN."""
+    u = _bits(x)
+    return (u >> 16) | 64 if (u & 0x7FFFFFFF) > 0x7F800000 else (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+
+
+def _rounded(builder, u, k):
+    """Float32 bits (an int32 vector) rounded to bf16 in the high half (ties to even; NaN stays NaN), the low
+    half junk."""
+    r = builder.add(builder.add(u, k(0x7FFF)), builder.and_(builder.lshr(u, k(16)), k(1)))
+    nan = builder.icmp_unsigned(">", builder.and_(u, k(0x7FFFFFFF)), k(0x7F800000))
+    return builder.select(nan, builder.or_(u, k(0x400000)), r)
+
+
+def _pairs(width, adjacent):
+    """Intrinsic pairs(a, ws, o, src, s_k, both): ws[o + l] for l < width = the pair (bf16 of a[src + l],
+    bf16 of a[src + s_k + l]) (the second zero unless both), or with adjacent the pair (bf16 of a[src + 2l],
+    bf16 of a[src + 2l + 1]) (s_k and both unused); vectors, the rounding as _bf16's."""
+    @intrinsic
+    def pairs(typingctx, a, ws, o, src, s_k, both):
+        def impl(context, builder, sig, args):
+            ad = context.make_array(sig.args[0])(context, builder, args[0]).data
+            wd = context.make_array(sig.args[1])(context, builder, args[1]).data
+            _, _, o, src, s_k, both = args
+            vi = ir.VectorType(ir.IntType(32), width)
+
+            def load(off, n):
+                return builder.load(builder.bitcast(builder.gep(ad, [off]), ir.VectorType(ir.IntType(32), n).as_pointer()),
+                                    align=4)
+            if adjacent:
+                k2 = lambda x: ir.Constant(ir.VectorType(ir.IntType(32), 2 * width), [x] * 2 * width)  # noqa: E731
+                r = _rounded(builder, load(src, 2 * width), k2)
+                even = builder.shuffle_vector(r, r, ir.Constant(vi, list(range(0, 2 * width, 2))))
+                odd = builder.shuffle_vector(r, r, ir.Constant(vi, list(range(1, 2 * width, 2))))
+                lo, hi = even, odd
+            else:
+                k = lambda x: ir.Constant(vi, [x] * width)  # noqa: E731
+                lo = _rounded(builder, load(src, width), k)
+                hi = builder.select(builder.icmp_signed(">", both, ir.Constant(ir.IntType(64), 0)),
+                                    _rounded(builder, load(builder.add(src, s_k), width), k), ir.Constant(vi, None))
+            k = lambda x: ir.Constant(vi, [x] * width)  # noqa: E731
+            pair = builder.or_(builder.lshr(lo, k(16)), builder.and_(hi, k(-65536)))
+            builder.store(pair, builder.bitcast(builder.gep(wd, [o]), vi.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.void(a, ws, types.int64, types.int64, types.int64, types.int64), impl
+    return pairs
+
+
+_pairs16, _pairs8, _adjacent16 = _pairs(16, False), _pairs(8, False), _pairs(16, True)
+
+
+@njit(**FM)
+def _pack(a, ws, o, src, s_lane, s_k, n_pairs, lanes, stride, k_left):
+    """ws[o + p*stride + l] = the pair (bf16 of a[src + 2p*s_k + l*s_lane], bf16 of the next k's) for
+    p < n_pairs, l < lanes; a k-step at k_left (an odd block's last pair) is zero, and lanes from `lanes` to
+    stride too."""
+    if s_lane == 1 and lanes == stride and lanes % 8 == 0:     # contiguous lanes: 16 or 8 pairs at a time
+        for p in range(n_pairs):
+            both = 1 if 2 * p + 1 < k_left else 0
+            for l in range(0, lanes - 15, 16):
+                _pairs16(a, ws, o + p * stride + l, src + 2 * p * s_k + l, s_k * both, both)
+            if lanes % 16:
+                _pairs8(a, ws, o + p * stride + lanes - 8, src + 2 * p * s_k + lanes - 8, s_k * both, both)
+        return
+    for p in range(n_pairs):
+        lo = src + 2 * p * s_k
+        if 2 * p + 1 < k_left:
+            for l in range(lanes):
+                ws[o + p * stride + l] = np.int32(_bf16(a[lo + l * s_lane]) | (_bf16(a[lo + s_k + l * s_lane]) << 16))
+        else:
+            for l in range(lanes):
+                ws[o + p * stride + l] = np.int32(_bf16(a[lo + l * s_lane]))
+        for l in range(lanes, stride):
+            ws[o + p * stride + l] = 0
+
+
+@njit(**FM)
+def _pack_rows(a, ws, src, sar, n_pairs, rows, k_left):
+    """A's block, row-major A (pairs of a row adjacent): ws[r*KB/2 + p] = the pair (bf16 of a[src + r*sar +
+    2p], of the next) for r < rows, p < n_pairs (16 pairs a time, then _pack's loop); rows from `rows` to MR
+    zero."""
+    for r in range(MR):
+        if r >= rows:
+            for p in range(n_pairs):
+                ws[r * (KB // 2) + p] = 0
+            continue
+        full = k_left // 32 * 16
+        for p in range(0, full, 16):
+            _adjacent16(a, ws, r * (KB // 2) + p, src + r * sar + 2 * p, 0, 0)
+        _pack(a, ws, r * (KB // 2) + full, src + r * sar + 2 * full, 0, 1, n_pairs - full, 1, 1, k_left - 2 * full)
+
+
+@njit(**FM)
+def _panel(N, c0):
+    """(width, first column) of the panel of C from column c0: 48 wide, or 32 where 64 or 32-47 columns remain
+    (N 128: 48 + 48 + 32), then 16; the last moved back to end at N (N >= 16)."""
+    rem = N - c0
+    w = 32 if rem == 64 or 32 <= rem < 48 else 48 if rem >= 48 else 16
+    return w, min(c0, N - w)
+
+
+@njit(**FM)
+def _bf16_rows(a, ia, r, lo, m):
+    """Rows lo .. lo+m of every product of a k_matmul_bf16 row: per group of panels (NC columns) and block
+    of KB k-steps, B's block packed once, then per block of MR rows A's block packed once for all the panels."""
+    oA = r[1]; oB = r[2]; oC = r[3]; nbatch = r[4]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
+    sC = r[10]; ta = r[11]; tb = r[12]; obias = r[13]; ores = r[14]; relu = r[15]
+    sar, sak = (1, M) if ta == 1 else (K, 1)          # A(i, k) = a[oA + i*sar + k*sak]
+    sbk, sbc = (1, K) if tb == 1 else (N, 1)          # B(k, j) = a[oB + k*sbk + j*sbc]
+    ws = carray(stack_buf(ia, WS), (WS,))
+    for i in range(nbatch):
+        oa, ob, oc = oA + i * sA, oB + i * sB, oC + i * sC
+        cs = 0
+        while cs < N:
+            ce = cs
+            for k0 in range(0, K, KB):
+                kb = min(KB, K - k0)
+                kp = (kb + 1) // 2
+                last = k0 + KB >= K
+                init = 2 if k0 > 0 else (1 if obias > 0 else 0)
+                c0, o = cs, OBP
+                while c0 < N:                          # the group's panels, B's pairs one after another
+                    w, cc = _panel(N, c0)
+                    if c0 > cs and c0 - cs + w > NC:       # the same group for every K block
+                        break
+                    _pack(a, ws, o, ob + k0 * sbk + cc * sbc, sbc, sbk, kp, w, w, kb)
+                    o += kp * w
+                    c0 += w
+                ce = c0
+                for rb in range(lo, lo + m, MR):
+                    mr = min(MR, lo + m - rb)
+                    if ta == 1:
+                        _pack(a, ws, 0, oa + rb * sar + k0 * sak, sar, sak, kp, mr, MR, kb)
+                    else:
+                        _pack_rows(a, ws, oa + rb * sar + k0 * sak, sar, kp, mr, kb)
+                    rl = relu if last else 0
+                    sp, sr = (MR, 1) if ta == 1 else (1, KB // 2)
+                    c0, o = cs, OBP
+                    while c0 < ce:
+                        w, cc = _panel(N, c0)
+                        ocr = oc + rb * N + cc
+                        orr = ores + i * sC + rb * N + cc if ores > 0 and last else 0
+                        ob_ = obias + cc
+                        if w == 48:
+                            _micro48(a, ws, sp, sr, o, kp, ocr, N, mr, c0 - cc, init, ob_, orr, rl)
+                        elif w == 32:
+                            _micro32(a, ws, sp, sr, o, kp, ocr, N, mr, c0 - cc, init, ob_, orr, rl)
+                        else:
+                            _micro16(a, ws, sp, sr, o, kp, ocr, N, mr, c0 - cc, init, ob_, orr, rl)
+                        o += kp * w
+                        c0 += w
+            cs = ce
+
+
+@row("oA oB oC nbatch M N K sA sB sC ta tb obias ores relu")
+@njit(**FM)
+def k_matmul_bf16(a, ia, r):
+    """Batched float32 matmul with bf16-rounded operands, float32 sums: C_i (M,N) = op(A_i) @ op(B_i)
+    (+ bias) (+ R_i) (relu) for i < nbatch, overwriting C_i; arguments as k_matmul_micro's (ta, tb any; no
+    column sums). N >= N_MIN."""
+    _bf16_rows(a, ia, r, 0, r[5])
+
+
+@row("oA oB oC nbatch M N K sA sB sC ta tb obias ores relu nparts")
+@njit(**FM_PAR)
+def k_matmul_bf16_par(a, ia, r):
+    """k_matmul_bf16 with C's rows cut into nparts blocks of whole MR-row blocks on the thread pool; every entry
+    is computed as on one thread (bitwise equal)."""
+    M = r[5]; nparts = r[16]
+    nblk = (M + MR - 1) // MR
+    for j in prange(nparts):
+        lo = j * nblk // nparts * MR
+        hi = M if j == nparts - 1 else (j + 1) * nblk // nparts * MR
+        _bf16_rows(a, ia, r, lo, hi - lo)
