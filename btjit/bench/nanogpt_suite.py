@@ -1,6 +1,7 @@
 """`btjit bench --suite nanogpt` (issue 32 item 4): nanoGPT's CPU recipe end to end, in the same run --
 
   btjit  `btjit train configs/nanogpt_cpu.toml` (the real trainer, a child process, its default threads);
+  btjit-bf16  the same with `--set train.precision=bf16` (bf16 products, float32 sums);
   torch  nanoGPT's model.py and train.py loop in PyTorch eager (btjit/bench/peers/nanogpt_torch.py, a child run by
          path: no btjit imported) on the same config, data (the bundled Tiny Shakespeare, 90/10) and schedule,
          at torch's default threads.
@@ -24,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "nanogpt_cpu.toml"
 PEER = Path(__file__).resolve().parent / "peers" / "nanogpt_torch.py"
-IMPLS = ("btjit", "torch")
+IMPLS = ("btjit", "btjit-bf16", "torch")
 README_CLAIM = "nanoGPT's README: ~3 minutes, loss 1.88 on an unnamed Mac (2023-02 code: tanh GELU, weight decay 1e-2)"
 
 
@@ -71,14 +72,16 @@ def overrides(config, steps) -> list:
     return [f"train.steps={steps}"] + ([f"optim.warmup_steps={steps - 1}"] if warmup >= steps else [])
 
 
-def run_btjit(config=CONFIG, steps=None, threads=None, timeout=3600.0) -> dict:
+def run_btjit(config=CONFIG, steps=None, threads=None, timeout=3600.0, precision="fp32") -> dict:
     with tempfile.TemporaryDirectory(prefix="btjit_nanogpt_") as tmp:
         out = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "btjit", "train", str(config), "--out", str(out)]
-        cmd += [a for kv in overrides(config, steps) for a in ("--set", kv)]
+        sets = overrides(config, steps) + ([f"train.precision={precision}"] if precision != "fp32" else [])
+        cmd += [a for kv in sets for a in ("--set", kv)]
         cmd += ["--threads", str(threads)] if threads is not None else []
         proc, wall, err = _run(cmd, timeout)
-        row = dict(impl="btjit", status=err or "ok", wall_s=wall, command=" ".join(cmd[2:]))
+        row = dict(impl="btjit" if precision == "fp32" else f"btjit-{precision}", status=err or "ok", wall_s=wall,
+                   command=" ".join(cmd[2:]))
         if err:
             return row
         row.update(metrics_row(out / "metrics.jsonl"))
@@ -111,13 +114,14 @@ def run(only=None, steps=None, threads=None, config=CONFIG, progress=None) -> li
                                         if s.strip() and s.strip() != "none"]
     bad = [i for i in impls if i not in IMPLS]
     if bad:
-        raise ValueError(f"unknown implementation(s) {', '.join(bad)} for the nanogpt suite (known: btjit, torch)")
+        raise ValueError(f"unknown implementation(s) {', '.join(bad)} for the nanogpt suite (known: {', '.join(IMPLS)})")
     rows = []
     for impl in impls:
-        row = (run_btjit if impl == "btjit" else run_torch)(config, steps, threads)
+        row = run_torch(config, steps, threads) if impl == "torch" else \
+            run_btjit(config, steps, threads, precision="bf16" if impl == "btjit-bf16" else "fp32")
         rows.append(row)
         if progress is not None:
-            progress(f"  {impl:<6s} {row['status']}" + (f" {row['wall_s']:.1f} s" if row.get("wall_s") else ""))
+            progress(f"  {impl:<10s} {row['status']}" + (f" {row['wall_s']:.1f} s" if row.get("wall_s") else ""))
     return rows
 
 
