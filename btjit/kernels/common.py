@@ -159,12 +159,48 @@ def _tanh64(x):
     return math.tanh(x)
 
 
+def ferf(x):
+    """erf(x). Inside njit: float32 -> Eigen's rational approximation (abs err ~2e-7, vectorizes: the exact GELU
+    runs through it), +-1 from |x| = 4; float64 -> math.erf."""
+    return math.erf(x)
+
+
+def _ferf32(x):
+    x = min(max(x, f32(-4.0)), f32(4.0))       # beyond, float32's erf is +-1 (NaN stays NaN: min/max keep it)
+    x2 = x * x
+    p = f32(-2.72614225801306e-10)
+    p = p * x2 + f32(2.77068142495902e-08)
+    p = p * x2 + f32(-2.10102402082508e-06)
+    p = p * x2 + f32(-5.69250639462346e-05)
+    p = p * x2 + f32(-7.34990630326855e-04)
+    p = p * x2 + f32(-2.95459980854025e-03)
+    p = p * x2 + f32(-1.60960333262415e-02)
+    q = f32(-1.45660718464996e-05)
+    q = q * x2 + f32(-2.13374055278905e-04)
+    q = q * x2 + f32(-1.68282697438203e-03)
+    q = q * x2 + f32(-7.37332916720468e-03)
+    q = q * x2 + f32(-1.42647390514189e-02)
+    return x * p / q
+
+
+def _erf64(x):
+    return math.erf(x)
+
+
 @overload(ftanh, jit_options=FM)
 def _ov_ftanh(x):
     if x == types.float32:
         return _ftanh32
     if isinstance(x, (types.Float, types.Integer)):
         return _tanh64
+
+
+@overload(ferf, jit_options=FM)
+def _ov_ferf(x):
+    if x == types.float32:
+        return _ferf32
+    if isinstance(x, (types.Float, types.Integer)):
+        return _erf64
 
 
 # ---------------------------------------------------------------- stack buffers

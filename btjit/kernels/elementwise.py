@@ -19,7 +19,7 @@ import math
 import numpy as np
 from numba import njit
 
-from btjit.kernels.common import FM, cvt, fexp, ftanh, row
+from btjit.kernels.common import FM, cvt, ferf, fexp, ftanh, row
 
 # unary sub-ops
 U_COPY, U_NEG, U_EXP, U_LOG, U_TANH, U_RELU, U_SIGMOID, U_SQRT, U_POW, U_ABS, U_ERF, U_LOG1P = range(12)
@@ -54,7 +54,7 @@ def _unary(sub, x, c):
     elif sub == U_POW:
         return x ** c
     elif sub == U_ERF:
-        return math.erf(x)
+        return ferf(x)
     elif sub == U_LOG1P:
         return math.log1p(x)
     else:

@@ -22,7 +22,7 @@ import math
 import numpy as np
 from numba import carray, njit
 
-from btjit.kernels.common import FM, fexp, ftanh, row, stack_buf
+from btjit.kernels.common import FM, ferf, fexp, ftanh, row, stack_buf
 from btjit.kernels.rng import fill, first, key
 from btjit.kernels.elementwise import (B_ADD, B_DIV, B_EQ, B_GE, B_GT, B_LE, B_LT, B_MAX, B_MIN, B_MUL, B_NE, B_POW,
                           B_RELU_GRAD, B_SIGMOID_GRAD, B_SUB, B_TANH_GRAD, U_ABS, U_COPY, U_ERF, U_EXP, U_LOG,
@@ -86,7 +86,7 @@ def _op(op, d, x, y, m):
             d[j] = abs(x[j])
     elif op == U_ERF:
         for j in range(m):
-            d[j] = math.erf(x[j])
+            d[j] = ferf(x[j])
     elif op == U_LOG1P:
         for j in range(m):
             d[j] = math.log1p(x[j])
