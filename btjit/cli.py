@@ -256,9 +256,11 @@ def plot(run_dir, out, debug):
 @click.option("--markdown", is_flag=True,
               help="Print the table as Markdown, headed by the machine, the date and this command line.")
 @click.option("--compile", "use_compile", is_flag=True, help="Add torch.compile rows for E5/E6.")
+@click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="scale: bf16 products (btjit precision=\"bf16\" beside its float32 step, torch under autocast).")
 @click.option("--profile", is_flag=True, help="Print btjit's per-op time breakdown for E5/E6 instead.")
 @click.option("--debug", is_flag=True, hidden=True)
-def bench(suite, only, peers, threads, reps, steps, json_path, markdown, use_compile, profile, debug):
+def bench(suite, only, peers, threads, reps, steps, json_path, markdown, use_compile, precision, profile, debug):
     """Run the paper's workloads (E1-E6) for btjit and each installed peer, side by side (or another --suite)."""
     from btjit.bench import report, suites
     if suite not in suites.SUITES:
@@ -273,7 +275,7 @@ def bench(suite, only, peers, threads, reps, steps, json_path, markdown, use_com
     try:
         rows, format_table = suites.run(suite, only=only, peers=peers, threads=threads, reps=reps,
                                         json_path=json_path, use_compile=use_compile, steps=steps,
-                                        progress=lambda s: click.echo(s, err=True))
+                                        progress=lambda s: click.echo(s, err=True), precision=precision)
     except ValueError as e:
         raise CLIError(str(e)) from None
     click.echo(format_table(rows, markdown=markdown, command=report.command_line()))

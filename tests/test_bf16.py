@@ -179,3 +179,20 @@ def test_a_bf16_export_runs_bitwise_and_records_the_instruction_set(tmp_path):
         assert got[name]["losses"] == want[name], name
     flags = json.loads((tmp_path / "wide" / "manifest.json").read_text())["cpu_flags"]
     assert ("avx512_bf16" in flags) == B.has_dpbf16()
+
+
+def test_the_scale_suite_runs_bf16_beside_float32():
+    """`btjit bench --suite scale --precision bf16`: btjit's bf16 step beside its float32 step (and torch under
+    autocast when asked), each in its own process; the rows say their precision."""
+    from btjit.bench import report, scale_suite
+    rows = scale_suite.run(only="E6", impls=["btjit"], reps=1, precision="bf16")
+    assert [(r["impl"], r["precision"], r["status"]) for r in rows] == [("btjit", "bf16", "ok"),
+                                                                       ("btjit-fp32", "fp32", "ok")]
+    assert all(r["time_s"] > 0 for r in rows)
+    head, cells = report.parse_markdown(scale_suite.format_table(rows, markdown=True, command="btjit bench"))
+    assert [c[1] for c in cells] == ["btjit bf16", "btjit-fp32"]
+    with pytest.raises(ValueError, match="precision must be fp32 or bf16"):
+        scale_suite.run(only="E6", precision="fp16")
+    from btjit.bench import suites
+    with pytest.raises(ValueError, match="--precision applies to --suite scale"):
+        suites.run("nanogpt", precision="bf16")

@@ -8,7 +8,9 @@ over the measured single-thread sgemm peak of the fastest BLAS installed: numpy'
 btjit's time over it, the first-step gradients' agreement with torch (max over params of
 max|g - g_torch| / max|g_torch|), and peak RSS (GNU time). Multiply-adds per step: forward = B*T*(12 C^2 +
 C V) for the linear layers + B*T*(T+1)*C for causal attention's two products, backward twice that.
-Child: `python -m btjit.bench.scale_suite --child S2 --impl btjit [--threads N] [--grads out.npz]`.
+With precision "bf16" (`--precision bf16`): btjit traced with precision="bf16" beside its float32 step
+("btjit-fp32") and PyTorch eager under torch.autocast("cpu", torch.bfloat16); JAX and torch.compile are not run.
+Child: `python -m btjit.bench.scale_suite --child S2 --impl btjit [--threads N] [--grads out.npz] [--precision bf16]`.
 """
 from __future__ import annotations
 
@@ -44,19 +46,21 @@ def _data(size):
     return cfg, gpt.init_params(cfg, 0), x, y
 
 
-def _make(size, impl, threads):
-    """-> (step(), first-step grads {name: array})."""
+def _make(size, impl, threads, precision="fp32"):
+    """-> (step(), first-step grads {name: array}). impl "btjit-fp32": btjit in float32 whatever precision says."""
     import numpy as np
     cfg, params, x, y = _data(size)
-    if impl == "btjit":
+    if impl.startswith("btjit"):
         import btjit
         from btjit.models import gpt
+        prec = "fp32" if impl == "btjit-fp32" else precision
         btjit.set_num_threads(threads)
         reps = btjit.replicas_for(len(y), y.size, threads)
-        g = btjit.trace(gpt.loss_fn(cfg), params, x, y, grad=True)
+        g = btjit.trace(gpt.loss_fn(cfg), params, x, y, grad=True, precision=prec)
         g.value_and_grad(x, y)
         grads = {k: v.copy() for k, v in g.grads.items()}
-        prog = btjit.trace(gpt.loss_fn(cfg), params, x, y, optimizer=btjit.optim.SGD(lr=LR), replicas=reps)
+        prog = btjit.trace(gpt.loss_fn(cfg), params, x, y, optimizer=btjit.optim.SGD(lr=LR), replicas=reps,
+                           precision=prec)
         return (lambda: prog.step(x, y)), grads
     if impl.startswith("torch"):
         import torch
@@ -65,6 +69,12 @@ def _make(size, impl, threads):
         P = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
         tx, ty = torch.from_numpy(x).long(), torch.from_numpy(y).long()
         fn = (lambda P, a, b: gpt_loss(P, a, b, cfg.n_layer, cfg.n_head))
+        if precision == "bf16":
+            plain = fn
+
+            def fn(P, a, b):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return plain(P, a, b).float()
         if impl == "torch.compile":
             fn = torch.compile(fn)
         fn(P, tx, ty).backward()
@@ -95,11 +105,11 @@ def _make(size, impl, threads):
     return step, grads
 
 
-def child(size, impl, threads, reps, grads_path):
+def child(size, impl, threads, reps, grads_path, precision="fp32"):
     import numpy as np
     from btjit.bench.run_one import pin_cpus
     pin_cpus(threads)
-    step, grads = _make(size, impl, threads)
+    step, grads = _make(size, impl, threads, precision)
     if grads_path:
         np.savez(grads_path, **grads)
     for _ in range(2):
@@ -139,11 +149,15 @@ def _agreement(g, ref) -> float:
     return max(float(np.abs(g[k] - ref[k]).max() / max(np.abs(ref[k]).max(), 1e-30)) for k in ref)
 
 
-def run(only=None, impls=None, threads=1, reps=5, compile=False, progress=lambda s: None) -> list:
+def run(only=None, impls=None, threads=1, reps=5, compile=False, progress=lambda s: None, precision="fp32") -> list:
     import numpy as np
     from btjit.bench.footprint import timed_run
     from btjit.bench.run_one import thread_env
     sizes = [s.strip() for s in only.split(",")] if only else list(SIZES)
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    if precision == "bf16":     # btjit in bf16 and in float32, torch under autocast
+        impls = ["btjit", "btjit-fp32"] + [i for i in (impls or ["torch"]) if i == "torch"]
     impls = list(impls or [i for i in IMPLS if compile or i != "torch.compile"])
     env = thread_env(threads)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] +
@@ -156,11 +170,12 @@ def run(only=None, impls=None, threads=1, reps=5, compile=False, progress=lambda
             for impl in impls:
                 progress(f"  {size} {impl}")
                 gp = os.path.join(tmp, f"{size}_{impl}.npz")
-                row = dict(size=size, impl=impl, threads=threads, status="ok", time_s=None, peak_rss_mb=None)
+                row = dict(size=size, impl=impl, threads=threads, status="ok", time_s=None, peak_rss_mb=None,
+                           precision="fp32" if impl == "btjit-fp32" else precision)
                 try:
                     out, _, rss = timed_run([sys.executable, "-m", "btjit.bench.scale_suite", "--child", size,
                                              "--impl", impl, "--threads", str(threads), "--reps", str(reps),
-                                             "--grads", gp], env)
+                                             "--grads", gp, "--precision", precision], env)
                     row.update(json.loads(out.strip().splitlines()[-1]), peak_rss_mb=rss)
                     grads[impl] = dict(np.load(gp))
                 except (RuntimeError, ValueError, IndexError) as e:
@@ -183,11 +198,11 @@ def format_table(rows, machine=None, markdown=False, command=None) -> str:
     body = []
     for r in rows:
         if not r["time_s"]:
-            body.append((r["size"], r["impl"], *"-" * 7, r["status"]))
+            body.append((r["size"], r["impl"] + (" bf16" if r.get("precision") == "bf16" else ""), *"-" * 7, r["status"]))
             continue
         ratio = f"{r['time_s'] / base[r['size']]:.2f}x" if r["size"] in base else "-"
         g = f"{r['grad_vs_torch']:.1e}" if r.get("grad_vs_torch") is not None else "-"
-        body.append((r["size"], r["impl"], f"{r['time_s'] * 1e3:.2f}", ratio, f"{r['gflops']:.1f}",
+        body.append((r["size"], r["impl"] + (" bf16" if r.get("precision") == "bf16" else ""), f"{r['time_s'] * 1e3:.2f}", ratio, f"{r['gflops']:.1f}",
                      f"{r['floor_s'] * 1e3:.2f}", f"{r['time_s'] / r['floor_s']:.2f}x", g,
                      f"{r['peak_rss_mb'] or 0:.0f}", ""))
     head = ("size", "impl", "step ms", "vs btjit", "GFLOP/s", "floor ms", "x floor", "grad vs torch", "RSS MB", "note")
@@ -202,10 +217,11 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--grads")
+    ap.add_argument("--precision", default="fp32")
     ap.add_argument("--only")
     a = ap.parse_args(argv)
     if a.child:
-        child(a.child, a.impl, a.threads, a.reps, a.grads)
+        child(a.child, a.impl, a.threads, a.reps, a.grads, a.precision)
     else:
         print(format_table(run(a.only, threads=a.threads, reps=a.reps, progress=print)))
 

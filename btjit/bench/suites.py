@@ -15,12 +15,15 @@ def _peers_list(peers):
 
 
 def run(suite, only=None, peers=None, threads=None, reps=5, json_path=None, use_compile=False, steps=None,
-        progress=print):
+        progress=print, precision="fp32"):
     """Run `suite`; threads None or 0 = every core the process may run on (the nanogpt suite: None = each side's
     own default). Writes JSON to json_path when given. progress(str) gets one line per measurement."""
     from btjit.host.threads import cores
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r} (known: {', '.join(SUITES)})")
+    if precision != "fp32" and suite != "scale":
+        raise ValueError(f"--precision applies to --suite scale (the nanogpt suite has a btjit-bf16 row), "
+                         f"not to --suite {suite}")
     n = threads or cores()
     if suite == "nanogpt":              # nanoGPT's CPU recipe end to end, btjit train beside PyTorch eager
         from btjit.bench import nanogpt_suite as mod
@@ -38,7 +41,8 @@ def run(suite, only=None, peers=None, threads=None, reps=5, json_path=None, use_
     elif suite == "scale":              # the GPT grown: E6, S1-S4
         from btjit.bench import scale_suite as mod
         impls = None if peers is None else ["btjit"] + _peers_list(peers)
-        rows = mod.run(only=only, threads=n, reps=reps, compile=use_compile, impls=impls, progress=progress)
+        rows = mod.run(only=only, threads=n, reps=reps, compile=use_compile, impls=impls, progress=progress,
+                       precision=precision)
     elif suite == "footprint":          # in-process / btjit.runtime / C host, peak RSS and step
         from btjit.bench import footprint as mod
         rows = mod.run(only=only, peers=peers, reps=reps, progress=progress)
