@@ -22,7 +22,8 @@ MR = 8              # rows of C per micro-kernel call
 KB = 256            # k-steps per packed block
 NC = 192            # columns of B packed at a time (KB / 2 x NC int32 pairs, 96 KB: in L2), as panels of 48, 32, 16
 OBP = MR * KB // 2  # where B's pairs start in the stack workspace (A's pairs, MR x KB / 2, first)
-WS = OBP + KB // 2 * NC
+TMP = OBP + KB // 2 * NC    # a B^T panel's pairs row-major, before they are transposed into B's place
+WS = TMP + KB // 2 * 48
 N_MIN = 16          # a panel is 16 columns at least: narrower products stay float32 (graph/ops/matmul.py)
 
 
@@ -224,19 +225,30 @@ def _pack(a, ws, o, src, s_lane, s_k, n_pairs, lanes, stride, k_left):
 
 
 @njit(**FM)
-def _pack_rows(a, ws, src, sar, n_pairs, rows, k_left):
-    """A's block, row-major A (pairs of a row adjacent): ws[r*KB/2 + p] = the pair (bf16 of a[src + r*sar +
-    2p], of the next) for r < rows, p < n_pairs (16 pairs a time, then _pack's loop); rows from `rows` to MR
-    zero."""
-    for r in range(MR):
+def _pack_rows(a, ws, o, src, sar, n_pairs, rows, nrows, k_left):
+    """Pairs of rows whose k-steps are adjacent (row-major A, or B^T's rows): ws[o + r*KB/2 + p] = the pair
+    (bf16 of a[src + r*sar + 2p], of the next) for r < rows, p < n_pairs (16 pairs a time, then _pack's loop);
+    rows from `rows` to nrows zero."""
+    for r in range(nrows):
         if r >= rows:
             for p in range(n_pairs):
-                ws[r * (KB // 2) + p] = 0
+                ws[o + r * (KB // 2) + p] = 0
             continue
         full = k_left // 32 * 16
         for p in range(0, full, 16):
-            _adjacent16(a, ws, r * (KB // 2) + p, src + r * sar + 2 * p, 0, 0)
-        _pack(a, ws, r * (KB // 2) + full, src + r * sar + 2 * full, 0, 1, n_pairs - full, 1, 1, k_left - 2 * full)
+            _adjacent16(a, ws, o + r * (KB // 2) + p, src + r * sar + 2 * p, 0, 0)
+        _pack(a, ws, o + r * (KB // 2) + full, src + r * sar + 2 * full, 0, 1, n_pairs - full, 1, 1,
+              k_left - 2 * full)
+
+
+@njit(**FM)
+def _pack_bt(a, ws, o, src, K, n_pairs, w, k_left):
+    """B's block of a B^T product (B (N, K) stored row-major, its rows' k-steps adjacent): packed row-major at
+    TMP, then transposed into ws[o + p*w + c]."""
+    _pack_rows(a, ws, TMP, src, K, n_pairs, w, w, k_left)
+    for p in range(n_pairs):
+        for c in range(w):
+            ws[o + p * w + c] = ws[TMP + c * (KB // 2) + p]
 
 
 @njit(**FM)
@@ -272,7 +284,10 @@ def _bf16_rows(a, ia, r, lo, m):
                     w, cc = _panel(N, c0)
                     if c0 > cs and c0 - cs + w > NC:       # the same group for every K block
                         break
-                    _pack(a, ws, o, ob + k0 * sbk + cc * sbc, sbc, sbk, kp, w, w, kb)
+                    if tb == 1:
+                        _pack_bt(a, ws, o, ob + k0 + cc * K, K, kp, w, kb)
+                    else:
+                        _pack(a, ws, o, ob + k0 * sbk + cc * sbc, sbc, sbk, kp, w, w, kb)
                     o += kp * w
                     c0 += w
                 ce = c0
@@ -281,7 +296,7 @@ def _bf16_rows(a, ia, r, lo, m):
                     if ta == 1:
                         _pack(a, ws, 0, oa + rb * sar + k0 * sak, sar, sak, kp, mr, MR, kb)
                     else:
-                        _pack_rows(a, ws, oa + rb * sar + k0 * sak, sar, kp, mr, kb)
+                        _pack_rows(a, ws, 0, oa + rb * sar + k0 * sak, sar, kp, mr, MR, kb)
                     rl = relu if last else 0
                     sp, sr = (MR, 1) if ta == 1 else (1, KB // 2)
                     c0, o = cs, OBP
