@@ -89,3 +89,32 @@ def test_gemm_variants_against_numpy(M, N, K, ta, tb, threads):
         dA, dB = G @ b.T, a.T @ G
         np.testing.assert_allclose(prog.grads["A"], dA.T if ta else dA, rtol=tol * 10, atol=tol * K)
         np.testing.assert_allclose(prog.grads["B"], dB.T if tb else dB, rtol=tol * 10, atol=tol * K)
+
+
+@pytest.mark.parametrize("shape", [(70, 1000), (3, 5, 9001)])
+def test_large_elementwise_chains_split_bitwise_equal_to_one_thread(shape):
+    """A fused chain over >= 64K elements runs as runs of blocks on the threads (k_ew_program_par): a broadcast
+    row, a scalar (a register filled once per run, also where a run starts at a row's short last block),
+    dropout's random numbers (functions of the element's index) and a strided operand; every thread count
+    gives the one-thread result bit for bit, and that is numpy's (up to float32 rounding)."""
+    rng = np.random.default_rng(0)
+    p = {"w": rng.normal(size=shape).astype(np.float32), "b": rng.normal(size=shape[-1]).astype(np.float32),
+         "s": np.array(0.7, np.float32)}
+    x = rng.normal(size=shape[::-1]).astype(np.float32)
+
+    def fn(p, x):
+        h = btjit.tanh(p["w"] * p["s"] + p["b"]) * btjit.transpose(x) + 1.5
+        return btjit.dropout(h, 0.25) * 2.0, {"h": h}
+    outs = []
+    for threads in (1, 2):
+        prog = btjit.trace(fn, p, x, threads=threads, seed=3)
+        assert ("k_ew_program_par" in " ".join(prog.kernels.entries)) == (threads > 1)
+        prog.forward(x)
+        outs.append({k: v.copy() for k, v in prog.outputs.items()})
+    for k in outs[0]:
+        assert np.array_equal(outs[0][k], outs[1][k]), k
+    h = np.tanh(p["w"] * p["s"] + p["b"]) * x.T + 1.5
+    np.testing.assert_allclose(outs[0]["h"], h, rtol=2e-6, atol=2e-6)
+    kept = outs[0]["out"] != 0
+    assert 0.7 < kept.mean() < 0.8
+    np.testing.assert_allclose(outs[0]["out"][kept], (h * 2.0 / 0.75)[kept], rtol=2e-6, atol=2e-6)

@@ -198,6 +198,7 @@ class Program(Runner):
         fwd, fwd_labels = lower_eqns(graph.eqns[:graph.n_forward], L)
         fwd, fwd_labels = checks + fwd, ["check_index"] * len(checks) + fwd_labels
         bwd, bwd_labels = lower_eqns(graph.eqns[graph.n_forward:graph.n_backward], L)
+        replica_threads, L.threads = L.threads, max(1, n_threads)    # the update runs alone, after the replicas
         upd = update.rows(graph, L, self._hyper, skip_nonfinite) if update else []
         self._computed_checks = L.computed_checks
         asg = assign_rows(graph, L)
@@ -209,7 +210,7 @@ class Program(Runner):
         rows = fwd + bwd + upd + asg
         self.tape = np.array(rows, np.int64).reshape(len(rows), -1)
         split = any(LIBRARY.entry_of(op)[0].endswith("_par") for op in self.tape[:, 0])
-        self.threads = replicas * (L.threads if split else 1)     # what the step uses (prog.threads)
+        self.threads = max(replicas * replica_threads, L.threads) if split else replicas   # what the step uses
         self.precision = bf16.describe() if any(LIBRARY.entry_of(op)[0].startswith("k_matmul_bf16")
                                                 for op in self.tape[:, 0]) else "fp32"
         fdt = np_dtype(graph.float_dtype)

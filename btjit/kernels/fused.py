@@ -20,9 +20,9 @@ the first block only: its register is kept).
 import math
 
 import numpy as np
-from numba import carray, njit
+from numba import carray, njit, prange
 
-from btjit.kernels.common import FM, ferf, fexp, ftanh, row, stack_buf
+from btjit.kernels.common import FM, FM_PAR, ferf, fexp, ftanh, row, stack_buf
 from btjit.kernels.rng import fill, first, key
 from btjit.kernels.elementwise import (B_ADD, B_DIV, B_EQ, B_GE, B_GT, B_LE, B_LT, B_MAX, B_MIN, B_MUL, B_NE, B_POW,
                           B_RELU_GRAD, B_SIGMOID_GRAD, B_SUB, B_TANH_GRAD, U_ABS, U_COPY, U_ERF, U_EXP, U_LOG,
@@ -155,40 +155,68 @@ def _at(a, R, P, r, code, i0, i1, i2, j0):
 def k_ew_program(a, ia, r):
     """Run the fused elementwise program at ia[r[1]:] (layout in the module docstring) over its iteration
     space; operand k lives at a[r[2 + k]:] with the program's strides."""
+    _blocks(a, ia, r, 0, n_blocks(ia, r))
+
+
+@row("oprog " + " ".join(f"o{k}" for k in range(MAX_OPERANDS)) + " okey ebase esize nparts")
+@njit(**FM_PAR)
+def k_ew_program_par(a, ia, r):
+    """k_ew_program with the iteration space's blocks cut into nparts runs of blocks on the thread pool. Each
+    element is computed by the same instructions as on one thread (the random numbers are functions of the
+    element's index), so the result is bitwise k_ew_program's."""
+    nparts = r[MAX_OPERANDS + 5]
+    nb = n_blocks(ia, r)
+    for j in prange(nparts):
+        _blocks(a, ia, r, j * nb // nparts, (j + 1) * nb // nparts)
+
+
+@njit(**FM)
+def n_blocks(ia, r):
+    """Blocks of BLOCK elements along the innermost dim of a k_ew_program row's iteration space, in all."""
+    P = ia[r[1]:]
+    return P[2] * P[3] * P[4] * ((P[5] + BLOCK - 1) // BLOCK)
+
+
+@njit(**FM)
+def _blocks(a, ia, r, lo, hi):
+    """Blocks lo .. hi of the row's iteration space (in C order, BLOCK elements along the innermost dim each);
+    the scalar operands' registers (LOADC) are filled at the first."""
     oprog = r[1]
     okey = r[MAX_OPERANDS + 2]; ebase = r[MAX_OPERANDS + 3]; esize = r[MAX_OPERANDS + 4]
     P = ia[oprog:]
     ninstr, nops = P[0], P[1]
-    n0, n1, n2, n3 = P[2], P[3], P[4], P[5]
+    n1, n2, n3 = P[3], P[4], P[5]
+    nb3 = (n3 + BLOCK - 1) // BLOCK
     oi = HEAD + 4 * nops
     R = carray(stack_buf(a, RSIZE), (RSIZE,))
-    for i0 in range(n0):
-        for i1 in range(n1):
-            for i2 in range(n2):
-                for j0 in range(0, n3, BLOCK):
-                    m = min(BLOCK, n3 - j0)
-                    for t in range(ninstr):
-                        q = oi + 5 * t
-                        op, dr, xr, yr, zr = P[q], P[q + 1], P[q + 2], P[q + 3], P[q + 4]
-                        d = _at(a, R, P, r, dr, i0, i1, i2, j0)
-                        if op == LOAD:                   # operand xr (stride 0 or > 1) into register dr
-                            s = HEAD + 4 * xr
-                            base = r[2 + xr] + i0 * P[s] + i1 * P[s + 1] + i2 * P[s + 2] + j0 * P[s + 3]
-                            st = P[s + 3]
-                            if st == 0:
-                                _fill(d, a[base], m)
-                            else:
-                                for j in range(m):
-                                    d[j] = a[base + j * st]
-                        elif op == RAND:
-                            k0, k1, c2, c3 = key(ia, okey, xr)
-                            e = first(ia, okey, esize) + ebase + ((i0 * n1 + i1) * n2 + i2) * n3 + j0
-                            fill(d, m, e, yr, k0, k1, c2, c3)
-                        elif op == LOADC:                # a scalar operand xr: its register filled once
-                            if i0 == 0 and i1 == 0 and i2 == 0 and j0 == 0:
-                                _fill(d, a[r[2 + xr]], m)
-                        elif op == WHERE:
-                            _where(d, _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0),
-                                   _at(a, R, P, r, zr, i0, i1, i2, j0), m)
-                        else:
-                            _op(op, d, _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0), m)
+    for b in range(lo, hi):
+        j0 = b % nb3 * BLOCK
+        i2 = b // nb3 % n2
+        i1 = b // nb3 // n2 % n1
+        i0 = b // nb3 // n2 // n1
+        m = min(BLOCK, n3 - j0)
+        for t in range(ninstr):
+            q = oi + 5 * t
+            op, dr, xr, yr, zr = P[q], P[q + 1], P[q + 2], P[q + 3], P[q + 4]
+            d = _at(a, R, P, r, dr, i0, i1, i2, j0)
+            if op == LOAD:                   # operand xr (stride 0 or > 1) into register dr
+                s = HEAD + 4 * xr
+                base = r[2 + xr] + i0 * P[s] + i1 * P[s + 1] + i2 * P[s + 2] + j0 * P[s + 3]
+                st = P[s + 3]
+                if st == 0:
+                    _fill(d, a[base], m)
+                else:
+                    for j in range(m):
+                        d[j] = a[base + j * st]
+            elif op == RAND:
+                k0, k1, c2, c3 = key(ia, okey, xr)
+                e = first(ia, okey, esize) + ebase + ((i0 * n1 + i1) * n2 + i2) * n3 + j0
+                fill(d, m, e, yr, k0, k1, c2, c3)
+            elif op == LOADC:                # a scalar operand xr: its register filled once, for any block
+                if b == lo:
+                    _fill(d, a[r[2 + xr]], min(BLOCK, n3))
+            elif op == WHERE:
+                _where(d, _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0),
+                       _at(a, R, P, r, zr, i0, i1, i2, j0), m)
+            else:
+                _op(op, d, _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0), m)

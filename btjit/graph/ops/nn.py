@@ -9,6 +9,7 @@ from btjit.graph import trace as T
 from btjit.graph.rng import attn_dropout_in_kernel
 from btjit.kernels import attention, attn_kept, attn_lanes, rng
 from btjit.kernels.attn_loops import BL_MIN_B, attn_blocks, attn_bwd_scratch_size, attn_scratch_size
+from btjit.kernels.common import MAX_THREADS
 
 from btjit.graph.optable import Case, F, ShapeError, TABLE, _float, bstrides, cstrides, loop_nest, op, same_as_input
 
@@ -330,6 +331,9 @@ def _oshapes(a):
     return a.get("oshapes", (tuple(a["shape"]),) * len(a["outs"]))
 
 
+PAR_EW_ELEMENTS = 65536    # a fused chain over this many elements is split over the threads (launch ~2-4 us)
+
+
 def _lower_ew(e, L):
     """One k_ew_program row per outer index beyond the program's 4 dims (usually one row). Operands: the
     inputs (iview: offset and strides each, e.g. a slice's region) then the outputs (oview: output, offset,
@@ -345,9 +349,14 @@ def _lower_ew(e, L):
         [(L.off(e.outs[k]) + off, st or (0,)) for k, off, st in oview]
     rows = []
     for offs, inner in loop_nest(shape or (1,), opers, 4):
-        rows.append(L.row("k_ew_program", oprog=L.off(e.ins[0]), okey=L.off(keys[0]) if keys else 0,
-                          ebase=len(rows) * int(np.prod([n for n, _ in inner])), esize=int(np.prod(shape)),
-                          **{f"o{k}": offs[k] if k < len(offs) else 0 for k in range(MAX_OPERANDS)}))
+        size = int(np.prod([n for n, _ in inner]))
+        args = dict(oprog=L.off(e.ins[0]), okey=L.off(keys[0]) if keys else 0, ebase=len(rows) * size,
+                    esize=int(np.prod(shape)), **{f"o{k}": offs[k] if k < len(offs) else 0 for k in range(MAX_OPERANDS)})
+        threads = min(L.threads, MAX_THREADS)
+        if threads > 1 and size >= PAR_EW_ELEMENTS:     # split into runs of blocks: bitwise equal to one thread
+            rows.append(L.row("k_ew_program_par", **args, nparts=threads))
+        else:
+            rows.append(L.row("k_ew_program", **args))
     return rows
 
 
