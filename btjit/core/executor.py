@@ -53,14 +53,17 @@ def step(A, IA, tape, table, nsplit, stop, flag, p0, npar, g0, ngrad, oout, oinv
     if IA[0, flag] != 0:
         return
     inv = A[0, oinv]
-    g = A[0, g0:g0 + ngrad]
     loss = A[0, oout]
     for r in range(1, R):
-        gr = A[r, g0:g0 + ngrad]
-        for i in range(ngrad):
-            g[i] += gr[i]
         loss += A[r, oout]
-    for i in range(ngrad):
-        g[i] *= inv
+    for c in prange(R):                 # the grads' average, in R runs on the threads (each element summed in
+        lo, hi = g0 + c * ngrad // R, g0 + (c + 1) * ngrad // R    # replica order as on one thread)
+        g = A[0, lo:hi]
+        for r in range(1, R):
+            gr = A[r, lo:hi]
+            for i in range(hi - lo):
+                g[i] += gr[i]
+        for i in range(hi - lo):
+            g[i] *= inv
     A[0, oout] = loss * inv
     run(A[0], IA[0], tape, table, nsplit, stop)
