@@ -573,3 +573,26 @@ def test_float32_exp_of_masked_scores_is_exactly_zero():
     np.testing.assert_allclose(sm, np.exp(x - 3.0) / np.exp(x - 3.0).sum(), rtol=1e-6, atol=1e-30)
     assert e[0, 1] == 0.0 and e[0, 2] == 0.0
     np.testing.assert_allclose(e[0, [0, 3, 4]], np.exp(x[0, [0, 3, 4]].astype(np.float64)), rtol=1e-6)
+
+
+def test_a_transpose_met_again_is_traced_once():
+    """x @ w.T in every step of a loop (torch's Linear weight layout, an RNN cell): the transpose of w is made
+    once, not per step; the loss and gradients are numpy's."""
+    rng = np.random.default_rng(0)
+    p = {"w": rng.normal(size=(6, 4)) * 0.5, "u": rng.normal(size=(6, 6)) * 0.3}
+    x = rng.normal(size=(5, 3, 4))
+
+    def fn(p, x):
+        h = btjit.tanh(x[0] @ p["w"].T)
+        for t in range(1, x.shape[0]):
+            h = btjit.tanh(x[t] @ p["w"].T + h @ p["u"].T)
+        return btjit.sum(h * h)
+    prog = btjit.trace(fn, p, x, dtype="float64", grad=True)
+    assert sum(e.op == "transpose" for e in prog.graph.eqns[:prog.graph.n_forward]) == 2
+    v = prog.value_and_grad(x)
+    h = np.tanh(x[0] @ p["w"].T)
+    for t in range(1, 5):
+        h = np.tanh(x[t] @ p["w"].T + h @ p["u"].T)
+    assert v == pytest.approx(float((h * h).sum()), rel=1e-12)
+    from btjit.testing import check_grads
+    check_grads(fn, p, x)

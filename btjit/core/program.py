@@ -120,6 +120,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     with T.building(g):
         ptr = {k: T.Tracer(v, g) for k, v in {**g.params, **g.buffers}.items()}
         res = fn(ptr, *[T.Tracer(v, g) for v in g.inputs])
+    g.memo.clear()                  # the passes below rewrite the graph: nothing is reused past here
     out, aux = (res if isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict) else (res, {}))
     if not isinstance(out, T.Tracer):
         raise T.TraceError(f"the traced function must return a traced value (got {type(out).__name__})")

@@ -84,6 +84,8 @@ class Graph:
     buffers: dict = field(default_factory=dict)    # name -> Var: state a step reads and writes, not trained
     assigns: list = field(default_factory=list)    # Assign: a value written into a state Var when the step ends
     training: bool = True                          # the mode btjit.is_training() reports while tracing
+    memo: dict = field(default_factory=dict)       # while fn is traced: (op, input id, attrs) -> Var, pure ops
+    #                                                met again on the same input made once (a weight's .T per RNN cell)
     # values at fixed places outside the planned area, read and assigned by the optimizer update
     # (graph/memory.py places them): Var -> ("slice", k, first param name) = a param group's slice of the params
     # region (k = 0), the grads (k = 1) or optimizer state j (k = 2 + j); ("hyper", i) = hyper-parameter slot i

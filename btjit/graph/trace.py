@@ -294,7 +294,12 @@ def transpose(x, axes=None):
     perm = tuple(reversed(range(x.ndim))) if axes is None else tuple(int(a) % x.ndim for a in axes)
     if perm == tuple(range(x.ndim)):
         return x
-    return emit("transpose", (x,), perm=perm)
+    key = ("transpose", x.node.id, perm)
+    if key in x.graph.memo:
+        return Tracer(x.graph.memo[key], x.graph)
+    out = emit("transpose", (x,), perm=perm)
+    x.graph.memo[key] = out.node
+    return out
 
 
 def swapaxes(x, a1, a2):
