@@ -9,9 +9,10 @@ through its address, best of 5 interleaved calls (after a warm-up call); the lim
 to which the micro-kernels take less time for the two, MIN_LIMIT if they lose at the first. (Zen 4, scipy's
 OpenBLAS: 1.2-1.6x on a transformer's dW products of 98K-131K floats; the GPT at S1 and S3 7-8% faster with
 the limit at 2M floats than at 128K.)
-Remembered in `gemm.json` keyed by the CPU and the BLAS choice; $BTJIT_MICRO_B_MAX (floats) overrides.
+Remembered in `gemm.json` keyed by the CPU, the BLAS choice and the kernel library's version (kernels that
+changed are measured again); $BTJIT_MICRO_B_MAX (floats) overrides.
 The second, measured apart (k_matmul_micro against a direct sgemm call; only programs with such products
-ask): B^T products of 8-32 rows (NT_PROBES, 65K-1M multiply-adds), best of 20 interleaved
+ask): B^T products of 8-32 rows (NT_PROBES, 65K-8M multiply-adds: an LSTM's dX on 32 rows is 5M), best of 20 interleaved
 calls; the limit is the largest probe up to which gemm_micro_nt takes no longer than BLAS for the probes so
 far together, linalg.NT_MACS if none (Zen 4, OpenBLAS, timed in a loop: 32 x 128 x 64 in 5.4 against
 8.1 us, 8 x 128 x 64 1.4 against 1.9 us). Remembered in `gemm_nt.json`; $BTJIT_NT_MACS overrides.
@@ -31,7 +32,7 @@ from btjit.kernels.linalg import NT_MACS
 
 SIZES = (131072, 262144, 524288, 1048576, 2097152)  # floats of B tried
 REPS = 5
-NT_PROBES = ((8, 128, 64), (32, 128, 64), (32, 256, 128))   # (M, N, K) of the B^T products tried
+NT_PROBES = ((8, 128, 64), (32, 128, 64), (32, 256, 128), (32, 256, 512), (32, 512, 512))   # (M, N, K) tried
 _VALUE: list = []
 _NT: list = []
 
@@ -57,7 +58,9 @@ def _remembered(name, field, measure_fn) -> int:
     (value, times)); the first process to measure sets the rule for all."""
     from btjit.host.cachedir import remembered
     from btjit.kernels import blas
-    key = json.dumps([llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(), blas.CHOICE["name"]])
+    from btjit.kernels.library import LIBRARY
+    key = json.dumps([llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(), blas.CHOICE["name"],
+                      LIBRARY.key])
 
     def measure():
         value, times = measure_fn()
@@ -107,10 +110,10 @@ def _product(M, N, K, ta, tb):
 
 def _call(fn, a, r):
     """A zero-argument call of the library entry fn on arena a and row r (the pointers taken once: numpy's
-    .ctypes costs ~1 us a time)."""
+    .ctypes costs ~1 us a time; the arrays are kept alive by the call, or the pointers would dangle)."""
     ia = np.zeros(64, np.int32)
     args = (a.ctypes.data, a.size, ia.ctypes.data, ia.size, r.ctypes.data)
-    return lambda: fn(*args)
+    return lambda keep=(a, ia, r): fn(*args)
 
 
 def measure() -> tuple:
