@@ -149,6 +149,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         grads = autodiff.differentiate(g)
         fuse.fuse_grad_accumulation(g)
         fuse.fuse_scatter_sum(g)
+        fuse.fold_transposed_operands(g)
         for name in g.params:
             if name not in grads:
                 warnings.warn(f"btjit: parameter {name!r} does not reach the loss; its gradient is always zero",

@@ -167,6 +167,32 @@ def fuse_grad_accumulation(graph: Graph) -> None:
     graph.eqns = [fused.get(id(e), e) for e in graph.eqns if id(e) not in drop]
 
 
+def fold_transposed_operands(graph: Graph) -> None:
+    """matmul(a, transpose(w), tb=True) -> matmul(a, w, tb=False) where the transpose swaps w's last two axes
+    (and likewise for a and ta): the backward of x @ w.T (torch's Linear layout, an RNN cell's h @ W_hh^T) reads
+    w as the plain product it is, on the fast path, instead of its transpose transposed back. Only flags that
+    turn off: a product made transposed (B^T, slower on few rows) is never introduced."""
+    prod = {o.id: e for e in graph.eqns for o in e.outs}
+
+    def swapped(v):
+        t = prod.get(v.id)
+        n = len(v.shape)
+        if t is not None and t.op == "transpose" and n >= 2 and \
+                tuple(t.attrs["perm"]) == tuple(range(n - 2)) + (n - 1, n - 2):
+            return t.ins[0]
+        return None
+    for i, e in enumerate(graph.eqns):
+        if e.op != "matmul":
+            continue
+        ins, attrs = list(e.ins), dict(e.attrs)
+        for k, flag in ((0, "ta"), (1, "tb")):
+            src = swapped(ins[k]) if attrs[flag] else None
+            if src is not None:
+                ins[k], attrs[flag] = src, False
+        if attrs != e.attrs:
+            graph.eqns[i] = Eqn("matmul", tuple(ins), e.outs, attrs, e.src)
+
+
 def fuse_scatter_sum(graph: Graph) -> None:
     """backward: the sum of slice_scatters of g_1 .. g_n (each used once) whose regions tile their shape along
     one axis -> concatenate(g_1 .. g_n) along it: the gradient of x split into pieces that are all used (LSTM /
