@@ -265,22 +265,32 @@ def cc_build(export_dir, exe):
     assert r.returncode == 0, r.stderr
 
 
+def c_host_train(tmp_path, data, steps):
+    """The C host built at tmp_path/train and run `steps` steps of the export tmp_path/e on data's (x, y) batches
+    (written to tmp_path/batches.bin): the CompletedProcess (stdout: a loss a line)."""
+    with open(tmp_path / "batches.bin", "wb") as f:
+        for x, y in data:
+            f.write(x.tobytes() + y.tobytes())
+    cc_build(tmp_path / "e", tmp_path / "train")
+    return c_host_run(tmp_path, steps)
+
+
+def c_host_run(tmp_path, steps):
+    """The C host built by c_host_train run again for `steps` steps on its batches.bin."""
+    return subprocess.run([str(tmp_path / "train"), str(tmp_path / "e"), str(steps), str(tmp_path / "batches.bin")],
+                          capture_output=True, text=True)
+
+
 @pytest.mark.skipif(CC is None, reason="no C compiler (cc/gcc) on this machine")
 def test_the_c_host_trains_what_python_trains(tmp_path):
     prog = gpt_program(btjit.optim.AdamW(lr=1e-2))
     prog.export(tmp_path / "e")
     data = batches(5)
-    with open(tmp_path / "batches.bin", "wb") as f:
-        for x, y in data:
-            f.write(x.tobytes() + y.tobytes())
-    cc_build(tmp_path / "e", tmp_path / "train")
-    r = subprocess.run([str(tmp_path / "train"), str(tmp_path / "e"), "5", str(tmp_path / "batches.bin")],
-                       capture_output=True, text=True)
+    r = c_host_train(tmp_path, data, 5)
     assert r.returncode == 0, r.stderr
     got = [np.float32(ln.split()[-1]) for ln in r.stdout.splitlines()]
     assert got == [np.float32(prog.step(x, y)) for x, y in data]    # %.9g round-trips a float32
-    r = subprocess.run([str(tmp_path / "train"), str(tmp_path / "e"), "9", str(tmp_path / "batches.bin")],
-                       capture_output=True, text=True)
+    r = c_host_run(tmp_path, 9)
     assert r.returncode == 1 and "no batch for step 5" in r.stderr
     flip_byte(tmp_path / "e" / "arena.bin", 100)
     r = subprocess.run([str(tmp_path / "train"), str(tmp_path / "e"), "1"], capture_output=True, text=True)

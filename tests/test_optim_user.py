@@ -2,7 +2,6 @@
 transcription, compiles no kernel AdamW does not use, and its state goes through state_dict, a checkpoint and
 --resume bit for bit, an export run by btjit.runtime in a fresh interpreter and by the C host; an update
 that reads an old value after writing the new one, and one that returns a param as state."""
-import subprocess
 
 import numpy as np
 import pytest
@@ -10,7 +9,7 @@ import pytest
 import btjit
 import btjit.train.checkpoint as K
 import optim_numpy as R
-from test_export import CC, batches, cc_build, gpt_program, run_fresh
+from test_export import CC, batches, c_host_train, gpt_program, run_fresh
 from test_optim import SHAPES, loss, params0
 from test_optim import batches as quad_batches
 
@@ -89,12 +88,7 @@ def test_user_optimizer_exports_and_runs_in_the_runtime_and_the_c_host(tmp_path)
         np.testing.assert_array_equal(mine[k], ref[k], err_msg=k)
     if CC is None:
         pytest.skip("no C compiler (cc/gcc) on this machine")
-    with open(tmp_path / "batches.bin", "wb") as f:
-        for x, y in data:
-            f.write(x.tobytes() + y.tobytes())
-    cc_build(tmp_path / "e", tmp_path / "train")
-    r = subprocess.run([str(tmp_path / "train"), str(tmp_path / "e"), "5", str(tmp_path / "batches.bin")],
-                       capture_output=True, text=True)
+    r = c_host_train(tmp_path, data, 5)
     assert r.returncode == 0, r.stderr
     assert [np.float32(ln.split()[-1]) for ln in r.stdout.splitlines()] == [np.float32(v) for v in losses]
 

@@ -9,18 +9,11 @@ import numpy as np
 import pytest
 
 import btjit
+from btjit.bench.workloads import e1   # the paper's E1, written once for every backend
 from btjit.scalar.lower import STRAIGHT_LINE_MAX
 from btjit.scalar.front import NodeFileError, load_values, save_values
 
 LOWERINGS = ["straight", "tape"]
-
-
-def e1(a, b):
-    c = a + b
-    d = a * b + b ** 3
-    e = c - d
-    f = e ** 2
-    return f / 2
 
 
 def e2(a, b, relu=btjit.relu):

@@ -3,6 +3,7 @@
 trace: record fn into a Graph -> autodiff -> pin loss/outputs/grads -> dead-code elimination -> verify ->
 plan the arena -> lower to a kernel tape -> load the tape's kernels from the library. Program owns the arena
 and the tape; `step()` is one native call of the fixed executor (forward, backward, update).
+The arena's memory is btjit/core/arena.py's; the bounds of index inputs are btjit/core/bounds.py's.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from btjit.graph.lower import Lowering, assign_rows, lower_eqns
 from btjit.graph.memory import Shared, pin, plan as make_plan, storage_roots
 from btjit.graph.ops import TABLE
 from btjit.core import executor as X
+from btjit.core.arena import aligned_rows as _aligned_rows, arena as _arena
+from btjit.core.bounds import index_bounds as _index_bounds
 from btjit.host import threads as _threads
 from btjit.kernels import bf16
 from btjit.kernels.library import LIBRARY
@@ -369,72 +372,3 @@ class Program(Runner):
         if self.optimizer is None:
             raise RuntimeError("this program was traced without an optimizer; nothing to apply")
         self._run(self.a, self.ia, self.tape, self.n_bwd, self.tape.shape[0])
-
-
-def _index_bounds(graph) -> dict:
-    """For integer batch inputs used as indices: input position -> (exclusive upper bound, a value allowed
-    besides or None: an ignore_index every use of the input ignores). Integer constants used as indices (also
-    through a reshape) are checked here, once: a TraceError naming the op and line."""
-    pos = {v.id: i for i, v in enumerate(graph.inputs)}
-    consts = {v.id: c for v, c in graph.consts.items() if v.dtype == "i32"}
-    root = storage_roots(graph)
-    bounds = {}
-    for e in graph.eqns:
-        hi, idx, ok = None, None, None
-        if e.op == "take":
-            hi, idx = e.ins[0].shape[0], e.ins[1]
-        elif e.op == "take_sum":
-            hi, idx = e.ins[0].shape[1], e.ins[1]
-        elif e.op == "cross_entropy":
-            hi, idx, ok = e.ins[0].shape[-1], e.ins[1], e.attrs.get("ignore_index")
-        elif e.op == "check_index":
-            hi, idx, ok = e.attrs["hi"], e.ins[0], e.attrs.get("ok")
-        if idx is not None:
-            r = root.get(idx.id, idx.id)
-            i = pos.get(r)
-            if i is not None:
-                h, o = bounds.get(i, (hi, ok))
-                bounds[i] = (min(h, hi), o if o == ok else None)
-            c = consts.get(r)
-            c = c[c != ok] if c is not None and ok is not None else c
-            if c is not None and c.size and (c.min() < 0 or c.max() >= hi):
-                raise T.TraceError(f"{e.op}: constant index values must be in [0, {hi}), got min {c.min()} "
-                                   f"max {c.max()} — {e.src}")
-    return bounds
-
-
-RESERVE = 1 << 30      # bytes of address space past a program's arena kept for its prog.eval programs
-
-
-def _arena(rows, n, dtype, share=None):
-    """(the whole mapping, the (rows, n') arena): a program's arena at the start of an anonymous mapping that
-    reserves address space (never touched, never committed) for the eval programs that share it; an eval
-    program's (share=) is its parent's mapping, its own values past the parent's arena."""
-    if share is not None:
-        if n > share._full.size:
-            raise MemoryError(f"prog.eval: the eval program needs {n * share.dtype.itemsize / 1e6:.1f} MB past the "
-                              f"arena's start; {share._full.nbytes / 1e6:.1f} MB are reserved (btjit.core.program.RESERVE)")
-        return share._full, share._full[:n].reshape(1, n)
-    import mmap
-    itemsize = np.dtype(dtype).itemsize
-    per = 64 // itemsize
-    n = -(-n // per) * per
-    size = rows * n * itemsize + RESERVE
-    try:
-        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
-    except (OSError, ValueError):      # no lazy reservation here: the arena alone (prog.eval then refuses)
-        A = _aligned_rows(rows, n, dtype)
-        return A.reshape(-1), A
-    full = np.frombuffer(m, dtype)
-    return full, full[:rows * n].reshape(rows, n)
-
-
-def _aligned_rows(rows, n, dtype):
-    """A zeroed C-contiguous (rows, n') array, 64-byte aligned, n' = n rounded up to 64 bytes (so every row
-    is aligned)."""
-    itemsize = np.dtype(dtype).itemsize
-    per = 64 // itemsize
-    n = -(-n // per) * per
-    buf = np.zeros(rows * n + per, dtype)
-    start = (-buf.ctypes.data % 64) // itemsize
-    return buf[start:start + rows * n].reshape(rows, n)

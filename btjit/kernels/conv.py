@@ -28,11 +28,20 @@ def k_im2col(a, ia, r):
     x); back 1: x = the sum of col's entries over the patches reading each pixel."""
     back = r[1]; ox = r[2]; ocol = r[3]; N = r[4]; G = r[5]; Cg = r[6]; H = r[7]; W = r[8]; OH = r[9]
     OW = r[10]; kh = r[11]; kw = r[12]; sh = r[13]; sw = r[14]; ph = r[15]; pw = r[16]; dh = r[17]; dw = r[18]
-    if back:
-        col2im(a, ox, ocol, N, G, Cg, H, W, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw)
-        return
+    patches(a, back, ox, ocol, N, G, Cg, H, W, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw)
+
+
+@njit(**FM)
+def patches(a, back, ox, ocol, N, G, Cg, H, W, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw):
+    """One loop nest over the patches for both directions. back 0 (im2col): col[g, n, oh, ow, c, i, j] = the
+    pixel of x it reads, zeros in the padding. back 1 (col2im): x[n, g*Cg + c, ih, iw] = the sum of col's
+    entries over the patches reading (ih, iw) (overwrites x)."""
     zero = cvt(a, 0.0)
     K = Cg * kh * kw
+    if back:
+        dx = a[ox:ox + N * G * Cg * H * W]
+        for t in range(dx.shape[0]):
+            dx[t] = zero
     for g in range(G):
         for n in range(N):
             for oh in range(OH):
@@ -43,42 +52,22 @@ def k_im2col(a, ia, r):
                         xo = ox + ((n * G + g) * Cg + c) * H * W
                         for i in range(kh):
                             ih = oh * sh - ph + i * dh
-                            dst = col[(c * kh + i) * kw:(c * kh + i) * kw + kw]
+                            seg = col[(c * kh + i) * kw:(c * kh + i) * kw + kw]
                             if ih < 0 or ih >= H:
+                                if not back:
+                                    for j in range(kw):
+                                        seg[j] = zero
+                                continue
+                            xr = a[xo + ih * W:xo + ih * W + W]
+                            if back:
                                 for j in range(kw):
-                                    dst[j] = zero
-                                continue
-                            xr = a[xo + ih * W:xo + ih * W + W]
-                            for j in range(kw):
-                                iw = ow * sw - pw + j * dw
-                                dst[j] = xr[iw] if 0 <= iw < W else zero
-
-
-@njit(**FM)
-def col2im(a, odx, ocol, N, G, Cg, H, W, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw):
-    """dx[n, g*Cg + c, ih, iw] = the sum of col[g, n, oh, ow, c, i, j] over the patches reading (ih, iw)."""
-    K = Cg * kh * kw
-    dx = a[odx:odx + N * G * Cg * H * W]
-    for t in range(dx.shape[0]):
-        dx[t] = cvt(a, 0.0)
-    for g in range(G):
-        for n in range(N):
-            for oh in range(OH):
-                for ow in range(OW):
-                    base = ocol + (((g * N + n) * OH + oh) * OW + ow) * K
-                    col = a[base:base + K]
-                    for c in range(Cg):
-                        xo = odx + ((n * G + g) * Cg + c) * H * W
-                        for i in range(kh):
-                            ih = oh * sh - ph + i * dh
-                            if ih < 0 or ih >= H:
-                                continue
-                            src = col[(c * kh + i) * kw:(c * kh + i) * kw + kw]
-                            xr = a[xo + ih * W:xo + ih * W + W]
-                            for j in range(kw):
-                                iw = ow * sw - pw + j * dw
-                                if 0 <= iw < W:
-                                    xr[iw] += src[j]
+                                    iw = ow * sw - pw + j * dw
+                                    if 0 <= iw < W:
+                                        xr[iw] += seg[j]
+                            else:
+                                for j in range(kw):
+                                    iw = ow * sw - pw + j * dw
+                                    seg[j] = xr[iw] if 0 <= iw < W else zero
 
 
 @row("back mode ox oy odx NC H W OH OW kh kw sh sw ph pw")

@@ -7,6 +7,7 @@ import numpy as np
 from numba import njit
 
 from btjit.kernels.common import FM, cvt, fexp, fexp_in_range, row
+from btjit.kernels.norm import sq_dev, total
 
 
 # ---------------------------------------------------------------- LayerNorm
@@ -29,15 +30,8 @@ def k_layernorm_fwd(a, ia, r):
     for i in range(M):
         x = a[ox + i * C:ox + i * C + C]
         y = a[oy + i * C:oy + i * C + C]
-        s = zero
-        for c in range(C):
-            s += x[c]
-        mu = s * invC
-        v = zero
-        for c in range(C):
-            d = x[c] - mu
-            v += d * d
-        rs = one / math.sqrt(v * invC + eps)
+        mu = total(x, zero) * invC
+        rs = one / math.sqrt(sq_dev(x, mu, zero) * invC + eps)
         mean[i] = mu
         rstd[i] = rs
         for c in range(C):
@@ -59,9 +53,8 @@ def k_layernorm_bwd(a, ia, r):
     g = a[og:og + C]
     dg = a[odg:odg + C]
     db = a[odb:odb + C]
-    for c in range(C):
-        dg[c] = zero
-        db[c] = zero
+    dg[:] = zero
+    db[:] = zero
     for i in range(M):
         x = a[ox + i * C:ox + i * C + C]
         dy = a[ody + i * C:ody + i * C + C]

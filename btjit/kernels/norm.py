@@ -1,12 +1,32 @@
 # Batch normalization tape kernels, generic over float32/float64 arenas (btjit.batch_norm, graph/ops/batchnorm.py).
 # x is viewed as (P, C, Q): the channel axis C in the middle, every axis before it merged into P and every axis
 # after it into Q ((N, C): Q = 1; (N, C, L): P = N, Q = L; (B, T, C) with the channels last: P = B*T, Q = 1).
+# Also the sums both normalizations take (total, sq_dev: nn.py's LayerNorm uses them too).
 # Statistics run over P and Q, per channel. Q = 1 has its own loops (vectorized along C); outputs overwrite.
 import math
 
 from numba import njit
 
 from btjit.kernels.common import FM, cvt, row
+
+
+@njit(**FM)
+def total(x, zero):
+    """The sum of x's elements (zero: 0 in the arena's dtype), in order (fast-math: LLVM may reassociate)."""
+    s = zero
+    for q in range(x.shape[0]):
+        s += x[q]
+    return s
+
+
+@njit(**FM)
+def sq_dev(x, m, zero):
+    """The sum of (x[q] - m)^2 over x's elements: the squared deviations from the mean m."""
+    s = zero
+    for q in range(x.shape[0]):
+        d = x[q] - m
+        s += d * d
+    return s
 
 
 @row("ox ow ob oy omean ovar orstd P C Q oeps")
@@ -26,9 +46,8 @@ def k_batchnorm_fwd(a, ia, r):
     mean = a[omean:omean + C]
     var = a[ovar:ovar + C]
     rstd = a[orstd:orstd + C]
-    for c in range(C):
-        mean[c] = zero
-        var[c] = zero
+    mean[:] = zero
+    var[:] = zero
     if Q == 1:
         for p in range(P):
             x = a[ox + p * C:ox + p * C + C]
@@ -44,22 +63,12 @@ def k_batchnorm_fwd(a, ia, r):
     else:
         for p in range(P):
             for c in range(C):
-                x = a[ox + (p * C + c) * Q:ox + (p * C + c) * Q + Q]
-                s = zero
-                for q in range(Q):
-                    s += x[q]
-                mean[c] += s
+                mean[c] += total(a[ox + (p * C + c) * Q:ox + (p * C + c) * Q + Q], zero)
         for c in range(C):
             mean[c] *= inv_n
         for p in range(P):
             for c in range(C):
-                x = a[ox + (p * C + c) * Q:ox + (p * C + c) * Q + Q]
-                m = mean[c]
-                s = zero
-                for q in range(Q):
-                    d = x[q] - m
-                    s += d * d
-                var[c] += s
+                var[c] += sq_dev(a[ox + (p * C + c) * Q:ox + (p * C + c) * Q + Q], mean[c], zero)
     for c in range(C):
         var[c] *= inv_n
         rstd[c] = cvt(a, 1.0) / math.sqrt(var[c] + eps)
@@ -99,9 +108,8 @@ def k_batchnorm_bwd(a, ia, r):
     rstd = a[orstd:orstd + C]
     dw = a[odw:odw + C]
     db = a[odb:odb + C]
-    for c in range(C):
-        dw[c] = zero
-        db[c] = zero
+    dw[:] = zero
+    db[:] = zero
     if Q == 1:
         for p in range(P):
             x = a[ox + p * C:ox + p * C + C]

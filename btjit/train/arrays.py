@@ -7,10 +7,7 @@
 # Errors are DataError naming the file and the key.
 from __future__ import annotations
 
-import gzip
-import hashlib
 import zipfile
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -25,14 +22,7 @@ KEYS = ("x_train", "y_train", "x_val", "y_val")
 
 def digits() -> tuple[np.ndarray, np.ndarray]:
     """The bundled digits: x (1797, 1, 8, 8) float32 in [0, 1] (pixel / 16), y (1797,) int32 in 0..9."""
-    try:
-        raw = gzip.decompress(resources.files("btjit").joinpath("corpora", DIGITS.file).read_bytes())
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
-        raise DataError(f"bundled corpus digits (btjit/corpora/{DIGITS.file}) is missing or damaged: {e}; "
-                        f"reinstall btjit or pass --data FILE.npz") from None
-    if hashlib.sha256(raw).hexdigest() != DIGITS.sha256:
-        raise DataError(f"bundled corpus digits (btjit/corpora/{DIGITS.file}) fails its sha256 check; "
-                        f"reinstall btjit or pass --data FILE.npz")
+    raw = data.bundled(DIGITS, "digits", "--data FILE.npz")
     rec = np.frombuffer(raw, np.uint8).reshape(-1, 65)
     return (rec[:, :64].astype(np.float32) / np.float32(16)).reshape(-1, 1, 8, 8), rec[:, 64].astype(np.int32)
 

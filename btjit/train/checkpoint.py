@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from btjit.train import files
+
 FORMAT_VERSION = 1
 PREFIX = "ckpt_"
 NAME_RE = re.compile(r"^ckpt_(\d+)\.npz$")
@@ -141,10 +143,8 @@ def _write(path: Path, step: int, state: dict, meta: dict) -> Path:
 def load(path) -> Checkpoint:
     """Read and verify one checkpoint. CorruptCheckpoint if damaged; CheckpointError if unusable."""
     path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint not found: {path}")
-    if path.is_dir():
-        raise CheckpointError(f"checkpoint path is a directory: {path} (give a ckpt_*.npz file)")
+    files.check_file(path, CheckpointError, f"checkpoint not found: {path}",
+                     f"checkpoint path is a directory: {path} (give a ckpt_*.npz file)")
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}

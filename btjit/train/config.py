@@ -13,6 +13,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from btjit.train import files
+
 
 class ConfigError(Exception):
     """A bad config file, key, value or override; str(e) is one readable line."""
@@ -363,16 +365,9 @@ def load(path, overrides=()) -> Config:
     """Read a TOML config file, apply `--set` overrides, validate; ConfigError on any problem. A relative
     model.file is taken relative to the config file's directory (and stored absolute)."""
     p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"config file not found: {p}")
-    if p.is_dir():
-        raise ConfigError(f"config path is a directory, not a file: {p}")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{p}: not a UTF-8 text file") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config {p}: {e.strerror}") from None
+    text = files.read_text(p, ConfigError, f"config file not found: {p}",
+                           f"config path is a directory, not a file: {p}", f"{p}: not a UTF-8 text file",
+                           f"cannot read config {p}")
     d = _parse_toml(text, str(p))
     for item in overrides:
         sec, key, value = parse_override(item)

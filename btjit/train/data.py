@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from btjit.train import files
+
 BUILTIN_NAME = "<built-in corpus: CPython pydoc_data topics>"
 PAD = "."   # "lines" format: start/end token, index 0
 
@@ -54,16 +56,21 @@ def corpus_text(name: str) -> str:
         return builtin_text()
     if name not in CORPORA:
         raise DataError(f"data.corpus = {name!r} is not one of: {', '.join(CORPUS_NAMES)}")
-    c = CORPORA[name]
+    return bundled(CORPORA[name], name, "--data FILE").decode("utf-8")
+
+
+def bundled(c: Corpus, name: str, instead: str) -> bytes:
+    """The bytes of bundled corpus `name` (btjit/corpora/c.file, gunzipped, sha256-checked); DataError if the file
+    is missing or damaged, suggesting `instead` (e.g. "--data FILE")."""
     try:
         raw = gzip.decompress(resources.files("btjit").joinpath("corpora", c.file).read_bytes())
     except (OSError, EOFError, gzip.BadGzipFile) as e:
         raise DataError(f"bundled corpus {name} (btjit/corpora/{c.file}) is missing or damaged: {e}; "
-                        f"reinstall btjit or pass --data FILE") from None
+                        f"reinstall btjit or pass {instead}") from None
     if hashlib.sha256(raw).hexdigest() != c.sha256:
         raise DataError(f"bundled corpus {name} (btjit/corpora/{c.file}) fails its sha256 check; "
-                        f"reinstall btjit or pass --data FILE")
-    return raw.decode("utf-8")
+                        f"reinstall btjit or pass {instead}")
+    return raw
 
 
 def corpus_label(name: str) -> str:
@@ -75,14 +82,8 @@ def read_text(path, corpus: str = "tinyshakespeare") -> tuple[str, str]:
     if path is None:
         return corpus_text(corpus), corpus_label(corpus)
     p = Path(path)
-    if not p.exists():
-        raise DataError(f"data file not found: {p}")
-    if p.is_dir():
-        raise DataError(f"data path is a directory, not a file: {p}")
-    try:
-        raw = p.read_bytes()
-    except OSError as e:
-        raise DataError(f"cannot read data file {p}: {e.strerror}") from None
+    raw = files.read_bytes(p, DataError, f"data file not found: {p}", f"data path is a directory, not a file: {p}",
+                           f"cannot read data file {p}")
     if not raw:
         raise DataError(f"data file is empty: {p}")
     if b"\x00" in raw[:65536]:

@@ -1,13 +1,14 @@
-# btjit/train.py -- the training loop of `btjit train`: data, model (btjit.train.registry; the user's model
-# file is copied into the run dir, and --resume uses that copy), one traced program (btjit.trace), the
+# btjit/train/trainer.py -- the Trainer, the training loop of `btjit train`: data, model (btjit.train.registry; the
+# user's model file is copied into the run dir, and --resume uses that copy), one traced program (btjit.trace), the
 # start-up banner, the LR of each step and gradient accumulation (btjit.train.schedule), progress lines, val loss,
 # the best-val checkpoint, samples, the JSONL metrics log, checkpoints, Ctrl+C (finish the step, save, exit
 # 0), --resume (bit-exact: the batch RNG state is checkpointed) and NaN/Inf handling. Not here: the run dir
-# checks and lock (btjit.train.rundir), the compiler (btjit.trace), the models (btjit.models, btjit.train.usermodel), argument
-# parsing (btjit.cli). Errors are TrainError (or Config/Data/CheckpointError, ModelFileError), one line each.
+# checks and lock (btjit.train.rundir), the compiler (btjit.trace), the models (btjit.models, btjit.train.usermodel),
+# argument parsing (btjit.cli), the run's small pieces (TrainError, Result, set_threads, seeds, build_program, ...:
+# btjit.train.runparts, re-exported here). Errors are TrainError (or Config/Data/CheckpointError, ModelFileError),
+# one line each.
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -15,7 +16,6 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,71 +28,15 @@ from btjit.train import rundir
 from btjit.train import schedule as sched_mod
 from btjit.train import usermodel
 from btjit.train.checkpoint import CheckpointError
-from btjit.train.config import Config, ConfigError, ModelConfig
+from btjit.train.config import Config, ModelConfig
+from btjit.train.runparts import (CONFIG_FILE, METRICS, Result, TrainError, build_program, check_world_size,
+                                  first_nonfinite, make_optimizer, seeds, set_threads)
 
-METRICS, CONFIG_FILE = "metrics.jsonl", "config.toml"
+__all__ = ["CONFIG_FILE", "METRICS", "MAX_SKIPS", "Result", "TrainError", "Trainer", "build_program",
+           "check_world_size", "first_nonfinite", "make_optimizer", "seeds", "set_threads", "trim_metrics"]
+
 MAX_SKIPS = 100   # consecutive non-finite steps tolerated with on_nonfinite = "skip"
-
-
-class TrainError(Exception):
-    """The run cannot start or had to stop; str(e) is one readable line."""
-
-
-@dataclass
-class Result:
-    step: int                       # steps completed
-    checkpoint: Path | None         # the last checkpoint written (or resumed from)
-    interrupted: bool = False
-    val_loss: float | None = None
-
-
-def set_threads(n: int) -> int:
-    """Use n threads (0 = all cores) for btjit's native code (BLAS and numba), also in child processes."""
-    n = btjit.set_num_threads(n)
-    os.environ["OMP_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = str(n)
-    return n
-
-
-def seeds(seed: int):
-    """One seed drives everything: (param init, train batches, eval batches, samples) generators."""
-    return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4)]
-
-
-def first_nonfinite(arrays: dict) -> str | None:
-    for name, a in arrays.items():
-        if not np.all(np.isfinite(a)):
-            return name
-    return None
-
-
 trim_metrics = rundir.trim_metrics
-
-
-def make_optimizer(o, optim_file=None, params=None):
-    """The optimizer of an [optim] section (btjit.optim.from_section; optim_file: the user's, a ModelFile of kind
-    "optimizer"), its groups checked on params if given: a bad argument or group is a ConfigError."""
-    guard = optim_file and (lambda: usermodel.guard(optim_file.name, str(optim_file.path), "making the optimizer"))
-    try:
-        opt = btjit.optim.from_section(o, optim_file and optim_file.module, guard or contextlib.nullcontext)
-        if params is not None:
-            btjit.optim.resolve_groups(opt, params)
-        return opt
-    except btjit.optim.OptimizerError as e:
-        raise ConfigError(f"[optim]: {e}") from None
-
-
-def build_program(cfg: Config, model, params, x, y, replicas=1, optim_file=None):
-    """The training program of a config: the model's loss traced on a batch like (x, y) with the config's
-    optimizer (optim_file: the user's, [optim] file), clipping and dtype (`btjit train` and `btjit export`)."""
-    o = cfg.optim
-    opt = make_optimizer(o, optim_file, params)
-    with model.guard("tracing loss(p, x, y)"):
-        return btjit.trace(model.loss, params, x, y, optimizer=opt, clip_norm=o.clip_norm or None,
-                           clip_value=o.clip_value or None, dtype=cfg.train.dtype, buffers=model.buffers(),
-                           skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
-                           replicas=replicas,      # replicas average losses: only for a mean over the batch
-                           seed=cfg.train.seed,    # of the random numbers inside the step (dropout)
-                           precision=cfg.train.precision)
 
 
 class Trainer:
@@ -421,12 +365,3 @@ class Trainer:
         total = time.perf_counter() - t_start
         self.echo(f"done: {self.step - first} steps in {total:.1f} s; checkpoint {self.last_ckpt}")
         return Result(self.step, self.last_ckpt, val_loss=val)
-
-
-def check_world_size(ck, n: int) -> None:
-    """Resume only with the number of processes that wrote the checkpoint (each has its own batch stream)."""
-    had = int(ck.meta.get("distributed", {}).get("world_size", 1))
-    if had != n:
-        how = f"mpiexec -n {had} btjit train ... --resume" if had > 1 else "btjit train ... --resume (one process)"
-        raise TrainError(f"--resume: {ck.path.name} was written by a run on {had} process(es), this run has {n}; "
-                         f"resume it with the same number: {how}")

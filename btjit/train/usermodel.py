@@ -19,6 +19,8 @@ import types
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from btjit.train import files
+
 FUNCTIONS = ("init_params(cfg, rng)", "loss(p, x, y)", "logits(p, x)")
 _COUNTER = itertools.count()
 
@@ -56,16 +58,10 @@ def read(path, kind="model") -> ModelFile:
     """Read, execute and check the model file (or, kind "optimizer", the optimizer file: [optim] file) at
     `path`; ModelFileError names the problem."""
     p = Path(path)
-    if not p.exists():
-        raise ModelFileError(f"{kind} file not found: {p} ({KEY[kind]}, relative to the config file's dir)")
-    if p.is_dir():
-        raise ModelFileError(f"{KEY[kind]} is a directory, not a Python file: {p}")
-    try:
-        source = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ModelFileError(f"{kind} file {p} is not UTF-8 text") from None
-    except OSError as e:
-        raise ModelFileError(f"cannot read {kind} file {p}: {e.strerror}") from None
+    source = files.read_text(p, ModelFileError,
+                             f"{kind} file not found: {p} ({KEY[kind]}, relative to the config file's dir)",
+                             f"{KEY[kind]} is a directory, not a Python file: {p}",
+                             f"{kind} file {p} is not UTF-8 text", f"cannot read {kind} file {p}")
     return from_source(p.name, source, p, kind)
 
 

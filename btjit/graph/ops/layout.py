@@ -196,7 +196,7 @@ def _check_rule(types, attrs, fd):
 
 
 # check_index(idx, hi, ok): idx itself (a view), after a check that every id is in [0, hi) or equals ok: a
-# batch input once before the tape (program._index_bounds), a computed index by a check row. For an index used
+# batch input once before the tape (core/bounds.py), a computed index by a check row. For an index used
 # by ops composed of others (nll_loss's one-hot), whose out-of-range ids would otherwise pick nothing.
 op("check_index", infer=_check_rule, ref=lambda xs, a: (xs[0],), view=True, nondiff=True, internal=True,
    lower=lambda e, L: L.index_check(e, e.ins[0], e.attrs["hi"], e.attrs.get("ok")))

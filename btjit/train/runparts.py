@@ -1,0 +1,86 @@
+"""The pieces of a `btjit train` run that stand outside the Trainer: TrainError and Result, the run's file names,
+threads and seeds (set_threads, seeds), the optimizer and the traced training program of a config (make_optimizer,
+build_program: also `btjit export`'s), the non-finite check and the world-size check of a resume.
+btjit.train.trainer re-exports all of them.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import btjit
+from btjit.train import usermodel
+from btjit.train.config import Config, ConfigError
+
+METRICS, CONFIG_FILE = "metrics.jsonl", "config.toml"
+
+
+class TrainError(Exception):
+    """The run cannot start or had to stop; str(e) is one readable line."""
+
+
+@dataclass
+class Result:
+    step: int                       # steps completed
+    checkpoint: Path | None         # the last checkpoint written (or resumed from)
+    interrupted: bool = False
+    val_loss: float | None = None
+
+
+def set_threads(n: int) -> int:
+    """Use n threads (0 = all cores) for btjit's native code (BLAS and numba), also in child processes."""
+    n = btjit.set_num_threads(n)
+    os.environ["OMP_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = str(n)
+    return n
+
+
+def seeds(seed: int):
+    """One seed drives everything: (param init, train batches, eval batches, samples) generators."""
+    return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4)]
+
+
+def first_nonfinite(arrays: dict) -> str | None:
+    for name, a in arrays.items():
+        if not np.all(np.isfinite(a)):
+            return name
+    return None
+
+
+def make_optimizer(o, optim_file=None, params=None):
+    """The optimizer of an [optim] section (btjit.optim.from_section; optim_file: the user's, a ModelFile of kind
+    "optimizer"), its groups checked on params if given: a bad argument or group is a ConfigError."""
+    guard = optim_file and (lambda: usermodel.guard(optim_file.name, str(optim_file.path), "making the optimizer"))
+    try:
+        opt = btjit.optim.from_section(o, optim_file and optim_file.module, guard or contextlib.nullcontext)
+        if params is not None:
+            btjit.optim.resolve_groups(opt, params)
+        return opt
+    except btjit.optim.OptimizerError as e:
+        raise ConfigError(f"[optim]: {e}") from None
+
+
+def build_program(cfg: Config, model, params, x, y, replicas=1, optim_file=None):
+    """The training program of a config: the model's loss traced on a batch like (x, y) with the config's
+    optimizer (optim_file: the user's, [optim] file), clipping and dtype (`btjit train` and `btjit export`)."""
+    o = cfg.optim
+    opt = make_optimizer(o, optim_file, params)
+    with model.guard("tracing loss(p, x, y)"):
+        return btjit.trace(model.loss, params, x, y, optimizer=opt, clip_norm=o.clip_norm or None,
+                           clip_value=o.clip_value or None, dtype=cfg.train.dtype, buffers=model.buffers(),
+                           skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
+                           replicas=replicas,      # replicas average losses: only for a mean over the batch
+                           seed=cfg.train.seed,    # of the random numbers inside the step (dropout)
+                           precision=cfg.train.precision)
+
+
+def check_world_size(ck, n: int) -> None:
+    """Resume only with the number of processes that wrote the checkpoint (each has its own batch stream)."""
+    had = int(ck.meta.get("distributed", {}).get("world_size", 1))
+    if had != n:
+        how = f"mpiexec -n {had} btjit train ... --resume" if had > 1 else "btjit train ... --resume (one process)"
+        raise TrainError(f"--resume: {ck.path.name} was written by a run on {had} process(es), this run has {n}; "
+                         f"resume it with the same number: {how}")
