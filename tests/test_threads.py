@@ -57,6 +57,19 @@ def test_large_gemms_split_bitwise_equal_to_one_thread():
     assert "k_matmul_micro_par" in names
 
 
+@pytest.mark.parametrize("batch,d_in,d_h,d_out", [(64, 520, 1000, 27), (200, 64, 2100, 130)])
+def test_gemms_with_a_large_b_split_by_columns_bitwise_equal_to_one_thread(batch, d_in, d_h, d_out):
+    """A B of >= 256K floats (E5's 1024 x 1024 layer): the threads take the forward product's columns (nparts < 0,
+    the bias and relu fused), N not a multiple of 16 x threads; the same three steps as one thread, bit for bit."""
+    p1, l1 = _train(1, batch, d_in, d_h, d_out)
+    p2, l2 = _train(2, batch, d_in, d_h, d_out)
+    assert l1 == l2
+    for k in p1.params:
+        np.testing.assert_array_equal(p1.params[k], p2.params[k])
+    rows = [r for r in p2.tape if btjit.core.program.LIBRARY.entry_of(r[0])[0] == "k_matmul_micro_par"]
+    assert any(r[17] < 0 for r in rows)
+
+
 def test_small_program_stays_on_one_thread():
     prog, _ = _train(2, 8, 12, 16, 5)
     assert prog.threads == 1

@@ -204,14 +204,36 @@ def k_matmul_micro(a, ia, r):
 @njit(**FM_PAR)
 def k_matmul_micro_par(a, ia, r):
     """k_matmul_micro with C's rows cut into nparts blocks (multiples of MR rows; nparts <= M / MR) computed on the
-    thread pool. Every entry of C is the same sequence of multiply-adds as on one thread, so the result is
-    bitwise equal to k_matmul_micro's; each block transposes its own stack copy of B where one is used."""
-    M = r[5]; nparts = r[17]
+    thread pool, or with nparts < 0 its columns into -nparts blocks (multiples of 16, each >= 16; tb 0): each
+    thread then reads only its part of a large B, where row blocks would each read all of it. Every entry of C
+    is the same sequence of multiply-adds as on one thread, so the result is bitwise equal to
+    k_matmul_micro's; each block transposes its own stack copy of B where one is used."""
+    M = r[5]; N = r[6]; nparts = r[17]
+    if nparts < 0:
+        ncol = N // 16
+        for j in prange(-nparts):
+            lo = j * ncol // -nparts * 16
+            hi = N if j == -nparts - 1 else (j + 1) * ncol // -nparts * 16
+            _micro_cols(a, r, lo, hi - lo)
+        return
     nblk = M // MR
     for j in prange(nparts):               # nparts <= M // MR (the lowering's): every block has >= MR rows
         lo = j * nblk // nparts * MR
         hi = M if j == nparts - 1 else (j + 1) * nblk // nparts * MR
         _micro_rows(a, r, lo, hi - lo)
+
+
+@njit(**FM)
+def _micro_cols(a, r, lo, n):
+    """Columns lo .. lo+n of every product of a k_matmul_micro row whose B is not transposed (n >= 8)."""
+    oA = r[1]; oB = r[2]; oC = r[3]; nbatch = r[4]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
+    sC = r[10]; ta = r[11]; obias = r[13]; osum = r[14]; ores = r[15]; relu = r[16]
+    lda = M if ta == 1 else K
+    sar, sak = (1, lda) if ta == 1 else (lda, 1)
+    for i in range(nbatch):
+        gemm_micro(a, a, oA + i * sA, sar, sak, oB + i * sB + lo, N, oC + i * sC + lo, N, M, n, K,
+                   obias + lo if obias > 0 else 0, osum + lo if osum > 0 else 0,
+                   ores + i * sC + lo if ores > 0 else 0, relu)
 
 
 @njit(**FM)

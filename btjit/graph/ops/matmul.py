@@ -32,6 +32,10 @@ def _mm_ref(xs, a):
 
 
 PAR_GEMM_MACS = 200_000   # from this many multiply-adds a GEMM is split over the threads (launch ~2-4 us)
+COL_SPLIT_B = 262_144     # floats of B (1 MB) from which the threads split a forward product's columns, not its
+#                           rows: the micro-kernels re-read B per 8 rows, and row blocks would each stream all of
+#                           it (E5's 1024 x 1024 layer on 64 rows: 1.57x -> 1.64x on two threads). dW = X^T dY
+#                           products ran 15-20% slower split so (S2, S3's): they keep the rows
 
 
 def split_gemm(nb, M, N, K) -> int:
@@ -102,6 +106,8 @@ def _lower_matmul(e, L, beta=0, bias=0, osum=0, res=None, relu=False):
         if micro(m):        # split over the threads by blocks of C's rows: bitwise equal to one thread
             margs = dict(args, obias=bias, osum=osum, relu=int(relu),
                          ores=L.off(res) + oc - L.off(C) if res is not None else 0)
+            if par and not ta and not tb and K * N >= COL_SPLIT_B and N >= 16 * threads:   # each thread its columns
+                return L.row("k_matmul_micro_par", **margs, nparts=-threads)
             if par and m >= 2 * linalg.MR:
                 return L.row("k_matmul_micro_par", **margs, nparts=min(threads, m // linalg.MR))
             return L.row("k_matmul_micro", **margs)
