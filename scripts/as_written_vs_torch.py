@@ -17,7 +17,6 @@ import argparse
 import os
 import platform
 import sys
-import time
 
 os.environ["NUMBA_NUM_THREADS"] = "1"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -31,6 +30,8 @@ try:
     import torch
 except ImportError:
     sys.exit("scripts/as_written_vs_torch.py needs torch (pip install torch)")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from makemore_vs_torch import timed  # noqa: E402  (warm-up, then the median of reps runs of steps steps)
 F = torch.nn.functional
 B, V = 32, 27
 
@@ -136,18 +137,6 @@ def lstm_lm(vocab, H=128, layers=2, bptt=35, B=20):
     data = lambda r: (r.integers(0, vocab, (bptt, B)).astype(np.int32),  # noqa: E731
                       r.integers(0, vocab, (bptt, B)).astype(np.int32))
     return p, bufs, loss, torch_loss, data, btjit.optim.SGD(lr=20.0), 0.25
-
-
-def timed(fn, steps, reps):
-    for _ in range(max(5, steps // 10)):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        times.append((time.perf_counter() - t0) / steps * 1000)
-    return float(np.median(times))
 
 
 def measure(build, steps, reps):
