@@ -4,9 +4,10 @@
 # it; elsewhere the same numbers from float32 FMAs on the rounded operands (a bf16 times a bf16 is exact in
 # float32, so each FMA rounds once, as VDPBF16PS's halves do).
 #
-# Per column panel of C (48, 32 or 16 wide) and block of KB k-steps: B's block is rounded and packed onto the
-# stack as pairs (B[k, c], B[k+1, c]) in one int32 (the VNNI layout), then per block of MR rows A's block
-# likewise (A[r, k], A[r, k+1]), and the register micro-kernel runs MR x panel accumulators over the pairs.
+# Per group of column panels of C (NC columns; panels 48, 32 or 16 wide) and block of KB k-steps: B's block is
+# rounded and packed onto the stack once as pairs (B[k, c], B[k+1, c]) in one int32 (the VNNI layout), then per
+# block of MR rows A's block likewise (A[r, k], A[r, k+1]), once for all the group's panels, and the register
+# micro-kernel runs MR x panel accumulators over the pairs (a later K block adds to C).
 # Every entry of C is the same sequence of operations whichever thread computes its rows, so the split over
 # the threads (k_matmul_bf16_par) is bitwise equal to one thread.
 import llvmlite.binding as llvm

@@ -15,7 +15,8 @@ op, dst, x, y, z)]. Operand k's float-arena offset is the row's o<k>. Opcodes: t
 dst = operand x), RAND (register or output dst = the random numbers of site x, kind y, btjit/kernels/rng.py:
 drawn in the block, from the key block at ia[okey:] and the element's C-order index in the iteration space
 of esize elements, ebase + its position in the row's loops), LOADC (register dst = scalar operand x, filled at
-the first block only: its register is kept).
+the first block of a run only: its register is kept). k_ew_program_par runs the blocks in nparts runs on the
+threads, each with its own registers.
 """
 import math
 
