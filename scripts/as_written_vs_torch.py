@@ -31,7 +31,7 @@ try:
 except ImportError:
     sys.exit("scripts/as_written_vs_torch.py needs torch (pip install torch)")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from makemore_vs_torch import timed  # noqa: E402  (warm-up, then the median of reps runs of steps steps)
+from timing import timed  # noqa: E402
 F = torch.nn.functional
 B, V = 32, 27
 

@@ -13,7 +13,6 @@ import argparse
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 os.environ["NUMBA_NUM_THREADS"] = "1"
@@ -32,20 +31,9 @@ try:
 except ImportError:
     sys.exit("scripts/makemore_vs_torch.py needs torch (pip install torch)")
 import test_makemore as ref  # noqa: E402  (the torch modules and the parameter loading)
+from timing import timed  # noqa: E402
 
 B, LR, BETAS, WD = 32, 5e-4, (0.9, 0.99), 0.01
-
-
-def timed(fn, steps, reps):
-    for _ in range(max(10, steps // 10)):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        times.append((time.perf_counter() - t0) / steps * 1000)
-    return float(np.median(times))
 
 
 def measure(kind, batches, steps, reps):
