@@ -5,6 +5,7 @@
 #     host; a lock left by a SIGKILLed process is taken over; end to end with `btjit train`: a second run and
 #     a --resume on a dir that a live run is training are refused, and after SIGKILL --resume takes over.
 import json
+import re
 import os
 import shutil
 import signal
@@ -12,7 +13,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -130,12 +130,16 @@ def test_btjit_train_refuses_a_run_dir_in_use_and_resumes_after_sigkill(tmp_path
     out = tmp / "live"
     child = subprocess.Popen([sys.executable, "-m", "btjit.cli", "train", str(cfg), "--data", str(data), "--out",
                               str(out), "--set", "train.steps=10000000", "--set", "train.eval_interval=0"],
-                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             env=dict(ENV, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
     try:
-        deadline = time.time() + 300
-        while not K.list_checkpoints(out):                  # training, and a checkpoint written
-            assert child.poll() is None and time.time() < deadline, child.stdout.read()
-            time.sleep(0.1)
+        seen = []
+        for line in child.stdout:                           # training: past step 10, the step-5 checkpoint is written
+            seen.append(line)
+            m = re.match(r"step\s+(\d+)/", line)
+            if m and int(m.group(1)) >= 10:
+                break
+        assert K.list_checkpoints(out), "".join(seen)      # (the loop ends early only if the run ended)
         for extra in ((), ("--resume",)):
             line = error_line(run("train", cfg, "--data", data, "--out", out, *extra))
             assert f"run dir {out} is in use by process {child.pid} on {socket.gethostname()}" in line, line
