@@ -31,7 +31,7 @@ try:
 except ImportError:
     sys.exit("scripts/as_written_vs_torch.py needs torch (pip install torch)")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import timed  # noqa: E402
+from timing import cycled, timed  # noqa: E402
 F = torch.nn.functional
 B, V = 32, 27
 
@@ -149,21 +149,15 @@ def measure(build, steps, reps):
     params = list(P.values()) + getattr(torch_loss, "extra", [])
     topt = torch.optim.SGD(params, lr=opt.hp["lr"])
     tb = [(torch.from_numpy(x).long(), torch.from_numpy(y).long()) for x, y in batches]
-    it = {"b": 0, "t": 0}
-
-    def btjit_step():
-        it["b"] += 1
-        return prog.step(*batches[it["b"] % len(batches)])
-
-    def torch_step():
-        it["t"] += 1
+    def torch_step(x, y):
         topt.zero_grad(set_to_none=True)
-        loss_ = torch_loss(P, Bf, *tb[it["t"] % len(tb)])
+        loss_ = torch_loss(P, Bf, x, y)
         loss_.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(params, clip)
         topt.step()
         return loss_.item()
+    btjit_step, torch_step = cycled(prog.step, batches), cycled(torch_step, tb)
     return timed(btjit_step, steps, reps), timed(torch_step, steps, reps), prog.compile_seconds
 
 

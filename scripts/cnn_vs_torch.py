@@ -36,7 +36,7 @@ except ImportError:
     sys.exit("scripts/cnn_vs_torch.py needs torch (pip install torch)")
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
-from timing import timed  # noqa: E402
+from timing import cycled, timed  # noqa: E402
 from test_cnn_models import BeautifulNetBN, MnistNet  # noqa: E402
 nn, TF = torch.nn, torch.nn.functional
 
@@ -84,21 +84,14 @@ def case(name):
                        threads=ARGS.threads or None)
     topt = topt(net.parameters())
     tb = [(torch.from_numpy(x), torch.from_numpy(y).long()) for x, y in batches]
-    it = {"b": 0, "t": 0}
-
-    def btjit_step():
-        it["b"] += 1
-        return prog.step(*batches[it["b"] % len(batches)])
-
-    def torch_step():
-        it["t"] += 1
-        x, y = tb[it["t"] % len(tb)]
+    def torch_step(x, y):
         topt.zero_grad(set_to_none=True)
         out = net(x)
         loss = TF.nll_loss(out, y) if name == "mnist" else TF.cross_entropy(out, y)
         loss.backward()
         topt.step()
         return loss.item()
+    btjit_step, torch_step = cycled(prog.step, batches), cycled(torch_step, tb)
     return btjit_step, torch_step, prog
 
 

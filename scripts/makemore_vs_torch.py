@@ -31,7 +31,7 @@ try:
 except ImportError:
     sys.exit("scripts/makemore_vs_torch.py needs torch (pip install torch)")
 import test_makemore as ref  # noqa: E402  (the torch modules and the parameter loading)
-from timing import timed  # noqa: E402
+from timing import cycled, timed  # noqa: E402
 
 B, LR, BETAS, WD = 32, 5e-4, (0.9, 0.99), 0.01
 
@@ -42,21 +42,13 @@ def measure(kind, batches, steps, reps):
                        optimizer=btjit.optim.AdamW(lr=LR, betas=BETAS, eps=1e-8, weight_decay=WD))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=1e-8, weight_decay=WD)
     tb = [(torch.tensor(x, dtype=torch.long), torch.tensor(y, dtype=torch.long)) for x, y in batches]
-    it = {"b": 0, "t": 0}
-
-    def btjit_step():
-        x, y = batches[it["b"] % len(batches)]
-        it["b"] += 1
-        prog.step(x, y)
-
-    def torch_step():
-        x, y = tb[it["t"] % len(tb)]
-        it["t"] += 1
+    def torch_step(x, y):
         opt.zero_grad(set_to_none=True)
         logits = model(x)
         loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1)
         loss.backward()
         opt.step()
+    btjit_step, torch_step = cycled(prog.step, batches), cycled(torch_step, tb)
     return timed(btjit_step, steps, reps), timed(torch_step, steps, reps), prog.n_params
 
 

@@ -1,5 +1,6 @@
 """The timing loop of the scripts that put a btjit step beside torch's (makemore_vs_torch, as_written_vs_torch,
-cnn_vs_torch): a warm-up, then the median over `reps` runs of `steps` calls, in ms per call."""
+cnn_vs_torch): a warm-up, then the median over `reps` runs of `steps` calls, in ms per call; and `cycled`,
+a training step over the batches in turn."""
 import time
 
 import numpy as np
@@ -15,3 +16,13 @@ def timed(fn, steps, reps):
             fn()
         times.append((time.perf_counter() - t0) / steps * 1000)
     return float(np.median(times))
+
+
+def cycled(step, batches):
+    """A zero-argument call of step(*batch) over the batches in turn (the same batches on both sides)."""
+    i = [0]
+
+    def call():
+        i[0] += 1
+        return step(*batches[i[0] % len(batches)])
+    return call
