@@ -17,9 +17,9 @@ from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from btjit.kernels.common import FM, FM_FLAGS, FM_PAR, row, stack_buf
+from btjit.kernels.common import FM, FM_FLAGS, FM_PAR, f32_as_i32, row, stack_buf
+from btjit.kernels.linalg import MR      # rows of C per micro-kernel call, as the float32 micro-kernels'
 
-MR = 8              # rows of C per micro-kernel call
 KB = 256            # k-steps per packed block
 NC = 192            # columns of B packed at a time (KB / 2 x NC int32 pairs, 96 KB: in L2), as panels of 48, 32, 16
 OBP = MR * KB // 2  # where B's pairs start in the stack workspace (A's pairs, MR x KB / 2, first)
@@ -136,22 +136,11 @@ def _micro(width):
 _micro48, _micro32, _micro16 = _micro(48), _micro(32), _micro(16)
 
 
-@intrinsic
-def _bits(typingctx, x):
-    """The bits of a float32, as a non-negative int64."""
-    if x != types.float32:
-        return None
-
-    def impl(context, builder, sig, args):
-        return builder.zext(builder.bitcast(args[0], ir.IntType(32)), ir.IntType(64))
-    return types.int64(x), impl
-
-
 @njit(**FM)
 def _bf16(x):
     """The bfloat16 nearest to the float32 x (ties to even), as the high 16 bits of its float32's bits, in an
     int64; a NaN stays a (quiet) NaN."""
-    u = _bits(x)
+    u = np.int64(f32_as_i32(x)) & 0xFFFFFFFF
     return (u >> 16) | 64 if (u & 0x7FFFFFFF) > 0x7F800000 else (u + 0x7FFF + ((u >> 16) & 1)) >> 16
 
 
@@ -269,6 +258,7 @@ def _bf16_rows(a, ia, r, lo, m):
     sC = r[10]; ta = r[11]; tb = r[12]; obias = r[13]; ores = r[14]; relu = r[15]
     sar, sak = (1, M) if ta == 1 else (K, 1)          # A(i, k) = a[oA + i*sar + k*sak]
     sbk, sbc = (1, K) if tb == 1 else (N, 1)          # B(k, j) = a[oB + k*sbk + j*sbc]
+    sp, sr = (MR, 1) if ta == 1 else (1, KB // 2)     # A's packed pair (row r, pair p) at ws[p*sp + r*sr]
     ws = carray(stack_buf(ia, WS), (WS,))
     for i in range(nbatch):
         oa, ob, oc = oA + i * sA, oB + i * sB, oC + i * sC
@@ -278,7 +268,8 @@ def _bf16_rows(a, ia, r, lo, m):
             for k0 in range(0, K, KB):
                 kb = min(KB, K - k0)
                 kp = (kb + 1) // 2
-                last = k0 + KB >= K
+                last = k0 + KB >= K                    # the residual and relu as the last block stores C
+                rl = relu if last else 0
                 init = 2 if k0 > 0 else (1 if obias > 0 else 0)
                 c0, o = cs, OBP
                 while c0 < N:                          # the group's panels, B's pairs one after another
@@ -298,8 +289,6 @@ def _bf16_rows(a, ia, r, lo, m):
                         _pack(a, ws, 0, oa + rb * sar + k0 * sak, sar, sak, kp, mr, MR, kb)
                     else:
                         _pack_rows(a, ws, 0, oa + rb * sar + k0 * sak, sar, kp, mr, MR, kb)
-                    rl = relu if last else 0
-                    sp, sr = (MR, 1) if ta == 1 else (1, KB // 2)
                     c0, o = cs, OBP
                     while c0 < ce:
                         w, cc = _panel(N, c0)

@@ -80,6 +80,17 @@ def i32_as_f32(typingctx, x):
     return types.float32(types.int32), impl
 
 
+@intrinsic
+def f32_as_i32(typingctx, x):
+    """Bit-cast float32 -> int32 (i32_as_f32's inverse)."""
+    if x != types.float32:
+        return None
+
+    def impl(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.int32(types.float32), impl
+
+
 def fexp(x):
     """exp(x). Inside njit: float32 -> branch-free Cephes polynomial (max rel err ~1.2e-7, input clamped to
     [-87, 88] and 0 below -87 -- exp(-inf) of a masked score must be 0, not a denormal that slows every later

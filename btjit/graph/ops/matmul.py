@@ -98,19 +98,15 @@ def _lower_matmul(e, L, beta=0, bias=0, osum=0, res=None, relu=False):
 
     def row(oa, ob, oc, nb, m, sa_, sb_, sc_):
         args = dict(oA=oa, oB=ob, oC=oc, nbatch=nb, M=m, N=N, K=K, sA=sa_, sB=sb_, sC=sc_, ta=ta, tb=tb)
-        if bf:              # split by blocks of C's rows as the micro-kernels
-            bargs = dict(args, obias=bias, relu=int(relu), ores=L.off(res) + oc - L.off(C) if res is not None else 0)
-            if par and m >= 2 * bf16.MR:
-                return L.row("k_matmul_bf16_par", **bargs, nparts=min(threads, m // bf16.MR))
-            return L.row("k_matmul_bf16", **bargs)
-        if micro(m):        # split over the threads by blocks of C's rows: bitwise equal to one thread
-            margs = dict(args, obias=bias, osum=osum, relu=int(relu),
-                         ores=L.off(res) + oc - L.off(C) if res is not None else 0)
-            if par and not ta and not tb and K * N >= COL_SPLIT_B and N >= 16 * threads:   # each thread its columns
-                return L.row("k_matmul_micro_par", **margs, nparts=-threads)
+        if micro(m):        # split over the threads by blocks of C's rows (or columns): bitwise equal to one thread
+            kernel = "k_matmul_bf16" if bf else "k_matmul_micro"
+            margs = dict(args, obias=bias, relu=int(relu), ores=L.off(res) + oc - L.off(C) if res is not None else 0,
+                         **({} if bf else {"osum": osum}))
+            if par and not bf and not ta and not tb and K * N >= COL_SPLIT_B and N >= 16 * threads:
+                return L.row(kernel + "_par", **margs, nparts=-threads)       # each thread its columns
             if par and m >= 2 * linalg.MR:
-                return L.row("k_matmul_micro_par", **margs, nparts=min(threads, m // linalg.MR))
-            return L.row("k_matmul_micro", **margs)
+                return L.row(kernel + "_par", **margs, nparts=min(threads, m // linalg.MR))
+            return L.row(kernel, **margs)
         kernel, parts = ("k_matmul_par", threads) if par else ("k_matmul", split_gemm(nb, m, N, K))
         return L.row(kernel, **args, beta=beta, osc=L.scratch, oconst=L.one_zero, obias=bias, nparts=parts)
     if len(B.shape) == 2 and not ta:      # fold A's batch dims into M: one GEMM
