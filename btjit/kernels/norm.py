@@ -10,7 +10,7 @@ from numba import njit
 from btjit.kernels.common import FM, cvt, row
 
 
-@njit(**FM)
+@njit(inline="always", **FM)
 def total(x, zero):
     """The sum of x's elements (zero: 0 in the arena's dtype), in order (fast-math: LLVM may reassociate)."""
     s = zero
@@ -19,7 +19,7 @@ def total(x, zero):
     return s
 
 
-@njit(**FM)
+@njit(inline="always", **FM)
 def sq_dev(x, m, zero):
     """The sum of (x[q] - m)^2 over x's elements: the squared deviations from the mean m."""
     s = zero
