@@ -34,6 +34,9 @@ def run(a, ia, tape, table, start, stop):
             return
 
 
+PAR_AVERAGE = 65536     # grads from which the replicas' average is split over the threads (a launch ~2-4 us)
+
+
 @njit(parallel=True, cache=True, boundscheck=False)
 def step(A, IA, tape, table, nsplit, stop, flag, p0, npar, g0, ngrad, oout, oinv):
     """Replica r takes replica 0's params (npar floats at p0) and runs tape rows [0, nsplit) on its own
@@ -56,8 +59,9 @@ def step(A, IA, tape, table, nsplit, stop, flag, p0, npar, g0, ngrad, oout, oinv
     loss = A[0, oout]
     for r in range(1, R):
         loss += A[r, oout]
-    for c in prange(R):                 # the grads' average, in R runs on the threads (each element summed in
-        lo, hi = g0 + c * ngrad // R, g0 + (c + 1) * ngrad // R    # replica order as on one thread)
+    runs = R if ngrad >= PAR_AVERAGE else 1
+    for c in prange(runs):              # the grads' average, in runs on the threads when large (each element
+        lo, hi = g0 + c * ngrad // runs, g0 + (c + 1) * ngrad // runs    # summed in replica order either way)
         g = A[0, lo:hi]
         for r in range(1, R):
             gr = A[r, lo:hi]
