@@ -120,17 +120,58 @@ def close(got, want, rtol, what):
     np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max(), err_msg=what)
 
 
-@pytest.mark.parametrize("make", [lambda gr: O.SGD(lr=0.1, momentum=0.9, groups=gr),
-                                  lambda gr: O.AdamW(lr=1e-3, groups=gr)], ids=["sgd", "adamw"])
-def test_update_is_one_fused_pass_per_group(make):
+def traced(cls):
+    """cls with its update traced as equations (a subclass overriding update), not its one-pass kernel."""
+    return type("Traced" + cls.__name__, (cls,), {"update": lambda self, *a: cls.update(self, *a)})
+
+
+@pytest.mark.parametrize("make,op", [(lambda gr: O.SGD(lr=0.1, momentum=0.9, groups=gr), "opt_update"),
+                                     (lambda gr: O.AdamW(lr=1e-3, groups=gr), "opt_update"),
+                                     (lambda gr: traced(O.AdamW)(lr=1e-3, groups=gr), "ew_fused")],
+                         ids=["sgd", "adamw", "adamw_traced"])
+def test_update_is_one_pass_per_group(make, op):
+    """The built-in SGD and Adam(W) are one opt_update kernel per group; traced, AdamW is one fused chain."""
     prog = btjit_run(make, np.float32, steps=1)
     g = prog.graph
     big = [e for e in g.eqns[g.n_backward:] if e.outs[0].shape != ()]
-    assert [e.op for e in big] == ["ew_fused"] * len(GROUPS)
+    assert [e.op for e in big] == [op] * len(GROUPS)
     assert sorted(e.outs[0].shape[0] for e in big) == sorted(sum(-(-int(np.prod(SHAPES[n])) // 16) * 16
                                                                  for n in names) for names in GROUP_NAMES)
-    assert all(e.op in ("ew_fused", "add", "sub", "mul", "div", "neg", "sqrt", "pow2")
+    assert all(e.op in ("ew_fused", "opt_update", "add", "sub", "mul", "div", "neg", "sqrt", "pow2")
                for e in g.eqns[g.n_backward:])
+
+
+ONE_PASS = [(O.SGD, dict(lr=0.05)), (O.Adam, dict(lr=0.05)), (O.AdamW, dict(lr=0.05)),
+            (O.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+            (O.SGD, dict(lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.01)),
+            (O.Adam, dict(lr=0.01, betas=(0.8, 0.99), weight_decay=0.05)),
+            (O.AdamW, dict(lr=0.01, betas=(0.8, 0.99), weight_decay=0.05))]
+
+
+@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-13), (np.float32, 2e-6)])
+@pytest.mark.parametrize("cls,kw", ONE_PASS, ids=["sgd", "adam", "adamw", "sgd_damp", "sgd_nesterov", "adam_wd",
+                                                  "adamw_wd"])
+def test_one_pass_kernel_matches_traced_equations(cls, kw, dtype, rtol):
+    """The one-pass kernels against the same update traced, with clipping and a skipped non-finite step, on
+    one thread and two (the kernel split over the threads: bitwise one thread's)."""
+    bs = batches(8)
+    bs[3] = [np.full_like(b, np.nan) for b in bs[3]]
+    runs = []
+    for c, threads in ((cls, 1), (traced(cls), 1), (cls, 2)):
+        p0 = {k: v.astype(dtype) for k, v in params0().items()}
+        prog = btjit.trace(loss, p0, *bs[0], optimizer=c(**kw, groups=GROUPS), dtype=dtype, clip_norm=3.0,
+                           skip_nonfinite=True, threads=threads)
+        for b in bs:
+            prog.step(*[x.astype(dtype) for x in b])
+        runs.append((prog.params, prog.opt_state, prog.step_count))
+    (p1, s1, n1), (p2, s2, n2), (p3, s3, n3) = runs
+    assert n1 == n2 == n3 == 7
+    for k in SHAPES:
+        close(p1[k], p2[k], rtol, k)
+        np.testing.assert_array_equal(p1[k], p3[k], err_msg=k)
+        for s in s1:
+            close(s1[s][k], s2[s][k], rtol, f"{s} of {k}")
+            np.testing.assert_array_equal(s1[s][k], s3[s][k])
 
 
 def test_hyper_parameters_change_between_steps_without_recompiling():
@@ -211,3 +252,22 @@ def test_bad_optimizer_arguments_are_named():
         O.Adam(betas=(1.5, 0.9))
     with pytest.raises(TypeError, match="optimizer must be a btjit.optim.Optimizer"):
         btjit.trace(loss, params0(), *batches(1)[0], optimizer="adam")
+
+
+@pytest.mark.parametrize("make", [lambda: O.AdamW(lr=1e-2, weight_decay=0.1), lambda: O.SGD(lr=0.1, momentum=0.9)],
+                         ids=["adamw", "sgd_momentum"])
+def test_one_pass_kernel_split_over_threads_is_bitwise_one_threads(make):
+    """A group of >= PAR_EW_ELEMENTS elements runs the kernel's _par twin on two threads, with the same result."""
+    rng = np.random.default_rng(3)
+    p0 = {"w": rng.standard_normal((300, 256)).astype(np.float32)}
+    xs = [rng.standard_normal((4, 300)).astype(np.float32) for _ in range(3)]
+    fn = lambda p, x: btjit.sum(btjit.tanh(x @ p["w"]))          # noqa: E731
+    progs = [btjit.trace(fn, p0, xs[0], optimizer=make(), threads=t) for t in (1, 2)]
+    par = [any(e.startswith(("k_opt_adam_par", "k_opt_sgd_par")) for e in pr.kernels.entries) for pr in progs]
+    assert par == [False, True]
+    for pr in progs:
+        for x in xs:
+            pr.step(x)
+    np.testing.assert_array_equal(progs[0].params["w"], progs[1].params["w"])
+    for s in progs[0].opt_state:
+        np.testing.assert_array_equal(progs[0].opt_state[s]["w"], progs[1].opt_state[s]["w"])

@@ -35,7 +35,7 @@ MAX_OPERANDS = 23    # o0 .. o22 in the row
 BIN = 16             # binary opcodes are BIN + B_*
 WHERE, LOAD, RAND, LOADC = 40, 41, 42, 43
 HEAD = 6
-RSIZE = BLOCK * NREG
+RSIZE = BLOCK * (NREG + 1)   # and one scratch register (in-place destinations, below)
 
 
 _z, _one = np.float32(0.0), np.float32(1.0)
@@ -220,7 +220,13 @@ def _blocks(a, ia, r, lo, hi):
                 _where(d, _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0),
                        _at(a, R, P, r, zr, i0, i1, i2, j0), m)
             else:
-                _op(op, d, _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0), m)
+                x, y = _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0)
+                if dr < 0 and (d.ctypes.data == x.ctypes.data or d.ctypes.data == y.ctypes.data):
+                    s = R[NREG * BLOCK:]         # written in place: LLVM's alias check fails, its loop runs
+                    _op(op, s, x, y, m)          # scalar; through the scratch register both loops vectorize
+                    _op(U_COPY, d, s, s, m)
+                else:
+                    _op(op, d, x, y, m)
         jb += 1
         if jb == nb3:
             jb, i2 = 0, i2 + 1

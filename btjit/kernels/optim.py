@@ -1,15 +1,15 @@
-"""The optimizer's one hand-written kernel: the global gradient norm, for clipping and for skipping a step.
-
-The update rules themselves are traced equations (btjit/optim/: one fused elementwise pass per param group).
+"""The optimizer's hand-written kernels: the global gradient norm (for clipping and for skipping a step), and the
+built-in SGD and Adam/AdamW in one pass each. Every other update rule is traced equations (btjit/optim/: fused
+elementwise passes per param group).
   k_clip_scale a[oscale] = min(1, a[omax] / (||g||_2 + 1e-6)), or 1 if a[omax] <= 0;
                NaN if any gradient is NaN/Inf: the traced update then keeps params and state as they were
 """
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
-from btjit.kernels.common import FM, row
+from btjit.kernels.common import FM, FM_PAR, cvt, row
 
 
 @row("og n omax oscale")
@@ -29,3 +29,105 @@ def k_clip_scale(a, ia, r):
     else:
         sc = mx / (norm + 1e-6)
         a[r[4]] = sc if sc < 1.0 else 1.0
+
+
+
+# ------------------------------------------------------------------- the built-ins' update, one pass each
+# btjit/graph/ops/optim.py's opt_update rows: torch.optim.SGD and Adam/AdamW over one param group's slice, every
+# term in one loop (the traced equations take a pass per op through the fused-chain interpreter: 2-5x slower).
+# p and the state at op_ o<state> are updated in place from the gradient at og. Scalars: ot the step t (>= 1),
+# olr lr * lr_scale, oscale the clip-by-norm factor (NaN: a non-finite gradient; with SKIP the step then leaves
+# every value as it was). The flags say which terms exist.
+SCALE, SKIP, WD, DECOUPLED, MOMENTUM, DAMPENING, NESTEROV = 1, 2, 4, 8, 16, 32, 64
+
+
+@njit(inline="always", **FM)
+def _parts(n, nparts, j):
+    """Run j of nparts over range(n), cut at multiples of 16 elements."""
+    lo = (j * (n // 16) // nparts) * 16
+    return lo, ((j + 1) * (n // 16) // nparts) * 16 if j + 1 < nparts else n
+
+
+@njit(inline="always", **FM)
+def _sgd(a, r, lo, hi):
+    op_, og, ob = r[1], r[2], r[3]
+    olr, oscale, owd, omom, o1damp, ot, flags = r[5], r[6], r[7], r[8], r[9], r[10], r[11]
+    sc = a[oscale]
+    if flags & SKIP and sc != sc:
+        return
+    if not flags & SCALE:
+        sc = cvt(a, 1.0)
+    lr, wd, mom, damp1 = a[olr], a[owd], a[omom], a[o1damp]
+    p, g, b = a[op_ + lo:op_ + hi], a[og + lo:og + hi], a[ob + lo:ob + hi]
+    if flags & MOMENTUM:
+        restart = flags & DAMPENING and a[ot] == 1      # torch starts the buffer at the first gradient
+        for i in range(hi - lo):
+            gi = g[i] * sc + wd * p[i] if flags & WD else g[i] * sc
+            bi = gi if restart else mom * b[i] + damp1 * gi
+            b[i] = bi
+            p[i] = p[i] - lr * (gi + mom * bi if flags & NESTEROV else bi)
+    else:
+        for i in range(hi - lo):
+            p[i] = p[i] - lr * (g[i] * sc + wd * p[i] if flags & WD else g[i] * sc)
+
+
+@row("op_ og ob n olr oscale owd omom o1damp ot flags nparts")
+@njit(**FM)
+def k_opt_sgd(a, ia, r):
+    """torch.optim.SGD over n elements in one pass."""
+    n = r[4]
+    _sgd(a, r, 0, n)
+
+
+@row("op_ og ob n olr oscale owd omom o1damp ot flags nparts")
+@njit(**FM_PAR)
+def k_opt_sgd_par(a, ia, r):
+    """k_opt_sgd in nparts runs on the threads (each element computed as on one thread)."""
+    n, nparts = r[4], r[12]
+    for j in prange(nparts):
+        lo, hi = _parts(n, nparts, j)
+        _sgd(a, r, lo, hi)
+
+
+@njit(inline="always", **FM)
+def _adam(a, r, lo, hi):
+    op_, og, om, ov = r[1], r[2], r[3], r[4]
+    olr, oscale, owd, ob1, o1b1, ob2, o1b2, oeps, ot, flags = (r[6], r[7], r[8], r[9], r[10], r[11], r[12],
+                                                              r[13], r[14], r[15])
+    sc = a[oscale]
+    if flags & SKIP and sc != sc:
+        return
+    if not flags & SCALE:
+        sc = cvt(a, 1.0)
+    lr, wd, eps, c1, b2, c2 = a[olr], a[owd], a[oeps], a[o1b1], a[ob2], a[o1b2]
+    t = np.float64(a[ot])                 # torch's bias corrections, in float64
+    step = cvt(a, np.float64(lr) / (1.0 - np.float64(a[ob1]) ** t))
+    bc2 = cvt(a, math.sqrt(1.0 - np.float64(b2) ** t))
+    decay = cvt(a, 1.0) - lr * wd if flags & DECOUPLED else cvt(a, 1.0)
+    l2 = wd if flags & WD and not flags & DECOUPLED else cvt(a, 0.0)
+    p, g, m, v = a[op_ + lo:op_ + hi], a[og + lo:og + hi], a[om + lo:om + hi], a[ov + lo:ov + hi]
+    for i in range(hi - lo):
+        gi = g[i] * sc + l2 * p[i]
+        mi = m[i] + c1 * (gi - m[i])               # torch's lerp
+        vi = b2 * v[i] + c2 * (gi * gi)
+        m[i] = mi
+        v[i] = vi
+        p[i] = p[i] * decay + (-step) * mi / (math.sqrt(vi) / bc2 + eps)
+
+
+@row("op_ og om ov n olr oscale owd ob1 o1b1 ob2 o1b2 oeps ot flags nparts")
+@njit(**FM)
+def k_opt_adam(a, ia, r):
+    """torch.optim.Adam / AdamW over n elements in one pass."""
+    n = r[5]
+    _adam(a, r, 0, n)
+
+
+@row("op_ og om ov n olr oscale owd ob1 o1b1 ob2 o1b2 oeps ot flags nparts")
+@njit(**FM_PAR)
+def k_opt_adam_par(a, ia, r):
+    """k_opt_adam in nparts runs on the threads (each element computed as on one thread)."""
+    n, nparts = r[5], r[16]
+    for j in prange(nparts):
+        lo, hi = _parts(n, nparts, j)
+        _adam(a, r, lo, hi)

@@ -19,6 +19,7 @@ from btjit.graph.lower import lower_eqns
 from btjit.graph.memory import _al, storage_roots
 
 from btjit.optim.base import Optimizer, OptimizerError, resolve_groups
+from btjit.optim.builtin import one_pass
 
 GLOBAL = ("lr", "clip_norm", "clip_scale", "clip_value", "step")
 ELEMENTWISE = set(UNARY) | set(BINARY) | {"where"}
@@ -121,12 +122,17 @@ class Update:
                 hp = {k: _Hyper(hyper(i).node, g, hyper(slots[ONE_MINUS + k])) for k, i in slots.items()
                       if k != "lr_scale" and not k.startswith(ONE_MINUS)}
                 hp["lr"] = hyper(self.slots["lr"]) * hyper(slots["lr_scale"])
-                if clip_norm:
+                res = None if clip_value else one_pass(
+                    opt, p, grad, state, hp, t, hyper(self.slots["clip_scale"]),
+                    {f for f, on in (("scale", clip_norm), ("skip", skip_nonfinite)) if on})
+                fused = res is not None
+                if clip_norm and not fused:
                     grad = grad * scale
                 if clip_value:
                     cv = hyper(self.slots["clip_value"])
                     grad = T.minimum(T.maximum(grad, -cv), cv)
-                res = opt.update(p, grad, dict(state), hp, t)
+                if not fused:
+                    res = opt.update(p, grad, dict(state), hp, t)
                 if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict)):
                     raise OptimizerError(f"{who}.update must return (new_param, {{state name: new value}})")
                 new_p, new_s = res
@@ -138,7 +144,7 @@ class Update:
                     new = T.lift(new) if not isinstance(new, T.Tracer) else new
                     if new.shape != (n,):
                         new = _as_slice(new, n, who, what)
-                    if skip_nonfinite:
+                    if skip_nonfinite and not fused:
                         new = T.where(ok, new, old)
                     writes.append((new, old))
             for new, old in writes:
@@ -206,7 +212,7 @@ def _read_after(g, i, new, old, root) -> bool:
     if not reads(e):
         return False
     if e.op != "ew_fused":                           # one elementwise op works in place, any other may not
-        return not (e.op in ELEMENTWISE and old.shape == e.outs[0].shape)
+        return not (e.op in ELEMENTWISE and old.shape == e.outs[0].shape or e.op == "opt_update")
     body = e.attrs["body"]
     at = next(k for k, m in enumerate(body) if m[3] == new.id)
     alias = {old.id}

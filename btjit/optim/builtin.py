@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.graph import trace as T
+from btjit.graph.tracer import emit
 
 from btjit.optim.base import Optimizer, OptimizerError
 
@@ -175,3 +176,26 @@ class Lion(Optimizer):
         c = b1 * m + (1.0 - b1) * g
         p = p * (1.0 - hp["lr"] * hp["weight_decay"]) - hp["lr"] * sign(c)
         return p, {"exp_avg": b2 * m + (1.0 - b2) * g}
+
+
+def one_pass(opt, p, g, s, hp, step, scale, flags):
+    """(new_param, new_state) from one opt_update op (btjit/graph/ops/optim.py: the same arithmetic as the update
+    method, in one kernel pass) when opt's update and init are the built-in SGD's or Adam's (AdamW's); None for
+    any other optimizer, a subclass overriding either included. flags: "scale" (g is multiplied by the clip
+    factor `scale`), "skip" (a NaN scale leaves every value as it was)."""
+    cls = next((c for c in (SGD, Adam) if type(opt).update is c.update and type(opt).init is c.init), None)
+    if cls is None:
+        return None
+    flags = set(flags) | {f for f, k in (("wd", "weight_decay"), ("momentum", "momentum"),
+                                         ("dampening", "dampening")) if k in hp and opt.nonzero(k)}
+    if cls is SGD:
+        flags |= {"nesterov"} if opt.nesterov else set()
+        scalars = (step, hp["lr"], scale, hp["weight_decay"], hp["momentum"], 1.0 - hp["dampening"])
+    else:
+        flags |= {"decoupled"} if opt.decoupled else set()
+        scalars = (step, hp["lr"], scale, hp["weight_decay"], hp["beta1"], 1.0 - hp["beta1"], hp["beta2"],
+                   1.0 - hp["beta2"], hp["eps"])
+    outs = emit("opt_update", (p, g, *s.values(), *map(T.lift, scalars)), kind=cls.__name__.lower(),
+                flags=tuple(sorted(flags)))
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return outs[0], dict(zip(s, outs[1:]))

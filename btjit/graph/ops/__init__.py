@@ -7,7 +7,7 @@ Lowering uses a context `L` (graph/lower.py): L.off(var) arena offset, L.const(x
 constant, L.scratch int32 scratch offset, L.row(kernel_name, name=value...) builds one tape row from the
 kernel's row declaration (`@row` in btjit/kernels).
 """
-from btjit.graph.ops import batchnorm, conv, elementwise, layout, matmul, nn, random  # noqa: F401 -- each registers its ops in TABLE
+from btjit.graph.ops import batchnorm, conv, elementwise, layout, matmul, nn, optim, random  # noqa: F401 -- each registers its ops in TABLE
 from btjit.graph.ops.matmul import micro_gemm, split_gemm  # noqa: F401
 from btjit.graph.ops.nn import IGNORE_NONE  # noqa: F401
 from btjit.graph.optable import TABLE, Case, OpDef, ShapeError, bstrides, cstrides, loop_nest  # noqa: F401
