@@ -226,7 +226,7 @@ def test_matmul_micro_kernels(M, N, Kd, ta, tb, bias, nb, bcast, monkeypatch):
     osum = ar.put("sum", size=N) if colsum else 0
     a = ar.build()
     k_matmul_micro(a, np.zeros(4, np.int32), row(oA, oB, oC, nb, M, N, Kd, M * Kd, 0 if bcast == "B" else Kd * N,
-                                                 M * N, ta, tb, ob, osum))
+                                                 M * N, ta, tb, ob, osum, 0, 0, Kd))
     check(ar.get("C", (nb, M, N)), A @ B + (b if bias else 0), dt)
     if colsum:
         check(ar.get("sum", (N,)), B[0].sum(0), dt)
@@ -238,12 +238,18 @@ def test_micro_gemm_choice(monkeypatch):
     machine), not A^T B^T; B^T products from 64 rows (K <= WT_MAX / 16), or on fewer rows up to NT_MACS
     multiply-adds (or the limit measured on the machine); no bias on B^T."""
     from btjit.graph.ops import micro_gemm
+    from btjit.graph.ops.matmul import kc_rows
     from btjit.kernels import gemm_rule, linalg
     monkeypatch.setattr(gemm_rule, "_VALUE", [262144])
     assert micro_gemm(64, 256, 512, 1, 0, 0, 0, "f32") and micro_gemm(512, 1024, 256, 0, 0, 0, 1, "f32")
     assert not micro_gemm(64, 1024, 512, 1, 0, 0, 0, "f32")
     monkeypatch.setattr(gemm_rule, "_VALUE", [gemm_rule.MIN_LIMIT])
-    assert not micro_gemm(64, 256, 512, 1, 0, 0, 0, "f32") and micro_gemm(64, 128, 512, 1, 0, 0, 0, "f32")
+    assert micro_gemm(64, 128, 512, 1, 0, 0, 0, "f32") and kc_rows(64, 128, 512, 0) == 512
+    # beyond the limit: B in blocks of rows where it is <= KC_N_MAX wide and M, N are multiples of 8, else sgemm
+    assert micro_gemm(64, 256, 512, 1, 0, 0, 0, "f32") and kc_rows(64, 256, 512, 0) == 256
+    assert micro_gemm(288, 64, 36864, 1, 0, 0, 0, "f32") and kc_rows(288, 64, 36864, 0) == 1024
+    assert not micro_gemm(60, 256, 512, 1, 0, 0, 0, "f32") and not micro_gemm(64, 260, 512, 1, 0, 0, 0, "f32")
+    assert not micro_gemm(64, 1024, 512, 0, 0, 0, 0, "f32") and not micro_gemm(64, 256, 512, 0, 1, 0, 0, "f32")
     assert micro_gemm(8, 24, 24, 0, 1, 0, 0, "f32") and micro_gemm(8, 24, 96, 0, 1, 0, 0, "f32")
     monkeypatch.setattr(gemm_rule, "_NT", [linalg.NT_MACS])                 # the measured B^T limit: none
     assert not micro_gemm(8, 100, 100, 0, 1, 0, 0, "f32")                    # > NT_MACS on 8 rows: sgemm
@@ -257,6 +263,37 @@ def test_micro_gemm_choice(monkeypatch):
     assert micro_gemm(64, 200, 100, 0, 1, 0, 0, "f32")                        # B^T > WT_MAX: blocks of rows
     assert not micro_gemm(64, 20, 1100, 0, 1, 0, 0, "f32")                    # ... of < 16 rows: sgemm
 
+
+
+@pytest.mark.parametrize("M,N,Kd,ta,kc", [(64, 64, 1000, 1, 128), (16, 128, 700, 0, 256), (8, 8, 65, 1, 64),
+                                          (24, 40, 300, 0, 299)])
+@pytest.mark.parametrize("extras", [False, True])
+def test_matmul_micro_kernels_read_b_in_blocks_of_rows(M, N, Kd, ta, kc, extras):
+    """kc < K: B read in blocks of kc rows, C accumulated over the blocks, equal to the product at once (to float32
+    rounding) with its bias, residual and relu applied once, and B's column sums over all of K; on one thread
+    and on the threads by rows and by columns (bitwise one thread's)."""
+    from btjit.kernels.linalg import k_matmul_micro, k_matmul_micro_par
+    dt = np.float32
+    rng = np.random.default_rng(Kd)
+    A, B, b, R = rnd(rng, (M, Kd), dt), rnd(rng, (Kd, N), dt), rnd(rng, (N,), dt), rnd(rng, (M, N), dt)
+    want = np.maximum(A @ B + b + R, 0) if extras else A @ B
+    got = []
+    for kernel, nparts in ((k_matmul_micro, None), (k_matmul_micro_par, 2), (k_matmul_micro_par, -2)):
+        ar = Arena(dt)
+        oA, oB = ar.put("A", A.T.copy() if ta else A), ar.put("B", B)
+        ob, ores = (ar.put("bias", b), ar.put("R", R)) if extras else (0, 0)
+        oC = ar.put("C", rnd(rng, (M, N), dt))
+        osum = ar.put("sum", size=N) if ta else 0
+        a = ar.build()
+        args = [oA, oB, oC, 1, M, N, Kd, 0, 0, 0, ta, 0, ob, osum, ores, int(extras), kc]
+        kernel(a, np.zeros(4, np.int32), row(*args, *([nparts] if nparts else [])))
+        got.append(ar.get("C", (M, N)).copy())
+        check(got[-1], want, dt)
+        if ta:
+            check(ar.get("sum", (N,)), B.sum(0), dt)
+        ar.only_wrote("C", *(("sum",) if ta else ()))
+    np.testing.assert_array_equal(got[0], got[1])
+    np.testing.assert_array_equal(got[0], got[2])
 
 
 def test_micro_gemm_limit_is_measured_once_and_remembered(tmp_path, monkeypatch):

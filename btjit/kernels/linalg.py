@@ -15,6 +15,7 @@ WT_MAX = 16384       # floats of the B (or block of B's rows) a B^T product copi
 COPY_MIN_ROWS = 64   # ... and the fewest rows of C it does that for (at 8 rows the copy costs 2x the GEMM)
 MR = 8               # rows of C per micro-kernel call
 MICRO_B_MAX = 65536  # floats of B (K x N) a micro-kernel product may read: it is re-read per MR rows (L2)
+KC_N_MAX = 512       # B wider than this is never read in blocks of rows (gemm_micro_kc: >= 128 rows each)
 NT_MACS = 40_000     # B^T products on fewer rows than COPY_MIN_ROWS: micro-kernels up to this size
 
 
@@ -161,6 +162,26 @@ def gemm_micro(a, b, oA, sar, sak, oB, ldb, oC, ldc, M, N, K, obias, osum, ores,
             c0 += w
 
 
+@njit(**FM)
+def gemm_micro_kc(a, oA, sar, sak, oB, oC, M, N, K, kc, obias, osum, ores, relu, ld):
+    """gemm_micro on operands in the arena (B and C with row stride ld) in blocks of kc rows of B: each block of
+    B stays in cache while every row block of C passes over it (in one, a B beyond L2 is read again from
+    memory for every MR rows of C). The first block writes C (bias, the residual), the others add to it (C as
+    the residual), the last applies relu; B's column sums (osum) are summed block by block. kc < K only where
+    M and N are multiples of 8 (graph/ops/matmul.py): gemm_micro's last row / column block, moved back to end
+    at M / N, would add its overlap twice."""
+    for k0 in range(0, K, kc):
+        k1 = min(K, k0 + kc)
+        gemm_micro(a, a, oA + k0 * sak, sar, sak, oB + k0 * ld, ld, oC, ld, M, N, k1 - k0, obias if k0 == 0 else 0,
+                   osum if k0 == 0 else 0, ores if k0 == 0 else oC, relu if k1 == K else 0)
+        if k0 > 0 and osum > 0:
+            s = a[osum:osum + N]
+            for k in range(k0, k1):
+                b = a[oB + k * ld:oB + k * ld + N]
+                for j in range(N):
+                    s[j] += b[j]
+
+
 @row("oA oB oC nbatch M N K sA sB sC ta tb beta osc oconst obias nparts")
 @njit(**FM)
 def k_matmul(a, ia, r):
@@ -183,7 +204,7 @@ def k_matmul(a, ia, r):
         _matmul_part(a, ia, r, j, nparts)
 
 
-@row("oA oB oC nbatch M N K sA sB sC ta tb obias osum ores relu")
+@row("oA oB oC nbatch M N K sA sB sC ta tb obias osum ores relu kc")
 @njit(**FM)
 def k_matmul_micro(a, ia, r):
     """Batched float32 matmul by the micro-kernels below (ops.micro_gemm says which products):
@@ -191,7 +212,8 @@ def k_matmul_micro(a, ia, r):
 
     Arguments as in k_matmul (ta and tb never both 1; a B^T product has no bias, residual or relu); ores > 0:
     R_i (M, N) at a[ores + i*sC] is added, C_i = (bias + A_i @ B_i) + R_i, a linear with its residual
-    connection; relu > 0: C_i = relu(...), a linear with its activation. M, N >= 8. B^T products from
+    connection; relu > 0: C_i = relu(...), a linear with its activation. kc: B read in blocks of kc rows
+    (gemm_micro_kc; kc >= K: at once). M, N >= 8. B^T products from
     COPY_MIN_ROWS rows run on a transposed stack copy of B (N*K <= WT_MAX; above, of nc = WT_MAX/K rounded down to
     16 of its rows at a time, K <= WT_MAX/16), below on gemm_micro_nt. osum > 0
     (nbatch 1, tb 0): also a[osum:osum+N] = the column sums of B (ops' matmul_colsum: dW = X^T dY and db
@@ -200,7 +222,7 @@ def k_matmul_micro(a, ia, r):
     _micro_rows(a, r, 0, r[5])
 
 
-@row("oA oB oC nbatch M N K sA sB sC ta tb obias osum ores relu nparts")
+@row("oA oB oC nbatch M N K sA sB sC ta tb obias osum ores relu kc nparts")
 @njit(**FM_PAR)
 def k_matmul_micro_par(a, ia, r):
     """k_matmul_micro with C's rows cut into nparts blocks (multiples of MR rows; nparts <= M / MR) computed on the
@@ -208,7 +230,7 @@ def k_matmul_micro_par(a, ia, r):
     thread then reads only its part of a large B, where row blocks would each read all of it. Every entry of C
     is the same sequence of multiply-adds as on one thread, so the result is bitwise equal to
     k_matmul_micro's; each block transposes its own stack copy of B where one is used."""
-    M = r[5]; N = r[6]; nparts = r[17]
+    M = r[5]; N = r[6]; nparts = r[18]
     if nparts < 0:
         ncol = N // 16
         for j in prange(-nparts):
@@ -227,20 +249,20 @@ def k_matmul_micro_par(a, ia, r):
 def _micro_cols(a, r, lo, n):
     """Columns lo .. lo+n of every product of a k_matmul_micro row whose B is not transposed (n >= 8)."""
     oA = r[1]; oB = r[2]; oC = r[3]; nbatch = r[4]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
-    sC = r[10]; ta = r[11]; obias = r[13]; osum = r[14]; ores = r[15]; relu = r[16]
+    sC = r[10]; ta = r[11]; obias = r[13]; osum = r[14]; ores = r[15]; relu = r[16]; kc = r[17]
     lda = M if ta == 1 else K
     sar, sak = (1, lda) if ta == 1 else (lda, 1)
     for i in range(nbatch):
-        gemm_micro(a, a, oA + i * sA, sar, sak, oB + i * sB + lo, N, oC + i * sC + lo, N, M, n, K,
-                   obias + lo if obias > 0 else 0, osum + lo if osum > 0 else 0,
-                   ores + i * sC + lo if ores > 0 else 0, relu)
+        gemm_micro_kc(a, oA + i * sA, sar, sak, oB + i * sB + lo, oC + i * sC + lo, M, n, K, kc,
+                      obias + lo if obias > 0 else 0, osum + lo if osum > 0 else 0,
+                      ores + i * sC + lo if ores > 0 else 0, relu, N)
 
 
 @njit(**FM)
 def _micro_rows(a, r, lo, m):
     """Rows lo .. lo+m of every product of a k_matmul_micro row (m >= MR)."""
     oA = r[1]; oB = r[2]; oC = r[3]; nbatch = r[4]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
-    sC = r[10]; ta = r[11]; tb = r[12]; obias = r[13]; osum = r[14]; ores = r[15]; relu = r[16]
+    sC = r[10]; ta = r[11]; tb = r[12]; obias = r[13]; osum = r[14]; ores = r[15]; relu = r[16]; kc = r[17]
     lda = M if ta == 1 else K
     sar, sak = (1, lda) if ta == 1 else (lda, 1)
     wt = carray(stack_buf(a, WT_MAX), (WT_MAX,))
@@ -249,8 +271,8 @@ def _micro_rows(a, r, lo, m):
     for i in range(nbatch):
         oa, ob, oc = oA + i * sA + lo * sar, oB + i * sB, oC + i * sC + lo * N
         if tb == 0:
-            gemm_micro(a, a, oa, sar, sak, ob, N, oc, N, m, N, K, obias, osum,
-                       ores + i * sC + lo * N if ores > 0 else 0, relu)
+            gemm_micro_kc(a, oa, sar, sak, ob, oc, m, N, K, kc, obias, osum,
+                          ores + i * sC + lo * N if ores > 0 else 0, relu, N)
         elif M < COPY_MIN_ROWS:
             gemm_micro_nt(a, oa, K, ob, K, oc, N, m, N, K, wt)
         elif N * K <= WT_MAX:

@@ -57,13 +57,23 @@ def micro_gemm(M, N, K, ta, tb, beta, bias, float_dtype) -> bool:
     if float_dtype != "f32" or beta or M < linalg.MR or N < 8 or (ta and tb):
         return False
     if K * N > linalg.MICRO_B_MAX and K * N > gemm_rule.micro_b_max():     # measured once per machine
-        return False
+        return bool(kc_rows(M, N, K, tb) < K)         # beyond it, B in blocks of rows (a dW on many rows)
     if not tb:
         return True
     if M >= linalg.COPY_MIN_ROWS:      # B^T on a transposed copy of B or of blocks of >= 16 of its rows
         return (N * K <= linalg.WT_MAX or K <= linalg.WT_MAX // 16) and not bias
     macs = M * N * K                  # gemm_micro_nt: K x 8 floats of A^T on the stack
     return not bias and (macs <= linalg.NT_MACS or (K <= linalg.WT_MAX // linalg.MR and macs <= gemm_rule.nt_macs()))
+
+
+def kc_rows(M, N, K, tb) -> int:
+    """Rows of B per block for k_matmul_micro (gemm_micro_kc): K (at once) up to the measured limit on B, beyond
+    it blocks that fit linalg.MICRO_B_MAX floats where B is at most KC_N_MAX wide and M, N are multiples of 8
+    (a conv's dW = X^T dY over N*OH*OW rows, an FC layer's forward on a wide input: sgemm before)."""
+    if K * N <= linalg.MICRO_B_MAX or tb or M % linalg.MR or N % 8 or N > linalg.KC_N_MAX or \
+            K * N <= gemm_rule.micro_b_max():
+        return K
+    return linalg.MICRO_B_MAX // N // 8 * 8
 
 
 def bf16_gemm(L, N, float_dtype) -> bool:
@@ -101,7 +111,7 @@ def _lower_matmul(e, L, beta=0, bias=0, osum=0, res=None, relu=False):
         if micro(m):        # split over the threads by blocks of C's rows (or columns): bitwise equal to one thread
             kernel = "k_matmul_bf16" if bf else "k_matmul_micro"
             margs = dict(args, obias=bias, relu=int(relu), ores=L.off(res) + oc - L.off(C) if res is not None else 0,
-                         **({} if bf else {"osum": osum}))
+                         **({} if bf else {"osum": osum, "kc": kc_rows(m, N, K, tb)}))
             if par and not bf and not ta and not tb and K * N >= COL_SPLIT_B and N >= 16 * threads:
                 return L.row(kernel + "_par", **margs, nparts=-threads)       # each thread its columns
             if par and m >= 2 * linalg.MR:
