@@ -48,6 +48,10 @@ def _transpose_rule(types, attrs, fd):
 
 
 def _lower_transpose(e, L):
+    x, perm, n = e.ins[0], tuple(e.attrs["perm"]), len(e.ins[0].shape)
+    if n >= 2 and perm == tuple(range(n - 2)) + (n - 1, n - 2) and x.dtype != "i32" and min(x.shape[-2:]) >= 16:
+        return [L.row("k_transpose", oout=L.off(e.outs[0]), oin=L.off(x), nb=x.size // (x.shape[-1] * x.shape[-2]),
+                      rows=x.shape[-2], cols=x.shape[-1])]     # a batch of matrices: register tiles
     st = cstrides(e.ins[0].shape)
     return copy_rows(L, e, L.off(e.outs[0]), cstrides(e.outs[0].shape), L.off(e.ins[0]),
                      tuple(st[p] for p in e.attrs["perm"]))
@@ -55,7 +59,8 @@ def _lower_transpose(e, L):
 
 op("transpose", infer=_transpose_rule, ref=lambda xs, a: (np.transpose(xs[0], a["perm"]).copy(),),
    lower=_lower_transpose, vjp=lambda g, x, o, a: [T.transpose(g[0], tuple(np.argsort(a["perm"])))],
-   cases=[Case((F(2, 3, 4),), {"perm": (2, 0, 1)}), Case((F(2, 3, 4, 5),), {"perm": (0, 2, 1, 3)})])
+   cases=[Case((F(2, 3, 4),), {"perm": (2, 0, 1)}), Case((F(2, 3, 4, 5),), {"perm": (0, 2, 1, 3)}),
+          Case((F(40, 17),), {"perm": (1, 0)}), Case((F(2, 33, 16),), {"perm": (0, 2, 1)})])
 
 
 def _slice_rule(types, attrs, fd):
