@@ -170,6 +170,8 @@ def gemm_micro_kc(a, oA, sar, sak, oB, oC, M, N, K, kc, obias, osum, ores, relu,
     the residual), the last applies relu; B's column sums (osum) are summed block by block. kc < K only where
     M and N are multiples of 8 (graph/ops/matmul.py): gemm_micro's last row / column block, moved back to end
     at M / N, would add its overlap twice."""
+    if M <= 0 or N <= 0:                # an empty part of a split row: nothing, not even B's column sums
+        return
     for k0 in range(0, K, kc):
         k1 = min(K, k0 + kc)
         gemm_micro(a, a, oA + k0 * sak, sar, sak, oB + k0 * ld, ld, oC, ld, M, N, k1 - k0, obias if k0 == 0 else 0,
