@@ -57,6 +57,25 @@ def test_eval_shares_params_and_buffers():
     assert prog.eval(x[:2]) == pytest.approx(2 * ((x[:2] @ prog.params["w"]) ** 2).mean(), rel=1e-12)
 
 
+def test_train_and_eval_programs_load_their_kernels_together():
+    """A program traced with _defer_kernels and its eval program (eval_program(defer=True)) load the library
+    entries of both from one LIBRARY.ensure (`btjit train` compiles them in one parallel batch); they then
+    train and evaluate as programs loaded one by one do."""
+    from btjit.kernels.library import LIBRARY
+    want, x, _ = _prog()
+    prog, _, _ = _prog(_defer_kernels=True)
+    ev = prog.eval_program(x, defer=True)
+    assert prog.kernels is None and ev.kernels is None and prog.eval_program(x) is ev
+    report = LIBRARY.ensure("f64", np.concatenate([prog.tape[:, 0], ev.tape[:, 0]]))
+    for p in (prog, ev):
+        p.load_kernels(report)
+    assert set(report.entries) >= set(want.kernels.entries) and set(ev.kernels.entries) == set(report.entries)
+    for k in range(3):
+        assert prog.step(x + k) == want.step(x + k)
+    assert prog.eval(x) == want.eval(x)
+    np.testing.assert_array_equal(prog.buffers["rm"], want.buffers["rm"])
+
+
 def test_trace_in_eval_mode():
     prog, x, params = _prog()
     ev = btjit.trace(_ema, params, x, buffers={"rm": np.zeros(3), "n": np.zeros(())}, training=False, grad=False,

@@ -40,7 +40,7 @@ def _arg_names(fn, n):
 
 def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=False, dtype="float32", grad=None,
           replicas=1, fuse_elementwise=True, threads=None, clip_value=None, seed=0, buffers=None, training=True,
-          precision="fp32", _share=None):
+          precision="fp32", _share=None, _defer_kernels=False):
     """Trace fn(params, *batch) once and compile it. With an optimizer (a btjit.optim.Optimizer: its update is
     traced after the backward, one fused pass per param group), `step()` trains; without one, `forward()`
     (and `value_and_grad()` for a scalar output) evaluate. clip_norm: clip gradients by global norm;
@@ -171,10 +171,10 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     assign_in_place(g, pinned)
     verify(g, TABLE)
     prog = Program(g, params, update, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas,
-                   _threads.resolve(threads), seed, buffers, _share, precision)
-    prog._retrace = lambda share, *b: trace(fn, share.params, *b, dtype=dtype, buffers=share.buffers,    # eval
-                                            fuse_elementwise=fuse_elementwise, threads=threads, training=False,
-                                            grad=False, precision=precision, _share=share)
+                   _threads.resolve(threads), seed, buffers, _share, precision, _defer_kernels)
+    prog._retrace = lambda share, *b, defer=False: trace(                                              # eval
+        fn, share.params, *b, dtype=dtype, buffers=share.buffers, fuse_elementwise=fuse_elementwise, threads=threads,
+        training=False, grad=False, precision=precision, _share=share, _defer_kernels=defer)
     return prog
 
 
@@ -184,7 +184,7 @@ class Program(Runner):
     arena."""
 
     def __init__(self, graph, init_params, update, clip_norm, skip_nonfinite, pinned, trace_seconds,
-                 replicas=1, n_threads=1, seed=0, init_buffers=None, share=None, precision="fp32"):
+                 replicas=1, n_threads=1, seed=0, init_buffers=None, share=None, precision="fp32", defer=False):
         t0 = time.perf_counter()
         optimizer = update and update.opt
         self.graph, self.optimizer, self.clip_norm, self.replicas = graph, optimizer, clip_norm, replicas
@@ -247,14 +247,14 @@ class Program(Runner):
         rng.set_key(self._IA, p.int_state, seed)
         self.trace_seconds = trace_seconds
         self.plan_seconds = time.perf_counter() - t0
-        self.kernels = LIBRARY.ensure(graph.float_dtype, self.tape[:, 0])    # the library entries it runs
+        self.kernels = None if defer else LIBRARY.ensure(graph.float_dtype, self.tape[:, 0])  # the entries it runs
         self._table = LIBRARY.tables[graph.float_dtype]
         self._out, self._out_var = self.outputs["out"], graph.outputs["out"]
         t1 = time.perf_counter()
         self._run(self.a, self.ia, self.tape[:0], 0, 0)   # compile (or load) the executor now: runs no rows
         if replicas > 1:
             self._run_replicas(0, 0)                 # and the replicas' driver
-        self.compile_seconds = self.kernels.seconds + time.perf_counter() - t1
+        self.compile_seconds = (self.kernels.seconds if self.kernels else 0.0) + time.perf_counter() - t1
         self.input_names = graph.input_names
         self.n_rows = self.tape.shape[0]
         self.has_optimizer, self.has_grad = optimizer is not None, graph.loss is not None
@@ -280,18 +280,27 @@ class Program(Runner):
     def _clear_flag(self):
         self._IA[:, self._flag] = 0
 
-    def eval(self, *batch):
-        """fn evaluated in eval mode (btjit.is_training() False, no assign applied) on this program's params and
-        buffers: a float for a scalar result, else a copy of the array. The eval program is traced and compiled
-        on the first call for each batch shape; it shares this program's arena memory for params and buffers
-        (an edit through prog.params is seen by both), its activations its own."""
+    def load_kernels(self, report):
+        """The library entries of a program traced with _defer_kernels, loaded by the caller's LIBRARY.ensure
+        (`report`, which may have compiled several programs' entries in one parallel batch)."""
+        self.kernels, self.compile_seconds = report, self.compile_seconds + report.seconds
+
+    def eval_program(self, *batch, defer=False):
+        """The program prog.eval runs for batches shaped like `batch` (traced on the first call)."""
         key = tuple((np.shape(x), np.asarray(x).dtype.kind in "iu") for x in batch)
         ev = self._evals.get(key)
         if ev is None:
             if self._retrace is None:
                 raise RuntimeError("prog.eval needs the traced function: trace the program with btjit.trace")
-            ev = self._evals[key] = self._retrace(self, *batch)
-        return ev.forward(*batch)
+            ev = self._evals[key] = self._retrace(self, *batch, defer=defer)
+        return ev
+
+    def eval(self, *batch):
+        """fn evaluated in eval mode (btjit.is_training() False, no assign applied) on this program's params and
+        buffers: a float for a scalar result, else a copy of the array. The eval program is traced and compiled
+        on the first call for each batch shape; it shares this program's arena memory for params and buffers
+        (an edit through prog.params is seen by both), its activations its own."""
+        return self.eval_program(*batch).forward(*batch)
 
     def export(self, path, extra_files=None):
         """Write this program as a self-contained native library dir (btjit/export.py): btjit.runtime.load(path)

@@ -63,7 +63,7 @@ def make_optimizer(o, optim_file=None, params=None):
         raise ConfigError(f"[optim]: {e}") from None
 
 
-def build_program(cfg: Config, model, params, x, y, replicas=1, optim_file=None):
+def build_program(cfg: Config, model, params, x, y, replicas=1, optim_file=None, defer_kernels=False):
     """The training program of a config: the model's loss traced on a batch like (x, y) with the config's
     optimizer (optim_file: the user's, [optim] file), clipping and dtype (`btjit train` and `btjit export`)."""
     o = cfg.optim
@@ -74,7 +74,7 @@ def build_program(cfg: Config, model, params, x, y, replicas=1, optim_file=None)
                            skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)
                            replicas=replicas,      # replicas average losses: only for a mean over the batch
                            seed=cfg.train.seed,    # of the random numbers inside the step (dropout)
-                           precision=cfg.train.precision)
+                           precision=cfg.train.precision, _defer_kernels=defer_kernels)
 
 
 def check_world_size(ck, n: int) -> None:

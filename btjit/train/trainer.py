@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 import btjit
+from btjit.kernels.library import LIBRARY
 from btjit.train import arrays
 from btjit.train import checkpoint as ckpt_mod
 from btjit.train import data as data_mod
@@ -142,7 +143,13 @@ class Trainer:
         replicas = btjit.replicas_for(len(y), y.size, self.threads) if self.model.mean_over_batch else 1
         t0 = time.perf_counter()
         self.prog = build_program(cfg, self.model, self.model.init_params(self.param_rng), x, y, replicas,
-                                  self.optim_file)
+                                  self.optim_file, defer_kernels=True)
+        with self.model.guard("tracing loss(p, x, y) for evaluation"):
+            ev = self.prog.eval_program(x, y, defer=True)      # the val loss's program: its entries compile
+        report = LIBRARY.ensure(ev.graph.float_dtype,           # with the step's, in one parallel batch
+                                np.concatenate([self.prog.tape[:, 0], ev.tape[:, 0]]))
+        for p in (self.prog, ev):
+            p.load_kernels(report)
         self.build_seconds = time.perf_counter() - t0
         per_sample = self.model.format in ("lines", "arrays")
         self.tokens_per_step = (len(y) if per_sample else x.size) * cfg.train.grad_accum
