@@ -35,6 +35,10 @@ CHAINS = {
         {"a": (4, 3), "b": (4, 3), "w": (6, 2)}),
     "split gradient": (lambda p: btjit.sum(_pieces(*btjit.split(p["g"] @ p["w"], 3, axis=-1))),
                        {"g": (6, 5), "w": (5, 12)}),
+    # a product and the add / subtract reading it: one FMA / FMS / FNMA instruction each (fuse_ew.multiply_add)
+    "multiply-adds": (lambda p: btjit.sum((p["a"] * p["b"] + p["c"]) * (p["a"] * p["c"] - p["b"])
+                                          + btjit.tanh(p["c"] - p["a"] * p["b"]) * p["a"]),
+                      {"a": (7, 9), "b": (7, 9), "c": (7, 9)}),
 }
 
 
@@ -110,3 +114,33 @@ def test_split_gates_are_read_in_place_and_their_gradient_written_as_one_array()
     assert ops.count("ew_fused") == 2 and not {"slice", "slice_scatter", "concatenate", "add"} & set(ops), str(g)
     bwd = next(e for e in g.eqns[g.n_forward:] if e.op == "ew_fused")
     assert (6, 12) in bwd.attrs["oshapes"] and len(bwd.attrs["oview"]) == len(bwd.outs) + 2
+
+
+def test_multiply_add_instructions():
+    """multiply_add turns a product read only by the add / subtract after it into FMA (x*y + z), FMS (x*y - z)
+    or FNMA (z - x*y); not when the product is read again later, read twice by the sum, or the sum would
+    overwrite one of the product's operands; the chain that has all three runs them (the CHAINS case)."""
+    from btjit.graph.fuse_ew import multiply_add
+    from btjit.kernels.elementwise import B_ADD, B_MUL, B_SUB, U_EXP
+    from btjit.kernels.fused import BIN, FMA, FMS, FNMA
+    mul, add, sub = BIN + B_MUL, BIN + B_ADD, BIN + B_SUB
+    assert multiply_add([(mul, 3, 1, -2, 0), (add, 4, 3, 5, 0)]) == [(FMA, 4, 1, -2, 5)]
+    assert multiply_add([(mul, 3, 1, 2, 0), (add, -1, 5, 3, 0)]) == [(FMA, -1, 1, 2, 5)]
+    assert multiply_add([(mul, 3, 1, 2, 0), (sub, 4, 3, 5, 0)]) == [(FMS, 4, 1, 2, 5)]
+    assert multiply_add([(mul, 3, 1, 2, 0), (sub, 4, 5, 3, 0), (U_EXP, 3, 4, 4, 0), (add, 6, 3, 3, 0)]) == \
+        [(FNMA, 4, 1, 2, 5), (U_EXP, 3, 4, 4, 0), (add, 6, 3, 3, 0)]                # 3 written again first
+    kept = [[(mul, 3, 1, 2, 0), (add, 4, 3, 5, 0), (U_EXP, 6, 3, 3, 0)],          # the product read later
+            [(mul, 3, 1, 2, 0), (add, 4, 3, 3, 0)],                                # read twice by the sum
+            [(mul, 3, 1, 2, 0), (add, 1, 3, 5, 0)],                                # the sum overwrites x
+            [(mul, -3, 1, 2, 0), (add, 4, -3, 5, 0)]]                              # a product in the arena
+    for instrs in kept:
+        assert multiply_add(instrs) == instrs
+    prog = btjit.trace(CHAINS["multiply-adds"][0], _params(CHAINS["multiply-adds"][1], "float64"), dtype="float64",
+                       grad=True)
+    from btjit.kernels.fused import HEAD
+    ops = set()
+    for r in prog.tape:
+        if btjit.core.program.LIBRARY.entry_of(r[0])[0] == "k_ew_program":
+            P = prog.ia[r[1]:]
+            ops |= {int(P[HEAD + 4 * P[1] + 5 * t]) for t in range(P[0])}
+    assert {FMA, FMS, FNMA} <= ops

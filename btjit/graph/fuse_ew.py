@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.kernels import elementwise as EW
-from btjit.kernels.fused import BIN, LOAD, LOADC, MAX_OPERANDS, NREG, RAND, WHERE
+from btjit.kernels.fused import BIN, FMA, FMS, FNMA, LOAD, LOADC, MAX_OPERANDS, NREG, RAND, WHERE
 
 from btjit.graph.ir import Eqn, Graph
 from btjit.graph.ops import bstrides, cstrides, loop_nest
@@ -215,7 +215,7 @@ def _fused_eqn(g, eqns, body, members, needed, shape, dry=False):
             code[v.id] = c
     scalars = [k for k in range(len(ins)) if all(st[k] == 0 for _, st in inner)]
     # the scalar operands hoisted (LOADC) if the registers allow
-    instrs = _registers(es, ins, code, region, scalars) or _registers(es, ins, code, region, [])
+    instrs = multiply_add(_registers(es, ins, code, region, scalars) or _registers(es, ins, code, region, []))
     if instrs is None:                                   # out of registers
         return None
     if dry:
@@ -289,3 +289,45 @@ def _registers(es, ins, code, region, scalars):
     except IndexError:
         return None
     return instrs
+
+
+def _reads(ins) -> tuple:
+    """The registers or operands an instruction reads (LOAD, LOADC and RAND read none of either)."""
+    op = ins[0]
+    if op in (LOAD, LOADC, RAND):
+        return ()
+    return ins[2:5] if op == WHERE or op >= FMA else ins[2:4]
+
+
+def multiply_add(instrs):
+    """A product into a register read only by the add or subtract right after it -> one FMA (x*y + z), FMS
+    (x*y - z) or FNMA (z - x*y) instruction: one pass over the block instead of two (an optimizer's b * m +
+    (1 - b) * g, a gate's sigmoid(f) * c + sigmoid(i) * tanh(g)). Not where the sum's destination is one of
+    the product's operands (the loop would then run in place)."""
+    if instrs is None:
+        return None
+    mul, add, sub = BIN + EW.B_MUL, BIN + EW.B_ADD, BIN + EW.B_SUB
+    out, t = [], 0
+    while t < len(instrs):
+        a, b = instrs[t], instrs[t + 1] if t + 1 < len(instrs) else None
+        p = a[1]
+        if b is not None and a[0] == mul and p >= 0 and b[0] in (add, sub) and (b[2] == p) != (b[3] == p) \
+                and b[1] not in (a[2], a[3]) and _dead(instrs[t + 2:], p):
+            z = b[3] if b[2] == p else b[2]
+            op = FMA if b[0] == add else (FMS if b[2] == p else FNMA)
+            out.append((op, b[1], a[2], a[3], z))
+            t += 2
+            continue
+        out.append(a)
+        t += 1
+    return out
+
+
+def _dead(rest, r) -> bool:
+    """Is register r written again (or never used) before any of `rest` reads it?"""
+    for ins in rest:
+        if r in _reads(ins):
+            return False
+        if ins[1] == r:
+            return True
+    return True

@@ -34,6 +34,7 @@ NREG = 16            # registers (BLOCK * NREG floats of stack: 64 KB in float32
 MAX_OPERANDS = 23    # o0 .. o22 in the row
 BIN = 16             # binary opcodes are BIN + B_*
 WHERE, LOAD, RAND, LOADC = 40, 41, 42, 43
+FMA, FMS, FNMA = 44, 45, 46   # dst = x*y + z, x*y - z, z - x*y
 HEAD = 6
 RSIZE = BLOCK * (NREG + 1)   # and one scratch register (in-place destinations, below)
 
@@ -51,6 +52,20 @@ def _fill(d, v, m):
 def _where(d, c, x, y, m):
     for j in range(m):
         d[j] = x[j] if c[j] != 0 else y[j]
+
+
+@njit(**FM)
+def _fma(op, d, x, y, z, m):
+    """d[:m] = x*y + z (FMA), x*y - z (FMS) or z - x*y (FNMA): a product and the sum reading it, one pass."""
+    if op == FMA:
+        for j in range(m):
+            d[j] = x[j] * y[j] + z[j]
+    elif op == FMS:
+        for j in range(m):
+            d[j] = x[j] * y[j] - z[j]
+    else:
+        for j in range(m):
+            d[j] = z[j] - x[j] * y[j]
 
 
 @njit(**FM)
@@ -221,12 +236,16 @@ def _blocks(a, ia, r, lo, hi):
                        _at(a, R, P, r, zr, i0, i1, i2, j0), m)
             else:
                 x, y = _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0)
-                if dr < 0 and (d.ctypes.data == x.ctypes.data or d.ctypes.data == y.ctypes.data):
-                    s = R[NREG * BLOCK:]         # written in place: LLVM's alias check fails, its loop runs
-                    _op(op, s, x, y, m)          # scalar; through the scratch register both loops vectorize
+                z = _at(a, R, P, r, zr, i0, i1, i2, j0) if op >= FMA else x
+                at = d.ctypes.data
+                s = R[NREG * BLOCK:] if dr < 0 and (at == x.ctypes.data or at == y.ctypes.data or
+                                                   at == z.ctypes.data) else d
+                if op >= FMA:                    # written in place (s is the scratch register): LLVM's alias
+                    _fma(op, s, x, y, z, m)      # check fails and its loop runs scalar; through the scratch
+                else:                            # register both loops vectorize
+                    _op(op, s, x, y, m)
+                if dr < 0 and s.ctypes.data != at:
                     _op(U_COPY, d, s, s, m)
-                else:
-                    _op(op, d, x, y, m)
         jb += 1
         if jb == nb3:
             jb, i2 = 0, i2 + 1
