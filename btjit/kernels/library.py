@@ -284,7 +284,7 @@ HEAVY = {"k_attn_bwd_bl_par": 7, "k_attn_fwd_bl_par": 6, "k_ew_program": 6, "k_a
          "k_attn_bwd_kept_par": 5, "k_attn_fwd_kept_par": 5, "k_attn_fwd_flash": 4, "k_attn_bwd_bl": 4,
          "k_attn_fwd_bl": 4, "k_matmul": 4, "k_matmul_par": 4, "k_matmul_micro": 4, "k_attn_bwd_kept": 3,
          "k_attn_fwd_kept": 3, "k_strided": 3, "k_binary": 3, "k_attn_bwd": 3, "k_reduce": 2, "k_unary": 2,
-         "k_ce_fwd": 2, "k_layernorm_bwd": 2, "k_matmul_bf16": 3, "k_matmul_bf16_par": 3}
+         "k_ce_fwd": 2, "k_layernorm_bwd": 2, "k_matmul_bf16": 3, "k_matmul_bf16_par": 3, "k_matmul_micro_par": 8}
 
 
 def groups(entries) -> list:
