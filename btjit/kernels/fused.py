@@ -237,14 +237,14 @@ def _blocks(a, ia, r, lo, hi):
             else:
                 x, y = _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0)
                 z = _at(a, R, P, r, zr, i0, i1, i2, j0) if op >= FMA else x
-                at = d.ctypes.data
-                s = R[NREG * BLOCK:] if dr < 0 and (at == x.ctypes.data or at == y.ctypes.data or
-                                                   at == z.ctypes.data) else d
-                if op >= FMA:                    # written in place (s is the scratch register): LLVM's alias
-                    _fma(op, s, x, y, z, m)      # check fails and its loop runs scalar; through the scratch
-                else:                            # register both loops vectorize
+                at = d.ctypes.data               # written in place: LLVM's alias check fails and the loop runs
+                inplace = dr < 0 and (at == x.ctypes.data or at == y.ctypes.data or at == z.ctypes.data)
+                s = R[NREG * BLOCK:] if inplace else d      # scalar; through the scratch register both vectorize
+                if op >= FMA:
+                    _fma(op, s, x, y, z, m)
+                else:
                     _op(op, s, x, y, m)
-                if dr < 0 and s.ctypes.data != at:
+                if inplace:
                     _op(U_COPY, d, s, s, m)
         jb += 1
         if jb == nb3:

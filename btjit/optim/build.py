@@ -125,13 +125,13 @@ class Update:
                 res = None if clip_value else one_pass(
                     opt, p, grad, state, hp, t, hyper(self.slots["clip_scale"]),
                     {f for f, on in (("scale", clip_norm), ("skip", skip_nonfinite)) if on})
-                fused = res is not None
-                if clip_norm and not fused:
-                    grad = grad * scale
-                if clip_value:
-                    cv = hyper(self.slots["clip_value"])
-                    grad = T.minimum(T.maximum(grad, -cv), cv)
+                fused = res is not None                  # else the traced update, clipping first
                 if not fused:
+                    if clip_norm:
+                        grad = grad * scale
+                    if clip_value:
+                        cv = hyper(self.slots["clip_value"])
+                        grad = T.minimum(T.maximum(grad, -cv), cv)
                     res = opt.update(p, grad, dict(state), hp, t)
                 if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict)):
                     raise OptimizerError(f"{who}.update must return (new_param, {{state name: new value}})")

@@ -144,11 +144,12 @@ class Trainer:
         t0 = time.perf_counter()
         self.prog = build_program(cfg, self.model, self.model.init_params(self.param_rng), x, y, replicas,
                                   self.optim_file, defer_kernels=True)
-        with self.model.guard("tracing loss(p, x, y) for evaluation"):
-            ev = self.prog.eval_program(x, y, defer=True)      # the val loss's program: its entries compile
-        report = LIBRARY.ensure(ev.graph.float_dtype,           # with the step's, in one parallel batch
-                                np.concatenate([self.prog.tape[:, 0], ev.tape[:, 0]]))
-        for p in (self.prog, ev):
+        progs = [self.prog]
+        if not getattr(self.ds, "classes", 0) and self.local_batch_size == cfg.train.batch_size:
+            with self.model.guard("tracing loss(p, x, y) for evaluation"):   # evaluate()'s program: its entries
+                progs.append(self.prog.eval_program(x, y, defer=True))        # compile with the step's, at once
+        report = LIBRARY.ensure(self.prog.graph.float_dtype, np.concatenate([p.tape[:, 0] for p in progs]))
+        for p in progs:
             p.load_kernels(report)
         self.build_seconds = time.perf_counter() - t0
         per_sample = self.model.format in ("lines", "arrays")
