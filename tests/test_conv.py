@@ -24,6 +24,13 @@ CONV2D = [  # x, w, kwargs
     ((2, 6, 7, 7), (12, 1, 5, 5), dict(groups=6, stride=2, padding=2)),
     ((3, 5, 5), (2, 3, 3, 3), dict(padding=1)),                 # unbatched
     ((1, 1, 28, 28), (8, 1, 3, 3), {}),
+    # O a multiple of 8: the implicit GEMM (conv_gemm); C a multiple of 8 and stride 1: its dx implicit too
+    ((2, 8, 7, 6), (16, 8, 3, 3), dict(padding=1)),
+    ((2, 16, 9, 8), (8, 16, 3, 2), dict(padding="same", dilation=2)),
+    ((1, 8, 9, 9), (24, 8, 3, 3), dict(stride=2, padding=1)),    # dx by col2im (stride 2)
+    ((3, 3, 6, 7), (8, 3, 2, 2), {}),                             # dx by col2im (C = 3); K = 12
+    ((1, 8, 4, 4), (32, 8, 1, 1), {}),                            # 1x1, 16 output pixels
+    ((2, 1, 5, 5), (8, 1, 2, 2), dict(padding=(1, 0))),           # K = 4 (< 8 rows of dW)
 ]
 CONV1D = [
     ((2, 3, 11), (4, 3, 3), {}),
@@ -99,7 +106,7 @@ def test_flatten_matches_torch():
         _against_torch(lambda a: btjit.flatten(a, *args), lambda a: torch.flatten(a, *args), [x], "float64", 0)
 
 
-@pytest.mark.parametrize("i", [1, 3, 4, 9])
+@pytest.mark.parametrize("i", [1, 3, 4, 9, 12, 13, 14])
 def test_conv2d_gradients_match_finite_differences(i):
     xs, ws, kw = CONV2D[i]
     rng = np.random.default_rng(i)
@@ -139,3 +146,29 @@ def test_bad_arguments_name_the_function_and_the_line(call, message):
     with pytest.raises(btjit.TraceError) as e:
         btjit.trace(loss, {"x": np.zeros((2, 3, 8, 8)), "w": np.zeros((4, 3, 3, 3))}, grad=False)
     assert message in str(e.value) and "test_conv.py:" in str(e.value)
+
+
+def test_implicit_gemm_graph_and_threads():
+    """A float32 convolution with O a multiple of 8 runs as conv_gemm (no patch matrix; its dx a transposed
+    implicit convolution), split over two threads bitwise equal to one; with precision="bf16" it keeps im2col
+    (its products read bf16)."""
+    rng = np.random.default_rng(3)
+    p = {"w": rng.normal(size=(16, 8, 3, 3)).astype(np.float32) * 0.2, "b": rng.normal(size=16).astype(np.float32),
+         "h": rng.normal(size=(4, 8, 12, 11)).astype(np.float32)}
+    x = rng.normal(size=(4, 8, 12, 11)).astype(np.float32)
+    r = rng.normal(size=(4, 16, 12, 11)).astype(np.float32)
+
+    def loss(q, x):
+        return btjit.sum(btjit.conv2d(x * q["h"], q["w"], q["b"], padding=1) * r)
+    runs = []
+    for threads in (1, 2):
+        prog = btjit.trace(loss, p, x, grad=True, threads=threads)
+        ops = [e.op for e in prog.graph.eqns]
+        assert "im2col" not in ops and "col2im" not in ops and ops.count("conv_gemm") == 2, ops
+        runs.append((prog.value_and_grad(x), {k: prog.grads[k].copy() for k in p},
+                     {btjit.core.program.LIBRARY.entry_of(op)[0] for op in prog.tape[:, 0]}))
+    (l1, g1, k1), (l2, g2, k2) = runs
+    assert l1 == l2 and all(np.array_equal(g1[k], g2[k]) for k in g1)
+    assert "k_conv" in k1 and "k_conv_par" in k2
+    bf = btjit.trace(loss, p, x, grad=True, precision="bf16")
+    assert "im2col" in [e.op for e in bf.graph.eqns]

@@ -88,7 +88,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         raise ValueError("precision=\"bf16\" needs dtype float32 (its products sum in float32)")
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be a positive int, got {replicas!r}")
-    g = Graph(float_dtype=fd, training=bool(training))
+    g = Graph(float_dtype=fd, training=bool(training), precision=precision)
     if not isinstance(params, dict):
         raise TypeError("params must be a dict of name -> numpy float array")
     buffers = {} if buffers is None else buffers

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.kernels.conv import POOL_AVG, POOL_MAX
+from btjit.kernels.linalg import MR
 
 from btjit.graph import trace as T
 
@@ -66,11 +67,18 @@ def _conv2d(x, w, b, stride, padding, dilation, groups, _fn):
     oh = _out(_fn, H, kh, sh, ph, ph2, dh, (x, w))
     ow = _out(_fn, W, kw, sw, pw, pw2, dw, (x, w))
     K, Og, P = Cg * kh * kw, O // G, oh * ow
-    cols = T.emit("im2col", (x,), kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw, dh=dh, dw=dw, oh=oh, ow=ow, groups=G)
     if b is not None:
         b = T.lift(b)
         if tuple(b.shape) != (O,):
             _fail(_fn, f"the bias must have shape ({O},)", x, w, b)
+    if G == 1 and O % MR == 0 and N * P >= MR and T.current_graph().precision == "fp32":
+        if ph or ph2 or pw or pw2:      # an implicit GEMM over the padded image (conv_gemm: no patch matrix)
+            x = T.emit("slice_scatter", (x,), shape=(N, C, H + ph + ph2, W + pw + pw2), starts=(0, 0, ph, pw),
+                       stops=(N, C, ph + H, pw + W), steps=(1, 1, 1, 1))
+        y = T.emit("conv_gemm", (x, T.transpose(T.reshape(w, (O, K)))) + ((b,) if b is not None else ()), kh=kh,
+                   kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, oh=oh, ow=ow, nhwc=0, flip=0)
+        return T.reshape(T.transpose(T.reshape(y, (N, P, O)), (0, 2, 1)), (N, O, oh, ow))
+    cols = T.emit("im2col", (x,), kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw, dh=dh, dw=dw, oh=oh, ow=ow, groups=G)
     if G == 1:          # (N*P, K) @ (K, O) [+ b]: one GEMM (with the bias, a fused linear)
         y = T.reshape(cols, (N * P, K)) @ T.transpose(T.reshape(w, (O, K)))
         y = T.transpose(T.reshape(y if b is None else y + b, (N, P, O)), (0, 2, 1))

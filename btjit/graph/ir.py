@@ -84,6 +84,7 @@ class Graph:
     buffers: dict = field(default_factory=dict)    # name -> Var: state a step reads and writes, not trained
     assigns: list = field(default_factory=list)    # Assign: a value written into a state Var when the step ends
     training: bool = True                          # the mode btjit.is_training() reports while tracing
+    precision: str = "fp32"                        # of the products (btjit.trace's precision=)
     memo: dict = field(default_factory=dict)       # while fn is traced: (op, input id, attrs) -> Var, pure ops
     #                                                met again on the same input made once (a weight's .T per RNN cell)
     # values at fixed places outside the planned area, read and assigned by the optimizer update

@@ -12,7 +12,10 @@ import numpy as np
 
 from btjit.graph import trace as T
 from btjit.kernels.conv import POOL_AVG, POOL_MAX
+from btjit.kernels.common import MAX_THREADS
+from btjit.kernels.linalg import MR
 
+from btjit.graph.ops.matmul import par_gemm
 from btjit.graph.optable import Case, F, ShapeError, _float, op
 
 _GEOM = ("kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "oh", "ow")
@@ -91,6 +94,109 @@ op("im2col", infer=_im2col_rule, ref=_im2col_ref,
 op("col2im", infer=lambda t, a, fd: [(tuple(a["x_shape"]), fd)], ref=_col2im_ref, internal=True,
    lower=lambda e, L: _conv_row(L, 1, e.attrs["x_shape"], e.attrs, ocol=L.off(e.ins[0]), ox=L.off(e.outs[0])),
    cases=[Case((F(*_im2col_rule([(s[1], "f64")], a, "f64")[0][0]),), dict(a, x_shape=s[1])) for s, a in _ic])
+
+
+# ----------------------------------------------------------------------------- implicit-GEMM convolution
+def _kpad(K):
+    return -(-K // MR) * MR
+
+
+def _cg_dims(x_shape, a):
+    """(N, C, H, W) of a conv_gemm input stored NCHW (nhwc 0) or NHWC (nhwc 1)."""
+    N, *r = x_shape
+    return (N, r[2], r[0], r[1]) if a["nhwc"] else (N, *r)
+
+
+def _conv_gemm_rule(types, attrs, fd):
+    _float(types, "")
+    (sx, _), (sw, _) = types[:2]
+    if len(sx) != 4 or len(sw) != 2:
+        raise ShapeError("conv_gemm needs x (N, C, H, W) and wt (C*kh*kw, O)")
+    N, C = _cg_dims(sx, attrs)[:2]
+    if sw[0] != C * attrs["kh"] * attrs["kw"] or sw[1] % MR or (len(types) == 3 and tuple(types[2][0]) != (sw[1],)):
+        raise ShapeError(f"conv_gemm: wt {sw} must be ({C * attrs['kh'] * attrs['kw']}, O) with O a multiple of {MR}")
+    return [((N * attrs["oh"] * attrs["ow"], sw[1]), fd)]
+
+
+def _windows(x, a):
+    """The patch matrix (N*OH*OW, K) of x in the weights' row order (the reference of conv_gemm / conv_wgrad)."""
+    xs = x.transpose(0, 3, 1, 2) if a["nhwc"] else x
+    N, C, H, W = xs.shape
+    kh, kw, oh, ow = a["kh"], a["kw"], a["oh"], a["ow"]
+    taps = np.zeros((N, oh, ow, C, kh, kw), x.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            ii, jj = (kh - 1 - i, kw - 1 - j) if a["flip"] else (i, j)
+            v = xs[:, :, ii * a["dh"]:ii * a["dh"] + a["sh"] * (oh - 1) + 1:a["sh"],
+                   jj * a["dw"]:jj * a["dw"] + a["sw"] * (ow - 1) + 1:a["sw"]]
+            taps[:, :, :, :, i, j] = v.transpose(0, 2, 3, 1)
+    taps = taps.transpose(0, 1, 2, 4, 5, 3) if a["nhwc"] else taps
+    return taps.reshape(N * oh * ow, -1)
+
+
+def _conv_gemm_ref(xs, a):
+    y = _windows(xs[0], a) @ xs[1]
+    return (y + xs[2] if len(xs) == 3 else y,)
+
+
+def _conv_wgrad_ref(xs, a):
+    dw = _windows(xs[0], a).T @ xs[1]
+    return (np.concatenate([dw, np.repeat(dw[-1:], _kpad(len(dw)) - len(dw), 0)]),)
+
+
+def _conv_gemm_vjp(g, x, o, a):
+    X, WT = x[:2]
+    g = g[0]
+    N, C, H, W = _cg_dims(X.shape, a)
+    K, O = WT.shape
+    kh, kw, dh, dw = a["kh"], a["kw"], a["dh"], a["dw"]
+    if a["nhwc"] or a["flip"]:
+        raise T.TraceError("conv_gemm: the gradient of a transposed convolution's gradient is not supported")
+    dWT = T.emit("conv_wgrad", (X, g), **a)
+    dWT = T.emit("slice", (dWT,), starts=(0, 0), stops=(K, O), steps=(1, 1)) if _kpad(K) != K else dWT
+    if (a["sh"], a["sw"]) == (1, 1) and C % MR == 0:     # dx: the transposed convolution, implicit too
+        ph, pw = dh * (kh - 1), dw * (kw - 1)
+        oh, ow = a["oh"], a["ow"]
+        gp = T.emit("slice_scatter", (T.reshape(g, (N, oh, ow, O)),), shape=(N, oh + 2 * ph, ow + 2 * pw, O),
+                    starts=(0, ph, pw, 0), stops=(N, ph + oh, pw + ow, O), steps=(1, 1, 1, 1))
+        wr = T.reshape(T.transpose(T.reshape(WT, (C, kh * kw, O)), (1, 2, 0)), (kh * kw * O, C))
+        dxn = T.emit("conv_gemm", (gp, wr), **dict(a, sh=1, sw=1, oh=H, ow=W, nhwc=1, flip=1))
+        dX = T.transpose(T.reshape(dxn, (N, H, W, C)), (0, 3, 1, 2))
+    else:                                                   # the patches' gradient, summed back by col2im
+        dcol = T.emit("matmul", (g, WT), ta=False, tb=True)
+        dX = T.emit("col2im", (T.reshape(dcol, (1,) + dcol.shape),), x_shape=tuple(X.shape), groups=1, ph=0, pw=0,
+                    **{k: a[k] for k in ("kh", "kw", "sh", "sw", "dh", "dw", "oh", "ow")})
+    return [dX, dWT] + ([T.sum(g, axis=0)] if len(x) == 3 else [])
+
+
+def _conv_gemm_lower(mode):
+    def lower(e, L):
+        X, B = e.ins[:2]
+        a = e.attrs
+        N, C, H, W = _cg_dims(X.shape, a)
+        O = B.shape[1]
+        blocks = -(-N * a["oh"] * a["ow"] // MR) if mode == 0 else _kpad(C * a["kh"] * a["kw"]) // MR
+        parts = min(L.threads, MAX_THREADS, blocks) if par_gemm(N * a["oh"] * a["ow"] * C * a["kh"] * a["kw"] * O,
+                                                               L.threads) else 1
+        return [L.row("k_conv_par" if parts > 1 else "k_conv", mode=mode, ox=L.off(X), ob=L.off(B),
+                      oc=L.off(e.outs[0]), obias=L.off(e.ins[2]) if len(e.ins) == 3 else 0, N=N, C=C, H=H, W=W,
+                      O=O, **{k: a[k] for k in ("kh", "kw", "sh", "sw", "dh", "dw", "nhwc", "flip")},
+                      OH=a["oh"], OW=a["ow"], nparts=parts)]
+    return lower
+
+
+def _cg(kh, kw, oh, ow, sh=1, sw=1, dh=1, dw=1, nhwc=0, flip=0):
+    return dict(kh=kh, kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, oh=oh, ow=ow, nhwc=nhwc, flip=flip)
+
+
+_cgc = [((F(2, 3, 5, 6), F(27, 8)), _cg(3, 3, 3, 4)), ((F(1, 2, 7, 6), F(12, 16), F(16)), _cg(3, 2, 3, 4, 2, 1, 1, 2)),
+        ((F(2, 4, 4, 8), F(16, 8)), _cg(1, 2, 4, 3, nhwc=1, flip=1))]
+op("conv_gemm", infer=_conv_gemm_rule, ref=_conv_gemm_ref, lower=_conv_gemm_lower(0), vjp=_conv_gemm_vjp,
+   internal=True, cases=[Case(s, a) for s, a in _cgc[:2]])
+op("conv_wgrad", infer=lambda t, a, fd: [((_kpad(_cg_dims(t[0][0], a)[1] * a["kh"] * a["kw"]), t[1][0][1]), fd)],
+   ref=_conv_wgrad_ref, lower=_conv_gemm_lower(1), internal=True,
+   cases=[Case((s[0], F(_conv_gemm_rule([(s[0][1], "f64"), (s[1][1], "f64")], a, "f64")[0][0][0], s[1][1][1])), a)
+          for s, a in _cgc])
 
 
 # ----------------------------------------------------------------------------- pooling

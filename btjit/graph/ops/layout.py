@@ -99,7 +99,8 @@ op("slice", infer=_slice_rule, ref=lambda xs, a: (xs[0][_slices(a)].copy(),), lo
    vjp=lambda g, x, o, a: [T.emit("slice_scatter", (g[0],), shape=x[0].shape, **a)],
    cases=[Case((F(4, 5),), _sl), Case((F(3, 4, 5),), {"starts": (0, 1, 0), "stops": (3, 3, 5), "steps": (1, 1, 1)})])
 op("slice_scatter", infer=lambda t, a, fd: [(tuple(a["shape"]), fd)], ref=_slice_scatter_ref,
-   lower=_lower_slice_scatter, internal=True, cases=[Case((F(2, 3),), dict(_sl, shape=(4, 5)))])
+   lower=_lower_slice_scatter, internal=True, cases=[Case((F(2, 3),), dict(_sl, shape=(4, 5)))],
+   vjp=lambda g, x, o, a: [T.emit("slice", (g[0],), **{k: a[k] for k in ("starts", "stops", "steps")})])
 
 
 def _slice_set_rule(types, attrs, fd):
