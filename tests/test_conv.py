@@ -51,6 +51,8 @@ POOL = [  # fn, x, args, kwargs
     ("avg_pool1d", (2, 3, 9), (3,), dict(stride=1, padding=1)),
     ("adaptive_avg_pool2d", (2, 4, 5, 5), (1,), {}),
     ("adaptive_avg_pool2d", (2, 4, 6, 4), ((3, 2),), {}),
+    ("max_pool2d", (2, 3, 21, 18), (2,), {}),                     # 2 x 2 windows 8 at a time, an odd last row
+    ("avg_pool2d", (1, 2, 16, 19), (2,), {}),
 ]
 
 
@@ -172,3 +174,11 @@ def test_implicit_gemm_graph_and_threads():
     assert "k_conv" in k1 and "k_conv_par" in k2
     bf = btjit.trace(loss, p, x, grad=True, precision="bf16")
     assert "im2col" in [e.op for e in bf.graph.eqns]
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("float64", 0)])
+def test_max_pool_ties_go_to_the_first_maximum_as_torch(dtype, tol):
+    """After a relu most 2 x 2 windows are ties at 0 (and some hold -0.0): dy goes where torch sends it."""
+    x = np.maximum(np.random.default_rng(5).normal(size=(3, 4, 18, 26)), 0) * (np.arange(26) % 3 != 1)
+    x[0, 0, 0, :4] = -0.0
+    _against_torch(lambda a: btjit.max_pool2d(a, 2), lambda a: TF.max_pool2d(a, 2), [x], dtype, tol)

@@ -182,6 +182,8 @@ class Library:
                     fn = _import_file(modname, path).entry
                     break
                 except Exception as e:  # noqa: BLE001 -- a broken cache entry must never stop training
+                    if os.environ.get("BTJIT_LIBRARY_WORKER"):
+                        raise       # a worker never starts workers: the process that asked sees the error
                     if attempt:
                         warnings.warn(f"btjit: kernel {stem} does not compile in {d} ({type(e).__name__}: "
                                       f"{e}); compiling it in memory")
@@ -310,7 +312,7 @@ def compile_entries(entries, echo=None) -> None:
     if not todo:
         return
     root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, BTJIT_CACHE_DIR=str(cache_dir()),
+    env = dict(os.environ, BTJIT_CACHE_DIR=str(cache_dir()), BTJIT_LIBRARY_WORKER="1",
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     sel = selectors.DefaultSelector()
     left = {}                                   # worker -> entries of its group not reported yet
