@@ -76,8 +76,9 @@ def _conv2d(x, w, b, stride, padding, dilation, groups, _fn):
             x = T.emit("slice_scatter", (x,), shape=(N, C, H + ph + ph2, W + pw + pw2), starts=(0, 0, ph, pw),
                        stops=(N, C, ph + H, pw + W), steps=(1, 1, 1, 1))
         y = T.emit("conv_gemm", (x, T.transpose(T.reshape(w, (O, K)))) + ((b,) if b is not None else ()), kh=kh,
-                   kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, oh=oh, ow=ow, nhwc=0, flip=0)
-        return T.reshape(T.transpose(T.reshape(y, (N, P, O)), (0, 2, 1)), (N, O, oh, ow))
+                   kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, oh=oh, ow=ow, nhwc=0, flip=0, tout=int(P >= MR))
+        y = y if P >= MR else T.transpose(T.reshape(y, (N, P, O)), (0, 2, 1))
+        return T.reshape(y, (N, O, oh, ow))
     cols = T.emit("im2col", (x,), kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw, dh=dh, dw=dw, oh=oh, ow=ow, groups=G)
     if G == 1:          # (N*P, K) @ (K, O) [+ b]: one GEMM (with the bias, a fused linear)
         y = T.reshape(cols, (N * P, K)) @ T.transpose(T.reshape(w, (O, K)))

@@ -178,8 +178,8 @@ _max8, _max8_bwd, _avg8, _avg8_bwd = _pool8(0, 0), _pool8(1, 0), _pool8(0, 1), _
 @njit(**FM)
 def pool2x2(a, back, mode, ox, oy, odx, NC, H, W, OH, OW):
     """k_pool2d for 2 x 2 windows at stride 2, no padding (max_pool2d(x, 2)): the same results as the general
-    loops (max: the first maximum of each window in row order, a NaN never replacing it), computed window by
-    window along a row pair (interleaved loads and stores: the loops vectorize)."""
+    loops (max: the first maximum of each window in row order, a NaN never replacing it), 8 windows at a time
+    in vectors (pool8) along rows of 8 or more windows."""
     quarter = cvt(a, 0.25)
     zero = cvt(a, 0.0)
     if back and (H != 2 * OH or W != 2 * OW):       # an odd last row or column gets no gradient
@@ -187,10 +187,8 @@ def pool2x2(a, back, mode, ox, oy, odx, NC, H, W, OH, OW):
         for t in range(dx.shape[0]):
             dx[t] = zero
     for p in range(NC):
-        for oh in range(OH):
-            x0 = a[ox + (p * H + 2 * oh) * W:ox + (p * H + 2 * oh + 1) * W]
-            x1 = a[ox + (p * H + 2 * oh + 1) * W:ox + (p * H + 2 * oh + 2) * W]
-            if OW >= 8:             # 8 windows at a time, the last 8 moved back to end at OW (overwrite only)
+        if OW >= 8:                 # 8 windows at a time, the last 8 moved back to end at OW (overwrite only)
+            for oh in range(OH):
                 for t in range(0, OW, 8):
                     t0 = min(t, OW - 8)
                     args = (a, ox + (p * H + 2 * oh) * W + 2 * t0, W, oy + (p * OH + oh) * OW + t0,
@@ -199,43 +197,45 @@ def pool2x2(a, back, mode, ox, oy, odx, NC, H, W, OH, OW):
                         _max8_bwd(*args) if back else _max8(*args)
                     else:
                         _avg8_bwd(*args) if back else _avg8(*args)
-                continue
-            y = a[oy + (p * OH + oh) * OW:oy + (p * OH + oh + 1) * OW]    # y, or dy when back
+            continue
+        xs = a[ox + p * H * W:ox + (p + 1) * H * W]         # rows too short for vectors: one window at a time,
+        ys = a[oy + p * OH * OW:oy + (p + 1) * OH * OW]     # on the plane's slices (y, or dy when back)
+        ds = a[odx + p * H * W:odx + (p + 1) * H * W]
+        nxt = 0                     # one loop over the plane's windows (a loop per row of < 8 windows cost
+        t = 0                       # ~40 cycles a row in the vectorizer's runtime checks)
+        for k in range(OH * OW):
+            i = nxt
+            nxt += 2
+            t += 1
+            if t == OW:
+                t = 0
+                nxt += 2 * W - 2 * OW
+            u, v, w, z = xs[i], xs[i + 1], xs[i + W], xs[i + W + 1]
             if not back:
-                for t in range(OW):
-                    u, v, w, z = x0[2 * t], x0[2 * t + 1], x1[2 * t], x1[2 * t + 1]
-                    if mode == POOL_MAX:
-                        m = cvt(a, -np.inf)
-                        m = u if u > m else m
-                        m = v if v > m else m
-                        m = w if w > m else m
-                        y[t] = z if z > m else m
-                    else:
-                        y[t] = ((u + v) + w + z) * quarter
-                continue
-            d0 = a[odx + (p * H + 2 * oh) * W:odx + (p * H + 2 * oh + 1) * W]
-            d1 = a[odx + (p * H + 2 * oh + 1) * W:odx + (p * H + 2 * oh + 2) * W]
-            for t in range(OW):
-                g = y[t]
                 if mode == POOL_MAX:
-                    u, v, w, z = x0[2 * t], x0[2 * t + 1], x1[2 * t], x1[2 * t + 1]
-                    at = 0
-                    m = u
-                    at = 1 if v > m else at
+                    m = cvt(a, -np.inf)
+                    m = u if u > m else m
                     m = v if v > m else m
-                    at = 2 if w > m else at
                     m = w if w > m else m
-                    at = 3 if z > m else at
-                    d0[2 * t] = g if at == 0 else zero
-                    d0[2 * t + 1] = g if at == 1 else zero
-                    d1[2 * t] = g if at == 2 else zero
-                    d1[2 * t + 1] = g if at == 3 else zero
+                    ys[k] = z if z > m else m
                 else:
-                    g = g * quarter
-                    d0[2 * t] = g
-                    d0[2 * t + 1] = g
-                    d1[2 * t] = g
-                    d1[2 * t + 1] = g
+                    ys[k] = ((u + v) + w + z) * quarter
+                continue
+            g = ys[k]
+            at = 0
+            if mode == POOL_MAX:
+                m = u
+                at = 1 if v > m else at
+                m = v if v > m else m
+                at = 2 if w > m else at
+                m = w if w > m else m
+                at = 3 if z > m else at
+            else:
+                g = g * quarter
+            ds[i] = g if at == 0 or mode != POOL_MAX else zero
+            ds[i + 1] = g if at == 1 or mode != POOL_MAX else zero
+            ds[i + W] = g if at == 2 or mode != POOL_MAX else zero
+            ds[i + W + 1] = g if at == 3 or mode != POOL_MAX else zero
 
 
 @njit(**FM)
@@ -277,24 +277,25 @@ _g16, _g8 = _micro((16,), gathered=True), _micro((8,), gathered=True)
 
 
 @njit(**FM)
-def _gtile(a, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, O, obias, acc):
+def _gtile(a, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, O, obias, acc, tst):
     """C[r, :O] = [bias +] [C +] sum over the loop nest of A(r, .) B(., :O) for MR gathered rows (linalg._micro's
     gathered form), in column blocks of 48 / 32 / 16 / 8 (O a multiple of 8: no block overlaps another, so
-    acc > 0 may add to C)."""
+    acc > 0 may add to C); tst > 0: stored transposed, C[r, c] at a[oC + c*tst + r]."""
     c0 = 0
     while c0 < O:
         rem = O - c0
         w = 32 if rem == 64 or 32 <= rem < 48 else 48 if rem >= 48 else 16 if rem >= 16 else 8
         ob = obias + c0 if obias > 0 else 0
         orr = oC + c0 if acc > 0 else 0
+        oc = oC + c0 * tst if tst > 0 else oC + c0
         if w == 48:
-            _g48(a, a, tab, oA, oB + c0, ldb, oC + c0, ldc, n1, s1, n2, s2, n3, s3, ob, orr)
+            _g48(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst)
         elif w == 32:
-            _g32(a, a, tab, oA, oB + c0, ldb, oC + c0, ldc, n1, s1, n2, s2, n3, s3, ob, orr)
+            _g32(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst)
         elif w == 16:
-            _g16(a, a, tab, oA, oB + c0, ldb, oC + c0, ldc, n1, s1, n2, s2, n3, s3, ob, orr)
+            _g16(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst)
         else:
-            _g8(a, a, tab, oA, oB + c0, ldb, oC + c0, ldc, n1, s1, n2, s2, n3, s3, ob, orr)
+            _g8(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst)
         c0 += w
 
 
@@ -325,20 +326,23 @@ def conv_part(a, r, part, nparts):
     """Part `part` of nparts of a k_conv row (pixel blocks of the output for mode 0, tap blocks of dW for 1)."""
     mode = r[1]; ox = r[2]; ob = r[3]; oc = r[4]; obias = r[5]; N = r[6]; C = r[7]; H = r[8]; W = r[9]
     O = r[10]; kh = r[11]; kw = r[12]; sh = r[13]; sw = r[14]; dh = r[15]; dw = r[16]; OH = r[17]; OW = r[18]
-    nhwc = r[19]; flip = r[20]
+    nhwc = r[19]; flip = r[20]; tout = r[21]
     tab = carray(stack_buf(r, MR), (MR,))
     sN, sH, sW = H * W * C, (W * C if nhwc else W), (C if nhwc else 1)
     P = OH * OW
-    if mode == 0:           # y (N*OH*OW, O) = [b +] patches @ wt: a row of C per output pixel
+    if mode == 0:           # y = [b +] patches @ wt: a row of C per output pixel, (N*OH*OW, O) or (N, O, OH*OW)
         base, n1, s1, n2, s2, n3, s3 = _taps(C, H, W, kh, kw, dh, dw, nhwc, flip)
-        nblk = (N * P + MR - 1) // MR
+        per = (P + MR - 1) // MR if tout else 1         # blocks per image (tout: each in one image)
+        nblk = N * per if tout else (N * P + MR - 1) // MR
         for blk in range(part * nblk // nparts, (part + 1) * nblk // nparts):
-            p0 = min(blk * MR, N * P - MR)
+            p0 = blk // per * P + min(blk % per * MR, P - MR) if tout else min(blk * MR, N * P - MR)
             for q in range(MR):
                 n = (p0 + q) // P
                 oh = (p0 + q - n * P) // OW
                 tab[q] = n * sN + oh * sh * sH + (p0 + q - n * P - oh * OW) * sw * sW
-            _gtile(a, tab, ox + base, ob, O, oc + p0 * O, O, n1, s1, n2, s2, n3, s3, O, obias, 0)
+            n = p0 // P
+            at = oc + n * O * P + p0 - n * P if tout else oc + p0 * O
+            _gtile(a, tab, ox + base, ob, O, at, O, n1, s1, n2, s2, n3, s3, O, obias, 0, P if tout else 0)
         return
     K = C * kh * kw         # dW (Kpad, O) = patches^T @ dy: a row per tap (rows K.. repeat tap K-1), by images
     nblk = (K + MR - 1) // MR
@@ -349,26 +353,27 @@ def conv_part(a, r, part, nparts):
             for q in range(MR):
                 tab[q] = _tap_off(min(blk * MR + q, K - 1), C, H, W, kh, kw, dh, dw, nhwc, flip)
             _gtile(a, tab, ox + n0 * sN, ob + n0 * P * O, O, oc + blk * MR * O, O, ni, sN, OH, sh * sH, OW, sw * sW,
-                   O, 0, n0)
+                   O, 0, n0, 0)
 
 
-@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip nparts")
+@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip tout nparts")
 @njit(**FM)
 def k_conv(a, ia, r):
     """Implicit-GEMM convolution, no patch matrix (stride, dilation any; padding made beforehand). x (N, C, H, W)
     at ox (nhwc 1: (N, H, W, C)); O a multiple of 8, at least MR output pixels and C*kh*kw >= 1.
     mode 0: y (N*OH*OW, O) at oc = [bias at obias +] the patches of x @ wt (C*kh*kw, O) at ob (rows in the taps'
-    order: (c, i, j) for NCHW, (i, j, c) for NHWC; flip 1: the window reversed, a transposed convolution).
+    order: (c, i, j) for NCHW, (i, j, c) for NHWC; flip 1: the window reversed, a transposed convolution);
+    tout 1 (OH*OW >= MR): y stored (N, O, OH*OW) instead, each 8 x 8 tile transposed in registers.
     mode 1: dW (Kpad, O) at oc = the patches^T @ dy (N*OH*OW, O) at ob, Kpad = K rounded up to MR (rows from K
     are a copy of row K-1's). Overwrites its output."""
     conv_part(a, r, 0, 1)
 
 
-@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip nparts")
+@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip tout nparts")
 @njit(**FM_PAR)
 def k_conv_par(a, ia, r):
     """k_conv with its pixel blocks (mode 0) or tap blocks (mode 1) split into nparts on the thread pool: every
     entry is the same sequence of multiply-adds as on one thread (bitwise equal)."""
-    nparts = r[21]
+    nparts = r[22]
     for j in prange(nparts):
         conv_part(a, r, j, nparts)

@@ -32,9 +32,9 @@ def _micro(widths, transposed=False, rows=MR, gathered=False):
     `rows` rows of B give as many columns of an 8-row product).
 
     gathered (a convolution's implicit GEMM, btjit/kernels/conv.py): arguments (a, b, tab, oA, oB, ldb, oC, ldc,
-    n1, s1, n2, s2, n3, s3, obias, ores); A(r, k) = a[oA + tab[r] + u*s1 + v*s2 + w*s3] for the step
+    n1, s1, n2, s2, n3, s3, obias, ores, tst); A(r, k) = a[oA + tab[r] + u*s1 + v*s2 + w*s3] for the step
     k = (u*n2 + v)*n3 + w of the loop nest u < n1, v < n2, w < n3 (tab: `rows` integer row offsets; no osum,
-    no relu), B row k at b[oB + k*ldb] as above: a row of C is one output pixel or one tap of a kernel
+    no relu; tst > 0: C stored transposed, its column c at a[oC + c*tst]), B row k at b[oB + k*ldb] as above: a row of C is one output pixel or one tap of a kernel
     window, the steps run over the window or the pixels, and no patch matrix is ever written."""
     assert not transposed or (widths == (8,) and rows % 8 == 0)
     assert not gathered or not transposed
@@ -50,7 +50,7 @@ def _micro(widths, transposed=False, rows=MR, gathered=False):
         J = range(len(widths))
         if gathered:
             td = context.make_array(sig.args[2])(context, builder, args[2]).data
-            _, _, _, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, obias, ores = args
+            _, _, _, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, obias, ores, tst = args
             osum, relu = c(0), c(0)
             tv = [builder.load(builder.gep(td, [c(r)])) for r in range(rows)]
             rowbase = [builder.add(oA, t if t.type.width == 64 else builder.sext(t, i64)) for t in tv]
@@ -129,28 +129,43 @@ def _micro(widths, transposed=False, rows=MR, gathered=False):
                         x, zero = builder.load(acc[r][j]), ir.Constant(vts[j], None)
                         builder.store(builder.select(builder.fcmp_ordered(">", x, zero), x, zero), acc[r][j])
         out = [[builder.load(acc[r][j]) for j in J] for r in range(rows)]
-        if transposed:          # 3 rounds of perfect shuffles of rows k and k+4 transpose an 8 x 8 tile
-            mask = [ir.Constant(ir.VectorType(ir.IntType(32), 8), [x for k in h for x in (k, k + 8)])
-                    for h in (range(4), range(4, 8))]
-            for g in range(0, rows, 8):     # rows g..g+7 become columns g..g+7 of C's 8 rows
-                tile = [o[0] for o in out[g:g + 8]]
-                for _ in range(3):
-                    tile = [builder.shuffle_vector(tile[k // 2], tile[k // 2 + 4], mask[k % 2]) for k in range(8)]
-                for r in range(8):
-                    crow = builder.add(builder.add(oC, c(g)), builder.mul(c(r), ldc))
-                    builder.store(tile[r], builder.bitcast(builder.gep(ad, [crow]), vts[0].as_pointer()), align=4)
-        else:
+        v8 = ir.VectorType(ety, 8)
+        mask = [ir.Constant(ir.VectorType(ir.IntType(32), 8), [x for k in h for x in (k, k + 8)])
+                for h in (range(4), range(4, 8))]
+
+        def store8x8(tile, at):     # 3 rounds of perfect shuffles of rows k and k+4 transpose an 8 x 8 tile
+            for _ in range(3):
+                tile = [builder.shuffle_vector(tile[k // 2], tile[k // 2 + 4], mask[k % 2]) for k in range(8)]
+            for r in range(8):
+                builder.store(tile[r], builder.bitcast(builder.gep(ad, [at(r)]), v8.as_pointer()), align=4)
+
+        def store_rows():
             for r in range(rows):
                 crow = builder.add(oC, builder.mul(c(r), ldc))
                 for j in J:
                     builder.store(out[r][j], builder.bitcast(builder.gep(ad, [builder.add(crow, c(offs[j]))]),
                                                              vts[j].as_pointer()), align=4)
+        if transposed:              # rows g..g+7 become columns g..g+7 of C's 8 rows
+            for g in range(0, rows, 8):
+                store8x8([o[0] for o in out[g:g + 8]], lambda r: builder.add(builder.add(oC, c(g)), builder.mul(c(r), ldc)))
+        elif gathered:              # tst > 0: C^T stored, its row c (C's column) at oC + c*tst
+            with builder.if_else(builder.icmp_signed(">", tst, c(0))) as (then, otherwise):
+                with then:
+                    for j in J:
+                        for h in range(widths[j] // 8):
+                            sel = ir.Constant(ir.VectorType(ir.IntType(32), 8), list(range(8 * h, 8 * h + 8)))
+                            tile = [builder.shuffle_vector(out[r][j], out[r][j], sel) for r in range(8)]
+                            store8x8(tile, lambda k: builder.add(oC, builder.mul(c(offs[j] + 8 * h + k), tst)))
+                with otherwise:
+                    store_rows()
+        else:
+            store_rows()
         return context.get_dummy_value()
 
     if gathered:
         @intrinsic
-        def micro(typingctx, a, b, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, obias, ores):
-            return types.void(a, b, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, obias, ores), impl
+        def micro(typingctx, a, b, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, obias, ores, tst):
+            return types.void(a, b, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, obias, ores, tst), impl
     else:
         @intrinsic
         def micro(typingctx, a, b, oA, sar, sak, oB, ldb, oC, ldc, K, obias, osum, ores, relu):
