@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.kernels.conv import POOL_AVG, POOL_MAX
-from btjit.kernels.linalg import MR
+from btjit.kernels.micro import MR
 
 from btjit.graph import trace as T
 

@@ -2,7 +2,8 @@
 # strides, paddings and dilations are runtime row arguments: one compiled entry serves every conv and pool).
 #
 #   k_im2col    back 0: the patches of x (N, G*Cg, H, W) as rows: col (G, N, OH, OW, Cg, kh, kw), zeros where
-#               a patch reaches into the padding; a convolution is then one GEMM per group (graph/ops/conv.py).
+#               a patch reaches into the padding; a convolution is then one GEMM per group (graph/ops/conv.py:
+#               grouped and bf16 convolutions; the others are implicit GEMMs, btjit/kernels/convgemm.py).
 #               back 1: its adjoint col2im: x = the patch rows of col summed back (overwrites x)
 #   k_pool2d    back 0: max (mode 0, -inf padding) or average (mode 1, padding counted, as torch's default)
 #               pooling of x (NC, H, W) -> y (NC, OH, OW). back 1: their gradient dx (NC, H, W) from x and
@@ -18,11 +19,10 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import carray, njit, prange, types
+from numba import njit, types
 from numba.extending import intrinsic
 
-from btjit.kernels.common import FM, FM_PAR, cvt, row, stack_buf
-from btjit.kernels.linalg import MR, _micro
+from btjit.kernels.common import FM, cvt, row
 
 POOL_MAX = 0
 POOL_AVG = 1
@@ -269,111 +269,3 @@ def pool2d_bwd(a, mode, ox, ody, odx, NC, H, W, OH, OW, kh, kw, sh, sw, ph, pw):
                                 dx[q + iw] += g * inv
                 if mode == POOL_MAX and at >= 0:
                     dx[at] += g
-
-
-# ----------------------------------------------------------------------------- implicit-GEMM convolution
-_g48, _g32 = _micro((16, 16, 16), gathered=True), _micro((16, 16), gathered=True)
-_g16, _g8 = _micro((16,), gathered=True), _micro((8,), gathered=True)
-
-
-@njit(**FM)
-def _gtile(a, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, O, obias, acc, tst):
-    """C[r, :O] = [bias +] [C +] sum over the loop nest of A(r, .) B(., :O) for MR gathered rows (linalg._micro's
-    gathered form), in column blocks of 48 / 32 / 16 / 8 (O a multiple of 8: no block overlaps another, so
-    acc > 0 may add to C); tst > 0: stored transposed, C[r, c] at a[oC + c*tst + r]."""
-    c0 = 0
-    while c0 < O:
-        rem = O - c0
-        w = 32 if rem == 64 or 32 <= rem < 48 else 48 if rem >= 48 else 16 if rem >= 16 else 8
-        ob = obias + c0 if obias > 0 else 0
-        orr = oC + c0 if acc > 0 else 0
-        oc = oC + c0 * tst if tst > 0 else oC + c0
-        if w == 48:
-            _g48(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst)
-        elif w == 32:
-            _g32(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst)
-        elif w == 16:
-            _g16(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst)
-        else:
-            _g8(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst)
-        c0 += w
-
-
-@njit(**FM)
-def _taps(C, H, W, kh, kw, dh, dw, nhwc, flip):
-    """The window's loop nest in the weights' row order -- NCHW input: taps (c, i, j); NHWC: (i, j, c) -- as
-    (base, n1, s1, n2, s2, n3, s3), offsets in x; flip: taps (kh-1-i, kw-1-j) (a transposed convolution)."""
-    sC, sH, sW = (1, W * C, C) if nhwc else (H * W, W, 1)
-    si, sj = dh * sH, dw * sW
-    base = 0
-    if flip:
-        base = (kh - 1) * si + (kw - 1) * sj
-        si, sj = -si, -sj
-    if nhwc:
-        return base, kh, si, kw, sj, C, sC
-    return base, C, sC, kh, si, kw, sj
-
-
-@njit(**FM)
-def _tap_off(t, C, H, W, kh, kw, dh, dw, nhwc, flip):
-    """Offset in x of tap t of the window (in _taps's order)."""
-    base, n1, s1, n2, s2, n3, s3 = _taps(C, H, W, kh, kw, dh, dw, nhwc, flip)
-    return base + t // (n2 * n3) * s1 + t // n3 % n2 * s2 + t % n3 * s3
-
-
-@njit(**FM)
-def conv_part(a, r, part, nparts):
-    """Part `part` of nparts of a k_conv row (pixel blocks of the output for mode 0, tap blocks of dW for 1)."""
-    mode = r[1]; ox = r[2]; ob = r[3]; oc = r[4]; obias = r[5]; N = r[6]; C = r[7]; H = r[8]; W = r[9]
-    O = r[10]; kh = r[11]; kw = r[12]; sh = r[13]; sw = r[14]; dh = r[15]; dw = r[16]; OH = r[17]; OW = r[18]
-    nhwc = r[19]; flip = r[20]; tout = r[21]
-    tab = carray(stack_buf(r, MR), (MR,))
-    sN, sH, sW = H * W * C, (W * C if nhwc else W), (C if nhwc else 1)
-    P = OH * OW
-    if mode == 0:           # y = [b +] patches @ wt: a row of C per output pixel, (N*OH*OW, O) or (N, O, OH*OW)
-        base, n1, s1, n2, s2, n3, s3 = _taps(C, H, W, kh, kw, dh, dw, nhwc, flip)
-        per = (P + MR - 1) // MR if tout else 1         # blocks per image (tout: each in one image)
-        nblk = N * per if tout else (N * P + MR - 1) // MR
-        for blk in range(part * nblk // nparts, (part + 1) * nblk // nparts):
-            p0 = blk // per * P + min(blk % per * MR, P - MR) if tout else min(blk * MR, N * P - MR)
-            for q in range(MR):
-                n = (p0 + q) // P
-                oh = (p0 + q - n * P) // OW
-                tab[q] = n * sN + oh * sh * sH + (p0 + q - n * P - oh * OW) * sw * sW
-            n = p0 // P
-            at = oc + n * O * P + p0 - n * P if tout else oc + p0 * O
-            _gtile(a, tab, ox + base, ob, O, at, O, n1, s1, n2, s2, n3, s3, O, obias, 0, P if tout else 0)
-        return
-    K = C * kh * kw         # dW (Kpad, O) = patches^T @ dy: a row per tap (rows K.. repeat tap K-1), by images
-    nblk = (K + MR - 1) // MR
-    per = max(1, 256 // P)  # images per call: at least 256 pixels summed between C's loads and stores
-    for n0 in range(0, N, per):
-        ni = min(per, N - n0)
-        for blk in range(part * nblk // nparts, (part + 1) * nblk // nparts):
-            for q in range(MR):
-                tab[q] = _tap_off(min(blk * MR + q, K - 1), C, H, W, kh, kw, dh, dw, nhwc, flip)
-            _gtile(a, tab, ox + n0 * sN, ob + n0 * P * O, O, oc + blk * MR * O, O, ni, sN, OH, sh * sH, OW, sw * sW,
-                   O, 0, n0, 0)
-
-
-@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip tout nparts")
-@njit(**FM)
-def k_conv(a, ia, r):
-    """Implicit-GEMM convolution, no patch matrix (stride, dilation any; padding made beforehand). x (N, C, H, W)
-    at ox (nhwc 1: (N, H, W, C)); O a multiple of 8, at least MR output pixels and C*kh*kw >= 1.
-    mode 0: y (N*OH*OW, O) at oc = [bias at obias +] the patches of x @ wt (C*kh*kw, O) at ob (rows in the taps'
-    order: (c, i, j) for NCHW, (i, j, c) for NHWC; flip 1: the window reversed, a transposed convolution);
-    tout 1 (OH*OW >= MR): y stored (N, O, OH*OW) instead, each 8 x 8 tile transposed in registers.
-    mode 1: dW (Kpad, O) at oc = the patches^T @ dy (N*OH*OW, O) at ob, Kpad = K rounded up to MR (rows from K
-    are a copy of row K-1's). Overwrites its output."""
-    conv_part(a, r, 0, 1)
-
-
-@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip tout nparts")
-@njit(**FM_PAR)
-def k_conv_par(a, ia, r):
-    """k_conv with its pixel blocks (mode 0) or tap blocks (mode 1) split into nparts on the thread pool: every
-    entry is the same sequence of multiply-adds as on one thread (bitwise equal)."""
-    nparts = r[22]
-    for j in prange(nparts):
-        conv_part(a, r, j, nparts)

@@ -35,11 +35,12 @@ import numba
 import numpy as np
 
 from btjit.host.cachedir import cache_dir
-from btjit.kernels import (attention, attn_kept, attn_lanes, attn_loops, bf16, common, conv, elementwise, fused, linalg,
-                           nn, norm, objcode, optim, reduce, rng, tiles)
+from btjit.kernels import (attention, attn_kept, attn_lanes, attn_loops, bf16, common, conv, convgemm, elementwise, fused,
+                           linalg, micro, nn, norm, objcode, optim, reduce, rng, tiles)
 from btjit.kernels.common import ROW, ROWS
 
-MODULES = (elementwise, fused, reduce, linalg, nn, norm, optim, attn_loops, attention, attn_kept, rng, conv, bf16)
+MODULES = (elementwise, fused, reduce, linalg, nn, norm, optim, attn_loops, attention, attn_kept, rng, conv, convgemm,
+           bf16)
 STATIC = [(m.__name__, n) for m in MODULES for n in sorted(vars(m)) if n in ROWS]
 GENERATED = attn_lanes.KERNEL_NAMES             # entries per (T, hs), float32 only
 KERNELS = [n for _, n in STATIC] + list(GENERATED)
@@ -67,7 +68,7 @@ def entry(ap, na, iap, nia, rp):
 
 def library_key() -> str:
     h = hashlib.sha256(_ENTRY.encode())
-    for m in MODULES + (attn_lanes, common, objcode, tiles):
+    for m in MODULES + (attn_lanes, common, micro, objcode, tiles):
         h.update(inspect.getsource(m).encode())
     h.update(f"{numba.__version__} {np.__version__} {llvmlite.__version__}".encode())
     return h.hexdigest()[:16]
@@ -286,7 +287,8 @@ HEAVY = {"k_attn_bwd_bl_par": 7, "k_attn_fwd_bl_par": 6, "k_ew_program": 6, "k_a
          "k_attn_bwd_kept_par": 5, "k_attn_fwd_kept_par": 5, "k_attn_fwd_flash": 4, "k_attn_bwd_bl": 4,
          "k_attn_fwd_bl": 4, "k_matmul": 4, "k_matmul_par": 4, "k_matmul_micro": 4, "k_attn_bwd_kept": 3,
          "k_attn_fwd_kept": 3, "k_strided": 3, "k_binary": 3, "k_attn_bwd": 3, "k_reduce": 2, "k_unary": 2,
-         "k_ce_fwd": 2, "k_layernorm_bwd": 2, "k_matmul_bf16": 3, "k_matmul_bf16_par": 3, "k_matmul_micro_par": 8}
+         "k_ce_fwd": 2, "k_layernorm_bwd": 2, "k_matmul_bf16": 3, "k_matmul_bf16_par": 3, "k_matmul_micro_par": 8,
+         "k_conv_par": 5, "k_conv": 3}
 
 
 def groups(entries) -> list:

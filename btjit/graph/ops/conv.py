@@ -13,7 +13,7 @@ import numpy as np
 from btjit.graph import trace as T
 from btjit.kernels.conv import POOL_AVG, POOL_MAX
 from btjit.kernels.common import MAX_THREADS
-from btjit.kernels.linalg import MR
+from btjit.kernels.micro import MR
 
 from btjit.graph.ops.matmul import par_gemm
 from btjit.graph.optable import Case, F, ShapeError, _float, op
