@@ -31,12 +31,14 @@ CONV2D = [  # x, w, kwargs
     ((3, 3, 6, 7), (8, 3, 2, 2), {}),                             # dx by col2im (C = 3); K = 12
     ((1, 8, 4, 4), (32, 8, 1, 1), {}),                            # 1x1, 16 output pixels
     ((2, 1, 5, 5), (8, 1, 2, 2), dict(padding=(1, 0))),           # K = 4 (< 8 rows of dW)
+    ((4, 8, 3, 2), (16, 8, 2, 1), {}),                            # 4 pixels an image: stored by pixel rows
 ]
 CONV1D = [
     ((2, 3, 11), (4, 3, 3), {}),
     ((1, 4, 10), (4, 1, 5), dict(groups=4, padding="same")),
     ((2, 2, 9), (3, 2, 3), dict(stride=2, padding=1, dilation=2)),
     ((3, 7), (2, 3, 1), {}),
+    ((2, 8, 13), (16, 8, 3), dict(padding=2, dilation=2)),
 ]
 POOL = [  # fn, x, args, kwargs
     ("max_pool2d", (2, 3, 6, 6), (2,), {}),

@@ -165,8 +165,9 @@ def _conv_gemm_vjp(g, x, o, a):
         gp = T.emit("slice_scatter", (T.reshape(g, (N, oh, ow, O)),), shape=(N, oh + 2 * ph, ow + 2 * pw, O),
                     starts=(0, ph, pw, 0), stops=(N, ph + oh, pw + ow, O), steps=(1, 1, 1, 1))
         wr = T.reshape(T.transpose(T.reshape(WT, (C, kh * kw, O)), (1, 2, 0)), (kh * kw * O, C))
-        dX = T.reshape(T.emit("conv_gemm", (gp, wr), **dict(a, sh=1, sw=1, oh=H, ow=W, nhwc=1, flip=1,
-                                                            tout=int(H * W >= MR))), (N, C, H, W))
+        tout = int(H * W >= MR)
+        dX = T.emit("conv_gemm", (gp, wr), **dict(a, sh=1, sw=1, oh=H, ow=W, nhwc=1, flip=1, tout=tout))
+        dX = T.reshape(dX, (N, C, H, W)) if tout else T.transpose(T.reshape(dX, (N, H, W, C)), (0, 3, 1, 2))
     else:                                                   # the patches' gradient, summed back by col2im
         dcol = T.emit("matmul", (g, WT), ta=False, tb=True)
         dX = T.emit("col2im", (T.reshape(dcol, (1,) + dcol.shape),), x_shape=tuple(X.shape), groups=1, ph=0, pw=0,
