@@ -184,3 +184,22 @@ def test_max_pool_ties_go_to_the_first_maximum_as_torch(dtype, tol):
     x = np.maximum(np.random.default_rng(5).normal(size=(3, 4, 18, 26)), 0) * (np.arange(26) % 3 != 1)
     x[0, 0, 0, :4] = -0.0
     _against_torch(lambda a: btjit.max_pool2d(a, 2), lambda a: TF.max_pool2d(a, 2), [x], dtype, tol)
+
+
+def test_pooling_and_transposes_split_over_threads_bitwise():
+    """Pooling and batched transposes of >= 64K elements run on the threads (k_pool2d_par, k_transpose_par),
+    bitwise equal to one thread."""
+    rng = np.random.default_rng(4)
+    p = {"x": rng.normal(size=(16, 16, 36, 34)).astype(np.float32)}
+    r = rng.normal(size=(16, 16, 17, 18)).astype(np.float32)
+
+    def loss(q):
+        y = btjit.max_pool2d(q["x"], 2) + btjit.avg_pool2d(q["x"], 3, stride=2)[:, :, :17, :17].mean()
+        return btjit.sum(btjit.transpose(y, (0, 1, 3, 2)) * r)
+    out = []
+    for threads in (1, 2):
+        prog = btjit.trace(loss, p, grad=True, threads=threads)
+        out.append((prog.value_and_grad(), prog.grads["x"].copy(),
+                    {btjit.core.program.LIBRARY.entry_of(op)[0] for op in prog.tape[:, 0]}))
+    assert out[0][0] == out[1][0] and np.array_equal(out[0][1], out[1][1])
+    assert {"k_pool2d_par", "k_transpose_par"} <= out[1][2] and "k_pool2d_par" not in out[0][2]

@@ -9,6 +9,9 @@ import numpy as np
 from btjit.kernels import elementwise as EW
 
 
+PAR_EW_ELEMENTS = 65536    # a memory-bound op over this many elements is split over the threads (launch ~2-4 us)
+
+
 class ShapeError(Exception):
     pass
 

@@ -19,10 +19,10 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from btjit.kernels.common import FM, cvt, row
+from btjit.kernels.common import FM, FM_PAR, cvt, row
 
 POOL_MAX = 0
 POOL_AVG = 1
@@ -88,8 +88,24 @@ def patches(a, back, ox, ocol, N, G, Cg, H, W, OH, OW, kh, kw, sh, sw, ph, pw, d
 def k_pool2d(a, ia, r):
     """back 0: y[p, oh, ow] = max (mode 0) or mean (mode 1, divisor kh*kw) of x[p] over the window at
     (oh*sh - ph, ow*sw - pw) of kh x kw; back 1: dx from x and dy (at oy)."""
-    back = r[1]; mode = r[2]; ox = r[3]; oy = r[4]; odx = r[5]; NC = r[6]; H = r[7]; W = r[8]; OH = r[9]
+    pool_planes(a, r, 0, r[6])
+
+
+@row("back mode ox oy odx NC H W OH OW kh kw sh sw ph pw nparts")
+@njit(**FM_PAR)
+def k_pool2d_par(a, ia, r):
+    """k_pool2d with its NC planes split into nparts on the thread pool (each plane as on one thread)."""
+    NC = r[6]; nparts = r[17]
+    for j in prange(nparts):
+        pool_planes(a, r, j * NC // nparts, (j + 1) * NC // nparts)
+
+
+@njit(**FM)
+def pool_planes(a, r, lo, hi):
+    """Planes lo .. hi of a k_pool2d row."""
+    back = r[1]; mode = r[2]; NC = hi - lo; H = r[7]; W = r[8]; OH = r[9]
     OW = r[10]; kh = r[11]; kw = r[12]; sh = r[13]; sw = r[14]; ph = r[15]; pw = r[16]
+    ox, oy, odx = r[3] + lo * H * W, r[4] + lo * OH * OW, r[5] + lo * H * W if back else 0
     if kh == 2 and kw == 2 and sh == 2 and sw == 2 and ph == 0 and pw == 0:
         pool2x2(a, back, mode, ox, oy, odx, NC, H, W, OH, OW)
         return

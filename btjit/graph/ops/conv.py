@@ -16,7 +16,7 @@ from btjit.kernels.common import MAX_THREADS
 from btjit.kernels.micro import MR
 
 from btjit.graph.ops.matmul import par_gemm
-from btjit.graph.optable import Case, F, ShapeError, _float, op
+from btjit.graph.optable import PAR_EW_ELEMENTS, Case, F, ShapeError, _float, op
 
 _GEOM = ("kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "oh", "ow")
 
@@ -249,8 +249,11 @@ def _pool_lower(back):
         a = e.attrs
         offs = dict(ox=L.off(x), oy=L.off(e.ins[1]), odx=L.off(e.outs[0])) if back else \
             dict(ox=L.off(x), oy=L.off(e.outs[0]), odx=0)
-        return [L.row("k_pool2d", back=back, mode=a["mode"], **offs, NC=x.size // (x.shape[-1] * x.shape[-2]),
-                      H=x.shape[-2], W=x.shape[-1], OH=a["oh"], OW=a["ow"], **{k: a[k] for k in _GEOM[:6]})]
+        NC = x.size // (x.shape[-1] * x.shape[-2])
+        parts = min(L.threads, MAX_THREADS, NC) if x.size >= PAR_EW_ELEMENTS else 1
+        return [L.row("k_pool2d_par" if parts > 1 else "k_pool2d", back=back, mode=a["mode"], **offs, NC=NC,
+                      H=x.shape[-2], W=x.shape[-1], OH=a["oh"], OW=a["ow"], **{k: a[k] for k in _GEOM[:6]},
+                      **({"nparts": parts} if parts > 1 else {}))]
     return lower
 
 

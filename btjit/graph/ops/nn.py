@@ -11,7 +11,8 @@ from btjit.kernels import attention, attn_kept, attn_lanes, rng
 from btjit.kernels.attn_loops import BL_MIN_B, attn_blocks, attn_bwd_scratch_size, attn_scratch_size
 from btjit.kernels.common import MAX_THREADS
 
-from btjit.graph.optable import Case, F, ShapeError, TABLE, _float, bstrides, cstrides, loop_nest, op, same_as_input
+from btjit.graph.optable import (PAR_EW_ELEMENTS, Case, F, ShapeError, TABLE, _float, bstrides, cstrides, loop_nest, op,
+                                 same_as_input)
 
 
 # ----------------------------------------------------------------------------- softmax family
@@ -330,8 +331,6 @@ def _ew_ref(xs, a):
 def _oshapes(a):
     return a.get("oshapes", (tuple(a["shape"]),) * len(a["outs"]))
 
-
-PAR_EW_ELEMENTS = 65536    # a fused chain over this many elements is split over the threads (launch ~2-4 us)
 
 
 def _lower_ew(e, L):

@@ -11,8 +11,7 @@ import numpy as np
 from btjit.kernels import optim as K
 from btjit.kernels.common import MAX_THREADS
 
-from btjit.graph.ops.nn import PAR_EW_ELEMENTS
-from btjit.graph.optable import ShapeError, op
+from btjit.graph.optable import PAR_EW_ELEMENTS, ShapeError, op
 
 FIELD = {"t": "ot", "lr": "olr", "scale": "oscale", "weight_decay": "owd", "momentum": "omom",
          "1-dampening": "o1damp", "beta1": "ob1", "1-beta1": "o1b1", "beta2": "ob2", "1-beta2": "o1b2", "eps": "oeps"}
