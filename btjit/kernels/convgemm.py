@@ -62,7 +62,7 @@ def conv_part(a, r, part, nparts):
     """Part `part` of nparts of a k_conv row (pixel blocks of the output for mode 0, tap blocks of dW for 1)."""
     mode = r[1]; ox = r[2]; ob = r[3]; oc = r[4]; obias = r[5]; N = r[6]; C = r[7]; H = r[8]; W = r[9]
     O = r[10]; kh = r[11]; kw = r[12]; sh = r[13]; sw = r[14]; dh = r[15]; dw = r[16]; OH = r[17]; OW = r[18]
-    nhwc = r[19]; flip = r[20]; tout = r[21]
+    nhwc = r[19]; flip = r[20]; tout = r[21]; pt = r[22]; vh = r[23]
     tab = carray(stack_buf(r, MR), (MR,))
     sN, sH, sW = H * W * C, (W * C if nhwc else W), (C if nhwc else 1)
     P = OH * OW
@@ -78,7 +78,14 @@ def conv_part(a, r, part, nparts):
                 tab[q] = n * sN + oh * sh * sH + (p0 + q - n * P - oh * OW) * sw * sW
             n = p0 // P
             at = oc + n * O * P + p0 - n * P if tout else oc + p0 * O
-            _gtile(a, tab, ox + base, ob, O, at, O, n1, s1, n2, s2, n3, s3, O, obias, 0, P if tout else 0)
+            i0, i1 = 0, n1
+            if vh > 0 and nhwc and (p0 + MR - 1) // P == n:    # only the taps reaching x's rows pt .. pt+vh-1
+                y0, y1 = (p0 - n * P) // OW * sh, (p0 + MR - 1 - n * P) // OW * sh
+                lo, hi = max(0, -((y1 - pt) // dh)), min(kh - 1, (pt + vh - 1 - y0) // dh)   # window rows
+                i0, i1 = (kh - 1 - hi, kh - lo) if flip else (lo, hi + 1)
+                i1 = max(i0, i1)
+            _gtile(a, tab, ox + base + i0 * s1, ob + i0 * kw * C * O, O, at, O, i1 - i0, s1, n2, s2, n3, s3, O, obias,
+                   0, P if tout else 0)
         return
     K = C * kh * kw         # dW (Kpad, O) = patches^T @ dy: a row per tap (rows K.. repeat tap K-1), by images
     nblk = (K + MR - 1) // MR
@@ -92,24 +99,26 @@ def conv_part(a, r, part, nparts):
                    O, 0, n0, 0)
 
 
-@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip tout nparts")
+@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip tout pt vh nparts")
 @njit(**FM)
 def k_conv(a, ia, r):
     """Implicit-GEMM convolution, no patch matrix (stride, dilation any; padding made beforehand). x (N, C, H, W)
     at ox (nhwc 1: (N, H, W, C)); O a multiple of 8, at least MR output pixels and C*kh*kw >= 1.
     mode 0: y (N*OH*OW, O) at oc = [bias at obias +] the patches of x @ wt (C*kh*kw, O) at ob (rows in the taps'
     order: (c, i, j) for NCHW, (i, j, c) for NHWC; flip 1: the window reversed, a transposed convolution);
-    tout 1 (OH*OW >= MR): y stored (N, O, OH*OW) instead, each 8 x 8 tile transposed in registers.
+    tout 1 (OH*OW >= MR): y stored (N, O, OH*OW) instead, each 8 x 8 tile transposed in registers. vh > 0
+    (NHWC): x's rows outside pt .. pt+vh-1 are zeros (padding) and a block of pixels skips the window rows that
+    only reach them.
     mode 1: dW (Kpad, O) at oc = the patches^T @ dy (N*OH*OW, O) at ob, Kpad = K rounded up to MR (rows from K
     are a copy of row K-1's). Overwrites its output."""
     conv_part(a, r, 0, 1)
 
 
-@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip tout nparts")
+@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip tout pt vh nparts")
 @njit(**FM_PAR)
 def k_conv_par(a, ia, r):
     """k_conv with its pixel blocks (mode 0) or tap blocks (mode 1) split into nparts on the thread pool: every
     entry is the same sequence of multiply-adds as on one thread (bitwise equal)."""
-    nparts = r[22]
+    nparts = r[24]
     for j in prange(nparts):
         conv_part(a, r, j, nparts)

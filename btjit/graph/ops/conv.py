@@ -166,7 +166,7 @@ def _conv_gemm_vjp(g, x, o, a):
                     starts=(0, ph, pw, 0), stops=(N, ph + oh, pw + ow, O), steps=(1, 1, 1, 1))
         wr = T.reshape(T.transpose(T.reshape(WT, (C, kh * kw, O)), (1, 2, 0)), (kh * kw * O, C))
         tout = int(H * W >= MR)
-        dX = T.emit("conv_gemm", (gp, wr), **dict(a, sh=1, sw=1, oh=H, ow=W, nhwc=1, flip=1, tout=tout))
+        dX = T.emit("conv_gemm", (gp, wr), **dict(a, sh=1, sw=1, oh=H, ow=W, nhwc=1, flip=1, tout=tout, pt=ph, vh=oh))
         dX = T.reshape(dX, (N, C, H, W)) if tout else T.transpose(T.reshape(dX, (N, H, W, C)), (0, 3, 1, 2))
     else:                                                   # the patches' gradient, summed back by col2im
         dcol = T.emit("matmul", (g, WT), ta=False, tb=True)
@@ -187,6 +187,7 @@ def _conv_gemm_lower(mode):
         return [L.row("k_conv_par" if parts > 1 else "k_conv", mode=mode, ox=L.off(X), ob=L.off(B),
                       oc=L.off(e.outs[0]), obias=L.off(e.ins[2]) if len(e.ins) == 3 else 0, N=N, C=C, H=H, W=W,
                       O=O, **{k: a[k] for k in ("kh", "kw", "sh", "sw", "dh", "dw", "nhwc", "flip", "tout")},
+                      pt=a.get("pt", 0), vh=a.get("vh", 0),
                       OH=a["oh"], OW=a["ow"], nparts=parts)]
     return lower
 
