@@ -233,3 +233,22 @@ def test_a_first_run_computes_exactly_what_a_cached_run_does(tmp_path):
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     assert runs[0]["compiled"] and not runs[1]["compiled"]
     assert runs[0]["losses"] == runs[1]["losses"] and runs[0]["params"] == runs[1]["params"]
+
+
+def test_an_entry_that_does_not_compile_never_starts_workers_from_a_worker(tmp_path, monkeypatch):
+    """A kernel whose entry fails to compile: in a library worker (BTJIT_LIBRARY_WORKER) the error goes to the
+    process that asked and no further worker starts (a worker starting workers had multiplied them without
+    end); in the process that asked, it is retried once through a worker and then raised."""
+    from btjit.kernels import library
+    monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(library, "entry_source", lambda *a, **k: "raise RuntimeError('no such kernel code')\n")
+    started = []
+    monkeypatch.setattr(library, "compile_entries", lambda entries, echo=None: started.append(entries))
+    monkeypatch.setenv("BTJIT_LIBRARY_WORKER", "1")
+    with pytest.raises(RuntimeError, match="no such kernel code"):
+        library.Library().load("k_fill", "f64")
+    assert started == []
+    monkeypatch.delenv("BTJIT_LIBRARY_WORKER")
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="no such kernel code"):
+        library.Library().load("k_fill", "f64")
+    assert started == [[("k_fill", "f64", None)]]
