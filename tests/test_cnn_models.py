@@ -131,4 +131,8 @@ def test_conv_pool_exports_run_bitwise(tmp_path):
         data = [(rng.random((5, 1, 12, 12)).astype(dtype), rng.integers(0, 6, 5).astype(np.int32)) for _ in range(4)]
         prog = btjit.trace(cnn_loss, p, *data[0], optimizer=btjit.optim.AdamW(lr=1e-2), dtype=dtype)
         cases.append((dtype, prog, data, "k_im2col"))
+    p = {"w1": rng.normal(size=(8, 1, 3, 3)) * 0.3, "b1": np.zeros(8), "w2": rng.normal(size=(6, 4, 3, 3)) * 0.3}
+    data = [(rng.random((5, 1, 12, 12)).astype(np.float32), rng.integers(0, 6, 5).astype(np.int32)) for _ in range(4)]
+    prog = btjit.trace(cnn_loss, p, *data[0], optimizer=btjit.optim.AdamW(lr=1e-2))     # 8 channels: implicit GEMM
+    cases.append(("implicit", prog, data, "k_conv"))
     _exports_run_bitwise(tmp_path, cases)
