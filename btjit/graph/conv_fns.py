@@ -1,6 +1,6 @@
 """The public convolution and pooling functions (btjit.conv2d, conv1d, max_pool2d, avg_pool2d, max_pool1d,
 avg_pool1d, adaptive_avg_pool2d, flatten), with torch.nn.functional's semantics, built from the op table's
-im2col / pool2d entries (graph/ops/conv.py) and the tracer's matmul, reshape and transpose. Bad arguments
+conv_gemm / im2col / pool2d entries (graph/ops/conv.py) and the tracer's matmul, reshape and transpose. Bad arguments
 raise a TraceError naming the function, the shapes and the user's line."""
 from __future__ import annotations
 

@@ -7,9 +7,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from btjit.kernels import elementwise as EW
+from btjit.kernels.common import MAX_THREADS
 
 
 PAR_EW_ELEMENTS = 65536    # a memory-bound op over this many elements is split over the threads (launch ~2-4 us)
+
+
+def par_parts(L, size, units) -> int:
+    """How many parts a memory-bound op over `size` elements in `units` independent pieces (planes, matrices)
+    splits into on L's threads: 1 below PAR_EW_ELEMENTS."""
+    return min(L.threads, MAX_THREADS, units) if size >= PAR_EW_ELEMENTS else 1
 
 
 class ShapeError(Exception):

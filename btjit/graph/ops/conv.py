@@ -1,11 +1,13 @@
-"""Convolution and pooling: the op table's entries (im2col / col2im, pool2d / pool2d_grad: shape rule, VJP,
-numpy reference, lowering, gradient cases) and the public functions built from them with torch's semantics
-(btjit.conv2d, conv1d, max_pool2d, avg_pool2d, max_pool1d, avg_pool1d, adaptive_avg_pool2d, flatten).
+"""Convolution and pooling: the op table's entries (conv_gemm / conv_wgrad, im2col / col2im, pool2d /
+pool2d_grad: shape rule, VJP, numpy reference, lowering, gradient cases); the public functions built from them
+with torch's semantics (btjit.conv2d, conv1d, the poolings, flatten) are in graph/conv_fns.py.
 
-A convolution is im2col (the input's patches as rows, btjit/kernels/conv.py) followed by the existing GEMM
-lowering: (N*OH*OW, C*kh*kw) @ (C*kh*kw, O) per group, so its forward, input gradient (a GEMM, then col2im)
-and weight gradient (a GEMM over all output pixels) run on the same kernels as a linear layer. 1-D ops are the
-2-D ones on a height-1 image."""
+A float32 convolution with groups 1 and O a multiple of 8 is an implicit GEMM (conv_gemm, kernels/convgemm.py):
+the patches of the (zero-padded) input are read in place, never written out; its weight gradient (conv_wgrad) is
+the same kind of product over the output pixels, its input gradient the transposed convolution of the padded
+gradient (stride 1, C a multiple of 8) or, else, a GEMM and col2im. The other convolutions are im2col (the
+input's patches as rows, kernels/conv.py) followed by the GEMM lowering: (N*OH*OW, C*kh*kw) @ (C*kh*kw, O) per
+group. 1-D ops are the 2-D ones on a height-1 image."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +18,7 @@ from btjit.kernels.common import MAX_THREADS
 from btjit.kernels.micro import MR
 
 from btjit.graph.ops.matmul import par_gemm
-from btjit.graph.optable import PAR_EW_ELEMENTS, Case, F, ShapeError, _float, op
+from btjit.graph.optable import Case, F, ShapeError, _float, op, par_parts
 
 _GEOM = ("kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "oh", "ow")
 
@@ -251,7 +253,7 @@ def _pool_lower(back):
         offs = dict(ox=L.off(x), oy=L.off(e.ins[1]), odx=L.off(e.outs[0])) if back else \
             dict(ox=L.off(x), oy=L.off(e.outs[0]), odx=0)
         NC = x.size // (x.shape[-1] * x.shape[-2])
-        parts = min(L.threads, MAX_THREADS, NC) if x.size >= PAR_EW_ELEMENTS else 1
+        parts = par_parts(L, x.size, NC)
         return [L.row("k_pool2d_par" if parts > 1 else "k_pool2d", back=back, mode=a["mode"], **offs, NC=NC,
                       H=x.shape[-2], W=x.shape[-1], OH=a["oh"], OW=a["ow"], **{k: a[k] for k in _GEOM[:6]},
                       **({"nparts": parts} if parts > 1 else {}))]
