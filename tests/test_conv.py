@@ -203,3 +203,20 @@ def test_pooling_and_transposes_split_over_threads_bitwise():
                     {btjit.core.program.LIBRARY.entry_of(op)[0] for op in prog.tape[:, 0]}))
     assert out[0][0] == out[1][0] and np.array_equal(out[0][1], out[1][1])
     assert {"k_pool2d_par", "k_transpose_par"} <= out[1][2] and "k_pool2d_par" not in out[0][2]
+
+
+def test_relu_after_a_convolution_runs_inside_it():
+    """conv2d then relu is one conv_gemm(relu=1) equation (the activation applied as the product stores), its
+    gradient through the output as relu's; values and gradients as torch's."""
+    rng = np.random.default_rng(6)
+    x, w, b = rng.normal(size=(2, 8, 9, 10)), rng.normal(size=(16, 8, 3, 3)) * 0.3, rng.normal(size=16)
+    r = rng.normal(size=(2, 16, 9, 10))
+    ts = [torch.tensor(a, requires_grad=True) for a in (x, w, b)]
+    (torch.relu(TF.conv2d(*ts, padding=1)) * torch.tensor(r)).sum().backward()
+    prog = btjit.trace(lambda q: btjit.sum(btjit.relu(btjit.conv2d(q["x"], q["w"], q["b"], padding=1)) * r),
+                       {"x": x, "w": w, "b": b}, dtype="float64", grad=True)
+    assert [e.attrs.get("relu") for e in prog.graph.eqns if e.op == "conv_gemm"][0] == 1
+    assert "relu" not in [e.op for e in prog.graph.eqns]
+    prog.value_and_grad()
+    for n, t in zip("xwb", ts):
+        np.testing.assert_allclose(prog.grads[n], t.grad.numpy(), rtol=1e-10, atol=1e-10, err_msg=n)

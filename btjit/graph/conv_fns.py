@@ -77,8 +77,7 @@ def _conv2d(x, w, b, stride, padding, dilation, groups, _fn):
                        stops=(N, C, ph + H, pw + W), steps=(1, 1, 1, 1))
         y = T.emit("conv_gemm", (x, T.transpose(T.reshape(w, (O, K)))) + ((b,) if b is not None else ()), kh=kh,
                    kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, oh=oh, ow=ow, nhwc=0, flip=0, tout=int(P >= MR))
-        y = y if P >= MR else T.transpose(T.reshape(y, (N, P, O)), (0, 2, 1))
-        return T.reshape(y, (N, O, oh, ow))
+        return y if P >= MR else T.reshape(T.transpose(T.reshape(y, (N, P, O)), (0, 2, 1)), (N, O, oh, ow))
     cols = T.emit("im2col", (x,), kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw, dh=dh, dw=dw, oh=oh, ow=ow, groups=G)
     if G == 1:          # (N*P, K) @ (K, O) [+ b]: one GEMM (with the bias, a fused linear)
         y = T.reshape(cols, (N * P, K)) @ T.transpose(T.reshape(w, (O, K)))

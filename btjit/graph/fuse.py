@@ -7,6 +7,7 @@ keeps the graph in SSA form and replaces a pattern whose intermediate value is u
                                                           added by the GEMM as it stores)
   linear(...) then relu(.)  ->  linear(..., relu=True)  (the activation, applied by the GEMM as it stores;
                                                        its gradient reads the output, as relu's does)
+  conv_gemm(...) then relu(.)  ->  conv_gemm(..., relu=1)  (the same for an implicit-GEMM convolution)
   take(table, idx) -> reshape -> matmul(., W)  ->  take_sum(matmul(table, W as (P, E, N)), idx)
                                                   (an embedding table with fewer rows than the batch)
   q @ k^T * scale, causal masked_fill, softmax, @ v (split / reshape / swapaxes heads)  ->  causal_attention
@@ -79,6 +80,8 @@ def fuse_relu(graph: Graph) -> None:
     def rewrite(lin, rest, relu):
         if lin.op == "linear" and not lin.attrs.get("relu"):
             return Eqn("linear", lin.ins, relu.outs, {"relu": True}, relu.src)
+        if lin.op == "conv_gemm" and lin.attrs["tout"] and not lin.attrs.get("relu"):    # conv2d, then relu
+            return Eqn("conv_gemm", lin.ins, relu.outs, {**lin.attrs, "relu": 1}, relu.src)
     _into(graph, "relu", rewrite)
 
 

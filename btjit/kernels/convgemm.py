@@ -13,10 +13,10 @@ _g16, _g8 = micro((16,), gathered=True), micro((8,), gathered=True)
 
 
 @njit(**FM)
-def _gtile(a, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, O, obias, acc, tst):
+def _gtile(a, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, O, obias, acc, tst, relu):
     """C[r, :O] = [bias +] [C +] sum over the loop nest of A(r, .) B(., :O) for MR gathered rows (micro.micro's
     gathered form), in column blocks of 48 / 32 / 16 / 8 (O a multiple of 8: no block overlaps another, so
-    acc > 0 may add to C); tst > 0: stored transposed, C[r, c] at a[oC + c*tst + r]."""
+    acc > 0 may add to C); tst > 0: stored transposed, C[r, c] at a[oC + c*tst + r]; relu > 0: relu of it."""
     c0 = 0
     while c0 < O:
         rem = O - c0
@@ -25,13 +25,13 @@ def _gtile(a, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, O, obias, acc, 
         orr = oC + c0 if acc > 0 else 0
         oc = oC + c0 * tst if tst > 0 else oC + c0
         if w == 48:
-            _g48(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst)
+            _g48(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst, relu)
         elif w == 32:
-            _g32(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst)
+            _g32(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst, relu)
         elif w == 16:
-            _g16(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst)
+            _g16(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst, relu)
         else:
-            _g8(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst)
+            _g8(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst, relu)
         c0 += w
 
 
@@ -62,7 +62,7 @@ def conv_part(a, r, part, nparts):
     """Part `part` of nparts of a k_conv row (pixel blocks of the output for mode 0, tap blocks of dW for 1)."""
     mode = r[1]; ox = r[2]; ob = r[3]; oc = r[4]; obias = r[5]; N = r[6]; C = r[7]; H = r[8]; W = r[9]
     O = r[10]; kh = r[11]; kw = r[12]; sh = r[13]; sw = r[14]; dh = r[15]; dw = r[16]; OH = r[17]; OW = r[18]
-    nhwc = r[19]; flip = r[20]; tout = r[21]; pt = r[22]; vh = r[23]
+    nhwc = r[19]; flip = r[20]; tout = r[21]; pt = r[22]; vh = r[23]; relu = r[24]
     tab = carray(stack_buf(r, MR), (MR,))
     sN, sH, sW = H * W * C, (W * C if nhwc else W), (C if nhwc else 1)
     P = OH * OW
@@ -85,7 +85,7 @@ def conv_part(a, r, part, nparts):
                 i0, i1 = (kh - 1 - hi, kh - lo) if flip else (lo, hi + 1)
                 i1 = max(i0, i1)
             _gtile(a, tab, ox + base + i0 * s1, ob + i0 * kw * C * O, O, at, O, i1 - i0, s1, n2, s2, n3, s3, O, obias,
-                   0, P if tout else 0)
+                   0, P if tout else 0, relu)
         return
     K = C * kh * kw         # dW (Kpad, O) = patches^T @ dy: a row per tap (rows K.. repeat tap K-1), by images
     nblk = (K + MR - 1) // MR
@@ -96,10 +96,10 @@ def conv_part(a, r, part, nparts):
             for q in range(MR):
                 tab[q] = _tap_off(min(blk * MR + q, K - 1), C, H, W, kh, kw, dh, dw, nhwc, flip)
             _gtile(a, tab, ox + n0 * sN, ob + n0 * P * O, O, oc + blk * MR * O, O, ni, sN, OH, sh * sH, OW, sw * sW,
-                   O, 0, n0, 0)
+                   O, 0, n0, 0, 0)
 
 
-@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip tout pt vh nparts")
+@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip tout pt vh relu nparts")
 @njit(**FM)
 def k_conv(a, ia, r):
     """Implicit-GEMM convolution, no patch matrix (stride, dilation any; padding made beforehand). x (N, C, H, W)
@@ -108,17 +108,17 @@ def k_conv(a, ia, r):
     order: (c, i, j) for NCHW, (i, j, c) for NHWC; flip 1: the window reversed, a transposed convolution);
     tout 1 (OH*OW >= MR): y stored (N, O, OH*OW) instead, each 8 x 8 tile transposed in registers. vh > 0
     (NHWC): x's rows outside pt .. pt+vh-1 are zeros (padding) and a block of pixels skips the window rows that
-    only reach them.
+    only reach them. relu 1 (mode 0): relu of y stored (a convolution with its activation).
     mode 1: dW (Kpad, O) at oc = the patches^T @ dy (N*OH*OW, O) at ob, Kpad = K rounded up to MR (rows from K
     are a copy of row K-1's). Overwrites its output."""
     conv_part(a, r, 0, 1)
 
 
-@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip tout pt vh nparts")
+@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip tout pt vh relu nparts")
 @njit(**FM_PAR)
 def k_conv_par(a, ia, r):
     """k_conv with its pixel blocks (mode 0) or tap blocks (mode 1) split into nparts on the thread pool: every
     entry is the same sequence of multiply-adds as on one thread (bitwise equal)."""
-    nparts = r[24]
+    nparts = r[25]
     for j in prange(nparts):
         conv_part(a, r, j, nparts)

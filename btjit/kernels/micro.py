@@ -24,9 +24,9 @@ def micro(widths, transposed=False, rows=MR, gathered=False):
     `rows` rows of B give as many columns of an 8-row product).
 
     gathered (a convolution's implicit GEMM, btjit/kernels/conv.py): arguments (a, b, tab, oA, oB, ldb, oC, ldc,
-    n1, s1, n2, s2, n3, s3, obias, ores, tst); A(r, k) = a[oA + tab[r] + u*s1 + v*s2 + w*s3] for the step
-    k = (u*n2 + v)*n3 + w of the loop nest u < n1, v < n2, w < n3 (tab: `rows` integer row offsets; no osum,
-    no relu; tst > 0: C stored transposed, its column c at a[oC + c*tst]), B row k at b[oB + k*ldb] as above:
+    n1, s1, n2, s2, n3, s3, obias, ores, tst, relu); A(r, k) = a[oA + tab[r] + u*s1 + v*s2 + w*s3] for the step
+    k = (u*n2 + v)*n3 + w of the loop nest u < n1, v < n2, w < n3 (tab: `rows` integer row offsets; no osum;
+    tst > 0: C stored transposed, its column c at a[oC + c*tst]), B row k at b[oB + k*ldb] as above:
     a row of C is one output pixel or one tap of a kernel window, the steps run over the window or the
     pixels, and no patch matrix is ever written."""
     assert not transposed or (widths == (8,) and rows % 8 == 0)
@@ -43,8 +43,8 @@ def micro(widths, transposed=False, rows=MR, gathered=False):
         J = range(len(widths))
         if gathered:
             td = context.make_array(sig.args[2])(context, builder, args[2]).data
-            _, _, _, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, obias, ores, tst = args
-            osum, relu = c(0), c(0)
+            _, _, _, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, obias, ores, tst, relu = args
+            osum = c(0)
             tv = [builder.load(builder.gep(td, [c(r)])) for r in range(rows)]
             rowbase = [builder.add(oA, t if t.type.width == 64 else builder.sext(t, i64)) for t in tv]
 
@@ -157,8 +157,8 @@ def micro(widths, transposed=False, rows=MR, gathered=False):
 
     if gathered:
         @intrinsic
-        def micro(typingctx, a, b, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, obias, ores, tst):
-            return types.void(a, b, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, obias, ores, tst), impl
+        def micro(typingctx, a, b, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, obias, ores, tst, relu):
+            return types.void(a, b, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, obias, ores, tst, relu), impl
     else:
         @intrinsic
         def micro(typingctx, a, b, oA, sar, sak, oB, ldb, oC, ldc, K, obias, osum, ores, relu):

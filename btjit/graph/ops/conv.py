@@ -117,8 +117,8 @@ def _conv_gemm_rule(types, attrs, fd):
     N, C = _cg_dims(sx, attrs)[:2]
     if sw[0] != C * attrs["kh"] * attrs["kw"] or sw[1] % MR or (len(types) == 3 and tuple(types[2][0]) != (sw[1],)):
         raise ShapeError(f"conv_gemm: wt {sw} must be ({C * attrs['kh'] * attrs['kw']}, O) with O a multiple of {MR}")
-    P = attrs["oh"] * attrs["ow"]
-    return [((N, sw[1], P) if attrs["tout"] else (N * P, sw[1]), fd)]
+    oh, ow = attrs["oh"], attrs["ow"]
+    return [((N, sw[1], oh, ow) if attrs["tout"] else (N * oh * ow, sw[1]), fd)]
 
 
 def _windows(x, a):
@@ -140,7 +140,8 @@ def _windows(x, a):
 def _conv_gemm_ref(xs, a):
     y = _windows(xs[0], a) @ xs[1]
     y = y + xs[2] if len(xs) == 3 else y
-    return (y.reshape(len(xs[0]), -1, y.shape[1]).transpose(0, 2, 1).copy() if a["tout"] else y,)
+    y = np.maximum(y, 0) if a.get("relu") else y
+    return (y.reshape(len(xs[0]), a["oh"], a["ow"], -1).transpose(0, 3, 1, 2).copy() if a["tout"] else y,)
 
 
 def _conv_wgrad_ref(xs, a):
@@ -156,9 +157,10 @@ def _conv_gemm_vjp(g, x, o, a):
     kh, kw, dh, dw = a["kh"], a["kw"], a["dh"], a["dw"]
     if a["nhwc"] or a["flip"]:
         raise T.TraceError("conv_gemm: the gradient of a transposed convolution's gradient is not supported")
-    if a["tout"]:       # y (N, O, P): the row-per-pixel gradient (N*P, O) the products read
-        g = T.reshape(T.transpose(g, (0, 2, 1)), (-1, O))
-    a = dict(a, tout=0)
+    g = T.emit("relu_grad", (o[0], g)) if a.get("relu") else g
+    if a["tout"]:       # y (N, O, OH, OW): the row-per-pixel gradient (N*P, O) the products read
+        g = T.reshape(T.transpose(T.reshape(g, (N, O, -1)), (0, 2, 1)), (-1, O))
+    a = dict(a, tout=0, relu=0)
     dWT = T.emit("conv_wgrad", (X, g), **a)
     dWT = T.emit("slice", (dWT,), starts=(0, 0), stops=(K, O), steps=(1, 1)) if _kpad(K) != K else dWT
     if (a["sh"], a["sw"]) == (1, 1) and C % MR == 0:     # dx: the transposed convolution, implicit too
@@ -169,7 +171,7 @@ def _conv_gemm_vjp(g, x, o, a):
         wr = T.reshape(T.transpose(T.reshape(WT, (C, kh * kw, O)), (1, 2, 0)), (kh * kw * O, C))
         tout = int(H * W >= MR)
         dX = T.emit("conv_gemm", (gp, wr), **dict(a, sh=1, sw=1, oh=H, ow=W, nhwc=1, flip=1, tout=tout, pt=ph, vh=oh))
-        dX = T.reshape(dX, (N, C, H, W)) if tout else T.transpose(T.reshape(dX, (N, H, W, C)), (0, 3, 1, 2))
+        dX = dX if tout else T.transpose(T.reshape(dX, (N, H, W, C)), (0, 3, 1, 2))
     else:                                                   # the patches' gradient, summed back by col2im
         dcol = T.emit("matmul", (g, WT), ta=False, tb=True)
         dX = T.emit("col2im", (T.reshape(dcol, (1,) + dcol.shape),), x_shape=tuple(X.shape), groups=1, ph=0, pw=0,
@@ -189,7 +191,7 @@ def _conv_gemm_lower(mode):
         return [L.row("k_conv_par" if parts > 1 else "k_conv", mode=mode, ox=L.off(X), ob=L.off(B),
                       oc=L.off(e.outs[0]), obias=L.off(e.ins[2]) if len(e.ins) == 3 else 0, N=N, C=C, H=H, W=W,
                       O=O, **{k: a[k] for k in ("kh", "kw", "sh", "sw", "dh", "dw", "nhwc", "flip", "tout")},
-                      pt=a.get("pt", 0), vh=a.get("vh", 0),
+                      pt=a.get("pt", 0), vh=a.get("vh", 0), relu=int(a.get("relu", 0)) if mode == 0 else 0,
                       OH=a["oh"], OW=a["ow"], nparts=parts)]
     return lower
 
@@ -198,7 +200,7 @@ def _cg(kh, kw, oh, ow, sh=1, sw=1, dh=1, dw=1, nhwc=0, flip=0, tout=0):
     return dict(kh=kh, kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, oh=oh, ow=ow, nhwc=nhwc, flip=flip, tout=tout)
 
 
-_cgc = [((F(2, 3, 5, 6), F(27, 8)), _cg(3, 3, 3, 4, tout=1)),
+_cgc = [((F(2, 3, 5, 6), F(27, 8)), dict(_cg(3, 3, 3, 4, tout=1), relu=1)),
         ((F(1, 2, 7, 6), F(12, 16), F(16)), _cg(3, 2, 3, 4, 2, 1, 1, 2)),
         ((F(2, 4, 4, 8), F(16, 8)), _cg(1, 2, 4, 3, nhwc=1, flip=1))]
 op("conv_gemm", infer=_conv_gemm_rule, ref=_conv_gemm_ref, lower=_conv_gemm_lower(0), vjp=_conv_gemm_vjp,
@@ -206,7 +208,7 @@ op("conv_gemm", infer=_conv_gemm_rule, ref=_conv_gemm_ref, lower=_conv_gemm_lowe
 op("conv_wgrad", infer=lambda t, a, fd: [((_kpad(_cg_dims(t[0][0], a)[1] * a["kh"] * a["kw"]), t[1][0][1]), fd)],
    ref=_conv_wgrad_ref, lower=_conv_gemm_lower(1), internal=True,
    cases=[Case((s[0], F(_conv_gemm_rule([(s[0][1], "f64"), (s[1][1], "f64")], a, "f64")[0][0][0], s[1][1][1])), a)
-          for s, a in ((s, dict(a, tout=0)) for s, a in _cgc)])
+          for s, a in ((s, dict(a, tout=0, relu=0)) for s, a in _cgc)])
 
 
 # ----------------------------------------------------------------------------- pooling
