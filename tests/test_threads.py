@@ -133,3 +133,20 @@ def test_large_elementwise_chains_split_bitwise_equal_to_one_thread(shape):
     kept = outs[0]["out"] != 0
     assert 0.7 < kept.mean() < 0.8
     np.testing.assert_allclose(outs[0]["out"][kept], (h * 2.0 / 0.75)[kept], rtol=2e-6, atol=2e-6)
+
+
+def test_large_binary_rows_split_over_threads_bitwise():
+    """A lone elementwise product of >= 64K elements (one row, or rows with a broadcast row) runs on the
+    threads (k_binary_rows_par), bitwise equal to one thread."""
+    rng = np.random.default_rng(2)
+    p = {"x": rng.normal(size=(300, 260)).astype(np.float32), "v": rng.normal(size=(260,)).astype(np.float32)}
+
+    def loss(q):
+        return btjit.sum(btjit.relu(q["x"] * q["v"]) * btjit.reshape(q["x"], (-1,)).reshape(300, 260))
+    out = []
+    for threads in (1, 2):
+        prog = btjit.trace(loss, p, grad=True, threads=threads, fuse_elementwise=False)
+        out.append((prog.value_and_grad(), {k: prog.grads[k].copy() for k in p},
+                    {btjit.core.program.LIBRARY.entry_of(op)[0] for op in prog.tape[:, 0]}))
+    assert out[0][0] == out[1][0] and all(np.array_equal(out[0][1][k], out[1][1][k]) for k in p)
+    assert "k_binary_rows_par" in out[1][2] and "k_binary_rows_par" not in out[0][2]

@@ -173,8 +173,11 @@ def lower_elementwise(sub, eqn, L):
         whole = [v.size == n for v in (x, y)]
         if all(whole) or (whole[0] and _row_broadcast(y, out.shape)) or (whole[1] and _row_broadcast(x, out.shape)):
             cols = n if all(whole) else min(x.size, y.size)
-            return [L.row("k_binary_rows", sub=sub, oout=L.off(out), o1=L.off(x), o2=L.off(y), rows=n // cols,
-                          cols=cols, sx=cols if whole[0] else 0, sy=cols if whole[1] else 0)]
+            rows = n // cols
+            parts = par_parts(L, n, rows if rows >= L.threads else (cols + 15) // 16)
+            return [L.row("k_binary_rows_par" if parts > 1 else "k_binary_rows", sub=sub, oout=L.off(out), o1=L.off(x),
+                          o2=L.off(y), rows=rows, cols=cols, sx=cols if whole[0] else 0, sy=cols if whole[1] else 0,
+                          **({"nparts": parts} if parts > 1 else {}))]
     if len(eqn.ins) == 2 and all(v.size in (n, 1) for v in eqn.ins):
         x, y = eqn.ins
         mode = 0 if x.size == n and y.size == n else (1 if x.size == n else 2)

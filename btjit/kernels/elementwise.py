@@ -173,25 +173,47 @@ ROWS_SUBS = (B_ADD, B_SUB, B_MUL, B_RELU_GRAD, B_TANH_GRAD)
 @row("sub oout o1 o2 rows cols sx sy")
 @njit(**FM)
 def k_binary_rows(a, ia, r):
-    sub, oout, o1, o2, rows, cols, sx, sy = r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]
+    binary_rows(a, r[1], r[2], r[3], r[4], r[5], r[6], r[6], r[7], r[8])
+
+
+@row("sub oout o1 o2 rows cols sx sy nparts")
+@njit(**FM_PAR)
+def k_binary_rows_par(a, ia, r):
+    """k_binary_rows split into nparts on the thread pool: by rows, or with fewer rows than parts by columns
+    (blocks of 16)."""
+    sub, oout, o1, o2, rows, cols, sx, sy, nparts = r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9]
+    by_rows = rows >= nparts
+    units = rows if by_rows else (cols + 15) // 16
+    for j in prange(nparts):
+        lo, hi = j * units // nparts, (j + 1) * units // nparts
+        if by_rows:
+            binary_rows(a, sub, oout + lo * cols, o1 + lo * sx, o2 + lo * sy, hi - lo, cols, cols, sx, sy)
+        else:
+            c0, c1 = lo * 16, min(cols, hi * 16)
+            binary_rows(a, sub, oout + c0, o1 + c0, o2 + c0, rows, c1 - c0, cols, sx, sy)
+
+
+@njit(**FM)
+def binary_rows(a, sub, oout, o1, o2, rows, n, ld, sx, sy):
+    """out row i (n elements at oout + i*ld) = x row i (at o1 + i*sx) op y row i (at o2 + i*sy)."""
     for i in range(rows):
-        out = a[oout + i * cols:oout + (i + 1) * cols]
-        x = a[o1 + i * sx:o1 + i * sx + cols]
-        y = a[o2 + i * sy:o2 + i * sy + cols]
+        out = a[oout + i * ld:oout + i * ld + n]
+        x = a[o1 + i * sx:o1 + i * sx + n]
+        y = a[o2 + i * sy:o2 + i * sy + n]
         if sub == B_ADD:
-            for j in range(cols):
+            for j in range(n):
                 out[j] = x[j] + y[j]
         elif sub == B_SUB:
-            for j in range(cols):
+            for j in range(n):
                 out[j] = x[j] - y[j]
         elif sub == B_MUL:
-            for j in range(cols):
+            for j in range(n):
                 out[j] = x[j] * y[j]
         elif sub == B_RELU_GRAD:
-            for j in range(cols):
+            for j in range(n):
                 out[j] = y[j] if x[j] > _z else y[j] * _z
         else:
-            for j in range(cols):
+            for j in range(n):
                 out[j] = y[j] * (_one - x[j] * x[j])
 
 
