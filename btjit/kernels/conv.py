@@ -217,8 +217,8 @@ def pool2x2(a, back, mode, ox, oy, odx, NC, H, W, OH, OW):
         xs = a[ox + p * H * W:ox + (p + 1) * H * W]         # rows too short for vectors: one window at a time,
         ys = a[oy + p * OH * OW:oy + (p + 1) * OH * OW]     # on the plane's slices (y, or dy when back)
         ds = a[odx + p * H * W:odx + (p + 1) * H * W]
-        nxt = 0                     # one loop over the plane's windows (a loop per row of < 8 windows cost
-        t = 0                       # ~40 cycles a row in the vectorizer's runtime checks)
+        nxt = 0                     # one scalar loop over the plane's windows: nxt = the window's first
+        t = 0                       # element in the plane, t = its column
         for k in range(OH * OW):
             i = nxt
             nxt += 2
