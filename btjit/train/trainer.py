@@ -145,9 +145,10 @@ class Trainer:
         self.prog = build_program(cfg, self.model, self.model.init_params(self.param_rng), x, y, replicas,
                                   self.optim_file, defer_kernels=True)
         progs = [self.prog]
-        if not getattr(self.ds, "classes", 0) and self.local_batch_size == cfg.train.batch_size:
-            with self.model.guard("tracing loss(p, x, y) for evaluation"):   # evaluate()'s program: its entries
-                progs.append(self.prog.eval_program(x, y, defer=True))        # compile with the step's, at once
+        if not getattr(self.ds, "classes", 0):          # evaluate()'s program, on a val batch as it takes them:
+            xv, yv = self.ds.batch("val", cfg.train.batch_size, np.random.default_rng(0))   # its entries compile
+            with self.model.guard("tracing loss(p, x, y) for evaluation"):                 # with the step's
+                progs.append(self.prog.eval_program(xv, yv, defer=True))
         report = LIBRARY.ensure(self.prog.graph.float_dtype, np.concatenate([p.tape[:, 0] for p in progs]))
         for p in progs:
             p.load_kernels(report)
