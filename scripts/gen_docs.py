@@ -27,8 +27,10 @@ def _first_line(obj) -> str:
 
 def _kernels(opdef) -> list:
     """The kernel entries an op's lowering names (rows are built by kernel name: L.row("k_x", ...)), following the
-    graph package's helper functions it calls."""
-    names, seen, todo = set(), set(), [opdef.lower]
+    graph package's helper functions it calls; a kernel's `_par` twin too where the lowering names twins
+    (`kernel + "_par"`, optable.par_row)."""
+    from btjit.kernels.common import ROWS
+    names, seen, todo, twins = set(), set(), [opdef.lower], False
     while todo:
         fn = todo.pop()
         if fn in seen or not callable(fn):
@@ -39,12 +41,13 @@ def _kernels(opdef) -> list:
         except (OSError, TypeError):
             continue
         names |= set(re.findall(r"[\"'](k_\w+)[\"']", src))
+        twins |= '"_par"' in src or "par_row(" in src
         glob = getattr(fn, "__globals__", {})
         for called in set(re.findall(r"\b(\w+)\(", src)):
             g = glob.get(called)
             if inspect.isfunction(g) and g.__module__.startswith("btjit.graph"):
                 todo.append(g)
-    return sorted(names)
+    return sorted(names | ({n + "_par" for n in names if n + "_par" in ROWS} if twins else set()))
 
 
 def ops_md() -> str:

@@ -99,7 +99,7 @@ def conv_part(a, r, part, nparts):
                    O, 0, n0, 0, 0)
 
 
-@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip tout pt vh relu nparts")
+@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip tout pt vh relu")
 @njit(**FM)
 def k_conv(a, ia, r):
     """Implicit-GEMM convolution, no patch matrix (stride, dilation any; padding made beforehand). x (N, C, H, W)

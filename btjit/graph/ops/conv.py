@@ -18,7 +18,7 @@ from btjit.kernels.common import MAX_THREADS
 from btjit.kernels.micro import MR
 
 from btjit.graph.ops.matmul import par_gemm
-from btjit.graph.optable import Case, F, ShapeError, _float, op, par_parts
+from btjit.graph.optable import Case, F, ShapeError, _float, op, par_parts, par_row
 
 _GEOM = ("kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "oh", "ow")
 
@@ -188,11 +188,10 @@ def _conv_gemm_lower(mode):
         blocks = -(-N * a["oh"] * a["ow"] // MR) if mode == 0 else _kpad(C * a["kh"] * a["kw"]) // MR
         parts = min(L.threads, MAX_THREADS, blocks) if par_gemm(N * a["oh"] * a["ow"] * C * a["kh"] * a["kw"] * O,
                                                                L.threads) else 1
-        return [L.row("k_conv_par" if parts > 1 else "k_conv", mode=mode, ox=L.off(X), ob=L.off(B),
-                      oc=L.off(e.outs[0]), obias=L.off(e.ins[2]) if len(e.ins) == 3 else 0, N=N, C=C, H=H, W=W,
-                      O=O, **{k: a[k] for k in ("kh", "kw", "sh", "sw", "dh", "dw", "nhwc", "flip", "tout")},
-                      pt=a.get("pt", 0), vh=a.get("vh", 0), relu=int(a.get("relu", 0)) if mode == 0 else 0,
-                      OH=a["oh"], OW=a["ow"], nparts=parts)]
+        return par_row(L, "k_conv", parts, mode=mode, ox=L.off(X), ob=L.off(B), oc=L.off(e.outs[0]),
+                       obias=L.off(e.ins[2]) if len(e.ins) == 3 else 0, N=N, C=C, H=H, W=W, O=O, OH=a["oh"],
+                       OW=a["ow"], **{k: a[k] for k in ("kh", "kw", "sh", "sw", "dh", "dw", "nhwc", "flip", "tout")},
+                       pt=a.get("pt", 0), vh=a.get("vh", 0), relu=int(a.get("relu", 0)) if mode == 0 else 0)
     return lower
 
 
@@ -255,10 +254,8 @@ def _pool_lower(back):
         offs = dict(ox=L.off(x), oy=L.off(e.ins[1]), odx=L.off(e.outs[0])) if back else \
             dict(ox=L.off(x), oy=L.off(e.outs[0]), odx=0)
         NC = x.size // (x.shape[-1] * x.shape[-2])
-        parts = par_parts(L, x.size, NC)
-        return [L.row("k_pool2d_par" if parts > 1 else "k_pool2d", back=back, mode=a["mode"], **offs, NC=NC,
-                      H=x.shape[-2], W=x.shape[-1], OH=a["oh"], OW=a["ow"], **{k: a[k] for k in _GEOM[:6]},
-                      **({"nparts": parts} if parts > 1 else {}))]
+        return par_row(L, "k_pool2d", par_parts(L, x.size, NC), back=back, mode=a["mode"], **offs, NC=NC,
+                       H=x.shape[-2], W=x.shape[-1], OH=a["oh"], OW=a["ow"], **{k: a[k] for k in _GEOM[:6]})
     return lower
 
 

@@ -8,7 +8,7 @@ from btjit.graph import trace as T
 from btjit.kernels import elementwise as EW
 
 from btjit.graph.optable import (Case, F, ShapeError, _bcast_shape, bstrides, copy_rows, cstrides, op, par_parts,
-                                 strided_rows)
+                                 par_row, strided_rows)
 
 
 # ----------------------------------------------------------------------------- layout ops
@@ -52,9 +52,8 @@ def _lower_transpose(e, L):
     x, perm, n = e.ins[0], tuple(e.attrs["perm"]), len(e.ins[0].shape)
     if n >= 2 and perm == tuple(range(n - 2)) + (n - 1, n - 2) and x.dtype != "i32" and min(x.shape[-2:]) >= 16:
         nb = x.size // (x.shape[-1] * x.shape[-2])      # a batch of matrices: register tiles
-        parts = par_parts(L, x.size, nb)
-        return [L.row("k_transpose_par" if parts > 1 else "k_transpose", oout=L.off(e.outs[0]), oin=L.off(x), nb=nb,
-                      rows=x.shape[-2], cols=x.shape[-1], **({"nparts": parts} if parts > 1 else {}))]
+        return par_row(L, "k_transpose", par_parts(L, x.size, nb), oout=L.off(e.outs[0]), oin=L.off(x), nb=nb,
+                       rows=x.shape[-2], cols=x.shape[-1])
     st = cstrides(e.ins[0].shape)
     return copy_rows(L, e, L.off(e.outs[0]), cstrides(e.outs[0].shape), L.off(e.ins[0]),
                      tuple(st[p] for p in e.attrs["perm"]))
