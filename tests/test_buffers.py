@@ -243,3 +243,20 @@ def test_the_c_host_updates_buffers_as_python(tmp_path):
         for e in v.ravel():
             s += float(e)                                  # the C host's sum: in order, in double (%.17g)
         assert ln.split()[:3] == ["buffer", k, "sum"] and float(ln.split()[3]) == s, (ln, s)
+
+
+def test_a_data_parallel_programs_eval_runs_on_one_replicas_kernels():
+    """replicas=2 on two threads: the eval program runs on one replica's thread (its kernels, no _par twin to
+    compile); without replicas it splits its products over both, and either way evaluates as one thread does."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((512, 256)).astype(np.float32)
+    w = {"w": (rng.standard_normal((256, 256)) * 0.05).astype(np.float32)}
+    fn = lambda p, x: btjit.mean(btjit.tanh(x @ p["w"]) ** 2)  # noqa: E731
+    opt = btjit.optim.SGD(lr=0.1)
+    one = btjit.trace(fn, w, x, optimizer=opt, threads=1).eval(x)
+    dp = btjit.trace(fn, w, x, optimizer=opt, replicas=2, threads=2)
+    split = btjit.trace(fn, w, x, optimizer=opt, threads=2)
+    assert dp.eval(x) == one and split.eval(x) == one
+    ev_dp, ev_split = (next(iter(p._evals.values())) for p in (dp, split))
+    assert ev_dp.threads == 1 and not any(e.endswith("_par_f32") for e in ev_dp.kernels.entries)
+    assert ev_split.threads == 2 and any(e.endswith("_par_f32") for e in ev_split.kernels.entries)

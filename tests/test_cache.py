@@ -31,9 +31,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(cache_dir, *args):
+def _run(cache_dir, *args, numba_cache_dir=None):
     env = dict(os.environ, BTJIT_CACHE_DIR=str(cache_dir),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if numba_cache_dir:
+        env["NUMBA_CACHE_DIR"] = str(numba_cache_dir)
     out = subprocess.run([sys.executable, "-c", SCRIPT, *map(str, args)], env=env, capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stderr
@@ -80,6 +82,16 @@ def test_an_older_library_is_removed_when_a_new_one_is_made(tmp_path, monkeypatc
     monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))
     d = library.Library().dir()
     assert d == tmp_path / f"lib-{library.library_key()}" and d.is_dir() and not old.exists()
+
+
+def test_entries_kept_in_numba_cache_dir_load_without_compiling(tmp_path):
+    """With $NUMBA_CACHE_DIR set numba keeps the compiled entries there, not in the library's __pycache__:
+    a second process still finds them and compiles (and starts) nothing."""
+    first = _run(tmp_path / "lib", numba_cache_dir=tmp_path / "numba")
+    assert not first["hit"] and list((tmp_path / "numba").rglob("*.nbi"))
+    assert not (_lib(tmp_path / "lib") / "__pycache__").exists()
+    second = _run(tmp_path / "lib", numba_cache_dir=tmp_path / "numba")
+    assert second["hit"] and second["compiled"] == [] and second["value"] == first["value"]
 
 
 def test_precompiled_entries_are_what_a_new_program_loads(tmp_path, monkeypatch):

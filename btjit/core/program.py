@@ -172,9 +172,11 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     verify(g, TABLE)
     prog = Program(g, params, update, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas,
                    _threads.resolve(threads), seed, buffers, _share, precision, _defer_kernels)
-    prog._retrace = lambda share, *b, defer=False: trace(                                              # eval
-        fn, share.params, *b, dtype=dtype, buffers=share.buffers, fuse_elementwise=fuse_elementwise, threads=threads,
-        training=False, grad=False, precision=precision, _share=share, _defer_kernels=defer)
+    # eval: a data-parallel step's on one replica's threads (its kernels: no _par twins to compile for it)
+    eval_threads = threads if replicas == 1 else max(1, _threads.resolve(threads) // replicas)
+    prog._retrace = lambda share, *b, defer=False: trace(
+        fn, share.params, *b, dtype=dtype, buffers=share.buffers, fuse_elementwise=fuse_elementwise,
+        threads=eval_threads, training=False, grad=False, precision=precision, _share=share, _defer_kernels=defer)
     return prog
 
 
@@ -299,7 +301,8 @@ class Program(Runner):
         """fn evaluated in eval mode (btjit.is_training() False, no assign applied) on this program's params and
         buffers: a float for a scalar result, else a copy of the array. The eval program is traced and compiled
         on the first call for each batch shape; it shares this program's arena memory for params and buffers
-        (an edit through prog.params is seen by both), its activations its own."""
+        (an edit through prog.params is seen by both), its activations its own. A data-parallel program
+        (replicas > 1) evaluates on one replica's threads, with one replica's kernels."""
         return self.eval_program(*batch).forward(*batch)
 
     def export(self, path, extra_files=None):

@@ -101,6 +101,15 @@ def _import_file(name: str, path: Path):
     return mod
 
 
+def _index_dir(d) -> Path:
+    """Where numba keeps the compiled entries of library dir d: $NUMBA_CACHE_DIR's dir for it when that is set
+    (numba's UserProvidedCacheLocator), else d/__pycache__."""
+    from numba.core import caching, config
+    if config.CACHE_DIR:
+        return Path(config.CACHE_DIR) / caching._CacheLocator.get_suitable_cache_subpath(str(d / "entry.py"))
+    return d / "__pycache__"
+
+
 class Library:
     """The entries loaded in this process: addresses in one table per dtype (int64, indexed by opcode)."""
 
@@ -162,7 +171,7 @@ class Library:
         d = self.dir()
         if name in GENERATED:
             return bool(d) and (d / f"{entry_name(name, fd, shape)}.o").exists()
-        return bool(d) and any((d / "__pycache__").glob(f"{entry_name(name, fd, shape)}.*.nbi"))
+        return bool(d) and any(_index_dir(d).glob(f"{entry_name(name, fd, shape)}.*.nbi"))
 
     # ------------------------------------------------------------------ loading
     def load(self, name, fd, shape=None) -> bool:
@@ -191,7 +200,7 @@ class Library:
                         break
                     warnings.warn(f"btjit: kernel cache entry {stem} in {d} unusable ({type(e).__name__}: {e}); "
                                   "discarding it and compiling")
-                    for f in (d / "__pycache__").glob(f"{stem}.*"):
+                    for f in _index_dir(d).glob(f"{stem}.*"):
                         f.unlink(missing_ok=True)
                     compile_entries([k])
         if fn is None:
