@@ -127,10 +127,12 @@ def traced(cls):
 
 @pytest.mark.parametrize("make,op", [(lambda gr: O.SGD(lr=0.1, momentum=0.9, groups=gr), "opt_update"),
                                      (lambda gr: O.AdamW(lr=1e-3, groups=gr), "opt_update"),
+                                     (lambda gr: O.Adadelta(groups=gr), "opt_update"),
                                      (lambda gr: traced(O.AdamW)(lr=1e-3, groups=gr), "ew_fused")],
-                         ids=["sgd", "adamw", "adamw_traced"])
+                         ids=["sgd", "adamw", "adadelta", "adamw_traced"])
 def test_update_is_one_pass_per_group(make, op):
-    """The built-in SGD and Adam(W) are one opt_update kernel per group; traced, AdamW is one fused chain."""
+    """The built-in SGD, Adam(W) and Adadelta are one opt_update kernel per group; traced, AdamW is one fused
+    chain."""
     prog = btjit_run(make, np.float32, steps=1)
     g = prog.graph
     big = [e for e in g.eqns[g.n_backward:] if e.outs[0].shape != ()]
@@ -145,12 +147,13 @@ ONE_PASS = [(O.SGD, dict(lr=0.05)), (O.Adam, dict(lr=0.05)), (O.AdamW, dict(lr=0
             (O.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
             (O.SGD, dict(lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.01)),
             (O.Adam, dict(lr=0.01, betas=(0.8, 0.99), weight_decay=0.05)),
-            (O.AdamW, dict(lr=0.01, betas=(0.8, 0.99), weight_decay=0.05))]
+            (O.AdamW, dict(lr=0.01, betas=(0.8, 0.99), weight_decay=0.05)),
+            (O.Adadelta, dict(lr=1.0)), (O.Adadelta, dict(lr=0.5, rho=0.8, eps=1e-5, weight_decay=0.05))]
 
 
 @pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-13), (np.float32, 2e-6)])
 @pytest.mark.parametrize("cls,kw", ONE_PASS, ids=["sgd", "adam", "adamw", "sgd_damp", "sgd_nesterov", "adam_wd",
-                                                  "adamw_wd"])
+                                                  "adamw_wd", "adadelta", "adadelta_wd"])
 def test_one_pass_kernel_matches_traced_equations(cls, kw, dtype, rtol):
     """The one-pass kernels against the same update traced, with clipping and a skipped non-finite step, on
     one thread and two (the kernel split over the threads: bitwise one thread's)."""
@@ -254,8 +257,8 @@ def test_bad_optimizer_arguments_are_named():
         btjit.trace(loss, params0(), *batches(1)[0], optimizer="adam")
 
 
-@pytest.mark.parametrize("make", [lambda: O.AdamW(lr=1e-2, weight_decay=0.1), lambda: O.SGD(lr=0.1, momentum=0.9)],
-                         ids=["adamw", "sgd_momentum"])
+@pytest.mark.parametrize("make", [lambda: O.AdamW(lr=1e-2, weight_decay=0.1), lambda: O.SGD(lr=0.1, momentum=0.9),
+                                  lambda: O.Adadelta(weight_decay=0.01)], ids=["adamw", "sgd_momentum", "adadelta"])
 def test_one_pass_kernel_split_over_threads_is_bitwise_one_threads(make):
     """A group of >= PAR_EW_ELEMENTS elements runs the kernel's _par twin on two threads, with the same result."""
     rng = np.random.default_rng(3)
@@ -263,7 +266,7 @@ def test_one_pass_kernel_split_over_threads_is_bitwise_one_threads(make):
     xs = [rng.standard_normal((4, 300)).astype(np.float32) for _ in range(3)]
     fn = lambda p, x: btjit.sum(btjit.tanh(x @ p["w"]))          # noqa: E731
     progs = [btjit.trace(fn, p0, xs[0], optimizer=make(), threads=t) for t in (1, 2)]
-    par = [any(e.startswith(("k_opt_adam_par", "k_opt_sgd_par")) for e in pr.kernels.entries) for pr in progs]
+    par = [any(e.startswith("k_opt_") and "_par_" in e for e in pr.kernels.entries) for pr in progs]
     assert par == [False, True]
     for pr in progs:
         for x in xs:

@@ -1,5 +1,5 @@
 """The optimizer's hand-written kernels: the global gradient norm (for clipping and for skipping a step), and the
-built-in SGD and Adam/AdamW in one pass each. Every other update rule is traced equations (btjit/optim/: fused
+built-in SGD, Adam/AdamW and Adadelta in one pass each. Every other update rule is traced equations (btjit/optim/: fused
 elementwise passes per param group).
   k_clip_scale a[oscale] = min(1, a[omax] / (||g||_2 + 1e-6)), or 1 if a[omax] <= 0;
                NaN if any gradient is NaN/Inf: the traced update then keeps params and state as they were
@@ -33,7 +33,7 @@ def k_clip_scale(a, ia, r):
 
 
 # ------------------------------------------------------------------- the built-ins' update, one pass each
-# btjit/graph/ops/optim.py's opt_update rows: torch.optim.SGD and Adam/AdamW over one param group's slice, every
+# btjit/graph/ops/optim.py's opt_update rows: torch.optim.SGD, Adam/AdamW and Adadelta over one param group's slice, every
 # term in one loop (the traced equations take a pass per op through the fused-chain interpreter: 2-5x slower).
 # p and the state at op_ o<state> are updated in place from the gradient at og. Scalars: ot the step t (>= 1),
 # olr lr * lr_scale, oscale the clip-by-norm factor (NaN: a non-finite gradient; with SKIP the step then leaves
@@ -131,3 +131,41 @@ def k_opt_adam_par(a, ia, r):
     for j in prange(nparts):
         lo, hi = _parts(n, nparts, j)
         _adam(a, r, lo, hi)
+
+
+@njit(inline="always", **FM)
+def _adadelta(a, r, lo, hi):
+    op_, og, osq, oacc = r[1], r[2], r[3], r[4]
+    olr, oscale, owd, o1rho, oeps, flags = r[6], r[7], r[8], r[9], r[10], r[11]
+    sc = a[oscale]
+    if flags & SKIP and sc != sc:
+        return
+    if not flags & SCALE:
+        sc = cvt(a, 1.0)
+    lr, wd, c, eps = a[olr], a[owd], a[o1rho], a[oeps]
+    p, g, sq, acc = a[op_ + lo:op_ + hi], a[og + lo:og + hi], a[osq + lo:osq + hi], a[oacc + lo:oacc + hi]
+    for i in range(hi - lo):    # rho*s + (1-rho)*x as s + (1-rho)*(x - s): with two products, which one a
+        gi = g[i] * sc + wd * p[i] if flags & WD else g[i] * sc     # multiply-add takes may differ between
+        si = sq[i] + c * (gi * gi - sq[i])                          # compiles (k_opt_adadelta_par's did)
+        di = math.sqrt((acc[i] + eps) / (si + eps)) * gi
+        sq[i] = si
+        acc[i] = acc[i] + c * (di * di - acc[i])
+        p[i] = p[i] - lr * di
+
+
+@row("op_ og osq oacc n olr oscale owd o1rho oeps flags nparts")
+@njit(**FM)
+def k_opt_adadelta(a, ia, r):
+    """torch.optim.Adadelta over n elements in one pass."""
+    n = r[5]
+    _adadelta(a, r, 0, n)
+
+
+@row("op_ og osq oacc n olr oscale owd o1rho oeps flags nparts")
+@njit(**FM_PAR)
+def k_opt_adadelta_par(a, ia, r):
+    """k_opt_adadelta in nparts runs on the threads (each element computed as on one thread)."""
+    n, nparts = r[5], r[12]
+    for j in prange(nparts):
+        lo, hi = _parts(n, nparts, j)
+        _adadelta(a, r, lo, hi)

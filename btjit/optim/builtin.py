@@ -180,10 +180,10 @@ class Lion(Optimizer):
 
 def one_pass(opt, p, g, s, hp, step, scale, flags):
     """(new_param, new_state) from one opt_update op (btjit/graph/ops/optim.py: the same arithmetic as the update
-    method, in one kernel pass) when opt's update and init are the built-in SGD's or Adam's (AdamW's); None for
-    any other optimizer, a subclass overriding either included. flags: "scale" (g is multiplied by the clip
+    method, in one kernel pass) when opt's update and init are the built-in SGD's, Adam's (AdamW's) or Adadelta's;
+    None for any other optimizer, a subclass overriding either included. flags: "scale" (g is multiplied by the clip
     factor `scale`), "skip" (a NaN scale leaves every value as it was)."""
-    cls = next((c for c in (SGD, Adam) if type(opt).update is c.update and type(opt).init is c.init), None)
+    cls = next((c for c in (SGD, Adam, Adadelta) if type(opt).update is c.update and type(opt).init is c.init), None)
     if cls is None:
         return None
     flags = set(flags) | {f for f, k in (("wd", "weight_decay"), ("momentum", "momentum"),
@@ -191,6 +191,8 @@ def one_pass(opt, p, g, s, hp, step, scale, flags):
     if cls is SGD:
         flags |= {"nesterov"} if opt.nesterov else set()
         scalars = (step, hp["lr"], scale, hp["weight_decay"], hp["momentum"], 1.0 - hp["dampening"])
+    elif cls is Adadelta:
+        scalars = (hp["lr"], scale, hp["weight_decay"], 1.0 - hp["rho"], hp["eps"])
     else:
         flags |= {"decoupled"} if opt.decoupled else set()
         scalars = (step, hp["lr"], scale, hp["weight_decay"], hp["beta1"], 1.0 - hp["beta1"], hp["beta2"],

@@ -1,8 +1,8 @@
-"""The built-in optimizers' one-pass update: `opt_update`, torch.optim.SGD or Adam/AdamW over one param group's
-flat slice, emitted by btjit/optim/build.py in place of the traced equations of `SGD.update` / `Adam.update`
+"""The built-in optimizers' one-pass update: `opt_update`, torch.optim.SGD, Adam/AdamW or Adadelta over one param group's
+flat slice, emitted by btjit/optim/build.py in place of the traced equations of their `update`
 (the same arithmetic: those equations are its reference). Inputs: the param, the gradient, the state (in
 the optimizer's state order), then the scalars SCALARS[kind] names; outputs: the new param and state, always
-computed in place (optim/build.py pins them to their regions). Lowered to k_opt_sgd / k_opt_adam
+computed in place (optim/build.py pins them to their regions). Lowered to k_opt_sgd / k_opt_adam / k_opt_adadelta
 (btjit/kernels/optim.py; the _par twins split the slice over the threads from PAR_EW_ELEMENTS elements)."""
 from __future__ import annotations
 
@@ -14,16 +14,18 @@ from btjit.kernels.common import MAX_THREADS
 from btjit.graph.optable import PAR_EW_ELEMENTS, ShapeError, op
 
 FIELD = {"t": "ot", "lr": "olr", "scale": "oscale", "weight_decay": "owd", "momentum": "omom",
-         "1-dampening": "o1damp", "beta1": "ob1", "1-beta1": "o1b1", "beta2": "ob2", "1-beta2": "o1b2", "eps": "oeps"}
+         "1-dampening": "o1damp", "beta1": "ob1", "1-beta1": "o1b1", "beta2": "ob2", "1-beta2": "o1b2", "eps": "oeps", "1-rho": "o1rho"}
 SCALARS = {"sgd": ("t", "lr", "scale", "weight_decay", "momentum", "1-dampening"),
-           "adam": ("t", "lr", "scale", "weight_decay", "beta1", "1-beta1", "beta2", "1-beta2", "eps")}
-STATE = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq")}
+           "adam": ("t", "lr", "scale", "weight_decay", "beta1", "1-beta1", "beta2", "1-beta2", "eps"),
+           "adadelta": ("lr", "scale", "weight_decay", "1-rho", "eps")}
+STATE = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq"), "adadelta": ("square_avg", "acc_delta")}
+STATE_FIELDS = {"sgd": ("ob",), "adam": ("om", "ov"), "adadelta": ("osq", "oacc")}   # the kernels' row fields
 FLAGS = {"scale": K.SCALE, "skip": K.SKIP, "wd": K.WD, "decoupled": K.DECOUPLED, "momentum": K.MOMENTUM,
          "dampening": K.DAMPENING, "nesterov": K.NESTEROV}
 
 
 def _nstate(a):
-    return len(STATE[a["kind"]]) if a["kind"] == "adam" or "momentum" in a["flags"] else 0
+    return len(STATE[a["kind"]]) if a["kind"] != "sgd" or "momentum" in a["flags"] else 0
 
 
 def _rule(types, attrs, fd):
@@ -36,7 +38,8 @@ def _rule(types, attrs, fd):
 
 
 def ref(xs, a):
-    """numpy's transcription of SGD.update / Adam.update (btjit/optim/builtin.py) with the clip scale."""
+    """numpy's transcription of SGD.update / Adam.update / Adadelta.update (btjit/optim/builtin.py) with the clip
+    scale."""
     ns, fl = _nstate(a), a["flags"]
     p, g, st = xs[0], xs[1], list(xs[2:2 + ns])
     s = dict(zip(SCALARS[a["kind"]], (float(x) for x in xs[2 + ns:])))
@@ -49,6 +52,11 @@ def ref(xs, a):
             return (p - s["lr"] * g,)
         b = g if "dampening" in fl and s["t"] == 1 else s["momentum"] * st[0] + s["1-dampening"] * g
         return (p - s["lr"] * (g + s["momentum"] * b if "nesterov" in fl else b), b)
+    if a["kind"] == "adadelta":
+        g = g + s["weight_decay"] * p if "wd" in fl else g
+        sq = st[0] + s["1-rho"] * (g * g - st[0])
+        d = np.sqrt((st[1] + s["eps"]) / (sq + s["eps"])) * g
+        return (p - s["lr"] * d, sq, st[1] + s["1-rho"] * (d * d - st[1]))
     if "wd" in fl:
         p, g = (p * (1 - s["lr"] * s["weight_decay"]), g) if "decoupled" in fl else (p, g + s["weight_decay"] * p)
     m = st[0] + s["1-beta1"] * (g - st[0])
@@ -70,7 +78,7 @@ def lower(e, L):
     threads = min(L.threads, MAX_THREADS)
     par = threads > 1 and n >= PAR_EW_ELEMENTS
     name = f"k_opt_{a['kind']}" + ("_par" if par else "")
-    state = dict(zip(("ob",) if a["kind"] == "sgd" else ("om", "ov"), offs[2:2 + ns] or [0]))
+    state = dict(zip(STATE_FIELDS[a["kind"]], offs[2:2 + ns] or [0]))
     return [L.row(name, op_=offs[0], og=offs[1], n=n, flags=flags, nparts=threads if par else 1, **state, **sc)]
 
 
