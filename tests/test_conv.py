@@ -205,6 +205,33 @@ def test_pooling_and_transposes_split_over_threads_bitwise():
     assert {"k_pool2d_par", "k_transpose_par"} <= out[1][2] and "k_pool2d_par" not in out[0][2]
 
 
+def test_output_gradient_and_padding_take_one_pass_each_on_the_threads():
+    """A convolution's output gradient becomes the rows its products read in one conv_dy pass (relu's mask, the
+    transpose and the bias terms), its paddings one k_pad pass each; at >= 64K elements both split over two
+    threads, bitwise equal to one; values and gradients as torch's."""
+    rng = np.random.default_rng(8)
+    x, w, b = (rng.normal(size=s).astype(np.float32) for s in ((16, 8, 20, 22), (16, 8, 3, 3), (16,)))
+    r = rng.normal(size=(16, 16, 20, 22)).astype(np.float32)
+
+    def loss(q, x):
+        return btjit.sum(btjit.relu(btjit.conv2d(x * q["s"], q["w"], q["b"], padding=1)) * r)
+    p = {"w": w * 0.3, "b": b, "s": np.ones_like(x)}
+    out = []
+    for threads in (1, 2):
+        prog = btjit.trace(loss, p, x, grad=True, threads=threads)
+        ops = [e.op for e in prog.graph.eqns]
+        assert ops.count("conv_dy") == 1 and "relu_grad" not in ops and ops.count("slice_scatter") == 2, ops
+        out.append((prog.value_and_grad(x), {k: prog.grads[k].copy() for k in p},
+                    {btjit.core.program.LIBRARY.entry_of(op)[0] for op in prog.tape[:, 0]}))
+    assert out[0][0] == out[1][0] and all(np.array_equal(out[0][1][k], out[1][1][k]) for k in p)
+    assert {"k_conv_dy", "k_pad"} <= out[0][2] and {"k_conv_dy_par", "k_pad_par"} <= out[1][2]
+    ts = {k: torch.tensor(v, requires_grad=True) for k, v in p.items()}
+    (torch.relu(TF.conv2d(torch.tensor(x) * ts["s"], ts["w"], ts["b"], padding=1)) * torch.tensor(r)).sum().backward()
+    for k in p:
+        got, want = out[0][1][k], ts[k].grad.numpy()
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max(), err_msg=k)
+
+
 def test_relu_after_a_convolution_runs_inside_it():
     """conv2d then relu is one conv_gemm(relu=1) equation (the activation applied as the product stores), its
     gradient through the output as relu's; values and gradients as torch's."""

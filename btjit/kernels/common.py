@@ -233,16 +233,16 @@ def stack_buf(typingctx, arr, n):
     return types.CPointer(arr.dtype)(arr, n), impl
 
 
-def _tile(w):
+def _tile(w, masked=False):
     """Intrinsic tile(src, osrc, ssrc, dst, odst, sdst): dst[odst + j*sdst + i] = src[osrc + i*ssrc + j] for
     i, j < w (arrays of one dtype; offsets and strides in elements): w row loads, log2(w) rounds of w
-    two-vector interleaves (vpermt2ps), w stores."""
-    @intrinsic
-    def tile(typingctx, src, osrc, ssrc, dst, odst, sdst):
+    two-vector interleaves (vpermt2ps), w stores. masked: tile(src, osrc, ssrc, dst, odst, sdst, omask) moves
+    src[...] if src[omask + i*ssrc + j] > 0 else src[...] * 0 instead (relu's gradient, as B_RELU_GRAD)."""
+    def typer(typingctx, src, osrc, ssrc, dst, odst, sdst, *omask):
         def impl(context, builder, sig, args):
             sd = context.make_array(sig.args[0])(context, builder, args[0]).data
             dd = context.make_array(sig.args[3])(context, builder, args[3]).data
-            _, osrc, ssrc, _, odst, sdst = args
+            osrc, ssrc, _, odst, sdst = args[1:6]
             vt = ir.VectorType(context.get_data_type(sig.args[0].dtype), w)
             i64 = ir.IntType(64)
 
@@ -250,6 +250,11 @@ def _tile(w):
                 return builder.bitcast(builder.gep(data, [builder.add(base, builder.mul(stride, ir.Constant(i64, k)))]),
                                        vt.as_pointer())
             rows = [builder.load(vptr(sd, osrc, ssrc, k), align=4) for k in range(w)]
+            if masked:
+                zero = ir.Constant(vt, None)
+                keep = [builder.fcmp_ordered(">", builder.load(vptr(sd, args[6], ssrc, k), align=4), zero)
+                        for k in range(w)]
+                rows = [builder.select(c, v, builder.fmul(v, zero)) for c, v in zip(keep, rows)]
             h = w // 2
             lo = ir.Constant(ir.VectorType(ir.IntType(32), w), [x for k in range(h) for x in (k, k + w)])
             hi = ir.Constant(ir.VectorType(ir.IntType(32), w), [x for k in range(h, w) for x in (k, k + w)])
@@ -261,32 +266,43 @@ def _tile(w):
             return context.get_dummy_value()
         if src.dtype != dst.dtype:
             return None
-        return types.void(src, osrc, ssrc, dst, odst, sdst), impl
-    return tile
+        return types.void(src, osrc, ssrc, dst, odst, sdst, *omask), impl
+    def tile(typingctx, src, osrc, ssrc, dst, odst, sdst):
+        return typer(typingctx, src, osrc, ssrc, dst, odst, sdst)
+
+    def tile_masked(typingctx, src, osrc, ssrc, dst, odst, sdst, omask):
+        return typer(typingctx, src, osrc, ssrc, dst, odst, sdst, omask)
+    return intrinsic(tile_masked if masked else tile)
 
 
-tile8, tile16 = _tile(8), _tile(16)
+tile8, tile16, tile16_relu = _tile(8), _tile(16), _tile(16, masked=True)
 
 
 @njit(**FM)
-def transpose(src, osrc, dst, odst, R, C):
+def transpose(src, osrc, dst, odst, R, C, omask=-1):
     """The (R, C) row-major matrix at src[osrc:] into (C, R) at dst[odst:] (arrays of one dtype; the two
     must not overlap): 16 x 16 register tiles (3x the speed of element loops), the last tile of each row
     and column moved back to end at R / C (overlapping tiles rewrite equal values); element loops when a
-    side is below 16."""
+    side is below 16. omask >= 0: relu's gradient moved instead, masked by the (R, C) matrix at src[omask:]
+    (tile16_relu's rule)."""
     if R >= 16 and C >= 16:
         for i0 in range(0, R, 16):
             i = min(i0, R - 16)
             for j0 in range(0, C, 16):
                 j = min(j0, C - 16)
-                tile16(src, osrc + i * C + j, C, dst, odst + j * R + i, R)
+                if omask >= 0:
+                    tile16_relu(src, osrc + i * C + j, C, dst, odst + j * R + i, R, omask + i * C + j)
+                else:
+                    tile16(src, osrc + i * C + j, C, dst, odst + j * R + i, R)
         return
     s = src[osrc:osrc + R * C].reshape(R, C)
+    m = src[max(omask, 0):max(omask, 0) + R * C].reshape(R, C)
     d = dst[odst:odst + R * C].reshape(C, R)
+    z = cvt(src, 0.0)
     for j in range(C):
         dj = d[j]
         for i in range(R):
-            dj[i] = s[i, j]
+            dj[i] = s[i, j] if omask < 0 or m[i, j] > z else s[i, j] * z
 
 
 # ---------------------------------------------------------------- direct BLAS gemm

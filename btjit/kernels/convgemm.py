@@ -5,7 +5,7 @@
 # (NCHW or NHWC input, output by pixel rows or (N, O, OH*OW)); k_conv_par splits it over the threads.
 from numba import carray, njit, prange
 
-from btjit.kernels.common import FM, FM_PAR, row, stack_buf
+from btjit.kernels.common import FM, FM_PAR, cvt, row, stack_buf, transpose
 from btjit.kernels.micro import MR, micro
 
 _g48, _g32 = micro((16, 16, 16), gathered=True), micro((16, 16), gathered=True)
@@ -122,3 +122,39 @@ def k_conv_par(a, ia, r):
     nparts = r[25]
     for j in prange(nparts):
         conv_part(a, r, j, nparts)
+
+
+@njit(**FM)
+def dy_part(a, r, n0, n1):
+    """Images n0 .. n1-1 of a k_conv_dy row."""
+    og = r[1]; oy = r[2]; ogt = r[3]; odb = r[4]; O = r[6]; P = r[7]; relu = r[8]; bias = r[9]
+    z = cvt(a, 0.0)
+    for n in range(n0, n1):
+        gt = ogt + n * P * O
+        transpose(a, og + n * O * P, a, gt, O, P, oy + n * O * P if relu else -1)
+        if bias:
+            db = a[odb + n * O:odb + (n + 1) * O]
+            for o in range(O):
+                db[o] = z
+            for p in range(P):
+                x = a[gt + p * O:gt + (p + 1) * O]
+                for o in range(O):
+                    db[o] += x[o]
+
+
+@row("og oy ogt odb N O P relu bias")
+@njit(**FM)
+def k_conv_dy(a, ia, r):
+    """A convolution's output gradient dy (N, O, P) at og as the pixel rows its two backward products read, in one
+    pass per image: gt (N*P, O) at ogt (relu 1: relu's gradient, masked by the convolution's output y at oy);
+    bias 1: each image's column sums of gt, (N, O) at odb (the bias gradient's terms)."""
+    dy_part(a, r, 0, r[5])
+
+
+@row("og oy ogt odb N O P relu bias nparts")
+@njit(**FM_PAR)
+def k_conv_dy_par(a, ia, r):
+    """k_conv_dy with its images split into nparts on the thread pool (each image as on one thread)."""
+    N, nparts = r[5], r[10]
+    for j in prange(nparts):
+        dy_part(a, r, j * N // nparts, (j + 1) * N // nparts)

@@ -19,7 +19,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from btjit.kernels.common import FM, FM_PAR, cvt, ferf, fexp, ftanh, row, transpose
+from btjit.kernels.common import FM, FM_PAR, cvt, ferf, fexp, ftanh, row
 
 # unary sub-ops
 U_COPY, U_NEG, U_EXP, U_LOG, U_TANH, U_RELU, U_SIGMOID, U_SQRT, U_POW, U_ABS, U_ERF, U_LOG1P = range(12)
@@ -215,26 +215,6 @@ def binary_rows(a, sub, oout, o1, o2, rows, n, ld, sx, sy):
         else:
             for j in range(n):
                 out[j] = y[j] * (_one - x[j] * x[j])
-
-
-@row("oout oin nb rows cols")
-@njit(**FM)
-def k_transpose(a, ia, r):
-    """out[b] = in[b]^T for b < nb: (nb, rows, cols) -> (nb, cols, rows), by common.transpose's 16 x 16 register
-    tiles (the strided copy's element loops were 2-3x slower on a 512 x 128 weight)."""
-    oout, oin, nb, rows, cols = r[1], r[2], r[3], r[4], r[5]
-    for b in range(nb):
-        transpose(a, oin + b * rows * cols, a, oout + b * rows * cols, rows, cols)
-
-
-@row("oout oin nb rows cols nparts")
-@njit(**FM_PAR)
-def k_transpose_par(a, ia, r):
-    """k_transpose with its nb matrices split into nparts on the thread pool."""
-    oout, oin, nb, rows, cols, nparts = r[1], r[2], r[3], r[4], r[5], r[6]
-    for j in prange(nparts):
-        for b in range(j * nb // nparts, (j + 1) * nb // nparts):
-            transpose(a, oin + b * rows * cols, a, oout + b * rows * cols, rows, cols)
 
 
 @row("oout oin rows cols")

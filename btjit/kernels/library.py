@@ -36,11 +36,11 @@ import numpy as np
 
 from btjit.host.cachedir import cache_dir
 from btjit.kernels import (attention, attn_kept, attn_lanes, attn_loops, bf16, common, conv, convgemm, elementwise, fused,
-                           linalg, micro, nn, norm, objcode, optim, reduce, rng, tiles)
+                           layout, linalg, micro, nn, norm, objcode, optim, reduce, rng, tiles)
 from btjit.kernels.common import ROW, ROWS
 
-MODULES = (elementwise, fused, reduce, linalg, nn, norm, optim, attn_loops, attention, attn_kept, rng, conv, convgemm,
-           bf16)
+MODULES = (elementwise, layout, fused, reduce, linalg, nn, norm, optim, attn_loops, attention, attn_kept, rng, conv,
+           convgemm, bf16)
 STATIC = [(m.__name__, n) for m in MODULES for n in sorted(vars(m)) if n in ROWS]
 GENERATED = attn_lanes.KERNEL_NAMES             # entries per (T, hs), float32 only
 KERNELS = [n for _, n in STATIC] + list(GENERATED)

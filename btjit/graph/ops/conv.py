@@ -157,9 +157,14 @@ def _conv_gemm_vjp(g, x, o, a):
     kh, kw, dh, dw = a["kh"], a["kw"], a["dh"], a["dw"]
     if a["nhwc"] or a["flip"]:
         raise T.TraceError("conv_gemm: the gradient of a transposed convolution's gradient is not supported")
-    g = T.emit("relu_grad", (o[0], g)) if a.get("relu") else g
-    if a["tout"]:       # y (N, O, OH, OW): the row-per-pixel gradient (N*P, O) the products read
-        g = T.reshape(T.transpose(T.reshape(g, (N, O, -1)), (0, 2, 1)), (-1, O))
+    bias = len(x) == 3
+    if a["tout"]:       # y (N, O, OH, OW): the row-per-pixel gradient (N*P, O) the products read, in one pass
+        relu = int(bool(a.get("relu")))
+        outs = T.emit("conv_dy", (g,) + (o[0],) * relu, relu=relu, bias=int(bias))
+        g, db = (outs[0], T.sum(outs[1], axis=0)) if bias else (outs, None)
+    else:
+        g = T.emit("relu_grad", (o[0], g)) if a.get("relu") else g
+        db = T.sum(g, axis=0) if bias else None
     a = dict(a, tout=0, relu=0)
     dWT = T.emit("conv_wgrad", (X, g), **a)
     dWT = T.emit("slice", (dWT,), starts=(0, 0), stops=(K, O), steps=(1, 1)) if _kpad(K) != K else dWT
@@ -176,7 +181,7 @@ def _conv_gemm_vjp(g, x, o, a):
         dcol = T.emit("matmul", (g, WT), ta=False, tb=True)
         dX = T.emit("col2im", (T.reshape(dcol, (1,) + dcol.shape),), x_shape=tuple(X.shape), groups=1, ph=0, pw=0,
                     **{k: a[k] for k in ("kh", "kw", "sh", "sw", "dh", "dw", "oh", "ow")})
-    return [dX, dWT] + ([T.sum(g, axis=0)] if len(x) == 3 else [])
+    return [dX, dWT] + ([db] if bias else [])
 
 
 def _conv_gemm_lower(mode):
@@ -208,6 +213,34 @@ op("conv_wgrad", infer=lambda t, a, fd: [((_kpad(_cg_dims(t[0][0], a)[1] * a["kh
    ref=_conv_wgrad_ref, lower=_conv_gemm_lower(1), internal=True,
    cases=[Case((s[0], F(_conv_gemm_rule([(s[0][1], "f64"), (s[1][1], "f64")], a, "f64")[0][0][0], s[1][1][1])), a)
           for s, a in ((s, dict(a, tout=0, relu=0)) for s, a in _cgc)])
+
+
+# ----------------------------------------------------------------------------- the output gradient's layout
+def _conv_dy_rule(types, attrs, fd):
+    _float(types, "")
+    s = tuple(types[0][0])
+    if len(s) != 4 or len(types) != 1 + attrs["relu"] or (attrs["relu"] and tuple(types[1][0]) != s):
+        raise ShapeError("conv_dy needs dy (N, O, OH, OW), and with relu the convolution's output of its shape")
+    return [((s[0] * s[2] * s[3], s[1]), fd)] + [((s[0], s[1]), fd)] * attrs["bias"]
+
+
+def _conv_dy_ref(xs, a):
+    g = np.where(xs[1] > 0, xs[0], xs[0] * 0) if a["relu"] else xs[0]
+    gt = g.reshape(g.shape[0], g.shape[1], -1).transpose(0, 2, 1)
+    return (gt.reshape(-1, g.shape[1]).copy(),) + (gt.sum(axis=1),) * a["bias"]
+
+
+def _conv_dy_lower(e, L):
+    g, a = e.ins[0], e.attrs
+    N, O, OH, OW = g.shape
+    return par_row(L, "k_conv_dy", par_parts(L, g.size, N), og=L.off(g), oy=L.off(e.ins[1]) if a["relu"] else 0,
+                   ogt=L.off(e.outs[0]), odb=L.off(e.outs[1]) if a["bias"] else 0, N=N, O=O, P=OH * OW,
+                   relu=a["relu"], bias=a["bias"])
+
+
+op("conv_dy", infer=_conv_dy_rule, ref=_conv_dy_ref, lower=_conv_dy_lower, internal=True, nondiff=True,
+   cases=[Case((F(2, 8, 3, 5), F(2, 8, 3, 5)), dict(relu=1, bias=1)), Case((F(3, 16, 4, 5),), dict(relu=0, bias=1)),
+          Case((F(2, 24, 6, 7), F(2, 24, 6, 7)), dict(relu=1, bias=0))])
 
 
 # ----------------------------------------------------------------------------- pooling

@@ -91,8 +91,14 @@ def _slice_scatter_ref(xs, a):
 
 
 def _lower_slice_scatter(e, L):
-    off, st = _slice_view(e.outs[0].shape, e.attrs)
-    return [L.row("k_fill", oout=L.off(e.outs[0]), n=e.outs[0].size, oc=L.const(0.0))] + strided_rows(
+    x, y, a = e.ins[0], e.outs[0], e.attrs
+    if all(k == 1 for k in a["steps"]) and 0 < len(y.shape) <= 4:      # a zero padding: k_pad, one pass
+        lead = (1,) * (4 - len(y.shape))
+        e_, d_, s_ = lead + tuple(y.shape), lead + tuple(x.shape), (0,) * (4 - len(y.shape)) + tuple(a["starts"])
+        return par_row(L, "k_pad", par_parts(L, y.size, e_[0] * e_[1]), oout=L.off(y), oin=L.off(x),
+                       **{f"{c}{i}": v[i] for c, v in (("e", e_), ("d", d_), ("s", s_)) for i in range(4)})
+    off, st = _slice_view(y.shape, a)
+    return [L.row("k_fill", oout=L.off(y), n=y.size, oc=L.const(0.0))] + strided_rows(
         L, EW.B_COPY, e.ins[0].shape, (L.off(e.outs[0]) + off, st), [(L.off(e.ins[0]), cstrides(e.ins[0].shape))])
 
 
@@ -101,7 +107,10 @@ op("slice", infer=_slice_rule, ref=lambda xs, a: (xs[0][_slices(a)].copy(),), lo
    vjp=lambda g, x, o, a: [T.emit("slice_scatter", (g[0],), shape=x[0].shape, **a)],
    cases=[Case((F(4, 5),), _sl), Case((F(3, 4, 5),), {"starts": (0, 1, 0), "stops": (3, 3, 5), "steps": (1, 1, 1)})])
 op("slice_scatter", infer=lambda t, a, fd: [(tuple(a["shape"]), fd)], ref=_slice_scatter_ref,
-   lower=_lower_slice_scatter, internal=True, cases=[Case((F(2, 3),), dict(_sl, shape=(4, 5)))],
+   lower=_lower_slice_scatter, internal=True,
+   cases=[Case((F(2, 3),), dict(_sl, shape=(4, 5))),     # strided; then zero paddings (k_pad)
+          Case((F(2, 3, 4),), dict(starts=(1, 1, 2), stops=(3, 4, 6), steps=(1, 1, 1), shape=(3, 5, 7))),
+          Case((F(2, 2, 3, 4),), dict(starts=(0, 1, 2, 1), stops=(2, 3, 5, 5), steps=(1, 1, 1, 1), shape=(2, 4, 6, 6)))],
    vjp=lambda g, x, o, a: [T.emit("slice", (g[0],), **{k: a[k] for k in ("starts", "stops", "steps")})])
 
 

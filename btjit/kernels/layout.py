@@ -1,0 +1,71 @@
+"""Layout kernels: batched matrix transposes and zero-padded copies (graph/ops/layout.py's transpose and
+slice_scatter, where they apply); the _par twins split them over the threads, each piece computed as on one
+thread.
+  k_transpose  out[b] = in[b]^T for b < nb: (nb, rows, cols) -> (nb, cols, rows)
+  k_pad        out (e0, e1, e2, e3) = zeros with in (d0, d1, d2, d3) at [s0:s0+d0, s1:s1+d1, s2:s2+d2,
+               s3:s3+d3]: a padding (a slice_scatter with unit steps), each row of out written once
+"""
+from numba import njit, prange
+
+from btjit.kernels.common import FM, FM_PAR, cvt, row, transpose
+
+
+@row("oout oin nb rows cols")
+@njit(**FM)
+def k_transpose(a, ia, r):
+    """out[b] = in[b]^T for b < nb, by common.transpose's 16 x 16 register tiles (the strided copy's element
+    loops were 2-3x slower on a 512 x 128 weight)."""
+    oout, oin, nb, rows, cols = r[1], r[2], r[3], r[4], r[5]
+    for b in range(nb):
+        transpose(a, oin + b * rows * cols, a, oout + b * rows * cols, rows, cols)
+
+
+@row("oout oin nb rows cols nparts")
+@njit(**FM_PAR)
+def k_transpose_par(a, ia, r):
+    """k_transpose with its nb matrices split into nparts on the thread pool."""
+    oout, oin, nb, rows, cols, nparts = r[1], r[2], r[3], r[4], r[5], r[6]
+    for j in prange(nparts):
+        for b in range(j * nb // nparts, (j + 1) * nb // nparts):
+            transpose(a, oin + b * rows * cols, a, oout + b * rows * cols, rows, cols)
+
+
+@njit(**FM)
+def pad_part(a, r, u0, u1):
+    """Rows (i0, i1) = divmod(u, e1) for u0 <= u < u1 of a k_pad row's output (each e2 x e3)."""
+    oout, oin = r[1], r[2]
+    e1, e2, e3, d0, d1, d2, d3, s0, s1, s2, s3 = r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12], r[13], r[14]
+    z = cvt(a, 0.0)
+    for u in range(u0, u1):
+        j0, j1 = u // e1 - s0, u % e1 - s1
+        inside = 0 <= j0 < d0 and 0 <= j1 < d1
+        for i2 in range(e2):    # loops over whole views from 0 (LLVM makes them memset / memcpy: measured 2x
+            o = oout + (u * e2 + i2) * e3           # the loops over index ranges of `a`)
+            j2 = i2 - s2
+            n = s3 if inside and 0 <= j2 < d2 else e3
+            left = a[o:o + n]
+            for k in range(n):
+                left[k] = z
+            if n < e3:
+                src = oin + ((j0 * d1 + j1) * d2 + j2) * d3
+                mid, x, right = a[o + s3:o + s3 + d3], a[src:src + d3], a[o + s3 + d3:o + e3]
+                for k in range(d3):
+                    mid[k] = x[k]
+                for k in range(e3 - s3 - d3):
+                    right[k] = z
+
+
+@row("oout oin e0 e1 e2 e3 d0 d1 d2 d3 s0 s1 s2 s3")
+@njit(**FM)
+def k_pad(a, ia, r):
+    """out (e0, e1, e2, e3) at oout = zeros, with in (d0, d1, d2, d3) at oin placed from (s0, s1, s2, s3)."""
+    pad_part(a, r, 0, r[3] * r[4])
+
+
+@row("oout oin e0 e1 e2 e3 d0 d1 d2 d3 s0 s1 s2 s3 nparts")
+@njit(**FM_PAR)
+def k_pad_par(a, ia, r):
+    """k_pad with the output's e0 * e1 planes split into nparts on the thread pool."""
+    nu, nparts = r[3] * r[4], r[15]
+    for j in prange(nparts):
+        pad_part(a, r, j * nu // nparts, (j + 1) * nu // nparts)
