@@ -65,6 +65,27 @@ def test_batch_norm_matches_torch(shape, axis, affine, dtype):
     np.testing.assert_allclose(prog.buffers["rm"], rm.numpy(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("shape,axis", [((16, 24, 20, 20), 1), ((64, 16, 96), -1)], ids=["nchw", "channels_last"])
+def test_large_batch_norm_is_bitwise_the_same_on_one_thread_and_two(shape, axis):
+    """From 64K elements batch norm runs k_batchnorm_fwd_par / bwd_par, its channels split over the threads (one
+    part on one thread): loss and every gradient bitwise equal on one thread and two, the running statistics too."""
+    rng = np.random.default_rng(2)
+    C = shape[axis]
+    p = {"s": rng.normal(size=shape).astype(np.float32), "w": rng.normal(size=C).astype(np.float32),
+         "b": rng.normal(size=C).astype(np.float32)}
+    x, t = (rng.normal(size=shape).astype(np.float32) for _ in range(2))
+    out = []
+    for threads in (1, 2):
+        bufs = {"rm": np.zeros(C, np.float32), "rv": np.ones(C, np.float32)}
+        prog = btjit.trace(_bn_loss(axis, True, 0.1), p, x, t, buffers=bufs, optimizer=btjit.optim.SGD(lr=0.1),
+                           threads=threads)
+        losses = [prog.step(x, t) for _ in range(2)]
+        out.append((losses, {k: v.copy() for k, v in {**prog.params, **prog.buffers}.items()},
+                    {btjit.core.program.LIBRARY.entry_of(op)[0] for op in prog.tape[:, 0]}))
+    assert out[0][0] == out[1][0] and all(np.array_equal(out[0][1][k], out[1][1][k]) for k in out[0][1])
+    assert all({"k_batchnorm_fwd_par", "k_batchnorm_bwd_par"} <= o[2] for o in out)
+
+
 def test_batch_norm_finite_differences():
     from btjit.testing import check_grads
     rng = np.random.default_rng(2)

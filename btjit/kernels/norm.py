@@ -2,12 +2,16 @@
 # x is viewed as (P, C, Q): the channel axis C in the middle, every axis before it merged into P and every axis
 # after it into Q ((N, C): Q = 1; (N, C, L): P = N, Q = L; (B, T, C) with the channels last: P = B*T, Q = 1).
 # Also the sums both normalizations take (total, sq_dev: nn.py's LayerNorm uses them too).
-# Statistics run over P and Q, per channel. Q = 1 has its own loops (vectorized along C); outputs overwrite.
+# Statistics run over P and Q, per channel. Q = 1 has its own loops (vectorized along C); outputs overwrite. The
+# _par twins split the channels over the threads; the lowering runs a large batch norm on the _par twin at any
+# thread count, one thread included, so its sums are compiled once (bitwise the same whatever the threads).
 import math
 
-from numba import njit
+import numpy as np
 
-from btjit.kernels.common import FM, cvt, row
+from numba import njit, prange
+
+from btjit.kernels.common import FM, FM_PAR, cvt, row
 
 
 @njit(inline="always", **FM)
@@ -29,59 +33,57 @@ def sq_dev(x, m, zero):
     return s
 
 
-@row("ox ow ob oy omean ovar orstd P C Q oeps")
 @njit(**FM)
-def k_batchnorm_fwd(a, ia, r):
-    """y = (x - mean) * rstd * w + b per channel, mean and biased var over the P*Q values of each channel
-    (two passes: the mean, then the squared deviations), rstd = 1 / sqrt(var + eps), eps = a[oeps].
-
-      x, y: (P, C, Q); w, b, mean, var, rstd: (C,) (mean, var for the running statistics, rstd for the backward).
-    """
+def bn_fwd(a, r, c0, c1):
+    """Channels c0 .. c1-1 of a k_batchnorm_fwd row."""
     ox = r[1]; ow = r[2]; ob = r[3]; oy = r[4]; omean = r[5]; ovar = r[6]; orstd = r[7]; P = r[8]; C = r[9]
     Q = r[10]; eps = a[r[11]]
     zero = cvt(a, 0.0)
     inv_n = cvt(a, 1.0) / cvt(a, P * Q)
-    w = a[ow:ow + C]
-    b = a[ob:ob + C]
-    mean = a[omean:omean + C]
-    var = a[ovar:ovar + C]
-    rstd = a[orstd:orstd + C]
+    nc = c1 - c0
+    w = a[ow + c0:ow + c1]
+    b = a[ob + c0:ob + c1]
+    mean = a[omean + c0:omean + c1]
+    var = a[ovar + c0:ovar + c1]
+    rstd = a[orstd + c0:orstd + c1]
     mean[:] = zero
     var[:] = zero
     if Q == 1:
         for p in range(P):
-            x = a[ox + p * C:ox + p * C + C]
-            for c in range(C):
+            x = a[ox + p * C + c0:ox + p * C + c1]
+            for c in range(nc):
                 mean[c] += x[c]
-        for c in range(C):
+        for c in range(nc):
             mean[c] *= inv_n
         for p in range(P):
-            x = a[ox + p * C:ox + p * C + C]
-            for c in range(C):
+            x = a[ox + p * C + c0:ox + p * C + c1]
+            for c in range(nc):
                 d = x[c] - mean[c]
                 var[c] += d * d
     else:
         for p in range(P):
-            for c in range(C):
-                mean[c] += total(a[ox + (p * C + c) * Q:ox + (p * C + c) * Q + Q], zero)
-        for c in range(C):
+            for c in range(nc):
+                o = ox + (p * C + c0 + c) * Q
+                mean[c] += total(a[o:o + Q], zero)
+        for c in range(nc):
             mean[c] *= inv_n
         for p in range(P):
-            for c in range(C):
-                var[c] += sq_dev(a[ox + (p * C + c) * Q:ox + (p * C + c) * Q + Q], mean[c], zero)
-    for c in range(C):
-        var[c] *= inv_n
-        rstd[c] = cvt(a, 1.0) / math.sqrt(var[c] + eps)
+            for c in range(nc):
+                o = ox + (p * C + c0 + c) * Q
+                var[c] += sq_dev(a[o:o + Q], mean[c], zero)
+    for c in range(nc):     # in float64: a vectorized 1 / sqrt in float32 may be an estimate, so channels in vector
+        var[c] *= inv_n     # lanes and in the loop's tail (which depend on the part) would round differently
+        rstd[c] = cvt(a, 1.0 / math.sqrt(np.float64(var[c]) + np.float64(eps)))
     if Q == 1:
         for p in range(P):
-            x = a[ox + p * C:ox + p * C + C]
-            y = a[oy + p * C:oy + p * C + C]
-            for c in range(C):
+            x = a[ox + p * C + c0:ox + p * C + c1]
+            y = a[oy + p * C + c0:oy + p * C + c1]
+            for c in range(nc):
                 y[c] = (x[c] - mean[c]) * (rstd[c] * w[c]) + b[c]
     else:
         for p in range(P):
-            for c in range(C):
-                o = (p * C + c) * Q
+            for c in range(nc):
+                o = (p * C + c0 + c) * Q
                 x = a[ox + o:ox + o + Q]
                 y = a[oy + o:oy + o + Q]
                 m = mean[c]
@@ -91,45 +93,61 @@ def k_batchnorm_fwd(a, ia, r):
                     y[q] = (x[q] - m) * s + bc
 
 
-@row("ox ow omean orstd ody odx odw odb P C Q")
+@row("ox ow ob oy omean ovar orstd P C Q oeps")
 @njit(**FM)
-def k_batchnorm_bwd(a, ia, r):
-    """Batch norm backward from the saved mean and rstd, xh = (x - mean) * rstd:
-    db = sum dy, dw = sum dy * xh (over P and Q), dx = w * rstd * (dy - db / n - xh * dw / n), n = P * Q.
+def k_batchnorm_fwd(a, ia, r):
+    """y = (x - mean) * rstd * w + b per channel, mean and biased var over the P*Q values of each channel
+    (two passes: the mean, then the squared deviations), rstd = 1 / sqrt(var + eps), eps = a[oeps].
 
-      x, dy, dx: (P, C, Q); w, mean, rstd, dw, db: (C,).
+      x, y: (P, C, Q); w, b, mean, var, rstd: (C,) (mean, var for the running statistics, rstd for the backward).
     """
+    bn_fwd(a, r, 0, r[9])
+
+
+@row("ox ow ob oy omean ovar orstd P C Q oeps nparts")
+@njit(**FM_PAR)
+def k_batchnorm_fwd_par(a, ia, r):
+    """k_batchnorm_fwd with the channels split into nparts (1 or more) on the thread pool."""
+    C, nparts = r[9], r[12]
+    for j in prange(nparts):
+        bn_fwd(a, r, j * C // nparts, (j + 1) * C // nparts)
+
+
+@njit(**FM)
+def bn_bwd(a, r, c0, c1):
+    """Channels c0 .. c1-1 of a k_batchnorm_bwd row."""
     ox = r[1]; ow = r[2]; omean = r[3]; orstd = r[4]; ody = r[5]; odx = r[6]; odw = r[7]; odb = r[8]
     P = r[9]; C = r[10]; Q = r[11]
     zero = cvt(a, 0.0)
     inv_n = cvt(a, 1.0) / cvt(a, P * Q)
-    w = a[ow:ow + C]
-    mean = a[omean:omean + C]
-    rstd = a[orstd:orstd + C]
-    dw = a[odw:odw + C]
-    db = a[odb:odb + C]
+    nc = c1 - c0
+    w = a[ow + c0:ow + c1]
+    mean = a[omean + c0:omean + c1]
+    rstd = a[orstd + c0:orstd + c1]
+    dw = a[odw + c0:odw + c1]
+    db = a[odb + c0:odb + c1]
     dw[:] = zero
     db[:] = zero
     if Q == 1:
         for p in range(P):
-            x = a[ox + p * C:ox + p * C + C]
-            dy = a[ody + p * C:ody + p * C + C]
-            for c in range(C):
+            x = a[ox + p * C + c0:ox + p * C + c1]
+            dy = a[ody + p * C + c0:ody + p * C + c1]
+            for c in range(nc):
                 db[c] += dy[c]
                 dw[c] += dy[c] * (x[c] - mean[c])
-        for c in range(C):
+        for c in range(nc):
             dw[c] *= rstd[c]
         for p in range(P):
-            x = a[ox + p * C:ox + p * C + C]
-            dy = a[ody + p * C:ody + p * C + C]
-            dx = a[odx + p * C:odx + p * C + C]
-            for c in range(C):
+            x = a[ox + p * C + c0:ox + p * C + c1]
+            dy = a[ody + p * C + c0:ody + p * C + c1]
+            dx = a[odx + p * C + c0:odx + p * C + c1]
+            for c in range(nc):
                 xh = (x[c] - mean[c]) * rstd[c]
                 dx[c] = w[c] * rstd[c] * (dy[c] - db[c] * inv_n - xh * (dw[c] * inv_n))
     else:
         for p in range(P):
-            for c in range(C):
-                o = (p * C + c) * Q
+            for c in range(nc):
+                o = (p * C + c0 + c) * Q
                 x = a[ox + o:ox + o + Q]
                 dy = a[ody + o:ody + o + Q]
                 m = mean[c]
@@ -140,11 +158,11 @@ def k_batchnorm_bwd(a, ia, r):
                     s2 += dy[q] * (x[q] - m)
                 db[c] += s1
                 dw[c] += s2
-        for c in range(C):
+        for c in range(nc):
             dw[c] *= rstd[c]
         for p in range(P):
-            for c in range(C):
-                o = (p * C + c) * Q
+            for c in range(nc):
+                o = (p * C + c0 + c) * Q
                 x = a[ox + o:ox + o + Q]
                 dy = a[ody + o:ody + o + Q]
                 dx = a[odx + o:odx + o + Q]
@@ -155,3 +173,23 @@ def k_batchnorm_bwd(a, ia, r):
                 mw = dw[c] * inv_n
                 for q in range(Q):
                     dx[q] = k * (dy[q] - mb - (x[q] - m) * rs * mw)
+
+
+@row("ox ow omean orstd ody odx odw odb P C Q")
+@njit(**FM)
+def k_batchnorm_bwd(a, ia, r):
+    """Batch norm backward from the saved mean and rstd, xh = (x - mean) * rstd:
+    db = sum dy, dw = sum dy * xh (over P and Q), dx = w * rstd * (dy - db / n - xh * dw / n), n = P * Q.
+
+      x, dy, dx: (P, C, Q); w, mean, rstd, dw, db: (C,).
+    """
+    bn_bwd(a, r, 0, r[10])
+
+
+@row("ox ow omean orstd ody odx odw odb P C Q nparts")
+@njit(**FM_PAR)
+def k_batchnorm_bwd_par(a, ia, r):
+    """k_batchnorm_bwd with the channels split into nparts (1 or more) on the thread pool."""
+    C, nparts = r[10], r[12]
+    for j in prange(nparts):
+        bn_bwd(a, r, j * C // nparts, (j + 1) * C // nparts)
