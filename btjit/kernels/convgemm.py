@@ -2,7 +2,8 @@
 # form (btjit/kernels/micro.py) reads each patch straight from the image -- a row of the product is an output
 # pixel (forward) or a tap of the window (the weight gradient), its steps run over the window or the pixels --
 # so no patch matrix is written or summed back. One entry serves every shape, stride, dilation and layout
-# (NCHW or NHWC input, output by pixel rows or (N, O, OH*OW)); k_conv_par splits it over the threads.
+# (NCHW or NHWC input, output by pixel rows or (N, O, OH*OW)); k_conv_par splits it over the threads. k_conv_dy
+# makes the output gradient into the pixel rows the two backward products read.
 from numba import carray, njit, prange
 
 from btjit.kernels.common import FM, FM_PAR, cvt, row, stack_buf, transpose

@@ -105,8 +105,9 @@ def _index_dir(d) -> Path:
     """Where numba keeps the compiled entries of library dir d: $NUMBA_CACHE_DIR's dir for it when that is set
     (numba's UserProvidedCacheLocator), else d/__pycache__."""
     from numba.core import caching, config
-    if config.CACHE_DIR:
-        return Path(config.CACHE_DIR) / caching._CacheLocator.get_suitable_cache_subpath(str(d / "entry.py"))
+    subpath = getattr(caching._CacheLocator, "get_suitable_cache_subpath", None)
+    if config.CACHE_DIR and subpath:
+        return Path(config.CACHE_DIR) / subpath(str(d / "entry.py"))
     return d / "__pycache__"
 
 

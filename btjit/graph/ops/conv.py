@@ -1,11 +1,12 @@
-"""Convolution and pooling: the op table's entries (conv_gemm / conv_wgrad, im2col / col2im, pool2d /
+"""Convolution and pooling: the op table's entries (conv_gemm / conv_wgrad / conv_dy, im2col / col2im, pool2d /
 pool2d_grad: shape rule, VJP, numpy reference, lowering, gradient cases); the public functions built from them
 with torch's semantics (btjit.conv2d, conv1d, the poolings, flatten) are in graph/conv_fns.py.
 
 A float32 convolution with groups 1 and O a multiple of 8 is an implicit GEMM (conv_gemm, kernels/convgemm.py):
 the patches of the (zero-padded) input are read in place, never written out; its weight gradient (conv_wgrad) is
 the same kind of product over the output pixels, its input gradient the transposed convolution of the padded
-gradient (stride 1, C a multiple of 8) or, else, a GEMM and col2im. The other convolutions are im2col (the
+gradient (stride 1, C a multiple of 8) or, else, a GEMM and col2im. Both read the output gradient as pixel rows,
+made in one pass with relu's mask and the bias terms (conv_dy). The other convolutions are im2col (the
 input's patches as rows, kernels/conv.py) followed by the GEMM lowering: (N*OH*OW, C*kh*kw) @ (C*kh*kw, O) per
 group. 1-D ops are the 2-D ones on a height-1 image."""
 from __future__ import annotations
