@@ -170,10 +170,11 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         autodiff.eliminate_dead_code(g, live)
     assign_in_place(g, pinned)
     verify(g, TABLE)
+    n_threads = _threads.resolve(threads)
     prog = Program(g, params, update, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas,
-                   _threads.resolve(threads), seed, buffers, _share, precision, _defer_kernels)
+                   n_threads, seed, buffers, _share, precision, _defer_kernels)
     # eval: a data-parallel step's on one replica's threads (its kernels: no _par twins to compile for it)
-    eval_threads = threads if replicas == 1 else max(1, _threads.resolve(threads) // replicas)
+    eval_threads = threads if replicas == 1 else max(1, n_threads // replicas)
     prog._retrace = lambda share, *b, defer=False: trace(
         fn, share.params, *b, dtype=dtype, buffers=share.buffers, fuse_elementwise=fuse_elementwise,
         threads=eval_threads, training=False, grad=False, precision=precision, _share=share, _defer_kernels=defer)

@@ -8,8 +8,7 @@ import numpy as np
 
 from btjit.graph import state, trace as T
 
-from btjit.graph.optable import PAR_EW_ELEMENTS, Case, F, ShapeError, _float, op
-from btjit.kernels.common import MAX_THREADS
+from btjit.graph.optable import PAR_EW_ELEMENTS, Case, F, ShapeError, _float, op, par_parts, par_row
 
 
 def _pcq(shape, axis):
@@ -56,29 +55,22 @@ def _bn_grad_ref(xs, a):
     return dx.reshape(x.shape), dw, db
 
 
-def _bn_row(L, kernel, size, **args):
-    """From PAR_EW_ELEMENTS elements the _par twin, at any thread count (nparts 1 on one thread): its sums over
-    the values of a channel are vectorized as that entry was compiled, so a large batch norm computes the same
-    bits on one thread and on several (the serial entry's compile may sum in another order)."""
-    if size >= PAR_EW_ELEMENTS:
-        return [L.row(kernel + "_par", **args, nparts=min(L.threads, MAX_THREADS, args["C"]))]
-    return [L.row(kernel, **args)]
-
-
 def _lower_bn(e, L):
     x, w, b = e.ins
     P, C, Q = _pcq(x.shape, e.attrs["axis"])
     y, mean, var, rstd = (L.off(v) for v in e.outs)
-    return _bn_row(L, "k_batchnorm_fwd", x.size, ox=L.off(x), ow=L.off(w), ob=L.off(b), oy=y, omean=mean,
-                   ovar=var, orstd=rstd, P=P, C=C, Q=Q, oeps=L.const(e.attrs["eps"]))
+    big = x.size >= PAR_EW_ELEMENTS     # the _par entry at any thread count: its per-channel sums the same bits
+    return par_row(L, "k_batchnorm_fwd", par_parts(L, x.size, C), big, ox=L.off(x), ow=L.off(w), ob=L.off(b), oy=y,
+                   omean=mean, ovar=var, orstd=rstd, P=P, C=C, Q=Q, oeps=L.const(e.attrs["eps"]))
 
 
 def _lower_bn_grad(e, L):
     x, w, mean, rstd, dy = e.ins
     P, C, Q = _pcq(x.shape, e.attrs["axis"])
     dx, dw, db = (L.off(v) for v in e.outs)
-    return _bn_row(L, "k_batchnorm_bwd", x.size, ox=L.off(x), ow=L.off(w), omean=L.off(mean), orstd=L.off(rstd),
-                   ody=L.off(dy), odx=dx, odw=dw, odb=db, P=P, C=C, Q=Q)
+    return par_row(L, "k_batchnorm_bwd", par_parts(L, x.size, C), x.size >= PAR_EW_ELEMENTS, ox=L.off(x),
+                   ow=L.off(w), omean=L.off(mean), orstd=L.off(rstd), ody=L.off(dy), odx=dx, odw=dw, odb=db, P=P,
+                   C=C, Q=Q)
 
 
 def _bn_vjp(gs, xs, outs, a):
