@@ -49,6 +49,12 @@ def _fill(d, v, m):
 
 
 @njit(**FM)
+def _copy(d, x, m):
+    for j in range(m):
+        d[j] = x[j]
+
+
+@njit(**FM)
 def _where(d, c, x, y, m):
     for j in range(m):
         d[j] = x[j] if c[j] != 0 else y[j]
@@ -245,7 +251,7 @@ def _blocks(a, ia, r, lo, hi):
                 else:
                     _op(op, s, x, y, m)
                 if inplace:
-                    _op(U_COPY, d, s, s, m)
+                    _copy(d, s, m)          # not _op(U_COPY, ..): a literal op compiles _op again
         jb += 1
         if jb == nb3:
             jb, i2 = 0, i2 + 1

@@ -253,7 +253,7 @@ class Library:
         t0 = time.perf_counter()
         uses = [(n, fd, s) for n, s in (self.entry_of(op) for op in sorted(set(int(o) for o in opcodes)))]
         want = [w for w in uses if w not in self.loaded]
-        missing = [w for w in want if w[0] not in GENERATED and not self.cached(*w)] if self.dir() else []
+        missing = [w for w in want if not self.cached(*w)] if self.dir() else []
         compile_entries(missing)
         compiled = [w for w in want if self.load(*w) or w in missing]
         return Report([entry_name(*w) for w in uses], [entry_name(*w) for w in compiled],
@@ -292,12 +292,12 @@ def _parse(s):
     return name, fd, tuple(int(x) for x in sh) if sh else None
 
 
-# rough relative compile costs (seconds on one machine, rounded): only the order the workers take groups in
-HEAVY = {"k_attn_bwd_bl_par": 7, "k_attn_fwd_bl_par": 6, "k_ew_program": 6, "k_attn_bwd_flash": 6,
+# rough compile costs (seconds on one machine; the rest ~0.3 s): only the order the workers take groups in
+HEAVY = {"k_attn_bl_move": 1, "k_attn_bwd_bl_par": 7, "k_attn_fwd_bl_par": 6, "k_ew_program": 5, "k_attn_bwd_flash": 6,
          "k_attn_bwd_kept_par": 5, "k_attn_fwd_kept_par": 5, "k_attn_fwd_flash": 4, "k_attn_bwd_bl": 4,
-         "k_attn_fwd_bl": 4, "k_matmul": 4, "k_matmul_par": 4, "k_matmul_micro": 4, "k_attn_bwd_kept": 3,
+         "k_attn_fwd_bl": 4, "k_matmul": 4, "k_matmul_par": 4, "k_matmul_micro": 3, "k_attn_bwd_kept": 3,
          "k_attn_fwd_kept": 3, "k_strided": 3, "k_binary": 3, "k_attn_bwd": 3, "k_reduce": 2, "k_unary": 2,
-         "k_ce_fwd": 2, "k_layernorm_bwd": 2, "k_matmul_bf16": 3, "k_matmul_bf16_par": 3, "k_matmul_micro_par": 8,
+         "k_ce_fwd": 0.7, "k_layernorm_bwd": 0.5, "k_matmul_bf16": 3, "k_matmul_bf16_par": 3, "k_matmul_micro_par": 8,
          "k_conv_par": 5, "k_conv": 3}
 
 
@@ -307,7 +307,7 @@ def groups(entries) -> list:
     out: dict = {}
     for e in entries:
         out.setdefault((MODULE_OF.get(e[0], "generated"), e[1], e[2]), []).append(e)
-    return sorted(out.values(), key=lambda g: -sum(HEAVY.get(e[0], 1) for e in g))
+    return sorted(out.values(), key=lambda g: -sum(HEAVY.get(e[0], 0.3) for e in g))
 
 
 WORKER = [sys.executable, "-m", "btjit.kernels", "-"]
