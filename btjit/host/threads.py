@@ -3,12 +3,22 @@ OpenBLAS that the GEMM kernels call (scipy's). btjit uses every core the process
 (os.sched_getaffinity) unless told otherwise: `btjit.set_num_threads(n)`, `trace(..., threads=n)`,
 $BTJIT_NUM_THREADS, `--threads`, `[train] threads`. OpenBLAS's own threads stay off: its spinning threads beside
 numba's pool cost 30x on 2 cores and 7x on a loaded machine (measured), so all parallelism is numba's.
+Numba's threading layer is chosen here, before its pool starts: OpenMP, then its workqueue, then TBB (numba's
+own order puts TBB first, which an installed MKL brings in). Measured on 2 cores (znver5), a 2048 x 768 x 768
+k_matmul_micro_par split in two: OpenMP 1.91x one part's time, workqueue 1.66x, TBB 1.13x (its second thread
+rarely took its part). $NUMBA_THREADING_LAYER / $NUMBA_THREADING_LAYER_PRIORITY still decide where set.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 from pathlib import Path
+
+import numba
+
+LAYERS = ["omp", "workqueue", "tbb"]
+if not {"NUMBA_THREADING_LAYER", "NUMBA_THREADING_LAYER_PRIORITY"} & set(os.environ):
+    numba.config.THREADING_LAYER_PRIORITY = LAYERS
 
 
 def cores() -> int:
@@ -36,7 +46,6 @@ def default_threads() -> int:
 def resolve(n=None) -> int:
     """The thread count a program traced now uses: n (0 = every core), else btjit.set_num_threads's. The
     numba pool grows to it if it is smaller."""
-    import numba
     if n is None:
         return numba.get_num_threads()
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
@@ -82,7 +91,6 @@ def set_num_threads(n: int = 0) -> int:
     """Use n threads (0 = all cores) for programs traced from now on; returns n used. The parallelism is all
     numba's thread pool: large GEMMs are split into one single-threaded BLAS call per thread, and OpenBLAS
     itself stays at 1 thread (its spinning threads beside numba's pool cost 30x on 2 cores, measured)."""
-    import numba
     n = max(1, min(n or cores(), numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(n)
     set_blas_threads(1)
@@ -100,7 +108,6 @@ def replicas_for(batch: int, rows: int, threads: int = 0) -> int:
     E6 batch 64 (512 rows, 46k params) 1.64 -> 1.00 ms per step, E5 (64 rows, 1.08M params) 1.30 -> 2.31 ms.
     `btjit train` and `btjit bench` use this."""
     if threads <= 0:
-        import numba
         threads = numba.get_num_threads()
     ok = threads > 1 and batch % threads == 0 and rows // threads >= MIN_REPLICA_ROWS
     return threads if ok else 1
