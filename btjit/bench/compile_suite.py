@@ -9,7 +9,7 @@ its own process, timed from just before Popen to the child's first-step stamp), 
 train configs/gpt3_tiny.toml --set train.steps=1 --set optim.warmup_steps=0` wall time and its banner's compile seconds), run() (the
 whole suite -> rows) and format_table(rows).
 Columns: cold = an empty BTJIT_CACHE_DIR; cached = the same program again on that dir; warm = the first run
-of the program in ONE shared dir where P1 ran first and then the programs above it (P1's warm = its cached);
+of the program in ONE shared dir where the main job (the CLI row's command) ran first, then the programs above it;
 precompiled = its first run after `btjit precompile` in an empty dir (the precompile's seconds reported too).
 Children run with one-thread env vars but are NOT pinned to one CPU: the library compiles missing kernels in
 worker processes over the process's CPU affinity, and that parallel cold compile is what is measured.
@@ -272,8 +272,6 @@ def run(json_path=None, progress=print, only=None):
     unknown = [p for p in pids if p not in PROGRAMS]
     if unknown:
         raise ValueError(f"unknown program(s) {', '.join(unknown)}; choose from {', '.join(PROGRAMS)}")
-    if "P1" not in pids:                         # the warm column needs P1's library
-        pids = ["P1"] + pids
     has_jax = jax_available()
     show = lambda what, m: progress(f"  {what:<18s} " + (f"{m['ready_s']:6.2f} s, {len(m['compiled'])} compiled"
                                     if m.get("status") == "ok" else m.get("status")))   # noqa: E731
@@ -286,17 +284,18 @@ def run(json_path=None, progress=print, only=None):
             show(f"{pid} cold", r["cold"])
             r["cached"] = measure(pid, tmp / f"cold-{pid}")
             show(f"{pid} cached", r["cached"])
-            if pid == "P1":                      # P1's dir is the shared library for the warm column
-                r["warm"] = r["cached"]
-                for other in pids[1:]:
-                    rows[other]["warm"] = measure(other, tmp / "cold-P1")
-                    show(f"{other} warm (after P1)", rows[other]["warm"])
             if has_jax:
                 r["jax"] = measure(pid, tmp / "jax", impl="jax")
                 progress(f"  {pid + ' jax':<18s} " + (f"{r['jax']['jit_s']:6.2f} s jit" if r["jax"]["status"] == "ok"
                                                       else r["jax"]["status"]))
             else:
                 r["jax"] = dict(status="n/a (jax not installed)")
+        seed = measure_cli(tmp / "warm", tmp / "cli-run-warm")     # the main job fills the warm column's library
+        progress(f"  {'warm: main job':<18s} " + (f"{seed['wall_s']:6.2f} s" if seed["status"] == "ok"
+                                                   else seed["status"]))
+        for pid in pids:
+            rows[pid]["warm"] = measure(pid, tmp / "warm")
+            show(f"{pid} warm", rows[pid]["warm"])
         t0 = time.time()                          # the precompiled column: `btjit precompile`, then each program
         pre = subprocess.run([sys.executable, "-m", "btjit", "precompile"], env=child_env(tmp / "pre"),
                              capture_output=True, text=True, timeout=1800)
@@ -351,7 +350,7 @@ def format_table(rows, machine=None, markdown=False, command=None):
     notes = ["s = wall seconds of a fresh process, from just before Popen to its first step returned; "
              "(n) = kernel library entries compiled in that process.",
              "cold = empty BTJIT_CACHE_DIR; cached = the same program again on it; warm lib = its first run in one "
-             "dir where P1 ran first, then the programs above it (P1: its cached run); precompiled = its first run "
+             "dir where the main job (the CLI row's command) ran first, then the programs above it; precompiled = its first run "
              "after `btjit precompile` in an empty dir" + "".join(f" (precompile took {r['precompile_s']:.1f} s)"
                                                                 for r in rows if r.get("precompile_s")) + ".",
              "jax jit s = first call of jax.jit(value_and_grad + update), blocking, fresh process; CLI = `btjit "
@@ -363,7 +362,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", metavar="PID", help="run one program in this process and print its JSON line")
     ap.add_argument("--jax", action="store_true", help="with --child: JAX's jit instead of btjit")
-    ap.add_argument("--only", default=None, help="P1,P6,... (P1 always runs: the warm column needs it)")
+    ap.add_argument("--only", default=None, help="P1,P6,...")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.child:
