@@ -55,6 +55,13 @@ POOL = [  # fn, x, args, kwargs
     ("adaptive_avg_pool2d", (2, 4, 6, 4), ((3, 2),), {}),
     ("max_pool2d", (2, 3, 21, 18), (2,), {}),                     # 2 x 2 windows 8 at a time, an odd last row
     ("avg_pool2d", (1, 2, 16, 19), (2,), {}),
+    ("max_pool2d", (2, 3, 7, 9), (2,), dict(ceil_mode=True)),    # 2 x 2 windows past the last row and column
+    ("max_pool2d", (1, 2, 8, 7), (3,), dict(stride=2, padding=1, ceil_mode=True)),
+    ("avg_pool2d", (1, 2, 8, 7), (3,), dict(stride=2, padding=1, ceil_mode=True)),    # divisors stop at the padding
+    ("avg_pool2d", (2, 2, 7, 6), (3,), dict(stride=2, padding=1, count_include_pad=False)),
+    ("avg_pool2d", (2, 2, 6, 6), (3,), dict(stride=2, padding=1, divisor_override=4)),
+    ("avg_pool1d", (2, 3, 10), (3,), dict(stride=2, padding=1, ceil_mode=True, count_include_pad=False)),
+    ("max_pool1d", (2, 3, 10), (4,), dict(stride=3, padding=2, ceil_mode=True)),
 ]
 
 
@@ -142,6 +149,8 @@ def test_a_small_cnn_matches_finite_differences():
     (lambda x, w: btjit.conv2d(x, w, dilation=9), "gives no output"),
     (lambda x, w: btjit.max_pool2d(x, 3, padding=2), "at most half the kernel size"),
     (lambda x, w: btjit.adaptive_avg_pool2d(x, 3), "must divide"),
+    (lambda x, w: btjit.max_pool2d(x, 2, dilation=2), "dilation 2 is not supported"),
+    (lambda x, w: btjit.max_pool2d(x, 2, return_indices=True), "return_indices=True is not supported"),
     (lambda x, w: btjit.conv2d(x, w, btjit.reshape(w, (-1,))[:3]), "bias must have shape (4,)"),
 ])
 def test_bad_arguments_name_the_function_and_the_line(call, message):

@@ -101,42 +101,73 @@ def conv1d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     return T.reshape(y, y.shape[:-2] + (y.shape[-1],))
 
 
-def _pool(fn, mode, x, kernel_size, stride, padding, nd):
+def _pool(fn, mode, x, kernel_size, stride, padding, nd, dilation=1, ceil_mode=False, count_include_pad=True,
+          divisor_override=None, return_indices=False):
     x = T.lift(x)
     if x.ndim not in (nd + 1, nd + 2):
         _fail(fn, f"needs ({'N, C, H, W' if nd == 2 else 'N, C, L'}) or an unbatched input", x)
     k = _tuple(fn, kernel_size, nd, "kernel_size")
     s = k if stride is None or stride == [] else _tuple(fn, stride, nd, "stride")
     p = _tuple(fn, padding, nd, "padding")
+    if _tuple(fn, dilation, nd, "dilation") != (1,) * nd:
+        _fail(fn, f"dilation {dilation} is not supported (only 1)", x)
+    if return_indices:
+        _fail(fn, "return_indices=True is not supported", x)
+    if divisor_override is not None and (not isinstance(divisor_override, (int, np.integer)) or divisor_override < 1):
+        _fail(fn, f"divisor_override must be a positive int, got {divisor_override!r}", x)
     if nd == 1:
         k, s, p = (1,) + k, (1,) + s, (0,) + p
     if any(2 * pi > ki for pi, ki in zip(p, k)):
         _fail(fn, f"padding {p[-nd:]} must be at most half the kernel size {k[-nd:]}", x)
     H, W = (1,) + x.shape[-1:] if nd == 1 else x.shape[-2:]
     o = [_out(fn, n, ki, si, pi, pi, 1, (x,)) for n, ki, si, pi in zip((H, W), k, s, p)]
+    if ceil_mode:       # torch: one more window where the last would start inside the input or its left padding
+        o = [oi + 1 if (oi * si < n + pi and (n + 2 * pi - ki) % si) else oi
+             for oi, n, ki, si, pi in zip(o, (H, W), k, s, p)]
     xi = T.reshape(x, x.shape[:-1] + (1, x.shape[-1])) if nd == 1 else x
     y = T.emit("pool2d", (xi,), mode=mode, kh=k[0], kw=k[1], sh=s[0], sw=s[1], ph=p[0], pw=p[1], oh=o[0], ow=o[1])
+    if mode == POOL_AVG:    # the kernel divides by kh*kw; torch's divisor may differ per window
+        count = np.multiply.outer(*[_window_counts(n, oi, ki, si, pi, count_include_pad)
+                                    for n, oi, ki, si, pi in zip((H, W), o, k, s, p)])
+        if divisor_override is not None:
+            count = np.full_like(count, divisor_override)
+        if (count != k[0] * k[1]).any():
+            y = y * (k[0] * k[1] / count)
     return T.reshape(y, x.shape[:-1] + (o[1],)) if nd == 1 else y
 
 
-def max_pool2d(x, kernel_size, stride=None, padding=0):
-    """torch.nn.functional.max_pool2d (padding with -inf; stride defaults to kernel_size)."""
-    return _pool("max_pool2d", POOL_MAX, x, kernel_size, stride, padding, 2)
+def _window_counts(n, o, k, s, p, include_pad):
+    """The elements each of o windows (size k, stride s, padding p) covers along a size-n axis, as torch's
+    average pooling counts them: padding included (count_include_pad) but never past it, else inside only."""
+    start = np.arange(o) * s - p
+    if include_pad:
+        return np.minimum(start + k, n + p) - start
+    return np.minimum(start + k, n) - np.maximum(start, 0)
 
 
-def avg_pool2d(x, kernel_size, stride=None, padding=0):
-    """torch.nn.functional.avg_pool2d (count_include_pad=True: the divisor is always kh*kw)."""
-    return _pool("avg_pool2d", POOL_AVG, x, kernel_size, stride, padding, 2)
+def max_pool2d(x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+    """torch.nn.functional.max_pool2d (padding with -inf; stride defaults to kernel_size; dilation 1 only)."""
+    return _pool("max_pool2d", POOL_MAX, x, kernel_size, stride, padding, 2, dilation, ceil_mode,
+                 return_indices=return_indices)
 
 
-def max_pool1d(x, kernel_size, stride=None, padding=0):
+def avg_pool2d(x, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
+               divisor_override=None):
+    """torch.nn.functional.avg_pool2d, its divisor rules included (count_include_pad, ceil_mode's last windows,
+    divisor_override)."""
+    return _pool("avg_pool2d", POOL_AVG, x, kernel_size, stride, padding, 2, 1, ceil_mode, count_include_pad,
+                 divisor_override)
+
+
+def max_pool1d(x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
     """torch.nn.functional.max_pool1d: x (N, C, L) or (C, L)."""
-    return _pool("max_pool1d", POOL_MAX, x, kernel_size, stride, padding, 1)
+    return _pool("max_pool1d", POOL_MAX, x, kernel_size, stride, padding, 1, dilation, ceil_mode,
+                 return_indices=return_indices)
 
 
-def avg_pool1d(x, kernel_size, stride=None, padding=0):
-    """torch.nn.functional.avg_pool1d: x (N, C, L) or (C, L); the divisor is always the kernel size."""
-    return _pool("avg_pool1d", POOL_AVG, x, kernel_size, stride, padding, 1)
+def avg_pool1d(x, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True):
+    """torch.nn.functional.avg_pool1d: x (N, C, L) or (C, L)."""
+    return _pool("avg_pool1d", POOL_AVG, x, kernel_size, stride, padding, 1, 1, ceil_mode, count_include_pad)
 
 
 def adaptive_avg_pool2d(x, output_size):

@@ -106,7 +106,7 @@ def pool_planes(a, r, lo, hi):
     back = r[1]; mode = r[2]; NC = hi - lo; H = r[7]; W = r[8]; OH = r[9]
     OW = r[10]; kh = r[11]; kw = r[12]; sh = r[13]; sw = r[14]; ph = r[15]; pw = r[16]
     ox, oy, odx = r[3] + lo * H * W, r[4] + lo * OH * OW, r[5] + lo * H * W if back else 0
-    if kh == 2 and kw == 2 and sh == 2 and sw == 2 and ph == 0 and pw == 0:
+    if kh == 2 and kw == 2 and sh == 2 and sw == 2 and ph == 0 and pw == 0 and 2 * OH <= H and 2 * OW <= W:
         pool2x2(a, back, mode, ox, oy, odx, NC, H, W, OH, OW)
         return
     if back:
