@@ -68,6 +68,25 @@ def test_fused_chain_equals_unfused(name, dtype):
         np.testing.assert_allclose(g, want, rtol=tol * 10, atol=tol * 10 * max(1.0, np.abs(want).max()))
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_lone_unary_op_runs_on_the_interpreter(dtype):
+    """A unary op between two products (an RNN's tanh) is a one-instruction ew_fused row, not a k_unary row of its
+    own: a program with one compiles no kernel for it. Values and gradients as the unfused program's."""
+    from btjit.kernels.library import LIBRARY
+    def fn(p):
+        return btjit.sum((btjit.sqrt(btjit.tanh(p["x"] @ p["w1"]) @ p["w2"] + 3.0)) @ p["w3"])
+    p = _params({"x": (6, 5), "w1": (5, 7), "w2": (7, 4), "w3": (4, 3)}, dtype, seed=2)
+    fused = btjit.trace(fn, p, dtype=dtype, grad=True)
+    plain = btjit.trace(fn, p, dtype=dtype, grad=True, fuse_elementwise=False)
+    assert not any(e.op in ("tanh", "sqrt") for e in fused.graph.eqns)
+    assert any(e.op == "tanh" for e in plain.graph.eqns)
+    assert "k_unary" not in {LIBRARY.entry_of(op)[0] for op in fused.tape[:, 0]}
+    tol = 1e-13 if dtype == "float64" else 3e-6
+    assert fused.value_and_grad() == pytest.approx(plain.value_and_grad(), rel=tol, abs=tol)
+    for k in p:
+        np.testing.assert_allclose(fused.grads[k], plain.grads[k], rtol=tol * 10, atol=tol * 10)
+
+
 def test_fused_chain_trains_like_the_unfused_one():
     fn, shapes = CHAINS["long residual mlp"]
     p = _params(shapes, "float64", seed=3)

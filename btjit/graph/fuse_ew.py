@@ -1,5 +1,6 @@
 """Elementwise fusion: maximal chains of elementwise equations become ONE `ew_fused` equation, lowered to one
-row of the program-interpreting kernel (btjit/kernels/fused.py), so a new chain compiles nothing.
+row of the program-interpreting kernel (btjit/kernels/fused.py), so a new chain compiles nothing; a lone unary
+op (a tanh between two products) runs there too, so no program compiles a kernel of its own for it.
 
 Runs on the whole schedule after autodiff. A group is a set of float elementwise equations (unary, binary
 with broadcasting, where, the *_grad ops, broadcast_to and copy of an operand, a slice of a value made outside
@@ -109,8 +110,9 @@ def fuse_elementwise(g: Graph) -> None:
                     if cone is not None:
                         remat.setdefault(k, set()).update(cone)
     keep = {o.id for o in g.kept()}
+    lone_unary = lambda m: len(m) == 1 and eqns[m[0]].op in UNARY     # noqa: E731 -- runs there too
     body = {k: sorted(set(grp["members"]) | remat.get(k, set())) for k, grp in enumerate(groups)
-            if len(grp["members"]) + len(remat.get(k, ())) >= 2}
+            if len(grp["members"]) + len(remat.get(k, ())) >= 2 or lone_unary(grp["members"])}
     readers: dict = {}
     for i, e in enumerate(eqns):
         for v in e.ins:
