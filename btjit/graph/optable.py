@@ -141,16 +141,17 @@ def loop_nest(shape, operands, depth):
 
 
 def strided_rows(L, sub, shape, out, ins, ints=False):
-    """Rows of k_strided (k_int_strided for integer operands: ints): out = (off, strides); ins = up to three
-    (two with ints) (off, strides); 4-D loops per row."""
-    kernel, k = ("k_int_strided", 2) if ints else ("k_strided", 3)
+    """Rows of k_strided (k_int_strided for integer operands: ints; a float copy: k_copy): out = (off, strides);
+    ins = up to three (two with ints) (off, strides); 4-D loops per row."""
+    copy = sub == EW.B_COPY and not ints
+    kernel, k = ("k_copy", 1) if copy else ("k_int_strided", 2) if ints else ("k_strided", 3)
     ops_ = [out] + list(ins) + [(out[0], (0,) * len(shape))] * (k - len(ins))
     rows = []
     for offs, inner in loop_nest(shape, ops_, 4):
         args = dict(zip(("oo", "o1", "o2", "o3"), offs))
         for d, (n, st) in enumerate(inner):
             args.update({f"n{d}": n, **{f"{p}{d}": st[j] for j, p in enumerate(("so", "p", "q", "t")[:k + 1])}})
-        rows.append(L.row(kernel, sub=sub, **args))
+        rows.append(L.row(kernel, **args) if copy else L.row(kernel, sub=sub, **args))
     return rows
 
 
