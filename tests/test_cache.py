@@ -170,6 +170,18 @@ def test_workers_reporting_many_entries_at_once_are_all_heard(tmp_path):
     assert seen == n == 12 and ngroups > 2                  # more groups than workers: each fed several
 
 
+def test_groups_keep_modules_together_and_halve_for_idle_workers():
+    """Entries of one module and dtype compile in one process; with fewer groups than workers the costliest
+    group of two or more is halved (a new attention shape's forward and backward on two cores, not one)."""
+    from btjit.kernels import library
+    es = [("k_attn_fwd_kept", "f32", None), ("k_attn_bwd_kept", "f32", None), ("k_opt_sgd", "f32", None)]
+    one = library.groups(es)
+    assert sorted(map(len, one)) == [1, 2] and one[0] == es[:2]          # the attention module's pair, first
+    three = library.groups(es, n=3)
+    assert sorted(map(len, three)) == [1, 1, 1] and sorted(e for g in three for e in g) == sorted(es)
+    assert library.groups(es[:1], n=4) == [es[:1]]                       # a single entry stays whole
+
+
 def test_rows_are_built_by_name_and_checked():
     from btjit.graph.lower import RowError, make_row
     from btjit.kernels.common import ROWS

@@ -19,6 +19,7 @@
 # the backward draws the same mask again (btjit/kernels/rng.py: element ((b NH + h) T + t) T + j of site
 # `site`, as btjit.dropout of the (B, NH, T, T) probabilities would), writes D for dV = D^T dO (S's third
 # part, T x Tp) and scales dP = dO V^T by the mask before dS; D = rowsum(P * dP) is unchanged.
+import numpy as np
 from numba import njit, prange
 
 from btjit.kernels.attention import _tr, _up
@@ -74,6 +75,7 @@ def blocks(B, threads) -> int:
 
 @njit(**FM)
 def _fwd_head(a, oqkv, oy, oP, oW, b, h, B, T, C, NH, scale, ia, okey, site, odrop, oinv):
+    one, nil = np.int64(1), np.int64(0)     # not literals: each literal pattern compiles a helper again
     hs = C // NH
     Tp = _up(T)
     C3 = 3 * C
@@ -89,14 +91,14 @@ def _fwd_head(a, oqkv, oy, oP, oW, b, h, B, T, C, NH, scale, ia, okey, site, odr
     for i in range(0, T, MR):
         i0 = min(i, T - MR)
         n = i0 + MR                                      # keys 0 .. i0+7
-        gemm_micro(a, a, oq + i0 * C3, C3, 1, oW, Tp, oPh + i0 * Tp, Tp, MR, n, hs, 0, 0, 0, 0)
+        gemm_micro(a, a, oq + i0 * C3, C3, one, oW, Tp, oPh + i0 * Tp, Tp, MR, n, hs, nil, nil, nil, nil)
         for t in range(i0, n):
             softmax_norm_row(a, oPh + t * Tp, _up(t + 1), t + 1, Tp)
             if odrop:
-                drop_row(a, oPh + t * Tp, oD + (t - i0) * Tp, 0, n, t + 1, e0 + t * T, a[odrop], a[oinv],
+                drop_row(a, oPh + t * Tp, oD + (t - i0) * Tp, nil, n, t + 1, e0 + t * T, a[odrop], a[oinv],
                          k0, k1, c2, c3)
-        gemm_micro(a, a, oD if odrop else oPh + i0 * Tp, Tp, 1, oq + 2 * C, C3, oy + (b * T + i0) * C + h * hs, C,
-                   MR, hs, n, 0, 0, 0, 0)
+        gemm_micro(a, a, oD if odrop else oPh + i0 * Tp, Tp, one, oq + 2 * C, C3, oy + (b * T + i0) * C + h * hs, C,
+                   MR, hs, n, nil, nil, nil, nil)
 
 
 @row("oqkv oy oP oW B T C NH oscale okey site odrop oinv")
@@ -129,6 +131,7 @@ def k_attn_fwd_kept_par(a, ia, r):
 
 @njit(**FM)
 def _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, B, T, C, NH, scale, ia, okey, site, odrop, oinv):
+    one, nil = np.int64(1), np.int64(0)     # not literals: each literal pattern compiles a helper again
     hs = C // NH
     Tp = _up(T)
     C3 = 3 * C
@@ -144,19 +147,19 @@ def _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, B, T, C, NH, scale, ia, okey, s
     for i in range(0, T, MR):
         i0 = min(i, T - MR)
         n = i0 + MR
-        gemm_micro(a, a, og + i0 * C, C, 1, oS, Tp, odS + i0 * Tp, Tp, MR, n, hs, 0, 0, 0, 0)   # dP
+        gemm_micro(a, a, og + i0 * C, C, one, oS, Tp, odS + i0 * Tp, Tp, MR, n, hs, nil, nil, nil, nil)   # dP
         for t in range(i0, n):
             if odrop:
                 drop_row(a, oPh + t * Tp, oD + t * Tp, odS + t * Tp, Tp, t + 1, e0 + t * T, a[odrop], a[oinv],
                          k0, k1, c2, c3)
             dscore_row(a, oPh + t * Tp, odS + t * Tp, _up(t + 1), Tp, scale)
-        gemm_micro(a, a, odS + i0 * Tp, Tp, 1, oq + C, C3, odq + i0 * C3, C3, MR, hs, n, 0, 0, 0, 0)  # dQ
+        gemm_micro(a, a, odS + i0 * Tp, Tp, one, oq + C, C3, odq + i0 * C3, C3, MR, hs, n, nil, nil, nil, nil)  # dQ
     for k in range(0, T, MR):
         k0 = min(k, T - MR)                              # keys k0..k0+7, over the queries k0 .. T-1
-        gemm_micro(a, a, odS + k0 * Tp + k0, 1, Tp, oq + k0 * C3, C3, odq + C + k0 * C3, C3, MR, hs, T - k0,
-                   0, 0, 0, 0)                                                                       # dK
-        gemm_micro(a, a, (oD if odrop else oPh) + k0 * Tp + k0, 1, Tp, og + k0 * C, C, odq + 2 * C + k0 * C3, C3,
-                   MR, hs, T - k0, 0, 0, 0, 0)                                                       # dV
+        gemm_micro(a, a, odS + k0 * Tp + k0, one, Tp, oq + k0 * C3, C3, odq + C + k0 * C3, C3, MR, hs, T - k0,
+                   nil, nil, nil, nil)                                                                       # dK
+        gemm_micro(a, a, (oD if odrop else oPh) + k0 * Tp + k0, one, Tp, og + k0 * C, C, odq + 2 * C + k0 * C3, C3,
+                   MR, hs, T - k0, nil, nil, nil, nil)                                                       # dV
 
 
 @row("oqkv oP ody odqkv oS B T C NH oscale okey site odrop oinv")
