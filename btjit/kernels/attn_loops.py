@@ -383,7 +383,7 @@ def k_attn_fwd_bl(a, ia, r):
 def k_attn_fwd_bl_par(a, ia, r):
     """k_attn_fwd_bl with one block per thread-pool task (same row)."""
     for i in prange(r[10]):
-        _attn_bl_fwd_block(a, r, i)
+        _attn_bl_fwd_block(a, r, np.int64(i))     # int64 as the serial entry's: one compile of the block
 
 
 @row("oP oW ody odqkv oS B T C NH oscale nb")
@@ -400,7 +400,7 @@ def k_attn_bwd_bl(a, ia, r):
 def k_attn_bwd_bl_par(a, ia, r):
     """k_attn_bwd_bl with one block per thread-pool task (same row)."""
     for i in prange(r[11]):
-        _attn_bl_bwd_block(a, r, i)
+        _attn_bl_bwd_block(a, r, np.int64(i))
 
 
 def attn_blocks(B, threads):

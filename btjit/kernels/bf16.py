@@ -312,7 +312,7 @@ def k_matmul_bf16(a, ia, r):
     """Batched float32 matmul with bf16-rounded operands, float32 sums: C_i (M,N) = op(A_i) @ op(B_i)
     (+ bias) (+ R_i) (relu) for i < nbatch, overwriting C_i; arguments as k_matmul_micro's (ta, tb any; no
     column sums). N >= N_MIN."""
-    _bf16_rows(a, ia, r, 0, r[5])
+    _bf16_rows(a, ia, r, np.int64(0), r[5])   # not a literal: one compile with the _par twin's
 
 
 @row("oA oB oC nbatch M N K sA sB sC ta tb obias ores relu nparts")

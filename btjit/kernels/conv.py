@@ -88,7 +88,7 @@ def patches(a, back, ox, ocol, N, G, Cg, H, W, OH, OW, kh, kw, sh, sw, ph, pw, d
 def k_pool2d(a, ia, r):
     """back 0: y[p, oh, ow] = max (mode 0) or mean (mode 1, divisor kh*kw) of x[p] over the window at
     (oh*sh - ph, ow*sw - pw) of kh x kw; back 1: dx from x and dy (at oy)."""
-    pool_planes(a, r, 0, r[6])
+    pool_planes(a, r, np.int64(0), r[6])     # not a literal: one compile with the _par twin's
 
 
 @row("back mode ox oy odx NC H W OH OW kh kw sh sw ph pw nparts")

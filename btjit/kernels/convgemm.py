@@ -4,6 +4,7 @@
 # so no patch matrix is written or summed back. One entry serves every shape, stride, dilation and layout
 # (NCHW or NHWC input, output by pixel rows or (N, O, OH*OW)); k_conv_par splits it over the threads. k_conv_dy
 # makes the output gradient into the pixel rows the two backward products read.
+import numpy as np
 from numba import carray, njit, prange
 
 from btjit.kernels.common import FM, FM_PAR, cvt, row, stack_buf, transpose
@@ -112,7 +113,7 @@ def k_conv(a, ia, r):
     only reach them. relu 1 (mode 0): relu of y stored (a convolution with its activation).
     mode 1: dW (Kpad, O) at oc = the patches^T @ dy (N*OH*OW, O) at ob, Kpad = K rounded up to MR (rows from K
     are a copy of row K-1's). Overwrites its output."""
-    conv_part(a, r, 0, 1)
+    conv_part(a, r, np.int64(0), np.int64(1))   # not literals: one compile with the _par twin's
 
 
 @row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip tout pt vh relu nparts")
@@ -122,7 +123,7 @@ def k_conv_par(a, ia, r):
     entry is the same sequence of multiply-adds as on one thread (bitwise equal)."""
     nparts = r[25]
     for j in prange(nparts):
-        conv_part(a, r, j, nparts)
+        conv_part(a, r, np.int64(j), nparts)
 
 
 @njit(**FM)
@@ -149,7 +150,7 @@ def k_conv_dy(a, ia, r):
     """A convolution's output gradient dy (N, O, P) at og as the pixel rows its two backward products read, in one
     pass per image: gt (N*P, O) at ogt (relu 1: relu's gradient, masked by the convolution's output y at oy);
     bias 1: each image's column sums of gt, (N, O) at odb (the bias gradient's terms)."""
-    dy_part(a, r, 0, r[5])
+    dy_part(a, r, np.int64(0), r[5])       # not a literal: one compile with the _par twin's
 
 
 @row("og oy ogt odb N O P relu bias nparts")

@@ -7,6 +7,7 @@ thread.
   k_copy       a strided 4-D copy (slices, concatenations, strided views made contiguous): k_strided's copy
                alone, which compiles in a tenth of k_strided's time (its binary ops' loops are not in it)
 """
+import numpy as np
 from numba import njit, prange
 
 from btjit.kernels.common import FM, FM_PAR, cvt, row, transpose
@@ -61,7 +62,7 @@ def pad_part(a, r, u0, u1):
 @njit(**FM)
 def k_pad(a, ia, r):
     """out (e0, e1, e2, e3) at oout = zeros, with in (d0, d1, d2, d3) at oin placed from (s0, s1, s2, s3)."""
-    pad_part(a, r, 0, r[3] * r[4])
+    pad_part(a, r, np.int64(0), r[3] * r[4])   # not a literal: one compile with the _par twin's
 
 
 @row("oout oin e0 e1 e2 e3 d0 d1 d2 d3 s0 s1 s2 s3 nparts")

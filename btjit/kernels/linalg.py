@@ -113,7 +113,7 @@ def k_matmul_micro(a, ia, r):
     (nbatch 1, tb 0): also a[osum:osum+N] = the column sums of B (ops' matmul_colsum: dW = X^T dY and db
     together).
     """
-    _micro_rows(a, r, 0, r[5])
+    _micro_rows(a, r, np.int64(0), r[5])      # not a literal: the _par twin's compile of it serves both
 
 
 @row("oA oB oC nbatch M N K sA sB sC ta tb obias osum ores relu kc nparts")
@@ -189,7 +189,7 @@ def k_matmul_par(a, ia, r):
     cores cost 30x, measured). Same row as k_matmul."""
     nparts = r[17]
     for j in prange(nparts):
-        _matmul_part(a, ia, r, j, nparts)
+        _matmul_part(a, ia, r, np.int64(j), nparts)   # int64 as k_matmul's: one compile of the part
 
 
 @njit(**FM)

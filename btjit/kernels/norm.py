@@ -101,7 +101,7 @@ def k_batchnorm_fwd(a, ia, r):
 
       x, y: (P, C, Q); w, b, mean, var, rstd: (C,) (mean, var for the running statistics, rstd for the backward).
     """
-    bn_fwd(a, r, 0, r[9])
+    bn_fwd(a, r, np.int64(0), r[9])        # not a literal: one compile with the _par twin's
 
 
 @row("ox ow ob oy omean ovar orstd P C Q oeps nparts")
@@ -183,7 +183,7 @@ def k_batchnorm_bwd(a, ia, r):
 
       x, dy, dx: (P, C, Q); w, mean, rstd, dw, db: (C,).
     """
-    bn_bwd(a, r, 0, r[10])
+    bn_bwd(a, r, np.int64(0), r[10])
 
 
 @row("ox ow omean orstd ody odx odw odb P C Q nparts")
