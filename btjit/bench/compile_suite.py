@@ -32,7 +32,7 @@ from pathlib import Path
 
 GPT_BASE = dict(n_layer=6, n_head=6, n_embd=24, block=8, batch=64, lr=3e-4, act="relu", opt="sgd")
 PROGRAMS = {   # id -> (title, settings)
-    "P1": ("main job: E6 GPT, SGD", dict(GPT_BASE, model="gpt")),
+    "P1": ("E6 GPT, SGD", dict(GPT_BASE, model="gpt")),
     "P2": ("GPT, AdamW", dict(GPT_BASE, model="gpt", opt="adamw")),
     "P3": ("GPT, grad only", dict(GPT_BASE, model="gpt", opt=None)),
     "P4": ("GPT, GELU", dict(GPT_BASE, model="gpt", act="gelu")),
