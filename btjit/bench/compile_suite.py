@@ -9,8 +9,8 @@ its own process, timed from just before Popen to the child's first-step stamp), 
 train configs/gpt3_tiny.toml --set train.steps=1 --set optim.warmup_steps=0` wall time and its banner's compile seconds), run() (the
 whole suite -> rows) and format_table(rows).
 Columns: cold = an empty BTJIT_CACHE_DIR; cached = the same program again on that dir; warm = the first run
-of the program in ONE shared dir where the main job (the CLI row's command) ran first, then the programs above it;
-precompiled = its first run after `btjit precompile` in an empty dir (the precompile's seconds reported too).
+of the program in ONE shared dir where the main job (the CLI row's command) ran first, then the programs above
+it; precompiled = its first run after `btjit precompile` in an empty dir (the precompile's seconds reported too).
 Children run with one-thread env vars but are NOT pinned to one CPU: the library compiles missing kernels in
 worker processes over the process's CPU affinity, and that parallel cold compile is what is measured.
 The executor itself (btjit/executor.py, numba cache=True) is cached in the package's __pycache__, not in
@@ -350,8 +350,8 @@ def format_table(rows, machine=None, markdown=False, command=None):
     notes = ["s = wall seconds of a fresh process, from just before Popen to its first step returned; "
              "(n) = kernel library entries compiled in that process.",
              "cold = empty BTJIT_CACHE_DIR; cached = the same program again on it; warm lib = its first run in one "
-             "dir where the main job (the CLI row's command) ran first, then the programs above it; precompiled = its first run "
-             "after `btjit precompile` in an empty dir" + "".join(f" (precompile took {r['precompile_s']:.1f} s)"
+             "dir where the main job (the CLI row's command) ran first, then the programs above it; precompiled = "
+             "its first run after `btjit precompile` in an empty dir" + "".join(f" (precompile took {r['precompile_s']:.1f} s)"
                                                                 for r in rows if r.get("precompile_s")) + ".",
              "jax jit s = first call of jax.jit(value_and_grad + update), blocking, fresh process; CLI = `btjit "
              "train` to exit, with the compile seconds of its banner."]

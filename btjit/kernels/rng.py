@@ -32,7 +32,7 @@ _S32, _S8 = np.uint64(32), np.uint64(8)
 _TWO_PI = 6.283185307179586
 
 
-@njit(**FM)
+@njit(**FM)     # not inline="always": numba's IR copier made ten copies per caller (~1 s of compile); LLVM inlines it
 def _round(c0, c1, c2, c3, k0, k1):
     p0 = c0 * _M0
     p1 = c2 * _M1
