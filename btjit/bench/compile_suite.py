@@ -351,8 +351,8 @@ def format_table(rows, machine=None, markdown=False, command=None):
              "(n) = kernel library entries compiled in that process.",
              "cold = empty BTJIT_CACHE_DIR; cached = the same program again on it; warm lib = its first run in one "
              "dir where the main job (the CLI row's command) ran first, then the programs above it; precompiled = "
-             "its first run after `btjit precompile` in an empty dir" + "".join(f" (precompile took {r['precompile_s']:.1f} s)"
-                                                                for r in rows if r.get("precompile_s")) + ".",
+             "its first run after `btjit precompile` in an empty dir"
+             + "".join(f" (precompile took {r['precompile_s']:.1f} s)" for r in rows if r.get("precompile_s")) + ".",
              "jax jit s = first call of jax.jit(value_and_grad + update), blocking, fresh process; CLI = `btjit "
              "train` to exit, with the compile seconds of its banner."]
     return render(Table(head, body, notes, "compile: process start to first step"), markdown, machine, command)

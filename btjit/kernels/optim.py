@@ -33,8 +33,8 @@ def k_clip_scale(a, ia, r):
 
 
 # ------------------------------------------------------------------- the built-ins' update, one pass each
-# btjit/graph/ops/optim.py's opt_update rows: torch.optim.SGD, Adam/AdamW and Adadelta over one param group's slice, every
-# term in one loop (the traced equations take a pass per op through the fused-chain interpreter: 2-5x slower).
+# btjit/graph/ops/optim.py's opt_update rows: torch.optim.SGD, Adam/AdamW and Adadelta over one param group's slice,
+# every term in one loop (the traced equations take a pass per op through the fused-chain interpreter: 2-5x slower).
 # p and the state at op_ o<state> are updated in place from the gradient at og. Scalars: ot the step t (>= 1),
 # olr lr * lr_scale, oscale the clip-by-norm factor (NaN: a non-finite gradient; with SKIP the step then leaves
 # every value as it was). The flags say which terms exist.
@@ -49,14 +49,20 @@ def _parts(n, nparts, j):
 
 
 @njit(inline="always", **FM)
+def _scale(a, oscale, flags):
+    """(the factor the gradient is multiplied by: a[oscale] with SCALE, else 1; whether the step is skipped: with
+    SKIP, a[oscale] NaN, a non-finite gradient -- every value then stays as it was)."""
+    sc = a[oscale]
+    return (sc if flags & SCALE else cvt(a, 1.0)), flags & SKIP != 0 and sc != sc
+
+
+@njit(inline="always", **FM)
 def _sgd(a, r, lo, hi):
     op_, og, ob = r[1], r[2], r[3]
     olr, oscale, owd, omom, o1damp, ot, flags = r[5], r[6], r[7], r[8], r[9], r[10], r[11]
-    sc = a[oscale]
-    if flags & SKIP and sc != sc:
+    sc, skip = _scale(a, oscale, flags)
+    if skip:
         return
-    if not flags & SCALE:
-        sc = cvt(a, 1.0)
     lr, wd, mom, damp1 = a[olr], a[owd], a[omom], a[o1damp]
     p, g, b = a[op_ + lo:op_ + hi], a[og + lo:og + hi], a[ob + lo:ob + hi]
     if flags & MOMENTUM:
@@ -71,7 +77,7 @@ def _sgd(a, r, lo, hi):
             p[i] = p[i] - lr * (g[i] * sc + wd * p[i] if flags & WD else g[i] * sc)
 
 
-@row("op_ og ob n olr oscale owd omom o1damp ot flags nparts")
+@row("op_ og ob n olr oscale owd omom o1damp ot flags")
 @njit(**FM)
 def k_opt_sgd(a, ia, r):
     """torch.optim.SGD over n elements in one pass."""
@@ -94,11 +100,9 @@ def _adam(a, r, lo, hi):
     op_, og, om, ov = r[1], r[2], r[3], r[4]
     olr, oscale, owd, ob1, o1b1, ob2, o1b2, oeps, ot, flags = (r[6], r[7], r[8], r[9], r[10], r[11], r[12],
                                                               r[13], r[14], r[15])
-    sc = a[oscale]
-    if flags & SKIP and sc != sc:
+    sc, skip = _scale(a, oscale, flags)
+    if skip:
         return
-    if not flags & SCALE:
-        sc = cvt(a, 1.0)
     lr, wd, eps, c1, b2, c2 = a[olr], a[owd], a[oeps], a[o1b1], a[ob2], a[o1b2]
     t = np.float64(a[ot])                 # torch's bias corrections, in float64
     step = cvt(a, np.float64(lr) / (1.0 - np.float64(a[ob1]) ** t))
@@ -115,7 +119,7 @@ def _adam(a, r, lo, hi):
         p[i] = p[i] * decay + (-step) * mi / (math.sqrt(vi) / bc2 + eps)
 
 
-@row("op_ og om ov n olr oscale owd ob1 o1b1 ob2 o1b2 oeps ot flags nparts")
+@row("op_ og om ov n olr oscale owd ob1 o1b1 ob2 o1b2 oeps ot flags")
 @njit(**FM)
 def k_opt_adam(a, ia, r):
     """torch.optim.Adam / AdamW over n elements in one pass."""
@@ -137,11 +141,9 @@ def k_opt_adam_par(a, ia, r):
 def _adadelta(a, r, lo, hi):
     op_, og, osq, oacc = r[1], r[2], r[3], r[4]
     olr, oscale, owd, o1rho, oeps, flags = r[6], r[7], r[8], r[9], r[10], r[11]
-    sc = a[oscale]
-    if flags & SKIP and sc != sc:
+    sc, skip = _scale(a, oscale, flags)
+    if skip:
         return
-    if not flags & SCALE:
-        sc = cvt(a, 1.0)
     lr, wd, c, eps = a[olr], a[owd], a[o1rho], a[oeps]
     p, g, sq, acc = a[op_ + lo:op_ + hi], a[og + lo:og + hi], a[osq + lo:osq + hi], a[oacc + lo:oacc + hi]
     for i in range(hi - lo):    # rho*s + (1-rho)*x as s + (1-rho)*(x - s): with two products, which one a
@@ -153,7 +155,7 @@ def _adadelta(a, r, lo, hi):
         p[i] = p[i] - lr * di
 
 
-@row("op_ og osq oacc n olr oscale owd o1rho oeps flags nparts")
+@row("op_ og osq oacc n olr oscale owd o1rho oeps flags")
 @njit(**FM)
 def k_opt_adadelta(a, ia, r):
     """torch.optim.Adadelta over n elements in one pass."""

@@ -110,7 +110,8 @@ op("slice_scatter", infer=lambda t, a, fd: [(tuple(a["shape"]), fd)], ref=_slice
    lower=_lower_slice_scatter, internal=True,
    cases=[Case((F(2, 3),), dict(_sl, shape=(4, 5))),     # strided; then zero paddings (k_pad)
           Case((F(2, 3, 4),), dict(starts=(1, 1, 2), stops=(3, 4, 6), steps=(1, 1, 1), shape=(3, 5, 7))),
-          Case((F(2, 2, 3, 4),), dict(starts=(0, 1, 2, 1), stops=(2, 3, 5, 5), steps=(1, 1, 1, 1), shape=(2, 4, 6, 6)))],
+          Case((F(2, 2, 3, 4),), dict(starts=(0, 1, 2, 1), stops=(2, 3, 5, 5), steps=(1, 1, 1, 1),
+                                      shape=(2, 4, 6, 6)))],
    vjp=lambda g, x, o, a: [T.emit("slice", (g[0],), **{k: a[k] for k in ("starts", "stops", "steps")})])
 
 

@@ -1,5 +1,5 @@
-"""The built-in optimizers' one-pass update: `opt_update`, torch.optim.SGD, Adam/AdamW or Adadelta over one param group's
-flat slice, emitted by btjit/optim/build.py in place of the traced equations of their `update`
+"""The built-in optimizers' one-pass update: `opt_update`, torch.optim.SGD, Adam/AdamW or Adadelta over one param
+group's flat slice, emitted by btjit/optim/build.py in place of the traced equations of their `update`
 (the same arithmetic: those equations are its reference). Inputs: the param, the gradient, the state (in
 the optimizer's state order), then the scalars SCALARS[kind] names; outputs: the new param and state, always
 computed in place (optim/build.py pins them to their regions). Lowered to k_opt_sgd / k_opt_adam / k_opt_adadelta
@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.kernels import optim as K
-from btjit.kernels.common import MAX_THREADS
 
-from btjit.graph.optable import PAR_EW_ELEMENTS, ShapeError, op
+from btjit.graph.optable import ShapeError, op, par_parts, par_row
 
 FIELD = {"t": "ot", "lr": "olr", "scale": "oscale", "weight_decay": "owd", "momentum": "omom",
-         "1-dampening": "o1damp", "beta1": "ob1", "1-beta1": "o1b1", "beta2": "ob2", "1-beta2": "o1b2", "eps": "oeps", "1-rho": "o1rho"}
+         "1-dampening": "o1damp", "beta1": "ob1", "1-beta1": "o1b1", "beta2": "ob2", "1-beta2": "o1b2", "eps": "oeps",
+         "1-rho": "o1rho"}
 SCALARS = {"sgd": ("t", "lr", "scale", "weight_decay", "momentum", "1-dampening"),
            "adam": ("t", "lr", "scale", "weight_decay", "beta1", "1-beta1", "beta2", "1-beta2", "eps"),
            "adadelta": ("lr", "scale", "weight_decay", "1-rho", "eps")}
@@ -75,11 +75,9 @@ def lower(e, L):
     sc = {FIELD[k]: L.off(v) for k, v in zip(SCALARS[a["kind"]], e.ins[2 + ns:])}
     flags = sum(FLAGS[f] for f in a["flags"])
     n = e.ins[0].size
-    threads = min(L.threads, MAX_THREADS)
-    par = threads > 1 and n >= PAR_EW_ELEMENTS
-    name = f"k_opt_{a['kind']}" + ("_par" if par else "")
     state = dict(zip(STATE_FIELDS[a["kind"]], offs[2:2 + ns] or [0]))
-    return [L.row(name, op_=offs[0], og=offs[1], n=n, flags=flags, nparts=threads if par else 1, **state, **sc)]
+    return par_row(L, f"k_opt_{a['kind']}", par_parts(L, n, n), op_=offs[0], og=offs[1], n=n, flags=flags, **state,
+                   **sc)
 
 
 op("opt_update", infer=_rule, ref=ref, lower=lower, internal=True, nondiff=True)
