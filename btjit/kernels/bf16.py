@@ -26,6 +26,7 @@ OBP = MR * KB // 2  # where B's pairs start in the stack workspace (A's pairs, M
 TMP = OBP + KB // 2 * NC    # a B^T panel's pairs row-major, before they are transposed into B's place
 WS = TMP + KB // 2 * 48
 N_MIN = 16          # a panel is 16 columns at least: narrower products stay float32 (graph/ops/matmul.py)
+KERNELS = ("k_matmul_bf16", "k_matmul_amx")    # the entries bf16 products run on (and their _par twins)
 
 
 def has_dpbf16() -> bool:
@@ -33,9 +34,58 @@ def has_dpbf16() -> bool:
     return "+avx512bf16" in llvm.get_host_cpu_features().flatten().split(",")
 
 
-def describe() -> str:
-    """What a bf16 program's products run on here, for prog.precision and the banner."""
+def describe(kernel="k_matmul_bf16") -> str:
+    """What a bf16 program's products (on library entry `kernel`) run on here, for prog.precision and the
+    banner."""
+    if kernel.startswith("k_matmul_amx"):
+        from btjit.kernels.amx import has_amx
+        return "bf16 (AMX tdpbf16ps)" if has_amx() else "bf16 (AMX tiles emulated: this CPU has none)"
     return "bf16 (AVX512-BF16 vdpbf16ps)" if has_dpbf16() else "bf16 (float32 FMAs on bf16-rounded operands)"
+
+
+def vload(builder, data, off, vt):
+    """The vector of type vt at data[off] (a pointer to its lanes' type, offset in lanes)."""
+    return builder.load(builder.bitcast(builder.gep(data, [off]), vt.as_pointer()), align=4)
+
+
+def splat(builder, x, vt):
+    """x in every lane of a vector of type vt."""
+    i64 = ir.IntType(64)
+    return builder.shuffle_vector(builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(i64, 0)),
+                                  ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), vt.count),
+                                                                             [0] * vt.count))
+
+
+def halves(builder, v):
+    """The two bf16 of each int32 pair lane of v as float32 vectors (low, high): the low shifted up, the high
+    masked."""
+    vi = v.type
+    lo = builder.shl(v, ir.Constant(vi, [16] * vi.count))
+    hi = builder.and_(v, ir.Constant(vi, [-65536] * vi.count))
+    vf = ir.VectorType(ir.FloatType(), vi.count)
+    return builder.bitcast(lo, vf), builder.bitcast(hi, vf)
+
+
+def finish(builder, ad, v, oc, ores, orr, relu, skip, j):
+    """Store 16 sums v as C's columns 16j .. 16j+15 at ad[oc]: plus the residual at ad[orr] where ores > 0,
+    relu of that where relu > 0, and the columns before `skip` left as they are (another panel wrote them)."""
+    i64, i32, f32 = ir.IntType(64), ir.IntType(32), ir.FloatType()
+    vf, vi = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
+    zero = ir.Constant(vf, None)
+    acc = cgutils.alloca_once_value(builder, v)
+    with builder.if_then(builder.icmp_signed(">", ores, ir.Constant(i64, 0))):
+        builder.store(builder.fadd(builder.load(acc), vload(builder, ad, orr, vf), flags=FM_FLAGS), acc)
+    with builder.if_then(builder.icmp_signed(">", relu, ir.Constant(i64, 0))):
+        v = builder.load(acc)
+        builder.store(builder.select(builder.fcmp_ordered(">", v, zero), v, zero), acc)
+    out = builder.bitcast(builder.gep(ad, [oc]), vf.as_pointer())
+    with builder.if_else(builder.icmp_signed(">", skip, ir.Constant(i64, 16 * j))) as (part, whole):
+        with part:      # the last panel moved back to end at N: keep the columns before skip
+            cols = ir.Constant(vi, list(range(16 * j, 16 * j + 16)))
+            keep = builder.icmp_signed("<", cols, splat(builder, builder.trunc(skip, i32), vi))
+            builder.store(builder.select(keep, builder.load(out, align=4), builder.load(acc)), out, align=4)
+        with whole:
+            builder.store(builder.load(acc), out, align=4)
 
 
 def _micro(width):
@@ -58,28 +108,16 @@ def _micro(width):
             zero = ir.Constant(vf, None)
             dp = has_dpbf16() and builder.module.declare_intrinsic(
                 "llvm.x86.avx512bf16.dpbf16ps.512", fnty=ir.FunctionType(vf, [vf, vi, vi]))
-            hi_mask = ir.Constant(vi, [-65536] * 16)
-            sixteen = ir.Constant(vi, [16] * 16)
-
-            def vload(data, off, vt):
-                return builder.load(builder.bitcast(builder.gep(data, [off]), vt.as_pointer()), align=4)
-
-            def vstore(v, off):
-                builder.store(v, builder.bitcast(builder.gep(ad, [off]), vf.as_pointer()), align=4)
 
             def crow(base, r, j):
                 return builder.add(builder.add(base, builder.mul(c(r), ldc)), c(16 * j))
-
-            def splat(x):
-                return builder.shuffle_vector(builder.insert_element(ir.Constant(vi, ir.Undefined), x, c(0)),
-                                              ir.Constant(vi, ir.Undefined), ir.Constant(vi, [0] * 16))
 
             def row_valid(r):
                 return builder.icmp_signed(">", mrows, c(r))
 
             acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(nv)] for _ in range(MR)]
             with builder.if_then(builder.icmp_signed("==", init, c(1))):
-                bias = [vload(ad, builder.add(obias, c(16 * j)), vf) for j in range(nv)]
+                bias = [vload(builder, ad, builder.add(obias, c(16 * j)), vf) for j in range(nv)]
                 for r in range(MR):
                     for j in range(nv):
                         builder.store(bias[j], acc[r][j])
@@ -87,20 +125,19 @@ def _micro(width):
                 for r in range(MR):
                     with builder.if_then(row_valid(r)):
                         for j in range(nv):
-                            builder.store(vload(ad, crow(oC, r, j), vf), acc[r][j])
+                            builder.store(vload(builder, ad, crow(oC, r, j), vf), acc[r][j])
 
             with cgutils.for_range(builder, kp) as loop:
                 p = loop.index
-                bv = [vload(wd, builder.add(builder.add(obp, builder.mul(p, c(width))), c(16 * j)), vi)
+                bv = [vload(builder, wd, builder.add(builder.add(obp, builder.mul(p, c(width))), c(16 * j)), vi)
                       for j in range(nv)]
                 if not dp:          # the pairs' halves as float32: the low bf16 shifted up, the high one masked
-                    bh = [[builder.bitcast(builder.shl(b, sixteen), vf), builder.bitcast(builder.and_(b, hi_mask), vf)]
-                          for b in bv]
+                    bh = [halves(builder, b) for b in bv]
                 for r in range(MR):
                     x = builder.load(builder.gep(wd, [builder.add(builder.mul(p, sp), builder.mul(c(r), sr))]))
-                    xv = splat(x)
+                    xv = splat(builder, x, vi)
                     if not dp:
-                        xh = [builder.bitcast(builder.shl(xv, sixteen), vf), builder.bitcast(builder.and_(xv, hi_mask), vf)]
+                        xh = halves(builder, xv)
                     for j in range(nv):
                         s = builder.load(acc[r][j])
                         if dp:
@@ -113,20 +150,8 @@ def _micro(width):
             for r in range(MR):
                 with builder.if_then(row_valid(r)):
                     for j in range(nv):
-                        v = builder.load(acc[r][j])
-                        with builder.if_then(builder.icmp_signed(">", ores, c(0))):
-                            builder.store(builder.fadd(v, vload(ad, crow(ores, r, j), vf), flags=FM_FLAGS), acc[r][j])
-                        v = builder.load(acc[r][j])
-                        with builder.if_then(builder.icmp_signed(">", relu, c(0))):
-                            builder.store(builder.select(builder.fcmp_ordered(">", v, zero), v, zero), acc[r][j])
-                        with builder.if_else(builder.icmp_signed(">", skip, c(16 * j))) as (part, whole):
-                            with part:      # the last panel moved back to end at N: keep the columns before skip
-                                cols = ir.Constant(vi, list(range(16 * j, 16 * j + 16)))
-                                keep = builder.icmp_signed("<", cols, splat(builder.trunc(skip, i32)))
-                                vstore(builder.select(keep, vload(ad, crow(oC, r, j), vf), builder.load(acc[r][j])),
-                                       crow(oC, r, j))
-                            with whole:
-                                vstore(builder.load(acc[r][j]), crow(oC, r, j))
+                        finish(builder, ad, builder.load(acc[r][j]), crow(oC, r, j), ores, crow(ores, r, j), relu,
+                               skip, j)
             return context.get_dummy_value()
         i = types.int64
         return types.void(a, ws, i, i, i, i, i, i, i, i, i, i, i, i), impl
@@ -192,11 +217,15 @@ _pairs16, _pairs8, _adjacent16 = _pairs(16, False), _pairs(8, False), _pairs(16,
 @njit(**FM)
 def _pack(a, ws, o, src, s_lane, s_k, n_pairs, lanes, stride, k_left):
     """ws[o + p*stride + l] = the pair (bf16 of a[src + 2p*s_k + l*s_lane], bf16 of the next k's) for
-    p < n_pairs, l < lanes; a k-step at k_left (an odd block's last pair) is zero, and lanes from `lanes` to
-    stride too."""
+    p < n_pairs, l < lanes; a k-step at k_left or past it (an odd block's last pair, AMX's whole tiles) is zero,
+    and lanes from `lanes` to stride too."""
     if s_lane == 1 and lanes == stride and lanes % 8 == 0:     # contiguous lanes: 16 or 8 pairs at a time
         for p in range(n_pairs):
             both = 1 if 2 * p + 1 < k_left else 0
+            if 2 * p >= k_left:                 # pairs past the block (AMX's whole tiles): zero
+                for l in range(lanes):
+                    ws[o + p * stride + l] = 0
+                continue
             for l in range(0, lanes - 15, 16):
                 _pairs16(a, ws, o + p * stride + l, src + 2 * p * s_k + l, s_k * both, both)
             if lanes % 16:
@@ -207,9 +236,12 @@ def _pack(a, ws, o, src, s_lane, s_k, n_pairs, lanes, stride, k_left):
         if 2 * p + 1 < k_left:
             for l in range(lanes):
                 ws[o + p * stride + l] = np.int32(_bf16(a[lo + l * s_lane]) | (_bf16(a[lo + s_k + l * s_lane]) << 16))
-        else:
+        elif 2 * p < k_left:
             for l in range(lanes):
                 ws[o + p * stride + l] = np.int32(_bf16(a[lo + l * s_lane]))
+        else:
+            for l in range(lanes):
+                ws[o + p * stride + l] = 0
         for l in range(lanes, stride):
             ws[o + p * stride + l] = 0
 

@@ -16,6 +16,8 @@ ask): B^T products of 8-32 rows (NT_PROBES, 65K-8M multiply-adds: an LSTM's dX o
 calls; the limit is the largest probe up to which gemm_micro_nt takes no longer than BLAS for the probes so
 far together, linalg.NT_MACS if none (Zen 4, OpenBLAS, timed in a loop: 32 x 128 x 64 in 5.4 against
 8.1 us, 8 x 128 x 64 1.4 against 1.9 us). Remembered in `gemm_nt.json`; $BTJIT_NT_MACS overrides.
+The third (bf16_kernel): which entry bf16 products run on, AMX tiles or AVX512-BF16 vectors, remembered in
+`bf16.json`.
 """
 from __future__ import annotations
 
@@ -157,3 +159,63 @@ def measure_nt() -> tuple:
         if total[0] <= total[1]:
             nt = M * N * K
     return nt, times
+
+
+BF16_CHECK = (37, 70, 300, 0, 1)                                     # odd sizes: the tiles' edges and padding
+BF16_PROBES = ((512, 768, 768, 0, 0), (768, 768, 512, 1, 0), (512, 768, 768, 0, 1))   # forward, dW, dX
+_BF16: list = []
+
+
+def bf16_kernel() -> str:
+    """The library entry a bf16 product runs on: "k_matmul_amx" (btjit/kernels/amx.py) where the CPU has
+    AMX-BF16, Linux grants this process the tile state, and the tiles' kernel computed k_matmul_bf16's products
+    and took less time for BF16_PROBES (measured once per machine, `bf16.json`); else "k_matmul_bf16".
+    $BTJIT_BF16_KERNEL = amx | avx512 chooses (amx where the CPU lacks it runs an emulation: for tests)."""
+    if not _BF16:
+        from btjit.host.cachedir import remembered
+        from btjit.kernels import amx
+        from btjit.kernels.library import LIBRARY
+        env = os.environ.get("BTJIT_BF16_KERNEL")
+        if env not in (None, "", "amx", "avx512"):
+            raise ValueError(f"BTJIT_BF16_KERNEL must be amx or avx512, not {env!r}")
+        if env:
+            kernel = "k_matmul_amx" if env == "amx" else "k_matmul_bf16"
+        else:
+            key = json.dumps([llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(), LIBRARY.key])
+            kernel = remembered("bf16.json", key, measure_bf16)["kernel"]
+        if kernel == "k_matmul_amx" and amx.has_amx() and not amx.request_tiles():
+            if env:
+                raise RuntimeError("BTJIT_BF16_KERNEL=amx: Linux refused this process the AMX tile state "
+                                   "(arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)")
+            kernel = "k_matmul_bf16"                   # measured in a process that held it; this one does not
+        _BF16.append(kernel)
+    return _BF16[0]
+
+
+def measure_bf16() -> dict:
+    """{"kernel", "why", "us": {"MxNxK:ta:tb": [tiles us, vectors us]}} -- see bf16_kernel."""
+    from btjit.kernels import amx
+    if not amx.has_amx():
+        return {"kernel": "k_matmul_bf16", "why": "no AMX-BF16 on this CPU", "us": {}}
+    if not amx.request_tiles():
+        return {"kernel": "k_matmul_bf16", "why": "Linux refused the AMX tile state (arch_prctl)", "us": {}}
+    names = ("k_matmul_amx", "k_matmul_bf16")
+    fns, times, total = _entries(names), {}, [0.0, 0.0]
+    for M, N, K, ta, tb in (BF16_CHECK,) + BF16_PROBES:
+        a, *_, f = _product(M, N, K, ta, tb)
+        outs = [a.copy(), a.copy()]
+        calls = [_call(fn, b, _row(n, **f, ores=0, relu=0)) for fn, b, n in zip(fns, outs, names)]
+        for call in calls:
+            call()
+        c0, c1 = (b[f["oC"]:f["oC"] + M * N] for b in outs)
+        err = float(np.max(np.abs(c0 - c1)) / (np.max(np.abs(c1)) + 1))
+        if not err <= 1e-4:
+            return {"kernel": "k_matmul_bf16", "why": f"the tiles' products differed from k_matmul_bf16's by {err:.1e}"
+                    f" at {M}x{N}x{K}", "us": times}
+        if (M, N, K, ta, tb) != BF16_CHECK:
+            best = _race(calls, REPS)
+            times[f"{M}x{N}x{K}:{ta}:{tb}"] = [round(t * 1e6, 1) for t in best]
+            total = [total[0] + best[0], total[1] + best[1]]
+    faster = total[0] < total[1]
+    return {"kernel": names[0] if faster else names[1], "us": times,
+            "why": f"the tiles {'faster' if faster else 'slower'}: {total[0] * 1e6:.0f} vs {total[1] * 1e6:.0f} us"}

@@ -35,12 +35,12 @@ import numba
 import numpy as np
 
 from btjit.host.cachedir import cache_dir
-from btjit.kernels import (attention, attn_kept, attn_lanes, attn_loops, bf16, common, conv, convgemm, elementwise, fused,
-                           layout, linalg, micro, nn, norm, objcode, optim, reduce, rng, tiles)
+from btjit.kernels import (amx, attention, attn_kept, attn_lanes, attn_loops, bf16, common, conv, convgemm, elementwise,
+                           fused, layout, linalg, micro, nn, norm, objcode, optim, reduce, rng, tiles)
 from btjit.kernels.common import ROW, ROWS
 
 MODULES = (elementwise, layout, fused, reduce, linalg, nn, norm, optim, attn_loops, attention, attn_kept, rng, conv,
-           convgemm, bf16)
+           convgemm, bf16, amx)
 STATIC = [(m.__name__, n) for m in MODULES for n in sorted(vars(m)) if n in ROWS]
 GENERATED = attn_lanes.KERNEL_NAMES             # entries per (T, hs), float32 only
 KERNELS = [n for _, n in STATIC] + list(GENERATED)
@@ -297,7 +297,8 @@ HEAVY = {"k_attn_bl_move": 1, "k_attn_bwd_bl_par": 7, "k_attn_fwd_bl_par": 6, "k
          "k_attn_bwd_kept_par": 5, "k_attn_fwd_kept_par": 5, "k_attn_fwd_flash": 4, "k_attn_bwd_bl": 4,
          "k_attn_fwd_bl": 4, "k_matmul": 4, "k_matmul_par": 4, "k_matmul_micro": 3, "k_attn_bwd_kept": 3,
          "k_attn_fwd_kept": 3, "k_strided": 3, "k_binary": 3, "k_attn_bwd": 3, "k_reduce": 2, "k_unary": 2,
-         "k_ce_fwd": 0.7, "k_layernorm_bwd": 0.5, "k_matmul_bf16": 3, "k_matmul_bf16_par": 3, "k_matmul_micro_par": 8,
+         "k_ce_fwd": 0.7, "k_layernorm_bwd": 0.5, "k_matmul_bf16": 3, "k_matmul_bf16_par": 3,
+         "k_matmul_amx": 3, "k_matmul_amx_par": 3, "k_matmul_micro_par": 8,
          "k_conv_par": 5, "k_conv": 3}
 
 

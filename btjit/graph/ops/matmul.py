@@ -77,8 +77,9 @@ def kc_rows(M, N, K, tb) -> int:
 
 
 def bf16_gemm(L, N, float_dtype) -> bool:
-    """Whether a product runs on k_matmul_bf16 (bf16 operands, float32 sums): a float32 program traced with
-    precision="bf16", C at least bf16.N_MIN columns wide (narrower products stay float32)."""
+    """Whether a product runs on k_matmul_bf16 or k_matmul_amx (bf16 operands, float32 sums; gemm_rule.bf16_kernel
+    chooses): a float32 program traced with precision="bf16", C at least bf16.N_MIN columns wide (narrower
+    products stay float32)."""
     return L.precision == "bf16" and float_dtype == "f32" and N >= bf16.N_MIN
 
 
@@ -109,7 +110,7 @@ def _lower_matmul(e, L, beta=0, bias=0, osum=0, res=None, relu=False):
     def row(oa, ob, oc, nb, m, sa_, sb_, sc_):
         args = dict(oA=oa, oB=ob, oC=oc, nbatch=nb, M=m, N=N, K=K, sA=sa_, sB=sb_, sC=sc_, ta=ta, tb=tb)
         if micro(m):        # split over the threads by blocks of C's rows (or columns): bitwise equal to one thread
-            kernel = "k_matmul_bf16" if bf else "k_matmul_micro"
+            kernel = gemm_rule.bf16_kernel() if bf else "k_matmul_micro"
             margs = dict(args, obias=bias, relu=int(relu), ores=L.off(res) + oc - L.off(C) if res is not None else 0,
                          **({} if bf else {"osum": osum, "kc": kc_rows(m, N, K, tb)}))
             if par and not bf and not ta and not tb and K * N >= COL_SPLIT_B and N >= 16 * threads:
