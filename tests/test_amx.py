@@ -1,0 +1,112 @@
+"""bf16 products on the matrix units (btjit/kernels/amx.py) and the rule that chooses them (gemm_rule.bf16_kernel).
+Where the CPU has AMX-BF16 the kernel runs its tiles; elsewhere the same loops run on an emulation of the four
+tile instructions, so the packing, the tiles' edges and the thread split are checked on every machine. The tile
+code itself is compiled for an AMX CPU on every machine and read back; it runs only where the CPU has it."""
+import llvmlite.binding as llvm
+import numpy as np
+import pytest
+from llvmlite import ir
+from test_bf16 import SHAPES, RNG, _mlp, _product
+
+import btjit
+from btjit.kernels import amx, gemm_rule
+
+AMX = pytest.mark.skipif(not amx.has_amx(), reason="this CPU has no AMX-BF16: the tiles run emulated here")
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES + [(33, 48, 64), (16, 16, 32)])
+@pytest.mark.parametrize("ta,tb", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_tile_products_equal_float64_products_of_the_rounded_operands(M, N, K, ta, tb):
+    """M over and under a block of 32 rows (one row tile or two), K padded to whole tiles of 32, N in panels
+    of 32 and 16 (the last moved back), batches, bias, residual and relu."""
+    err, _ = _product(amx.k_matmul_amx, M, N, K, ta, tb, nb=2, bias=True, res=True, relu=True)
+    assert err < 2e-7, err
+    err, _ = _product(amx.k_matmul_amx, M, N, K, ta, tb)
+    assert err < 2e-7, err
+
+
+@pytest.mark.parametrize("M,nparts", [(16, 2), (70, 3), (100, 2)])
+def test_the_tiles_thread_split_is_bitwise_one_thread(M, nparts):
+    RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
+    _, one = _product(amx.k_matmul_amx, M, 70, 90, 0, 0, bias=True)
+    RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
+    _, par = _product(amx.k_matmul_amx_par, M, 70, 90, 0, 0, bias=True, nparts=nparts)
+    assert np.array_equal(one, par)
+
+
+def test_the_tile_code_compiles_to_amx_instructions():
+    """The micro-kernel's tile operations, compiled for an AMX CPU (sapphirerapids) on any machine: the tile
+    configuration, loads with the packed strides, four TDPBF16PS (C += A B: destination, A, B), stores, release."""
+    mod, i64 = ir.Module(), ir.IntType(64)
+    fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [ir.IntType(32).as_pointer(), i64, i64]), "f")
+    b = ir.IRBuilder(fn.append_basic_block())
+    amx.configure(b)
+    amx.product(b, amx._Tiles(b), fn.args[0], fn.args[1], fn.args[2], 32, 2)
+    amx.release(b)
+    b.ret_void()
+    m = llvm.parse_assembly(str(mod))
+    m.verify()
+    tm = llvm.Target.from_triple(llvm.get_process_triple()).create_target_machine(
+        cpu="sapphirerapids", features="+amx-tile,+amx-bf16", opt=2)
+    asm = [line.split() for line in tm.emit_assembly(m).splitlines()]
+    ops = [x[0] for x in asm if x and (x[0].startswith("tile") or x[0] in ("ldtilecfg", "tdpbf16ps"))]
+    assert ops == ["ldtilecfg"] + ["tilezero"] * 4 + ["tileloadd"] * 4 + ["tdpbf16ps"] * 4 + \
+        ["tilestored"] * 4 + ["tilerelease"]
+    dps = [x[1:] for x in asm if x and x[0] == "tdpbf16ps"]        # AT&T order: B, A, C
+    assert dps == [["%tmm6,", "%tmm4,", "%tmm0"], ["%tmm7,", "%tmm4,", "%tmm1"], ["%tmm6,", "%tmm5,", "%tmm2"],
+                   ["%tmm7,", "%tmm5,", "%tmm3"]]
+
+
+@AMX
+def test_this_process_holds_the_tile_state():
+    assert amx.request_tiles()
+
+
+def test_no_tile_state_where_the_cpu_has_no_tiles():
+    if amx.has_amx():
+        pytest.skip("this CPU has AMX: the refusal is tested by test_a_refused_tile_state_falls_back")
+    assert not amx.request_tiles()
+    assert gemm_rule.measure_bf16() == {"kernel": "k_matmul_bf16", "why": "no AMX-BF16 on this CPU", "us": {}}
+
+
+def test_a_refused_tile_state_falls_back(monkeypatch):
+    """Linux may refuse the tile state (a kernel without AMX support, a seccomp policy): the vectors' kernel,
+    with the reason; forced tiles then raise instead of dying on the first tile instruction."""
+    monkeypatch.setattr(amx, "has_amx", lambda: True)
+    monkeypatch.setattr(amx, "request_tiles", lambda: False)
+    rec = gemm_rule.measure_bf16()
+    assert rec["kernel"] == "k_matmul_bf16" and "refused" in rec["why"]
+    monkeypatch.setattr(gemm_rule, "_BF16", [])
+    monkeypatch.setenv("BTJIT_BF16_KERNEL", "amx")
+    with pytest.raises(RuntimeError, match="refused this process the AMX tile state"):
+        gemm_rule.bf16_kernel()
+    monkeypatch.setattr(gemm_rule, "_BF16", [])
+    monkeypatch.setenv("BTJIT_BF16_KERNEL", "tiles")
+    with pytest.raises(ValueError, match="BTJIT_BF16_KERNEL must be amx or avx512, not 'tiles'"):
+        gemm_rule.bf16_kernel()
+
+
+@AMX
+def test_the_rule_checked_the_tiles_against_the_vectors():
+    rec = gemm_rule.measure_bf16()
+    assert rec["kernel"] in ("k_matmul_amx", "k_matmul_bf16") and "differed" not in rec["why"], rec
+    assert len(rec["us"]) == len(gemm_rule.BF16_PROBES)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_program_on_the_tiles_trains_as_on_the_vectors(monkeypatch, threads):
+    """The same bf16 program with its products on each entry: the same rounded products summed in another
+    order, so losses and parameters agree to float32 rounding, on one thread and on two."""
+    p = {"w1": RNG.standard_normal((40, 48)).astype(np.float32) * 0.2, "b1": np.zeros(48, np.float32),
+         "w2": RNG.standard_normal((48, 16)).astype(np.float32) * 0.2}
+    x, y = RNG.standard_normal((70, 40)).astype(np.float32), RNG.standard_normal((70, 16)).astype(np.float32)
+    runs = {}
+    for kernel in ("amx", "avx512"):
+        monkeypatch.setattr(gemm_rule, "_BF16", [])
+        monkeypatch.setenv("BTJIT_BF16_KERNEL", kernel)
+        prog = btjit.trace(_mlp, p, x, y, optimizer=btjit.optim.SGD(lr=0.05), precision="bf16", threads=threads)
+        assert any(e.startswith("k_matmul_amx" if kernel == "amx" else "k_matmul_bf16") for e in prog.kernels.entries)
+        assert ("AMX" in prog.precision) == (kernel == "amx")
+        runs[kernel] = ([prog.step(x, y) for _ in range(5)], prog.params["w1"].copy())
+    np.testing.assert_allclose(runs["amx"][0], runs["avx512"][0], rtol=1e-5)
+    np.testing.assert_allclose(runs["amx"][1], runs["avx512"][1], rtol=1e-4, atol=1e-6)
