@@ -110,3 +110,34 @@ def test_a_program_on_the_tiles_trains_as_on_the_vectors(monkeypatch, threads):
         runs[kernel] = ([prog.step(x, y) for _ in range(5)], prog.params["w1"].copy())
     np.testing.assert_allclose(runs["amx"][0], runs["avx512"][0], rtol=1e-5)
     np.testing.assert_allclose(runs["amx"][1], runs["avx512"][1], rtol=1e-4, atol=1e-6)
+
+
+def test_an_export_on_the_tiles_runs_bitwise_and_asks_for_the_tile_state(tmp_path, monkeypatch):
+    """A bf16 program on k_matmul_amx exported: the exported run repeats the traced one bit for bit; where the
+    tiles are real the manifest names AMX and the program asks Linux for the tile state as it checks the CPU."""
+    import json
+    import subprocess
+
+    from test_export import CFG, batches, gpt, run_fresh
+
+    from btjit.export.build import _cpu_c
+    monkeypatch.setattr(gemm_rule, "_BF16", [])
+    monkeypatch.setenv("BTJIT_BF16_KERNEL", "amx")
+    cfg = gpt.GPTConfig(vocab_size=CFG.vocab_size, n_layer=1, n_head=2, n_embd=32, block_size=4)
+    data = batches(3, B=4)
+    prog = btjit.trace(gpt.loss_fn(cfg), gpt.init_params(cfg, np.random.default_rng(1)), *data[0],
+                       optimizer=btjit.optim.AdamW(lr=1e-2), precision="bf16")
+    assert any(e.startswith("k_matmul_amx") for e in prog.kernels.entries)
+    np.savez(tmp_path / "b.npz", **{f"x{i}": x for i, (x, _) in enumerate(data)},
+             **{f"y{i}": y for i, (_, y) in enumerate(data)})
+    prog.export(tmp_path / "tiles")
+    want = [prog.step(x, y) for x, y in data]
+    got = run_fresh({"tiles": {"kind": "tensor", "dir": str(tmp_path / "tiles"), "batches": str(tmp_path / "b.npz"),
+                               "steps": 3}})
+    assert got["tiles"]["losses"] == want
+    flags = json.loads((tmp_path / "tiles" / "manifest.json").read_text())["cpu_flags"]
+    assert ("amx_tile" in flags and "amx_bf16" in flags) == amx.has_amx()
+    src = _cpu_c({"features": ["avx2", "amx-tile", "amx-bf16"]})
+    assert "syscall(158, 0x1023, 18)" in src and '__builtin_cpu_supports("amx-bf16")' in src
+    (tmp_path / "cpu.c").write_text(src)
+    subprocess.run(["cc", "-c", "-Wall", "-Werror", str(tmp_path / "cpu.c"), "-o", str(tmp_path / "cpu.o")], check=True)

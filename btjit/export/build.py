@@ -44,6 +44,8 @@ CPU_FEATURES = {"sse3": ("pni", "sse3"), "ssse3": ("ssse3", "ssse3"), "sse4.1": 
                 "avx512f": ("avx512f", "avx512f"), "avx512dq": ("avx512dq", "avx512dq"),
                 "avx512cd": ("avx512cd", "avx512cd"), "avx512bw": ("avx512bw", "avx512bw"),
                 "avx512vl": ("avx512vl", "avx512vl"), "avx512bf16": ("avx512_bf16", "avx512bf16")}
+AMX_FEATURES = {"amx-tile": ("amx_tile", "amx-tile"), "amx-bf16": ("amx_bf16", "amx-bf16")}   # only where used
+FEATURES = {**CPU_FEATURES, **AMX_FEATURES}
 
 
 class ExportError(Exception):
@@ -82,12 +84,14 @@ def _code(fn) -> tuple:
     return obj, _entry_symbol(obj, fn.native_name)
 
 
-def cpu_info() -> dict:
-    """The build machine's CPU as numba compiles for it: LLVM's name and the CPU_FEATURES it has."""
+def cpu_info(tiles=False) -> dict:
+    """The build machine's CPU as numba compiles for it: LLVM's name and the CPU_FEATURES it has; with `tiles`
+    (the program runs AMX tile kernels) AMX_FEATURES too, and the program asks Linux for the tile state as it
+    checks the CPU."""
     import llvmlite.binding as llvm
     feats = {f[1:] for f in llvm.get_host_cpu_features().flatten().split(",") if f.startswith("+")}
     return {"machine": platform.machine(), "name": llvm.get_host_cpu_name(),
-            "features": sorted(f for f in CPU_FEATURES if f in feats)}
+            "features": sorted(f for f in (FEATURES if tiles else CPU_FEATURES) if f in feats)}
 
 
 def _blas(objects) -> dict | None:
@@ -120,9 +124,12 @@ def _blas_c(blas) -> str:
 
 
 def _cpu_c(cpu) -> str:
-    checks = "".join(f'    if (!__builtin_cpu_supports("{CPU_FEATURES[f][1]}")) return "{f}";\n'
-                     for f in cpu["features"])
-    return f"const char *btjit_check_cpu(void)\n{{\n    __builtin_cpu_init();\n{checks}    return 0;\n}}\n"
+    checks = "".join(f'    if (!__builtin_cpu_supports("{FEATURES[f][1]}")) return "{f}";\n' for f in cpu["features"])
+    decl = ""
+    if "amx-tile" in cpu["features"]:      # the process's tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
+        checks += '    if (syscall(158, 0x1023, 18) != 0) return "amx-tile (Linux refused the tile state)";\n'
+        decl = "long syscall(long, ...);\n"
+    return decl + f"const char *btjit_check_cpu(void)\n{{\n    __builtin_cpu_init();\n{checks}    return 0;\n}}\n"
 
 
 def _table_c(symbols) -> str:
@@ -256,7 +263,7 @@ def _base_manifest(kind, dtype, symbols, blas, cpu) -> dict:
     from btjit import __version__
     return {"format": FORMAT, "kind": kind, "btjit": __version__, "dtype": dtype, "kernels": symbols,
             "blas": blas and {"path": blas["path"], "gemm": blas["gemm"]}, "cpu": cpu,
-            "cpu_flags": [CPU_FEATURES[f][0] for f in cpu["features"]]}
+            "cpu_flags": [FEATURES[f][0] for f in cpu["features"]]}
 
 
 # ----------------------------------------------------------------------------- tensor programs
@@ -294,7 +301,7 @@ def export_program(prog, path, extra_files=None) -> Path:
     remap = np.zeros(max(ops) + 1, np.int64)
     remap[ops] = np.arange(len(ops))
     tape[:, 0] = remap[tape[:, 0]]
-    blas, cpu = _blas(objects), cpu_info()
+    blas, cpu = _blas(objects), cpu_info(tiles=any(n.startswith("k_matmul_amx") for n, _ in entries))
     ctype = "float" if fd == "f32" else "double"
 
     def off(view, base):
