@@ -45,7 +45,7 @@ def _kernels(opdef) -> list:
         glob = getattr(fn, "__globals__", {})
         for called in set(re.findall(r"\b(\w+)\(", src)):
             g = glob.get(called)
-            if inspect.isfunction(g) and g.__module__.startswith("btjit.graph"):
+            if inspect.isfunction(g) and g.__module__.startswith(("btjit.graph", "btjit.kernels.gemm_rule")):
                 todo.append(g)
     return sorted(names | ({n + "_par" for n in names if n + "_par" in ROWS} if twins else set()))
 

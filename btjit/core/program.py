@@ -22,7 +22,7 @@ from btjit.core import executor as X
 from btjit.core.arena import aligned_rows as _aligned_rows, arena as _arena
 from btjit.core.bounds import index_bounds as _index_bounds
 from btjit.host import threads as _threads
-from btjit.kernels import bf16
+from btjit.kernels import amx, bf16
 from btjit.kernels.library import LIBRARY
 from btjit.optim.build import Update, assign_in_place
 from btjit.export.runner import Runner
@@ -220,7 +220,7 @@ class Program(Runner):
         split = any(LIBRARY.entry_of(op)[0].endswith("_par") for op in self.tape[:, 0])
         self.threads = max(replicas * replica_threads, L.threads) if split else replicas   # what the step uses
         bf = [e for e in (LIBRARY.entry_of(op)[0] for op in self.tape[:, 0]) if e.startswith(bf16.KERNELS)]
-        self.precision = bf16.describe(bf[0]) if bf else "fp32"
+        self.precision = amx.describe(bf[0]) if bf else "fp32"
         fdt = np_dtype(graph.float_dtype)
         self.dtype = np.dtype(fdt)
         # replica r's arenas are rows r of A / IA (one row, and A[0] is self.a, without replicas)

@@ -23,6 +23,7 @@ from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from btjit.kernels import bf16
 from btjit.kernels.bf16 import KB, NC, OBP, TMP, finish, halves, splat, vload
 from btjit.kernels.bf16 import WS as BF16_WS
 from btjit.kernels.bf16 import _pack, _pack_bt, _pack_rows
@@ -57,6 +58,13 @@ def request_tiles() -> bool:
                 ok = False
         _GRANTED.append(ok)
     return _GRANTED[0]
+
+
+def describe(kernel) -> str:
+    """What a bf16 program's products on library entry `kernel` run on here (prog.precision, the banner)."""
+    if not kernel.startswith("k_matmul_amx"):
+        return bf16.describe()
+    return "bf16 (AMX tdpbf16ps)" if has_amx() else "bf16 (AMX tiles emulated: this CPU has none)"
 
 
 class _Tiles:

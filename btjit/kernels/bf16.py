@@ -34,12 +34,8 @@ def has_dpbf16() -> bool:
     return "+avx512bf16" in llvm.get_host_cpu_features().flatten().split(",")
 
 
-def describe(kernel="k_matmul_bf16") -> str:
-    """What a bf16 program's products (on library entry `kernel`) run on here, for prog.precision and the
-    banner."""
-    if kernel.startswith("k_matmul_amx"):
-        from btjit.kernels.amx import has_amx
-        return "bf16 (AMX tdpbf16ps)" if has_amx() else "bf16 (AMX tiles emulated: this CPU has none)"
+def describe() -> str:
+    """What a bf16 program's products on k_matmul_bf16 run on here, for prog.precision and the banner."""
     return "bf16 (AVX512-BF16 vdpbf16ps)" if has_dpbf16() else "bf16 (float32 FMAs on bf16-rounded operands)"
 
 

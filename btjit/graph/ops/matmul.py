@@ -7,6 +7,7 @@ import numpy as np
 from btjit.graph import trace as T
 from btjit.kernels import bf16, gemm_rule, linalg
 from btjit.kernels.common import MAX_THREADS
+from btjit.kernels.gemm_rule import bf16_kernel
 
 from btjit.graph.optable import Case, F, ShapeError, TABLE, _bcast_shape, _float, bstrides, cstrides, loop_nest, op
 
@@ -110,7 +111,7 @@ def _lower_matmul(e, L, beta=0, bias=0, osum=0, res=None, relu=False):
     def row(oa, ob, oc, nb, m, sa_, sb_, sc_):
         args = dict(oA=oa, oB=ob, oC=oc, nbatch=nb, M=m, N=N, K=K, sA=sa_, sB=sb_, sC=sc_, ta=ta, tb=tb)
         if micro(m):        # split over the threads by blocks of C's rows (or columns): bitwise equal to one thread
-            kernel = gemm_rule.bf16_kernel() if bf else "k_matmul_micro"
+            kernel = bf16_kernel() if bf else "k_matmul_micro"
             margs = dict(args, obias=bias, relu=int(relu), ores=L.off(res) + oc - L.off(C) if res is not None else 0,
                          **({} if bf else {"osum": osum, "kc": kc_rows(m, N, K, tb)}))
             if par and not bf and not ta and not tb and K * N >= COL_SPLIT_B and N >= 16 * threads:
