@@ -32,6 +32,11 @@ def test_the_tiles_thread_split_is_bitwise_one_thread(M, nparts):
     RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
     _, par = _product(amx.k_matmul_amx_par, M, 70, 90, 0, 0, bias=True, nparts=nparts)
     assert np.array_equal(one, par)
+    RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
+    _, one = _product(amx.k_matmul_amx, M, 70, 90, 1, 0, nb=5)
+    RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
+    _, par = _product(amx.k_matmul_amx_par, M, 70, 90, 1, 0, nb=5, nparts=nparts, bsplit=1)    # whole products
+    assert np.array_equal(one, par)
 
 
 def test_the_tile_code_compiles_to_amx_instructions():
@@ -96,10 +101,12 @@ def test_the_rule_checked_the_tiles_against_the_vectors():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_program_on_the_tiles_trains_as_on_the_vectors(monkeypatch, threads):
     """The same bf16 program with its products on each entry: the same rounded products summed in another
-    order, so losses and parameters agree to float32 rounding, on one thread and on two."""
-    p = {"w1": RNG.standard_normal((40, 48)).astype(np.float32) * 0.2, "b1": np.zeros(48, np.float32),
-         "w2": RNG.standard_normal((48, 16)).astype(np.float32) * 0.2}
-    x, y = RNG.standard_normal((70, 40)).astype(np.float32), RNG.standard_normal((70, 16)).astype(np.float32)
+    order, so a sum may round to another bf16 as the next product reads it: losses and parameters agree to a
+    part in a thousand (bf16 keeps 8 bits), on one thread and on two."""
+    rng = np.random.default_rng(3)
+    p = {"w1": rng.standard_normal((40, 48)).astype(np.float32) * 0.2, "b1": np.zeros(48, np.float32),
+         "w2": rng.standard_normal((48, 16)).astype(np.float32) * 0.2}
+    x, y = rng.standard_normal((70, 40)).astype(np.float32), rng.standard_normal((70, 16)).astype(np.float32)
     runs = {}
     for kernel in ("amx", "avx512"):
         monkeypatch.setattr(gemm_rule, "_BF16", [])
@@ -108,8 +115,9 @@ def test_a_program_on_the_tiles_trains_as_on_the_vectors(monkeypatch, threads):
         assert any(e.startswith("k_matmul_amx" if kernel == "amx" else "k_matmul_bf16") for e in prog.kernels.entries)
         assert ("AMX" in prog.precision) == (kernel == "amx")
         runs[kernel] = ([prog.step(x, y) for _ in range(5)], prog.params["w1"].copy())
-    np.testing.assert_allclose(runs["amx"][0], runs["avx512"][0], rtol=1e-5)
-    np.testing.assert_allclose(runs["amx"][1], runs["avx512"][1], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(runs["amx"][0], runs["avx512"][0], rtol=1e-3)
+    np.testing.assert_allclose(runs["amx"][1], runs["avx512"][1], rtol=1e-3, atol=1e-5)
+    assert not np.array_equal(runs["amx"][1], p["w1"])          # trained
 
 
 def test_an_export_on_the_tiles_runs_bitwise_and_asks_for_the_tile_state(tmp_path, monkeypatch):

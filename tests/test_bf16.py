@@ -33,7 +33,7 @@ def test_rounding_is_to_nearest_even_and_keeps_nan_and_inf():
     assert np.isnan(np.uint32(got[7] << 16).view(np.float32))            # a NaN stays a NaN
 
 
-def _product(kernel, M, N, K, ta, tb, nb=1, bias=False, res=False, relu=False, nparts=None):
+def _product(kernel, M, N, K, ta, tb, nb=1, bias=False, res=False, relu=False, nparts=None, bsplit=0):
     A = RNG.standard_normal((nb, K, M) if ta else (nb, M, K)).astype(np.float32)
     Bm = RNG.standard_normal((nb, N, K) if tb else (nb, K, N)).astype(np.float32)
     bv, R = RNG.standard_normal(N).astype(np.float32), RNG.standard_normal((nb, M, N)).astype(np.float32)
@@ -47,7 +47,7 @@ def _product(kernel, M, N, K, ta, tb, nb=1, bias=False, res=False, relu=False, n
     args = dict(oA=oA, oB=oB, oC=oC, nbatch=nb, M=M, N=N, K=K, sA=A[0].size, sB=Bm[0].size, sC=M * N, ta=ta, tb=tb,
                 obias=ob if bias else 0, ores=orr if res else 0, relu=int(relu))
     name = "k_matmul_bf16" if nparts is None else "k_matmul_bf16_par"
-    r = np.array(make_row(name, **args, **({} if nparts is None else {"nparts": nparts})), np.int64)
+    r = np.array(make_row(name, **args, **({} if nparts is None else {"nparts": nparts, "bsplit": bsplit})), np.int64)
     kernel(a, np.zeros(8, np.int32), r)
     Ab, Bb = bf(A).astype(np.float64), bf(Bm).astype(np.float64)
     Ab, Bb = (Ab.transpose(0, 2, 1) if ta else Ab), (Bb.transpose(0, 2, 1) if tb else Bb)
@@ -79,6 +79,11 @@ def test_the_thread_split_is_bitwise_one_thread(M, nparts):
     _, one = _product(B.k_matmul_bf16, M, 70, 90, 0, 0, bias=True)
     RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
     _, par = _product(B.k_matmul_bf16_par, M, 70, 90, 0, 0, bias=True, nparts=nparts)
+    assert np.array_equal(one, par)
+    RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
+    _, one = _product(B.k_matmul_bf16, M, 70, 90, 0, 1, nb=5)
+    RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
+    _, par = _product(B.k_matmul_bf16_par, M, 70, 90, 0, 1, nb=5, nparts=nparts, bsplit=1)   # whole products
     assert np.array_equal(one, par)
 
 

@@ -296,6 +296,33 @@ def test_matmul_micro_kernels_read_b_in_blocks_of_rows(M, N, Kd, ta, kc, extras)
     np.testing.assert_array_equal(got[0], got[2])
 
 
+@pytest.mark.parametrize("nb,nparts", [(4, 2), (5, 2), (9, 3)])
+@pytest.mark.parametrize("ta,tb,shared,M", [(0, 0, False, 27), (1, 0, False, 27), (0, 1, False, 27), (0, 1, True, 27),
+                                            (0, 1, True, 70)])
+def test_batched_products_split_as_whole_products_equal_one_thread(nb, nparts, ta, tb, shared, M):
+    """bsplit 1: nparts blocks of whole products of a batch, bitwise k_matmul_micro's, for every layout and a
+    B shared by the batch (from COPY_MIN_ROWS rows a B^T copy, made once per block by its first product)."""
+    from btjit.kernels.linalg import COPY_MIN_ROWS, k_matmul_micro, k_matmul_micro_par
+    assert 27 < COPY_MIN_ROWS <= 70
+    dt, N, Kd = np.float32, 40, 64
+    rng = np.random.default_rng(nb)
+    A = rnd(rng, (nb, Kd, M) if ta else (nb, M, Kd), dt)
+    B = rnd(rng, (1 if shared else nb, N, Kd) if tb else (nb, Kd, N), dt)
+    got = []
+    for kernel, extra in ((k_matmul_micro, []), (k_matmul_micro_par, [nparts, 1])):
+        ar = Arena(dt)
+        oA, oB, oC = ar.put("A", A), ar.put("B", B), ar.put("C", rnd(rng, (nb, M, N), dt))
+        a = ar.build()
+        args = [oA, oB, oC, nb, M, N, Kd, M * Kd, 0 if shared else N * Kd, M * N, ta, tb, 0, 0, 0, 0, Kd]
+        kernel(a, np.zeros(4, np.int32), row(*args, *extra))
+        got.append(ar.get("C", (nb, M, N)).copy())
+        ar.only_wrote("C")
+    At = A.transpose(0, 2, 1) if ta else A
+    Bt = B.transpose(0, 2, 1) if tb else B
+    check(got[0], At @ Bt, dt)
+    np.testing.assert_array_equal(got[0], got[1])
+
+
 def test_micro_gemm_limit_is_measured_once_and_remembered(tmp_path, monkeypatch):
     """The limits come from timing both kernels (a size they tried, or the minimum), are written to gemm.json
     and read back by a later process instead of measuring again; $BTJIT_MICRO_B_MAX / $BTJIT_NT_MACS override."""

@@ -263,15 +263,15 @@ def _panel(N, c0):
 
 
 @njit(**FM)
-def _amx_rows(a, ia, r, lo, m):
+def _amx_rows(a, ia, r, lo, m, b0, b1):
     """Rows lo .. lo+m of every product of a k_matmul_amx row (bf16.py's _bf16_rows, on tiles)."""
-    oA = r[1]; oB = r[2]; oC = r[3]; nbatch = r[4]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
+    oA = r[1]; oB = r[2]; oC = r[3]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
     sC = r[10]; ta = r[11]; tb = r[12]; obias = r[13]; ores = r[14]; relu = r[15]
     sar, sak = (1, M) if ta == 1 else (K, 1)          # A(i, k) = a[oA + i*sar + k*sak]
     sbk, sbc = (1, K) if tb == 1 else (N, 1)          # B(k, j) = a[oB + k*sbk + j*sbc]
     ws = carray(stack_buf(ia, WS), (WS,))
     _tiles_on()
-    for i in range(nbatch):
+    for i in range(b0, b1):
         oa, ob, oc = oA + i * sA, oB + i * sB, oC + i * sC
         cs = 0
         while cs < N:
@@ -324,17 +324,23 @@ def k_matmul_amx(a, ia, r):
     """k_matmul_bf16 on the matrix units (AMX): C_i (M,N) = op(A_i) @ op(B_i) (+ bias) (+ R_i) (relu), A and B
     rounded to bf16, float32 sums; arguments as k_matmul_bf16's. N >= 16. The process must hold the tile state
     (request_tiles)."""
-    _amx_rows(a, ia, r, np.int64(0), r[5])
+    _amx_rows(a, ia, r, np.int64(0), r[5], np.int64(0), r[4])
 
 
-@row("oA oB oC nbatch M N K sA sB sC ta tb obias ores relu nparts")
+@row("oA oB oC nbatch M N K sA sB sC ta tb obias ores relu nparts bsplit")
 @njit(**FM_PAR)
 def k_matmul_amx_par(a, ia, r):
-    """k_matmul_amx with C's rows cut into nparts blocks of whole MB-row blocks on the thread pool; bitwise
-    equal to one thread."""
+    """k_matmul_amx with C's rows cut into nparts blocks of whole MB-row blocks on the thread pool, or with bsplit
+    1 the batch into nparts blocks of whole products; bitwise equal to one thread."""
     M = r[5]; nparts = r[16]
+    if r[17] == 1:                      # bsplit: nparts blocks of whole products
+        nbatch = r[4]
+        for j in prange(nparts):
+            b = np.int64(j)
+            _amx_rows(a, ia, r, np.int64(0), M, b * nbatch // nparts, (b + 1) * nbatch // nparts)
+        return
     nblk = (M + MB - 1) // MB
     for j in prange(nparts):
         lo = j * nblk // nparts * MB
         hi = M if j == nparts - 1 else (j + 1) * nblk // nparts * MB
-        _amx_rows(a, ia, r, lo, hi - lo)
+        _amx_rows(a, ia, r, lo, hi - lo, np.int64(0), r[4])

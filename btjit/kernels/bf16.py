@@ -279,16 +279,16 @@ def _panel(N, c0):
 
 
 @njit(**FM)
-def _bf16_rows(a, ia, r, lo, m):
+def _bf16_rows(a, ia, r, lo, m, b0, b1):
     """Rows lo .. lo+m of every product of a k_matmul_bf16 row: per group of panels (NC columns) and block
     of KB k-steps, B's block packed once, then per block of MR rows A's block packed once for all the panels."""
-    oA = r[1]; oB = r[2]; oC = r[3]; nbatch = r[4]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
+    oA = r[1]; oB = r[2]; oC = r[3]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
     sC = r[10]; ta = r[11]; tb = r[12]; obias = r[13]; ores = r[14]; relu = r[15]
     sar, sak = (1, M) if ta == 1 else (K, 1)          # A(i, k) = a[oA + i*sar + k*sak]
     sbk, sbc = (1, K) if tb == 1 else (N, 1)          # B(k, j) = a[oB + k*sbk + j*sbc]
     sp, sr = (MR, 1) if ta == 1 else (1, KB // 2)     # A's packed pair (row r, pair p) at ws[p*sp + r*sr]
     ws = carray(stack_buf(ia, WS), (WS,))
-    for i in range(nbatch):
+    for i in range(b0, b1):
         oa, ob, oc = oA + i * sA, oB + i * sB, oC + i * sC
         cs = 0
         while cs < N:
@@ -340,17 +340,24 @@ def k_matmul_bf16(a, ia, r):
     """Batched float32 matmul with bf16-rounded operands, float32 sums: C_i (M,N) = op(A_i) @ op(B_i)
     (+ bias) (+ R_i) (relu) for i < nbatch, overwriting C_i; arguments as k_matmul_micro's (ta, tb any; no
     column sums). N >= N_MIN."""
-    _bf16_rows(a, ia, r, np.int64(0), r[5])   # not a literal: one compile with the _par twin's
+    _bf16_rows(a, ia, r, np.int64(0), r[5], np.int64(0), r[4])   # not literals: one compile with the _par twin's
 
 
-@row("oA oB oC nbatch M N K sA sB sC ta tb obias ores relu nparts")
+@row("oA oB oC nbatch M N K sA sB sC ta tb obias ores relu nparts bsplit")
 @njit(**FM_PAR)
 def k_matmul_bf16_par(a, ia, r):
-    """k_matmul_bf16 with C's rows cut into nparts blocks of whole MR-row blocks on the thread pool; every entry
-    is computed as on one thread (bitwise equal)."""
+    """k_matmul_bf16 with C's rows cut into nparts blocks of whole MR-row blocks on the thread pool, or with
+    bsplit 1 the batch into nparts blocks of whole products; every entry is computed as on one thread (bitwise
+    equal)."""
     M = r[5]; nparts = r[16]
+    if r[17] == 1:                      # bsplit: nparts blocks of whole products
+        nbatch = r[4]
+        for j in prange(nparts):
+            b = np.int64(j)
+            _bf16_rows(a, ia, r, np.int64(0), M, b * nbatch // nparts, (b + 1) * nbatch // nparts)
+        return
     nblk = (M + MR - 1) // MR
     for j in prange(nparts):
         lo = j * nblk // nparts * MR
         hi = M if j == nparts - 1 else (j + 1) * nblk // nparts * MR
-        _bf16_rows(a, ia, r, lo, hi - lo)
+        _bf16_rows(a, ia, r, lo, hi - lo, np.int64(0), r[4])

@@ -113,18 +113,25 @@ def k_matmul_micro(a, ia, r):
     (nbatch 1, tb 0): also a[osum:osum+N] = the column sums of B (ops' matmul_colsum: dW = X^T dY and db
     together).
     """
-    _micro_rows(a, r, np.int64(0), r[5])      # not a literal: the _par twin's compile of it serves both
+    _micro_rows(a, r, np.int64(0), r[5], np.int64(0), r[4])   # not literals: the _par twin's compile serves both
 
 
-@row("oA oB oC nbatch M N K sA sB sC ta tb obias osum ores relu kc nparts")
+@row("oA oB oC nbatch M N K sA sB sC ta tb obias osum ores relu kc nparts bsplit")
 @njit(**FM_PAR)
 def k_matmul_micro_par(a, ia, r):
     """k_matmul_micro with C's rows cut into nparts blocks (multiples of MR rows; nparts <= M / MR) computed on the
     thread pool, or with nparts < 0 its columns into -nparts blocks (multiples of 16, each >= 16; tb 0): each
-    thread then reads only its part of a large B, where row blocks would each read all of it. Every entry of C
-    is the same sequence of multiply-adds as on one thread, so the result is bitwise equal to
-    k_matmul_micro's; each block transposes its own stack copy of B where one is used."""
+    thread then reads only its part of a large B, where row blocks would each read all of it; or with bsplit 1
+    the batch into nparts blocks of whole products (no B read by two threads). Every entry of C is the same
+    sequence of multiply-adds as on one thread, so the result is bitwise equal to k_matmul_micro's; each block
+    transposes its own stack copy of B where one is used."""
     M = r[5]; N = r[6]; nparts = r[18]
+    if r[19] == 1:
+        nbatch = r[4]
+        for j in prange(nparts):
+            b = np.int64(j)
+            _micro_rows(a, r, np.int64(0), M, b * nbatch // nparts, (b + 1) * nbatch // nparts)
+        return
     if nparts < 0:
         ncol = N // 16
         for j in prange(-nparts):
@@ -136,7 +143,7 @@ def k_matmul_micro_par(a, ia, r):
     for j in prange(nparts):               # nparts <= M // MR (the lowering's): every block has >= MR rows
         lo = j * nblk // nparts * MR
         hi = M if j == nparts - 1 else (j + 1) * nblk // nparts * MR
-        _micro_rows(a, r, lo, hi - lo)
+        _micro_rows(a, r, lo, hi - lo, np.int64(0), r[4])
 
 
 @njit(**FM)
@@ -153,16 +160,16 @@ def _micro_cols(a, r, lo, n):
 
 
 @njit(**FM)
-def _micro_rows(a, r, lo, m):
-    """Rows lo .. lo+m of every product of a k_matmul_micro row (m >= MR)."""
-    oA = r[1]; oB = r[2]; oC = r[3]; nbatch = r[4]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
+def _micro_rows(a, r, lo, m, b0, b1):
+    """Rows lo .. lo+m of products b0 .. b1-1 of a k_matmul_micro row (m >= MR)."""
+    oA = r[1]; oB = r[2]; oC = r[3]; M = r[5]; N = r[6]; K = r[7]; sA = r[8]; sB = r[9]
     sC = r[10]; ta = r[11]; tb = r[12]; obias = r[13]; osum = r[14]; ores = r[15]; relu = r[16]; kc = r[17]
     lda = M if ta == 1 else K
     sar, sak = (1, lda) if ta == 1 else (lda, 1)
     wt = carray(stack_buf(a, WT_MAX), (WT_MAX,))
     one, zero = np.int64(1), np.int64(0)     # not literals: a literal argument compiles gemm_micro a second time
     osum = osum if lo == 0 else 0            # B's column sums: once, by the block with the first rows
-    for i in range(nbatch):
+    for i in range(b0, b1):
         oa, ob, oc = oA + i * sA + lo * sar, oB + i * sB, oC + i * sC + lo * N
         if tb == 0:
             gemm_micro_kc(a, oa, sar, sak, ob, oc, m, N, K, kc, obias, osum,
@@ -170,7 +177,7 @@ def _micro_rows(a, r, lo, m):
         elif M < COPY_MIN_ROWS:
             gemm_micro_nt(a, oa, K, ob, K, oc, N, m, N, K, wt)
         elif N * K <= WT_MAX:
-            if i == 0 or sB != 0:
+            if i == b0 or sB != 0:
                 transpose(a, ob, wt, 0, N, K)
             gemm_micro(a, wt, oa, K, one, zero, N, oc, N, m, N, K, zero, zero, zero, zero)
         else:                   # column blocks of C: nc rows of B at a time transposed onto the stack

@@ -84,6 +84,13 @@ def bf16_gemm(L, N, float_dtype) -> bool:
     return L.precision == "bf16" and float_dtype == "f32" and N >= bf16.N_MIN
 
 
+def batch_split(nbatch, threads) -> bool:
+    """Whether a batch of products splits over the threads as whole products (no B read by two threads, no
+    transposed copy made twice) rather than by rows: as many products as threads at least, evenly or >= 4 per
+    thread (16 products of 27 rows, E5's tables: its rows would split 16 / 11)."""
+    return nbatch >= threads and (nbatch % threads == 0 or nbatch >= 4 * threads)
+
+
 def par_gemm(macs, threads) -> bool:
     """Whether a product of `macs` multiply-adds in all runs split over the thread pool (k_matmul_par)."""
     return min(threads, MAX_THREADS) > 1 and macs >= PAR_GEMM_MACS
@@ -114,10 +121,12 @@ def _lower_matmul(e, L, beta=0, bias=0, osum=0, res=None, relu=False):
             kernel = bf16_kernel() if bf else "k_matmul_micro"
             margs = dict(args, obias=bias, relu=int(relu), ores=L.off(res) + oc - L.off(C) if res is not None else 0,
                          **({} if bf else {"osum": osum, "kc": kc_rows(m, N, K, tb)}))
+            if par and batch_split(nb, threads):                              # each thread whole products
+                return L.row(kernel + "_par", **margs, nparts=threads, bsplit=1)
             if par and not bf and not ta and not tb and K * N >= COL_SPLIT_B and N >= 16 * threads:
-                return L.row(kernel + "_par", **margs, nparts=-threads)       # each thread its columns
+                return L.row(kernel + "_par", **margs, nparts=-threads, bsplit=0)   # each thread its columns
             if par and m >= 2 * linalg.MR:
-                return L.row(kernel + "_par", **margs, nparts=min(threads, m // linalg.MR))
+                return L.row(kernel + "_par", **margs, nparts=min(threads, m // linalg.MR), bsplit=0)
             return L.row(kernel, **margs)
         kernel, parts = ("k_matmul_par", threads) if par else ("k_matmul", split_gemm(nb, m, N, K))
         return L.row(kernel, **args, beta=beta, osc=L.scratch, oconst=L.one_zero, obias=bias, nparts=parts)
