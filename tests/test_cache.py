@@ -170,6 +170,41 @@ def test_workers_reporting_many_entries_at_once_are_all_heard(tmp_path):
     assert seen == n == 12 and ngroups > 2                  # more groups than workers: each fed several
 
 
+def test_a_worker_that_dies_loses_only_its_group(tmp_path):
+    """A worker dying on a group (an entry that does not compile) is replaced while groups are left: with
+    every float64 group fatal, every float32 group is still compiled and heard (each entry once), whichever
+    worker died first."""
+    fake = ("import os, sys\n"
+            "while True:\n"
+            "    got = os.read(0, 65536)\n"
+            "    if not got: break\n"
+            "    if b':f64' in got: sys.exit(1)\n"
+            "    os.write(1, b''.join(s.split(b':')[0] + b' 0.00 s\\n' for s in got.split()))\n")
+    script = textwrap.dedent(f"""
+        import sys
+        from btjit.kernels import library
+        library.WORKER = [sys.executable, "-c", {fake!r}]
+        es = [(n, fd, None) for n in ("k_unary", "k_binary", "k_matmul", "k_reduce", "k_clip_scale", "k_fill")
+              for fd in ("f64", "f32")]
+        seen = []
+        library.compile_entries(es, seen.append)
+        print(" ".join(sorted(ln.split()[0] for ln in seen)))
+    """)
+    env = dict(os.environ, BTJIT_CACHE_DIR=str(tmp_path),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == sorted(("k_unary", "k_binary", "k_matmul", "k_reduce", "k_clip_scale", "k_fill"))
+
+
+def test_the_whole_library_is_float32_only_where_its_kernels_are():
+    from btjit.kernels import library
+    entries = library.all_entries()
+    assert ("k_matmul_amx", "f32", None) in entries and ("k_matmul_bf16_par", "f32", None) in entries
+    assert not [e for e in entries if e[0] in library.F32_ONLY and e[1] == "f64"]
+    assert ("k_matmul_micro", "f64", None) in entries
+
+
 def test_groups_keep_modules_together_and_halve_for_idle_workers():
     """Entries of one module and dtype compile in one process; with fewer groups than workers the costliest
     group of two or more is halved (a new attention shape's forward and backward on two cores, not one)."""

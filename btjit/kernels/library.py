@@ -43,6 +43,7 @@ MODULES = (elementwise, layout, fused, reduce, linalg, nn, norm, optim, attn_loo
            convgemm, bf16, amx)
 STATIC = [(m.__name__, n) for m in MODULES for n in sorted(vars(m)) if n in ROWS]
 GENERATED = attn_lanes.KERNEL_NAMES             # entries per (T, hs), float32 only
+F32_ONLY = {n for m, n in STATIC if m in (bf16.__name__, amx.__name__)}   # bf16 products: float32 arenas only
 KERNELS = [n for _, n in STATIC] + list(GENERATED)
 MODULE_OF = {n: m for m, n in STATIC}
 OPCODE = {n: i for i, n in enumerate(KERNELS)}  # a variant (T, hs) of a generated kernel gets its own opcode
@@ -326,8 +327,8 @@ def compile_entries(entries, echo=None) -> None:
     """Compile `entries` into the library dir in worker processes (`python -m btjit.kernels -`), one per core
     and at most one per group, each fed one group at a time, costliest first: a worker that finishes a group
     takes the next, so the cores stay busy to the end whatever the real costs. echo(line) gets each worker's
-    report ("entry  seconds"). A worker that dies loses only its group; `Library.load` compiles what is
-    missing."""
+    report ("entry  seconds"). A worker that dies loses only its group (a new one takes the groups left);
+    `Library.load` compiles what is missing."""
     import selectors
     todo = groups(entries, workers(len(entries)))
     if not todo:
@@ -349,11 +350,13 @@ def compile_entries(entries, echo=None) -> None:
                 p.stdin.close()
         except OSError:                         # the worker died; the end of its stdout unregisters it
             pass
-    for _ in range(workers(len(todo))):
+    def start():
         p = subprocess.Popen(WORKER, env=env, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         sel.register(p.stdout, selectors.EVENT_READ, p)
         feed(p)
+    for _ in range(workers(len(todo))):
+        start()
     partial = {}                                # worker -> bytes after its last newline
     while sel.get_map():
         for key, _ in sel.select():
@@ -363,6 +366,8 @@ def compile_entries(entries, echo=None) -> None:
                 sel.unregister(key.fileobj)
                 p.stdin.close()
                 p.wait()
+                if todo and p.returncode:       # it died: another worker takes the groups left
+                    start()
                 continue
             *lines, partial[p] = (partial.get(p, b"") + chunk).split(b"\n")
             for line in lines:
@@ -375,7 +380,7 @@ def compile_entries(entries, echo=None) -> None:
 
 def all_entries():
     """The whole library: every static kernel for both dtypes, the generated ones for PAPER_SHAPES."""
-    return [(n, fd, None) for _, n in STATIC for fd in DTYPES] + \
+    return [(n, fd, None) for _, n in STATIC for fd in DTYPES if fd == "f32" or n not in F32_ONLY] + \
         [(n, "f32", s) for n in GENERATED for s in PAPER_SHAPES]
 
 
