@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 from btjit.kernels import bf16
 from btjit.kernels.bf16 import KB, NC, OBP, TMP, finish, halves, splat, vload
 from btjit.kernels.bf16 import WS as BF16_WS
-from btjit.kernels.bf16 import _pack, _pack_bt, _pack_rows
+from btjit.kernels.bf16 import _pack, _pack_bt, _pack_rows, part
 from btjit.kernels.common import FM, FM_FLAGS, FM_PAR, row, stack_buf
 
 TR = 16                     # rows of a tile (and pairs per tile row: 64 bytes)
@@ -332,15 +332,7 @@ def k_matmul_amx(a, ia, r):
 def k_matmul_amx_par(a, ia, r):
     """k_matmul_amx with C's rows cut into nparts blocks of whole MB-row blocks on the thread pool, or with bsplit
     1 the batch into nparts blocks of whole products; bitwise equal to one thread."""
-    M = r[5]; nparts = r[16]
-    if r[17] == 1:                      # bsplit: nparts blocks of whole products
-        nbatch = r[4]
-        for j in prange(nparts):
-            b = np.int64(j)
-            _amx_rows(a, ia, r, np.int64(0), M, b * nbatch // nparts, (b + 1) * nbatch // nparts)
-        return
-    nblk = (M + MB - 1) // MB
+    nbatch = r[4]; M = r[5]; nparts = r[16]; bsplit = r[17]
     for j in prange(nparts):
-        lo = j * nblk // nparts * MB
-        hi = M if j == nparts - 1 else (j + 1) * nblk // nparts * MB
-        _amx_rows(a, ia, r, lo, hi - lo, np.int64(0), r[4])
+        lo, m, b0, b1 = part(np.int64(j), nparts, M, nbatch, bsplit, np.int64(MB))
+        _amx_rows(a, ia, r, lo, m, b0, b1)

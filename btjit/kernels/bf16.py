@@ -343,21 +343,25 @@ def k_matmul_bf16(a, ia, r):
     _bf16_rows(a, ia, r, np.int64(0), r[5], np.int64(0), r[4])   # not literals: one compile with the _par twin's
 
 
+@njit(**FM)
+def part(j, nparts, M, nbatch, bsplit, blk):
+    """(first row, rows, first product, end product) of part j of nparts of a split bf16 product row: with
+    bsplit 1 whole products, else blocks of whole blk-row blocks of every product."""
+    if bsplit == 1:
+        return np.int64(0), M, j * nbatch // nparts, (j + 1) * nbatch // nparts
+    nblk = (M + blk - 1) // blk
+    lo = j * nblk // nparts * blk
+    hi = M if j == nparts - 1 else (j + 1) * nblk // nparts * blk
+    return lo, hi - lo, np.int64(0), nbatch
+
+
 @row("oA oB oC nbatch M N K sA sB sC ta tb obias ores relu nparts bsplit")
 @njit(**FM_PAR)
 def k_matmul_bf16_par(a, ia, r):
     """k_matmul_bf16 with C's rows cut into nparts blocks of whole MR-row blocks on the thread pool, or with
     bsplit 1 the batch into nparts blocks of whole products; every entry is computed as on one thread (bitwise
     equal)."""
-    M = r[5]; nparts = r[16]
-    if r[17] == 1:                      # bsplit: nparts blocks of whole products
-        nbatch = r[4]
-        for j in prange(nparts):
-            b = np.int64(j)
-            _bf16_rows(a, ia, r, np.int64(0), M, b * nbatch // nparts, (b + 1) * nbatch // nparts)
-        return
-    nblk = (M + MR - 1) // MR
+    nbatch = r[4]; M = r[5]; nparts = r[16]; bsplit = r[17]
     for j in prange(nparts):
-        lo = j * nblk // nparts * MR
-        hi = M if j == nparts - 1 else (j + 1) * nblk // nparts * MR
-        _bf16_rows(a, ia, r, lo, hi - lo, np.int64(0), r[4])
+        lo, m, b0, b1 = part(np.int64(j), nparts, M, nbatch, bsplit, np.int64(MR))
+        _bf16_rows(a, ia, r, lo, m, b0, b1)
