@@ -1,42 +1,18 @@
 """bf16 products on the matrix units (btjit/kernels/amx.py) and the rule that chooses them (gemm_rule.bf16_kernel).
 Where the CPU has AMX-BF16 the kernel runs its tiles; elsewhere the same loops run on an emulation of the four
-tile instructions, so the packing, the tiles' edges and the thread split are checked on every machine. The tile
-code itself is compiled for an AMX CPU on every machine and read back; it runs only where the CPU has it."""
+tile instructions, so the packing, the tiles' edges and the thread split are checked on every machine (the
+products and splits beside the vector kernel's, in tests/test_bf16.py). The tile code itself is compiled for
+an AMX CPU on every machine and read back; it runs only where the CPU has it."""
 import llvmlite.binding as llvm
 import numpy as np
 import pytest
 from llvmlite import ir
-from test_bf16 import SHAPES, RNG, _mlp, _product
+from test_bf16 import _mlp
 
 import btjit
 from btjit.kernels import amx, gemm_rule
 
 AMX = pytest.mark.skipif(not amx.has_amx(), reason="this CPU has no AMX-BF16: the tiles run emulated here")
-
-
-@pytest.mark.parametrize("M,N,K", SHAPES + [(33, 48, 64), (16, 16, 32)])
-@pytest.mark.parametrize("ta,tb", [(0, 0), (1, 0), (0, 1), (1, 1)])
-def test_tile_products_equal_float64_products_of_the_rounded_operands(M, N, K, ta, tb):
-    """M over and under a block of 32 rows (one row tile or two), K padded to whole tiles of 32, N in panels
-    of 32 and 16 (the last moved back), batches, bias, residual and relu."""
-    err, _ = _product(amx.k_matmul_amx, M, N, K, ta, tb, nb=2, bias=True, res=True, relu=True)
-    assert err < 2e-7, err
-    err, _ = _product(amx.k_matmul_amx, M, N, K, ta, tb)
-    assert err < 2e-7, err
-
-
-@pytest.mark.parametrize("M,nparts", [(16, 2), (70, 3), (100, 2)])
-def test_the_tiles_thread_split_is_bitwise_one_thread(M, nparts):
-    RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
-    _, one = _product(amx.k_matmul_amx, M, 70, 90, 0, 0, bias=True)
-    RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
-    _, par = _product(amx.k_matmul_amx_par, M, 70, 90, 0, 0, bias=True, nparts=nparts)
-    assert np.array_equal(one, par)
-    RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
-    _, one = _product(amx.k_matmul_amx, M, 70, 90, 1, 0, nb=5)
-    RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
-    _, par = _product(amx.k_matmul_amx_par, M, 70, 90, 1, 0, nb=5, nparts=nparts, bsplit=1)    # whole products
-    assert np.array_equal(one, par)
 
 
 def test_the_tile_code_compiles_to_amx_instructions():

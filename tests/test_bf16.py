@@ -9,6 +9,7 @@ from numba import njit
 
 import btjit
 from btjit.graph.lower import make_row
+from btjit.kernels import amx
 from btjit.kernels import bf16 as B
 
 RNG = np.random.default_rng(0)
@@ -62,29 +63,38 @@ def _product(kernel, M, N, K, ta, tb, nb=1, bias=False, res=False, relu=False, n
 SHAPES = [(8, 16, 1), (9, 17, 3), (37, 50, 301), (64, 130, 256), (21, 200, 530), (100, 400, 40)]
 
 
-@pytest.mark.parametrize("M,N,K", SHAPES)
+KERNELS = {"vectors": (B.k_matmul_bf16, B.k_matmul_bf16_par), "tiles": (amx.k_matmul_amx, amx.k_matmul_amx_par)}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("M,N,K", SHAPES + [(33, 48, 64), (16, 16, 32)])
 @pytest.mark.parametrize("ta,tb", [(0, 0), (1, 0), (0, 1), (1, 1)])
-def test_products_equal_float64_products_of_the_rounded_operands(M, N, K, ta, tb):
-    """Odd K, K over a packed block (256), N over a group of panels (192) and not a multiple of 16 (the last
-    panel moved back), M not a multiple of 8, batches, bias, residual and relu."""
-    err, one = _product(B.k_matmul_bf16, M, N, K, ta, tb, nb=2, bias=True, res=True, relu=True)
+def test_products_equal_float64_products_of_the_rounded_operands(kernel, M, N, K, ta, tb):
+    """Both kernels (the AMX tiles emulated where the CPU has none): odd K, K over a packed block (256), N over
+    a group of panels (192) and not a multiple of 16 (the last panel moved back), M not a multiple of 8 and over
+    and under a block of 32 rows (one row tile or two), K padded to whole tiles, batches, bias, residual, relu."""
+    err, one = _product(KERNELS[kernel][0], M, N, K, ta, tb, nb=2, bias=True, res=True, relu=True)
     assert err < 2e-7, err
-    err, _ = _product(B.k_matmul_bf16, M, N, K, ta, tb)
+    err, _ = _product(KERNELS[kernel][0], M, N, K, ta, tb)
     assert err < 2e-7, err
 
 
-@pytest.mark.parametrize("M,nparts", [(16, 2), (37, 3), (100, 2)])
-def test_the_thread_split_is_bitwise_one_thread(M, nparts):
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("M,nparts", [(16, 2), (37, 3), (70, 3), (100, 2)])
+def test_the_thread_split_is_bitwise_one_thread(kernel, M, nparts):
+    """By blocks of rows, and by whole products of a batch (bsplit), for both kernels."""
+    serial, par = KERNELS[kernel]
     RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
-    _, one = _product(B.k_matmul_bf16, M, 70, 90, 0, 0, bias=True)
+    _, one = _product(serial, M, 70, 90, 0, 0, bias=True)
     RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
-    _, par = _product(B.k_matmul_bf16_par, M, 70, 90, 0, 0, bias=True, nparts=nparts)
-    assert np.array_equal(one, par)
-    RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
-    _, one = _product(B.k_matmul_bf16, M, 70, 90, 0, 1, nb=5)
-    RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
-    _, par = _product(B.k_matmul_bf16_par, M, 70, 90, 0, 1, nb=5, nparts=nparts, bsplit=1)   # whole products
-    assert np.array_equal(one, par)
+    _, split = _product(par, M, 70, 90, 0, 0, bias=True, nparts=nparts)
+    assert np.array_equal(one, split)
+    for ta, tb in ((0, 1), (1, 0)):
+        RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
+        _, one = _product(serial, M, 70, 90, ta, tb, nb=5)
+        RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
+        _, split = _product(par, M, 70, 90, ta, tb, nb=5, nparts=nparts, bsplit=1)
+        assert np.array_equal(one, split)
 
 
 def test_the_float32_fallback_computes_the_same_products(monkeypatch):

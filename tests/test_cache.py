@@ -144,57 +144,48 @@ def test_generated_entries_compile_here_load_from_disk_and_heal(tmp_path, monkey
         assert lib.load(*e) and lib.loaded[e].object_code == code
 
 
-def test_workers_reporting_many_entries_at_once_are_all_heard(tmp_path):
-    """A worker that reports a whole group in one write is fed its next group: compile_entries reads what the
-    pipe holds, not a line at a time (a line read ahead into a buffer would never wake the selector again)."""
+FAKE_NAMES = ("k_unary", "k_binary", "k_matmul", "k_reduce", "k_clip_scale", "k_fill")
+
+
+def _fake_workers(tmp_path, die_on_f64=False):
+    """compile_entries over FAKE_NAMES' entries (float64 first) with a fake worker that reports each group it
+    reads in one write (and exits 1 on a float64 group with die_on_f64): (names heard, entries, groups)."""
     fake = ("import os, sys\n"
             "while True:\n"
             "    got = os.read(0, 65536)\n"
             "    if not got: break\n"
+            f"    if {die_on_f64} and b':f64' in got: sys.exit(1)\n"
             "    os.write(1, b''.join(s.split(b':')[0] + b' 0.00 s\\n' for s in got.split()))\n")
     script = textwrap.dedent(f"""
         import sys
         from btjit.kernels import library
         library.WORKER = [sys.executable, "-c", {fake!r}]
-        es = [(n, fd, None) for n in ("k_unary", "k_binary", "k_matmul", "k_reduce", "k_clip_scale", "k_fill")
-              for fd in ("f32", "f64")]
+        es = [(n, fd, None) for n in {FAKE_NAMES!r} for fd in ("f64", "f32")]
         seen = []
         library.compile_entries(es, seen.append)
-        print(len(es), len(seen), len(library.groups(es)))
+        print(len(es), len(library.groups(es)), *(ln.split()[0] for ln in seen))
     """)
     env = dict(os.environ, BTJIT_CACHE_DIR=str(tmp_path),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    n, seen, ngroups = map(int, out.stdout.split())
-    assert seen == n == 12 and ngroups > 2                  # more groups than workers: each fed several
+    n, ngroups, *seen = out.stdout.split()
+    return seen, int(n), int(ngroups)
+
+
+def test_workers_reporting_many_entries_at_once_are_all_heard(tmp_path):
+    """A worker that reports a whole group in one write is fed its next group: compile_entries reads what the
+    pipe holds, not a line at a time (a line read ahead into a buffer would never wake the selector again)."""
+    seen, n, ngroups = _fake_workers(tmp_path)
+    assert len(seen) == n == 12 and ngroups > 2             # more groups than workers: each fed several
 
 
 def test_a_worker_that_dies_loses_only_its_group(tmp_path):
     """A worker dying on a group (an entry that does not compile) is replaced while groups are left: with
     every float64 group fatal, every float32 group is still compiled and heard (each entry once), whichever
     worker died first."""
-    fake = ("import os, sys\n"
-            "while True:\n"
-            "    got = os.read(0, 65536)\n"
-            "    if not got: break\n"
-            "    if b':f64' in got: sys.exit(1)\n"
-            "    os.write(1, b''.join(s.split(b':')[0] + b' 0.00 s\\n' for s in got.split()))\n")
-    script = textwrap.dedent(f"""
-        import sys
-        from btjit.kernels import library
-        library.WORKER = [sys.executable, "-c", {fake!r}]
-        es = [(n, fd, None) for n in ("k_unary", "k_binary", "k_matmul", "k_reduce", "k_clip_scale", "k_fill")
-              for fd in ("f64", "f32")]
-        seen = []
-        library.compile_entries(es, seen.append)
-        print(" ".join(sorted(ln.split()[0] for ln in seen)))
-    """)
-    env = dict(os.environ, BTJIT_CACHE_DIR=str(tmp_path),
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == sorted(("k_unary", "k_binary", "k_matmul", "k_reduce", "k_clip_scale", "k_fill"))
+    seen, _, _ = _fake_workers(tmp_path, die_on_f64=True)
+    assert sorted(seen) == sorted(FAKE_NAMES)
 
 
 def test_the_whole_library_is_float32_only_where_its_kernels_are():

@@ -219,8 +219,8 @@ class Program(Runner):
         self.tape = np.array(rows, np.int64).reshape(len(rows), -1)
         split = any(LIBRARY.entry_of(op)[0].endswith("_par") for op in self.tape[:, 0])
         self.threads = max(replicas * replica_threads, L.threads) if split else replicas   # what the step uses
-        bf = [e for e in (LIBRARY.entry_of(op)[0] for op in self.tape[:, 0]) if e.startswith(bf16.KERNELS)]
-        self.precision = amx.describe(bf[0]) if bf else "fp32"
+        bf = next((e for e in (LIBRARY.entry_of(op)[0] for op in self.tape[:, 0]) if e.startswith(bf16.KERNELS)), None)
+        self.precision = amx.describe(bf) if bf else "fp32"
         fdt = np_dtype(graph.float_dtype)
         self.dtype = np.dtype(fdt)
         # replica r's arenas are rows r of A / IA (one row, and A[0] is self.a, without replicas)

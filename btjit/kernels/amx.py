@@ -95,7 +95,7 @@ class _Tiles:
         self.b.call(self.dp_, [self.t(c), self.t(a), self.t(b)])
 
 
-class _Emulated(_Tiles):
+class _Emulated:
     """The same four operations on 8 tiles of 16 x 16 int32 on the stack; TDPBF16PS as per the instruction's
     definition: C[m, n] += A[m, 2k] B[k, 2n] + A[m, 2k+1] B[k, 2n+1] over the 16 pairs k, in float32."""
     def __init__(self, builder):

@@ -379,7 +379,8 @@ def compile_entries(entries, echo=None) -> None:
 
 
 def all_entries():
-    """The whole library: every static kernel for both dtypes, the generated ones for PAPER_SHAPES."""
+    """The whole library: every static kernel for both dtypes (F32_ONLY's for float32), the generated ones for
+    PAPER_SHAPES."""
     return [(n, fd, None) for _, n in STATIC for fd in DTYPES if fd == "f32" or n not in F32_ONLY] + \
         [(n, "f32", s) for n in GENERATED for s in PAPER_SHAPES]
 
