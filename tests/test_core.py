@@ -238,6 +238,15 @@ def test_unsupported_numpy_function_and_int_as_float():
         btjit.trace(lambda p: btjit.sum(p["w"]), {"w": np.zeros(3, np.int64)})
 
 
+def test_value_and_grad_of_a_program_without_gradients_says_how():
+    x, y = _data()
+    prog = btjit.trace(mlp_loss, _mlp(), x.astype(np.float32), y)
+    with pytest.raises(RuntimeError, match=r"computes no gradients: trace it with btjit.trace\(..., grad=True\)"):
+        prog.value_and_grad(x.astype(np.float32), y)
+    prog = btjit.trace(mlp_loss, _mlp(), x.astype(np.float32), y, grad=True)
+    assert prog.value_and_grad(x.astype(np.float32), y) == prog.forward(x.astype(np.float32), y)
+
+
 def test_step_rejects_wrong_batches():
     x, y = _data()
     prog = btjit.trace(mlp_loss, _mlp(), x.astype(np.float32), y, optimizer=btjit.optim.SGD(lr=0.1))

@@ -42,6 +42,8 @@ CASES = {
     "logsumexp_axes": (lambda x: btjit.logsumexp(x, axis=(0, 2), keepdims=True),
                        lambda x: torch.logsumexp(x, (0, 2), keepdim=True), (3, 4, 5), 3.0),
     "logsumexp_all": (lambda x: btjit.logsumexp(x), lambda x: torch.logsumexp(x, (0, 1)), X, 3.0),
+    "softmax_axis0": (lambda x: btjit.softmax(x, axis=0), lambda x: F.softmax(x, 0), (3, 4, 5), 2.0),
+    "log_softmax_axis1": (lambda x: btjit.log_softmax(x, axis=1), lambda x: F.log_softmax(x, 1), (3, 4, 5), 2.0),
     "methods": (lambda x: (x.abs() + 0.5).sqrt().log() + x.relu() * x.sigmoid() - x.tanh().exp(),
                 lambda x: (x.abs() + 0.5).sqrt().log() + x.relu() * x.sigmoid() - x.tanh().exp(), X, 1.5),
 }
@@ -141,6 +143,56 @@ def test_nll_loss_against_torch(kw, shape):
     assert abs(loss - want.item()) < 1e-12 * max(1.0, abs(want.item()))
     np.testing.assert_allclose(prog.grads["z"], t.grad.numpy(), rtol=1e-10, atol=1e-13)
     check_grads(lambda p, y: btjit.sum(btjit.nll_loss(btjit.log_softmax(p["z"]), y, **kw) * w), {"z": logits}, y)
+
+
+CE = [dict(), dict(reduction="sum"), dict(reduction="none"), dict(ignore_index=1),
+      dict(label_smoothing=0.1), dict(label_smoothing=0.2, reduction="sum"), dict(label_smoothing=0.3, reduction="none"),
+      dict(label_smoothing=0.1, ignore_index=2), dict(label_smoothing=1.0, ignore_index=0, reduction="sum")]
+
+
+@pytest.mark.parametrize("kw", CE, ids=[str(k) for k in CE])
+@pytest.mark.parametrize("shape", [(7, 5), (2, 5, 3), (2, 4, 3, 2)])
+def test_cross_entropy_against_torch_in_its_layout(kw, shape):
+    """torch's F.cross_entropy as written: logits (N, C, d1, ...) with targets (N, d1, ...), label smoothing,
+    every reduction, ignore_index; float64 values and gradients, and finite differences."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=shape) * 2.0
+    y = rng.integers(0, shape[1], size=shape[:1] + shape[2:]).astype(np.int32)
+    if "ignore_index" in kw:
+        y.reshape(-1)[::3] = kw["ignore_index"]
+    w = rng.normal(size=y.shape) if kw.get("reduction") == "none" else 1.0
+
+    def loss(p, y):
+        return btjit.sum(btjit.cross_entropy(p["z"], y, **kw) * w)
+    prog = btjit.trace(loss, {"z": logits}, y, dtype="float64", grad=True)
+    got = prog.value_and_grad(y)
+    t = torch.tensor(logits, requires_grad=True)
+    want = (F.cross_entropy(t, torch.tensor(y, dtype=torch.long), **kw) * torch.tensor(w)).sum()
+    want.backward()
+    assert abs(got - want.item()) < 1e-12 * max(1.0, abs(want.item()))
+    np.testing.assert_allclose(prog.grads["z"], t.grad.numpy(), rtol=1e-10, atol=1e-13)
+    check_grads(loss, {"z": logits}, y)
+
+
+def test_nll_loss_in_torch_layout_and_the_ambiguous_shape():
+    """nll_loss on torch's (N, C, d) layout; where C equals the last dim both layouts fit and btjit's (classes
+    last) is taken, as documented."""
+    rng = np.random.default_rng(6)
+    lp = rng.normal(size=(2, 4, 3))
+    y = rng.integers(0, 4, size=(2, 3)).astype(np.int32)
+    prog = btjit.trace(lambda p, y: btjit.nll_loss(p["lp"], y), {"lp": lp}, y, dtype="float64")
+    assert abs(prog.forward(y) - F.nll_loss(torch.tensor(lp), torch.tensor(y, dtype=torch.long)).item()) < 1e-14
+    sq = rng.normal(size=(2, 3, 3))
+    yq = rng.integers(0, 3, size=(2, 3)).astype(np.int32)
+    prog = btjit.trace(lambda p, y: btjit.nll_loss(p["lp"], y), {"lp": sq}, yq, dtype="float64")
+    want = -np.mean(np.take_along_axis(sq, yq[..., None], -1))
+    assert abs(prog.forward(yq) - want) < 1e-14
+
+
+def test_cross_entropy_bad_label_smoothing():
+    with pytest.raises(btjit.TraceError, match=r"cross_entropy: label_smoothing must be in \[0, 1\], got 1.5"):
+        btjit.trace(lambda p: btjit.cross_entropy(p["z"], np.zeros(4, np.int32), label_smoothing=1.5),
+                    {"z": np.zeros((4, 3))})
 
 
 def test_nll_loss_every_position_ignored_is_nan_with_zero_grads():

@@ -88,7 +88,8 @@ class Runner:
     def value_and_grad(self, *batch) -> float:
         """Loss and gradients (in `grads`), no update."""
         if not self.has_grad:
-            raise RuntimeError("this program has no gradient (traced with grad=False)")
+            raise RuntimeError("this program computes no gradients: trace it with btjit.trace(..., grad=True) "
+                               "(the default only with an optimizer)")
         self._load(batch)
         self._run_checked(self.n_bwd)
         self._tick()

@@ -10,24 +10,34 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.graph.trace import (TraceError, Tracer, _norm_axes, arange, emit, equal, exp, lift, log, log1p, max, maximum,
-                               current_graph, minimum, reshape, sigmoid, sum, user_src, where)
+                               current_graph, minimum, reshape, sigmoid, sum, swapaxes, transpose,
+                               user_src, where)
 
 
 def softmax(x, axis=-1):
-    x = lift(x)
-    _last_axis_only("softmax", x, axis)
-    return emit("softmax", (x,))
+    """Softmax over `axis` (torch's dim); the fused op runs on the last axis, another axis is swapped there
+    and back."""
+    return _on_axis("softmax", lift(x), axis)
 
 
 def log_softmax(x, axis=-1):
-    x = lift(x)
-    _last_axis_only("log_softmax", x, axis)
-    return emit("log_softmax", (x,))
+    return _on_axis("log_softmax", lift(x), axis)
 
 
-def _last_axis_only(op, x, axis):
-    if axis % x.ndim != x.ndim - 1:
-        raise TraceError(f"{op}: only the last axis is supported (got axis={axis}); transpose first — {user_src()}")
+def _on_axis(op, x, axis):
+    (ax,) = _norm_axes(axis, x.ndim, op)
+    if ax == x.ndim - 1:
+        return emit(op, (x,))
+    return swapaxes(emit(op, (swapaxes(x, ax, -1),)), ax, -1)
+
+
+def _classes_last(logits, targets):
+    """torch's layout of a loss over positions -- logits (N, C, d1, ...) with targets (N, d1, ...) -- as btjit's
+    (classes on the last axis). Where both layouts fit (C == the last dim), btjit's is taken."""
+    shape = targets.shape if isinstance(targets, Tracer) else np.shape(targets)
+    if logits.ndim >= 3 and tuple(shape) == logits.shape[:1] + logits.shape[2:] and tuple(shape) != logits.shape[:-1]:
+        return transpose(logits, (0, *range(2, logits.ndim), 1))
+    return logits
 
 
 def class_targets(op, logits, targets, ignore_index, reduction, reductions):
@@ -54,16 +64,43 @@ def class_targets(op, logits, targets, ignore_index, reduction, reductions):
     return Tracer(current_graph().const(t, "i32"), current_graph())
 
 
-def cross_entropy(logits, targets, ignore_index=None, reduction="mean"):
+def cross_entropy(logits, targets, ignore_index=None, reduction="mean", label_smoothing=0.0):
     """Softmax cross-entropy of logits (..., V) against integer class ids (...), with torch's semantics:
-    reduction "mean" (over the kept positions) or "sum"; positions whose target equals ignore_index (e.g. -1,
-    makemore's and nanoGPT's padding) add nothing and get zero gradient. A batch with every position ignored
-    gives NaN ("mean") or 0 ("sum"), and zero gradients -- as torch."""
-    logits = lift(logits)
+    reduction "mean" (over the kept positions), "sum" or "none"; positions whose target equals ignore_index
+    (e.g. -1, makemore's and nanoGPT's padding) add nothing and get zero gradient. A batch with every position
+    ignored gives NaN ("mean") or 0 ("sum"), and zero gradients -- as torch. torch's layout, logits (N, C, d1,
+    ...) with targets (N, d1, ...), is taken too. label_smoothing eps: the target is (1 - eps) one-hot plus eps
+    spread evenly over the classes, as torch. The fused op computes "mean" and "sum" without smoothing; the other
+    cases are composed (log_softmax, nll_loss)."""
+    logits = _classes_last(lift(logits), targets)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise TraceError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing!r} — {user_src()}")
+    if label_smoothing or reduction == "none":
+        targets = class_targets("cross_entropy", logits, targets, ignore_index, reduction, ("mean", "sum", "none"))
+        return _smoothed(log_softmax(logits), targets, ignore_index, reduction, float(label_smoothing))
     targets = class_targets("cross_entropy", logits, targets, ignore_index, reduction, ("mean", "sum"))
     attrs = {k: v for k, v in (("ignore_index", None if ignore_index is None else int(ignore_index)),
                                ("reduction", reduction)) if v not in (None, "mean")}
     return emit("cross_entropy", (logits, targets), **attrs)[0]
+
+
+def _smoothed(logp, targets, ignore_index, reduction, eps):
+    """cross_entropy from log-probabilities and checked targets (a Tracer): (1 - eps) nll + eps * the mean of
+    -logp over the classes, per position (0 where ignored), reduced as torch."""
+    per = nll_loss(logp, targets, ignore_index, "none")
+    if eps:
+        smooth = -sum(logp, -1) * (1.0 / logp.shape[-1])
+        if ignore_index is not None:
+            smooth = smooth * (targets != lift(int(ignore_index), targets))
+        per = per * (1.0 - eps) + smooth * eps
+    if reduction == "none":
+        return per
+    if reduction == "sum" or per.size == 0:
+        return sum(per)
+    if ignore_index is None:
+        return sum(per) * (1.0 / per.size)
+    count = sum(targets != lift(int(ignore_index), targets))
+    return where(count > 0.0, sum(per) / maximum(count, 1.0), np.nan)
 
 
 def layer_norm(x, weight, bias, eps=1e-5):
@@ -108,12 +145,12 @@ def logsumexp(x, axis=None, keepdims=False):
 
 def nll_loss(logp, target, ignore_index=None, reduction="mean"):
     """torch.nn.functional.nll_loss: -logp[..., target] for log-probabilities logp (..., C) (the class axis
-    last, as btjit.cross_entropy: (N, C) as torch; transpose torch's (N, C, d) layout first) and integer class
-    ids target (...). reduction "mean" (over the positions not ignored), "sum" or "none" (shape (...), 0 at
+    last, as btjit.cross_entropy: (N, C) as torch; torch's (N, C, d1, ...) with targets (N, d1, ...) is taken
+    too) and integer class ids target (...). reduction "mean" (over the positions not ignored), "sum" or "none" (shape (...), 0 at
     ignored positions). Positions whose target equals ignore_index add nothing and get zero gradient; "mean"
     with every position ignored gives NaN and zero gradients, as torch. Class ids outside [0, C) are an error
     (checked before the step runs)."""
-    logp = lift(logp)
+    logp = _classes_last(lift(logp), target)
     target = class_targets("nll_loss", logp, target, ignore_index, reduction, ("mean", "sum", "none"))
     if target.node.dtype != "i32" or logp.ndim == 0 or target.shape != logp.shape[:-1]:
         raise TraceError(f"nll_loss: target must be integer class ids of shape {logp.shape[:-1]} for logp of shape "
