@@ -4,9 +4,10 @@ from btjit import optim
 from btjit.host import threads
 from btjit.graph.functional import (cross_entropy, layer_norm, log_softmax, logsumexp, nll_loss, silu, softmax,
                                     softplus)
-from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, clip, concatenate, copy, equal, erf, exp, gelu,
-                               log, log1p, matmul, max, maximum, mean, minimum, relu, reshape, roll, setitem, sigmoid,
-                               split, sqrt, stack, std, sum, swapaxes, take, tanh, transpose, var, where)
+from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, concatenate, copy, equal, erf, exp, gelu, log,
+                               log1p, matmul, max, maximum, mean, minimum, relu, reshape, setitem, sigmoid, split, sqrt,
+                               sum, swapaxes, take, tanh, transpose, where)
+from btjit.graph.numpy_fns import clip, roll, stack, std, var
 from btjit.graph.rng import causal_attention, dropout, rand_like, randn_like  # noqa: F811 -- with dropout=
 from btjit.graph.conv_fns import (adaptive_avg_pool2d, avg_pool1d, avg_pool2d, conv1d, conv2d, flatten, max_pool1d,
                                  max_pool2d)

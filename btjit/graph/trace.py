@@ -15,6 +15,13 @@ from btjit.graph import tracer as _core
 from btjit.graph.tracer import (TraceError, _norm_axes, building, current_graph, emit, lift,  # noqa: F401
                                 source, user_src)
 
+# numpy's functions on traced values (__array_function__ / __array_ufunc__, by name) and the methods found by
+# Tracer.__getattr__: filled by btjit/graph/numpy_fns.py, which composes them of this module's primitives.
+FUNCS: dict = {}
+UFUNCS: dict = {}
+METHODS: dict = {}
+
+
 def _binop(op, x, y):
     x = lift(x, y if isinstance(y, Tracer) else None)
     y = lift(y, x)
@@ -106,23 +113,30 @@ class Tracer:
 
     # -- numpy protocols
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        fn = _UFUNCS.get(ufunc.__name__)
+        fn = UFUNCS.get(ufunc.__name__)
         if method != "__call__" or fn is None or kwargs:
             raise TraceError(f"numpy function np.{ufunc.__name__} is not supported on traced values — {user_src()}")
         return fn(*inputs)
 
     def __array_function__(self, func, types, args, kwargs):
-        fn = _FUNCS.get(func.__name__)
+        fn = FUNCS.get(func.__name__)
         if fn is None:
             raise TraceError(f"numpy function np.{func.__name__} is not supported on traced values — {user_src()}")
         return fn(*args, **kwargs)
 
-    # -- methods
-    def sum(self, axis=None, keepdims=False):
-        return sum(self, axis, keepdims)
+    def __getattr__(self, name):
+        """The methods btjit/graph/numpy_fns.py registers (METHODS: x.var(0), x.min(1), x.view(B, T, C), ...)."""
+        fn = METHODS.get(name)
+        if fn is None:
+            raise AttributeError(f"traced values have no attribute {name!r}")
+        return lambda *a, **k: fn(self, *a, **k)
 
-    def mean(self, axis=None, keepdims=False):
-        return mean(self, axis, keepdims)
+    # -- methods
+    def sum(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
+        return sum(self, axis if dim is None else dim, keepdims if keepdim is None else keepdim)
+
+    def mean(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
+        return mean(self, axis if dim is None else dim, keepdims if keepdim is None else keepdim)
 
     def max(self, axis=None, keepdims=False):
         return max(self, axis, keepdims)
@@ -135,15 +149,6 @@ class Tracer:
 
     def swapaxes(self, a1, a2):
         return swapaxes(self, a1, a2)
-
-    def var(self, axis=None, ddof=0, keepdims=False, **torch_kw):
-        return var(self, axis, ddof, keepdims, **torch_kw)
-
-    def std(self, axis=None, ddof=0, keepdims=False, **torch_kw):
-        return std(self, axis, ddof, keepdims, **torch_kw)
-
-    def clip(self, min=None, max=None):  # noqa: A002
-        return clip(self, min, max)
 
     # torch-style methods (micrograd's x.relu(), torch's x.sigmoid())
     exp = lambda s: exp(s)          # noqa: E731
@@ -206,16 +211,6 @@ def gelu(x, approximate="none"):
     return x * (0.5 + 0.5 * erf(x * 0.7071067811865476))
 
 
-def clip(x, lo=None, hi=None):
-    """numpy's clip / torch's clamp: min(max(x, lo), hi); either bound may be None (the gradient passes where
-    lo <= x <= hi, as torch)."""
-    if lo is None and hi is None:
-        raise TraceError(f"clip: give at least one of the bounds — {user_src()}")
-    x = lift(x)
-    x = x if lo is None else maximum(x, lo)
-    return x if hi is None else minimum(x, hi)
-
-
 def where(cond, x, y):
     """Select x where cond is true (nonzero), else y. cond is usually a constant numpy mask."""
     c = lift(np.asarray(cond, dtype=np.float64) if not isinstance(cond, Tracer) else cond)
@@ -238,26 +233,6 @@ def mean(x, axis=None, keepdims=False):
     axes = _norm_axes(axis, x.ndim, "mean")
     n = int(np.prod([x.shape[a] for a in axes]))
     return _reduce("sum", x, axes, keepdims) * (1.0 / n)
-
-
-def var(x, axis=None, ddof=0, keepdims=False, *, dim=None, keepdim=None, unbiased=None, correction=None):
-    """numpy's var: the mean squared deviation over `axis`, divided by n - ddof instead of n. torch's keywords
-    (dim, keepdim, unbiased, correction) select torch's default too: the unbiased estimate (ddof=1), as in
-    makemore's `hpreact.var(0, keepdim=True)`."""
-    if (dim, keepdim, unbiased, correction) != (None,) * 4:
-        axis = axis if dim is None else dim
-        keepdims = keepdims if keepdim is None else keepdim
-        ddof = correction if correction is not None else (0 if unbiased is False else 1)
-    x = lift(x)
-    axes = _norm_axes(axis, x.ndim, "var")
-    n = int(np.prod([x.shape[a] for a in axes]))
-    d = x - mean(x, axes, keepdims=True)
-    return sum(d * d, axes, keepdims) * (1.0 / (n - ddof) if n > ddof else float("inf"))
-
-
-def std(x, axis=None, ddof=0, keepdims=False, **torch_kw):
-    """numpy's std: sqrt(var(x, axis, ddof, keepdims)) (torch's keywords as var)."""
-    return sqrt(var(x, axis, ddof, keepdims, **torch_kw))
 
 
 def _reduce(op, x, axis, keepdims):
@@ -291,6 +266,9 @@ def reshape(x, shape):
 
 def transpose(x, axes=None):
     x = lift(x)
+    if axes is not None and len(axes) == 2 != x.ndim:
+        raise TraceError(f"transpose: axes {tuple(axes)} must list all {x.ndim} axes (numpy's permutation); torch's "
+                         f"transpose of two axes is x.swapaxes({axes[0]}, {axes[1]}) — {user_src()}")
     perm = tuple(reversed(range(x.ndim))) if axes is None else tuple(int(a) % x.ndim for a in axes)
     if perm == tuple(range(x.ndim)):
         return x
@@ -410,27 +388,6 @@ def _region(x, idx):
     return starts, stops, steps, out_shape
 
 
-def stack(xs, axis=0):
-    """numpy/torch stack: the inputs (one shape) along a new axis."""
-    xs = [lift(x) for x in xs]
-    if not xs:
-        raise TraceError(f"stack: no inputs — {user_src()}")
-    axis = int(axis) % (xs[0].ndim + 1)
-    return concatenate([reshape(x, x.shape[:axis] + (1,) + x.shape[axis:]) for x in xs], axis)
-
-
-def roll(x, shift, axis):
-    """numpy/torch roll along one axis: element i moves to (i + shift) % n."""
-    x = lift(x)
-    axis = int(axis) % x.ndim
-    n = x.shape[axis]
-    k = int(shift) % n if n else 0
-    if k == 0:
-        return x
-    pre = (slice(None),) * axis
-    return concatenate([getitem(x, pre + (slice(n - k, n),)), getitem(x, pre + (slice(0, n - k),))], axis)
-
-
 def arange(start, stop=None, step=1):
     """An integer constant 0..n-1 (or start..stop by step), e.g. nanoGPT's positions `pos = arange(t)`."""
     a = np.arange(start, stop, step) if stop is not None else np.arange(start)
@@ -451,34 +408,6 @@ def take(table, idx):
             raise TraceError(f"take: index out of range for axis 0 of size {table.shape[0]} — {user_src()}")
         idx = Tracer(current_graph().const(idx % table.shape[0], "i32"), current_graph())
     return emit("take", (table, idx))
-
-
-_UFUNCS = {"add": lambda x, y: _binop("add", x, y), "subtract": lambda x, y: _binop("sub", x, y),
-           "multiply": lambda x, y: _binop("mul", x, y), "divide": lambda x, y: _binop("div", x, y),
-           "true_divide": lambda x, y: _binop("div", x, y), "negative": lambda x: emit("neg", (lift(x),)),
-           "exp": exp, "log": log, "tanh": tanh, "sqrt": sqrt, "absolute": abs, "maximum": maximum, "erf": erf,
-           "log1p": log1p,
-           "minimum": minimum, "matmul": matmul, "power": lambda x, y: lift(x) ** y,
-           "equal": equal, "greater": lambda x, y: _binop("gt", x, y), "less": lambda x, y: _binop("lt", x, y),
-           "not_equal": lambda x, y: _binop("ne", x, y), "greater_equal": lambda x, y: _binop("ge", x, y),
-           "less_equal": lambda x, y: _binop("le", x, y)}
-_FUNCS = {"sum": sum, "mean": mean, "max": max, "amax": max, "reshape": reshape, "transpose": transpose,
-          "swapaxes": swapaxes, "concatenate": concatenate, "split": split, "where": where, "matmul": matmul,
-          "exp": exp, "log": log, "tanh": tanh, "sqrt": sqrt, "maximum": maximum, "broadcast_to": broadcast_to,
-          "take": lambda a, idx, axis=None: _np_take(a, idx, axis), "stack": stack, "roll": roll,
-          "clip": lambda a, a_min=None, a_max=None, min=None, max=None: clip(  # noqa: A002
-              a, min if a_min is None else a_min, max if a_max is None else a_max),
-          "var": var, "std": std, "log1p": log1p}
-
-
-def _np_take(a, idx, axis=None):
-    """np.take: axis=None indexes the flattened array (as numpy does), axis=0 gathers rows."""
-    a = lift(a)
-    if axis is None:
-        return take(reshape(a, (a.size,)), idx)
-    if axis % builtins.max(a.ndim, 1) != 0:
-        raise TraceError(f"np.take: only axis=0 or axis=None is supported (got axis={axis}) — {user_src()}")
-    return take(a, idx)
 
 
 _core.TRACER.append(Tracer)

@@ -1,0 +1,227 @@
+"""numpy's functions and the array methods of traced values, composed of btjit/graph/trace.py's primitives: what
+`np.<name>(tracer)` dispatches to (trace.FUNCS / UFUNCS, by name) and the methods numpy and torch code calls
+(trace.METHODS, found by Tracer.__getattr__): x.var(0), x.min(1), x.squeeze(), x.view(B, T, C), x.permute(0, 2,
+1), x.masked_fill(mask, v), ... Registered on import (btjit/core/program.py imports this module before tracing).
+
+Where numpy and torch give one name two meanings, numpy's is taken (x.transpose(*axes) is a permutation,
+x.repeat repeats elements); torch's other spellings are here under their own names (permute, swapaxes)."""
+from __future__ import annotations
+
+import builtins
+
+import numpy as np
+
+from btjit.graph.functional import log_softmax, softmax
+from btjit.graph.trace import (FUNCS, METHODS, UFUNCS, TraceError, Tracer, _binop, _norm_axes, abs, broadcast_to,
+                               concatenate, emit, equal, erf, exp, getitem, lift, log, log1p, matmul, max, maximum,
+                               mean, minimum, reshape, split, sqrt, sum, swapaxes, take, tanh, transpose,
+                               user_src, where)
+
+
+def clip(x, lo=None, hi=None):
+    """numpy's clip / torch's clamp: min(max(x, lo), hi); either bound may be None (the gradient passes where
+    lo <= x <= hi, as torch)."""
+    if lo is None and hi is None:
+        raise TraceError(f"clip: give at least one of the bounds — {user_src()}")
+    x = lift(x)
+    x = x if lo is None else maximum(x, lo)
+    return x if hi is None else minimum(x, hi)
+
+
+def var(x, axis=None, ddof=0, keepdims=False, *, dim=None, keepdim=None, unbiased=None, correction=None):
+    """numpy's var: the mean squared deviation over `axis`, divided by n - ddof instead of n. torch's keywords
+    (dim, keepdim, unbiased, correction) select torch's default too: the unbiased estimate (ddof=1), as in
+    makemore's `hpreact.var(0, keepdim=True)`."""
+    if (dim, keepdim, unbiased, correction) != (None,) * 4:
+        axis = axis if dim is None else dim
+        keepdims = keepdims if keepdim is None else keepdim
+        ddof = correction if correction is not None else (0 if unbiased is False else 1)
+    x = lift(x)
+    axes = _norm_axes(axis, x.ndim, "var")
+    n = int(np.prod([x.shape[a] for a in axes]))
+    d = x - mean(x, axes, keepdims=True)
+    return sum(d * d, axes, keepdims) * (1.0 / (n - ddof) if n > ddof else float("inf"))
+
+
+def std(x, axis=None, ddof=0, keepdims=False, **torch_kw):
+    """numpy's std: sqrt(var(x, axis, ddof, keepdims)) (torch's keywords as var)."""
+    return sqrt(var(x, axis, ddof, keepdims, **torch_kw))
+
+
+def stack(xs, axis=0):
+    """numpy/torch stack: the inputs (one shape) along a new axis."""
+    xs = [lift(x) for x in xs]
+    if not xs:
+        raise TraceError(f"stack: no inputs — {user_src()}")
+    axis = int(axis) % (xs[0].ndim + 1)
+    return concatenate([reshape(x, x.shape[:axis] + (1,) + x.shape[axis:]) for x in xs], axis)
+
+
+def roll(x, shift, axis):
+    """numpy/torch roll along one axis: element i moves to (i + shift) % n."""
+    x = lift(x)
+    axis = int(axis) % x.ndim
+    n = x.shape[axis]
+    k = int(shift) % n if n else 0
+    if k == 0:
+        return x
+    pre = (slice(None),) * axis
+    return concatenate([getitem(x, pre + (slice(n - k, n),)), getitem(x, pre + (slice(0, n - k),))], axis)
+
+
+def _np_take(a, idx, axis=None):
+    """np.take: axis=None indexes the flattened array (as numpy does), axis=0 gathers rows."""
+    a = lift(a)
+    if axis is None:
+        return take(reshape(a, (a.size,)), idx)
+    if axis % builtins.max(a.ndim, 1) != 0:
+        raise TraceError(f"np.take: only axis=0 or axis=None is supported (got axis={axis}) — {user_src()}")
+    return take(a, idx)
+
+
+
+
+def amin(x, axis=None, keepdims=False):
+    """numpy's min: -max(-x) (the gradient goes to the first smallest element, as max's to the first largest)."""
+    return -max(-lift(x), axis, keepdims)
+
+
+def sign(x):
+    """numpy's sign: 1, 0 or -1 (zero gradient, as torch)."""
+    x = lift(x)
+    return _binop("gt", x, 0.0) - _binop("lt", x, 0.0)
+
+
+def expand_dims(x, axis):
+    x = lift(x)
+    axes = sorted(a % (x.ndim + len(axis)) for a in axis) if isinstance(axis, (tuple, list)) else \
+        [axis % (x.ndim + 1)]
+    shape = list(x.shape)
+    for a in axes:
+        shape.insert(a, 1)
+    return reshape(x, tuple(shape))
+
+
+def squeeze(x, axis=None):
+    """numpy's squeeze (torch's with dim): drop the given axes of size 1 (all of them for None)."""
+    x = lift(x)
+    axes = [i for i, d in enumerate(x.shape) if d == 1] if axis is None else _norm_axes(axis, x.ndim, "squeeze")
+    if any(x.shape[a] != 1 for a in axes):
+        raise TraceError(f"squeeze: axis {list(axes)} of shape {x.shape} is not of size 1 — {user_src()}")
+    return reshape(x, tuple(d for i, d in enumerate(x.shape) if i not in axes))
+
+
+def flatten(x, start_dim=0, end_dim=-1):
+    """numpy's x.flatten() (everything) and torch's x.flatten(start_dim, end_dim)."""
+    x = lift(x)
+    if x.ndim == 0:
+        return reshape(x, (1,))
+    lo, hi = start_dim % x.ndim, end_dim % x.ndim
+    return reshape(x, x.shape[:lo] + (int(np.prod(x.shape[lo:hi + 1])),) + x.shape[hi + 1:])
+
+
+def dot(a, b):
+    """numpy's dot for operands of at most 2 dims (a matrix or vector product; a scalar multiplies)."""
+    a, b = lift(a), lift(b)
+    if a.ndim == 0 or b.ndim == 0:
+        return a * b
+    if a.ndim > 2 or b.ndim > 2:
+        raise TraceError(f"dot: operands of at most 2 dims, got {a.shape} and {b.shape}; use matmul — {user_src()}")
+    return matmul(a, b)
+
+
+def outer(a, b):
+    a, b = lift(a), lift(b)
+    return reshape(a, (a.size, 1)) * reshape(b, (1, b.size))
+
+
+def norm(x, ord=None, axis=None, keepdims=False):  # noqa: A002
+    """np.linalg.norm: the 2-norm of vectors along `axis` (the Frobenius norm of everything for axis None)."""
+    if ord not in (None, 2, "fro"):
+        raise TraceError(f"norm: only the 2-norm is supported, got ord={ord!r} — {user_src()}")
+    x = lift(x)
+    return sqrt(sum(x * x, axis, keepdims))
+
+
+def pad(x, pad_width, mode="constant", constant_values=0):
+    """numpy's pad in "constant" mode: each axis between blocks of constant_values."""
+    if mode != "constant":
+        raise TraceError(f"pad: only mode='constant' is supported, got {mode!r} — {user_src()}")
+    x = lift(x)
+    widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (x.ndim, 2))
+    for ax, (lo, hi) in enumerate(widths):
+        parts = [x]
+        for n, at in ((int(lo), 0), (int(hi), 1)):
+            if n:
+                shape = x.shape[:ax] + (n,) + x.shape[ax + 1:]
+                parts.insert(len(parts) * at, lift(np.full(shape, float(constant_values)), x))
+        x = concatenate(parts, ax) if len(parts) > 1 else x
+    return x
+
+
+def repeat(x, repeats, axis=None):
+    """numpy's repeat with one count: each element `repeats` times along `axis` (of the flattened x for None)."""
+    x = lift(x)
+    if axis is None:
+        x, axis = reshape(x, (x.size,)), 0
+    ax = axis % x.ndim
+    r = int(repeats)
+    wide = broadcast_to(reshape(x, x.shape[:ax + 1] + (1,) + x.shape[ax + 1:]), x.shape[:ax + 1] + (r,) + x.shape[ax + 1:])
+    return reshape(wide, x.shape[:ax] + (x.shape[ax] * r,) + x.shape[ax + 1:])
+
+
+def tile(x, reps):
+    """numpy's tile: x repeated reps[i] times along axis i (reps aligned to the last axes)."""
+    x = lift(x)
+    reps = (int(reps),) if isinstance(reps, (int, np.integer)) else tuple(int(r) for r in reps)
+    n = builtins.max(len(reps), x.ndim)
+    reps, shape = (1,) * (n - len(reps)) + reps, (1,) * (n - x.ndim) + x.shape
+    pairs = reshape(x, tuple(d for s in shape for d in (1, s)))
+    wide = broadcast_to(pairs, tuple(d for r, s in zip(reps, shape) for d in (r, s)))
+    return reshape(wide, tuple(r * s for r, s in zip(reps, shape)))
+
+
+def chunk(x, chunks, dim=0):
+    """torch's chunk: pieces of ceil(n / chunks) along dim (the last one smaller)."""
+    x = lift(x)
+    ax = dim % x.ndim
+    n = x.shape[ax]
+    step = -(-n // int(chunks))
+    pre = (slice(None),) * ax
+    return [getitem(x, pre + (slice(lo, builtins.min(lo + step, n)),)) for lo in range(0, n, step)]
+
+
+def _shape_args(shape):
+    return shape[0] if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)) else shape
+
+
+UFUNCS.update({
+    "add": lambda x, y: _binop("add", x, y), "subtract": lambda x, y: _binop("sub", x, y),
+    "multiply": lambda x, y: _binop("mul", x, y), "divide": lambda x, y: _binop("div", x, y),
+    "true_divide": lambda x, y: _binop("div", x, y), "negative": lambda x: emit("neg", (lift(x),)),
+    "exp": exp, "log": log, "tanh": tanh, "sqrt": sqrt, "absolute": abs, "maximum": maximum, "erf": erf,
+    "log1p": log1p, "minimum": minimum, "matmul": matmul, "power": lambda x, y: lift(x) ** y,
+    "square": lambda x: lift(x) * lift(x), "sign": sign, "reciprocal": lambda x: 1.0 / lift(x),
+    "equal": equal, "greater": lambda x, y: _binop("gt", x, y), "less": lambda x, y: _binop("lt", x, y),
+    "not_equal": lambda x, y: _binop("ne", x, y), "greater_equal": lambda x, y: _binop("ge", x, y),
+    "less_equal": lambda x, y: _binop("le", x, y)})
+FUNCS.update({
+    "sum": sum, "mean": mean, "max": max, "amax": max, "min": amin, "amin": amin, "reshape": reshape,
+    "transpose": transpose, "swapaxes": swapaxes, "concatenate": concatenate, "split": split, "where": where,
+    "matmul": matmul, "exp": exp, "log": log, "tanh": tanh, "sqrt": sqrt, "maximum": maximum,
+    "broadcast_to": broadcast_to, "take": lambda a, idx, axis=None: _np_take(a, idx, axis), "stack": stack,
+    "roll": roll, "clip": lambda a, a_min=None, a_max=None, min=None, max=None: clip(  # noqa: A002
+        a, min if a_min is None else a_min, max if a_max is None else a_max),
+    "var": var, "std": std, "log1p": log1p, "expand_dims": expand_dims, "squeeze": squeeze, "dot": dot,
+    "outer": outer, "norm": norm, "pad": pad, "repeat": repeat, "tile": tile, "ravel": lambda a: flatten(a)})
+METHODS.update({
+    # numpy's
+    "var": var, "std": std, "clip": lambda x, min=None, max=None: clip(x, min, max),  # noqa: A002
+    "min": amin, "squeeze": squeeze, "flatten": flatten, "ravel": flatten, "dot": dot, "repeat": repeat,
+    # torch's (beside x.relu(), x.sigmoid(), ... on the Tracer class itself)
+    "square": lambda x: x * x, "sign": sign, "pow": lambda x, p: x ** p,
+    "clamp": lambda x, min=None, max=None: clip(x, min, max),  # noqa: A002
+    "view": lambda x, *shape: reshape(x, _shape_args(shape)), "permute": lambda x, *dims: transpose(x, _shape_args(dims)),
+    "unsqueeze": lambda x, dim: expand_dims(x, dim), "contiguous": lambda x: x, "t": lambda x: transpose(x),
+    "masked_fill": lambda x, mask, value: where(mask, value, x), "chunk": chunk,
+    "softmax": lambda x, dim=-1: softmax(x, dim), "log_softmax": lambda x, dim=-1: log_softmax(x, dim)})

@@ -1,0 +1,110 @@
+"""numpy's functions and the array methods on traced values (btjit/graph/numpy_fns.py): each numpy case runs the
+SAME function on a numpy array and on a traced one (values to 1e-12, gradients against finite differences);
+each torch-method case against torch in float64 (values and gradients, 1e-10)."""
+import numpy as np
+import pytest
+
+import btjit
+from btjit.testing import check_grads
+from test_functional import _btjit, _np_x, _torch
+
+X3 = (2, 3, 4)
+# id -> (fn written once for numpy arrays and traced values, x shape)
+NUMPY = {
+    "np.min": (lambda x: np.min(x, axis=1), X3),
+    "x.min": (lambda x: x.min(axis=(0, 2), keepdims=True), X3),
+    "np.amin all": (lambda x: np.amin(x) * np.ones(2), X3),
+    "np.square": (lambda x: np.square(x), X3),
+    "np.sign": (lambda x: np.sign(x) * x, X3),
+    "np.reciprocal": (lambda x: np.reciprocal(x * x + 1.0), X3),
+    "np.expand_dims": (lambda x: np.expand_dims(x, 1), X3),
+    "np.expand_dims tuple": (lambda x: np.expand_dims(x, (0, -1)), X3),
+    "x.squeeze": (lambda x: x[:, :1].squeeze(), X3),
+    "np.squeeze axis": (lambda x: np.squeeze(x[:, :, :1], axis=2), X3),
+    "x.flatten": (lambda x: x.flatten(), X3),
+    "x.ravel": (lambda x: x.ravel(), X3),
+    "np.ravel": (lambda x: np.ravel(x), X3),
+    "np.dot 2d": (lambda x: np.dot(x[0], x[1].T), X3),
+    "np.dot 1d": (lambda x: np.dot(x[0, 0], x[1, 1]) * np.ones(3), X3),
+    "x.dot": (lambda x: x[0].dot(x[1, 0]), X3),
+    "np.outer": (lambda x: np.outer(x[0, 0], x[1, :, 1]), X3),
+    "np.linalg.norm": (lambda x: np.linalg.norm(x, axis=-1), X3),
+    "np.linalg.norm all": (lambda x: np.linalg.norm(x) * np.ones(2), X3),
+    "np.pad": (lambda x: np.pad(x, ((0, 0), (1, 2), (0, 1)), constant_values=0.5), X3),
+    "np.pad int": (lambda x: np.pad(x, 1), X3),
+    "np.repeat": (lambda x: np.repeat(x, 3, axis=1), X3),
+    "x.repeat flat": (lambda x: x.repeat(2), X3),
+    "np.tile": (lambda x: np.tile(x, (2, 1, 3)), X3),
+    "np.tile short": (lambda x: np.tile(x, 2), X3),
+    "np.tile long": (lambda x: np.tile(x[0], (2, 1, 2)), X3),
+}
+
+
+def _run_btjit(fn, x):
+    def loss(p):
+        y = fn(p["x"])
+        return btjit.sum(y * np.cos(np.arange(y.size)).reshape(y.shape)), {"y": y}
+    prog = btjit.trace(loss, {"x": x}, dtype="float64", grad=True)
+    prog.value_and_grad()
+    return prog.outputs["y"], loss
+
+
+@pytest.mark.parametrize("name", list(NUMPY))
+def test_numpy_function_on_traced_values_is_numpys(name):
+    fn, shape = NUMPY[name]
+    x = _np_x(shape)
+    got, loss = _run_btjit(fn, x)
+    want = fn(x)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+    check_grads(lambda p: loss(p)[0], {"x": _np_x(shape, seed=3)})
+
+
+torch = pytest.importorskip("torch")
+
+# id -> (btjit fn, torch fn): the same text where torch and btjit agree
+TORCH = {
+    "view": (lambda x: x.view(6, 4) * 1.0, lambda x: x.view(6, 4) * 1.0),
+    "view tuple -1": (lambda x: x.view((-1, 2)), lambda x: x.view((-1, 2))),
+    "permute": (lambda x: x.permute(2, 0, 1), lambda x: x.permute(2, 0, 1)),
+    "unsqueeze": (lambda x: x.unsqueeze(-1), lambda x: x.unsqueeze(-1)),
+    "contiguous t": (lambda x: x[0].t().contiguous(), lambda x: x[0].t().contiguous()),
+    "masked_fill": (lambda x: x.masked_fill(np.tril(np.ones((3, 4))) == 0, -1.5),
+                    lambda x: x.masked_fill(torch.tensor(np.tril(np.ones((3, 4)))) == 0, -1.5)),
+    "pow square sign": (lambda x: x.pow(3) + x.square() + x.sign() * x, lambda x: x.pow(3) + x.square() + x.sign() * x),
+    "clamp": (lambda x: x.clamp(min=-0.5) + x.clamp(max=0.2) + x.clamp(-0.1, 0.1),
+              lambda x: x.clamp(min=-0.5) + x.clamp(max=0.2) + x.clamp(-0.1, 0.1)),
+    "chunk": (lambda x: x.chunk(3, dim=-1)[1] * 2.0 + x.chunk(2, dim=1)[1][..., :2],      # torch: 2 pieces of 2, then 2 and 1
+              lambda x: x.chunk(3, dim=-1)[1] * 2.0 + x.chunk(2, dim=1)[1][..., :2]),
+    "softmax dim": (lambda x: x.softmax(1) + x.log_softmax(dim=0), lambda x: x.softmax(1) + x.log_softmax(dim=0)),
+    "sum mean dim": (lambda x: x.sum(dim=1, keepdim=True) + x.mean(dim=(0, 1), keepdim=True),
+                     lambda x: x.sum(dim=1, keepdim=True) + x.mean(dim=(0, 1), keepdim=True)),
+    "flatten start": (lambda x: x.flatten(1), lambda x: x.flatten(1)),
+    "squeeze dim": (lambda x: x[:1].squeeze(0), lambda x: x[:1].squeeze(0)),
+}
+
+
+@pytest.mark.parametrize("name", list(TORCH))
+def test_torch_method_against_torch(name):
+    bt, th = TORCH[name]
+    x = _np_x(X3)
+    want, _ = _torch(th, x, "float64")
+    w = np.random.default_rng(1).normal(size=want.shape)
+    want, want_g = _torch(th, x, "float64", w)
+    got, got_g = _btjit(bt, x, "float64", w)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got_g, want_g, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (lambda x: x.no_such_method(), "traced values have no attribute 'no_such_method'"),
+    (lambda x: x.squeeze(1), r"squeeze: axis \[1\] of shape \(2, 3, 4\) is not of size 1"),
+    (lambda x: np.linalg.norm(x, ord=1), "norm: only the 2-norm is supported, got ord=1"),
+    (lambda x: np.pad(x, 1, mode="edge"), "pad: only mode='constant' is supported"),
+    (lambda x: np.dot(x, x), r"dot: operands of at most 2 dims, got \(2, 3, 4\)"),
+    (lambda x: x.transpose(1, 2), r"transpose: axes \(1, 2\) must list all 3 axes.*x.swapaxes\(1, 2\)"),
+])
+def test_unsupported_uses_are_named(bad, needle):
+    with pytest.raises((btjit.TraceError, AttributeError), match=needle):
+        btjit.trace(lambda p: btjit.sum(bad(p["x"])), {"x": _np_x(X3)})
