@@ -37,6 +37,16 @@ NUMPY = {
     "np.tile": (lambda x: np.tile(x, (2, 1, 3)), X3),
     "np.tile short": (lambda x: np.tile(x, 2), X3),
     "np.tile long": (lambda x: np.tile(x[0], (2, 1, 2)), X3),
+    "index list on axis 1": (lambda x: x[:, [0, 2, 2]] * 1.0, X3),
+    "index array, slices": (lambda x: x[1:, :, np.array([3, 0])] * 1.0, X3),
+    "index after ellipsis": (lambda x: x[..., [1]] * 1.0, X3),
+    "einsum bmm": (lambda x: np.einsum("bij,bkj->bik", x, x * 0.5), X3),
+    "einsum heads": (lambda x: np.einsum("bhd,bhe->hde", x, x * x), X3),
+    "einsum sum": (lambda x: np.einsum("ijk->ik", x), X3),
+    "einsum permute": (lambda x: np.einsum("ijk->kji", x), X3),
+    "einsum outer": (lambda x: np.einsum("i,j->ij", x[0, 0], x[1, 1]), X3),
+    "einsum all": (lambda x: np.einsum("ijk,ijk->", x, x) * np.ones(2), X3),
+    "einsum sums first": (lambda x: np.einsum("ij,jk->i", x[0], x[1].T), X3),
 }
 
 
@@ -103,6 +113,10 @@ def test_torch_method_against_torch(name):
     (lambda x: np.linalg.norm(x, ord=1), "norm: only the 2-norm is supported, got ord=1"),
     (lambda x: np.pad(x, 1, mode="edge"), "pad: only mode='constant' is supported"),
     (lambda x: np.dot(x, x), r"dot: operands of at most 2 dims, got \(2, 3, 4\)"),
+    (lambda x: x[[0, 1], [1, 2]], r"getitem: an integer index array can stand with slices only"),
+    (lambda x: x[0, [1, 2]], r"getitem: an integer index array can stand with slices only"),
+    (lambda x: np.einsum("...j,...j->...", x, x), r"einsum: '...j,...j->...': one or two operands"),
+    (lambda x: np.einsum("ii->i", x[0, :, :3]), r"no letter twice in one term"),
     (lambda x: x.transpose(1, 2), r"transpose: axes \(1, 2\) must list all 3 axes.*x.swapaxes\(1, 2\)"),
 ])
 def test_unsupported_uses_are_named(bad, needle):

@@ -191,6 +191,39 @@ def chunk(x, chunks, dim=0):
     return [getitem(x, pre + (slice(lo, builtins.min(lo + step, n)),)) for lo in range(0, n, step)]
 
 
+def einsum(subscripts, *operands):
+    """numpy's einsum for one or two operands written with explicit letters ("bhqd,bhkd->bhqk", "ij->j"; no
+    "...", no letter twice in one operand): a letter only one operand has and the output lacks is summed first;
+    two operands are then one batched matmul (letters in both and the output: batch; in both only: contracted)."""
+    ins, _, out = subscripts.replace(" ", "").partition("->")
+    terms = ins.split(",")
+    if "->" not in subscripts or "." in subscripts or len(terms) != len(operands) or len(terms) > 2 or \
+            any(len(set(t)) != len(t) for t in terms + [out]):
+        raise TraceError(f"einsum: {subscripts!r}: one or two operands, explicit '->' output, no '...' and no letter "
+                         f"twice in one term — {user_src()}")
+    xs = []
+    for t, x in zip(terms, operands):
+        x = lift(x)
+        if x.ndim != len(t):
+            raise TraceError(f"einsum: term {t!r} for an operand of shape {x.shape} — {user_src()}")
+        others = "".join(terms).replace(t, "", 1) + out
+        gone = [i for i, c in enumerate(t) if c not in others]
+        xs.append((sum(x, tuple(gone)) if gone else x, "".join(c for c in t if c in others)))
+    size = {c: d for x, t in xs for c, d in zip(t, x.shape)}
+    if len(xs) == 1:
+        (x, t), = xs
+        return transpose(x, tuple(t.index(c) for c in out))
+    (a, ta), (b, tb) = xs
+    batch = [c for c in out if c in ta and c in tb]
+    con = [c for c in ta if c in tb and c not in out]
+    fa, fb = [c for c in ta if c not in tb], [c for c in tb if c not in ta]
+    n = lambda cs: int(np.prod([size[c] for c in cs]))                      # noqa: E731
+    a = reshape(transpose(a, tuple(ta.index(c) for c in batch + fa + con)), (n(batch), n(fa), n(con)))
+    b = reshape(transpose(b, tuple(tb.index(c) for c in batch + con + fb)), (n(batch), n(con), n(fb)))
+    y = reshape(matmul(a, b), tuple(size[c] for c in batch + fa + fb))
+    return transpose(y, tuple((batch + fa + fb).index(c) for c in out))
+
+
 def _shape_args(shape):
     return shape[0] if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)) else shape
 
@@ -213,7 +246,8 @@ FUNCS.update({
     "roll": roll, "clip": lambda a, a_min=None, a_max=None, min=None, max=None: clip(  # noqa: A002
         a, min if a_min is None else a_min, max if a_max is None else a_max),
     "var": var, "std": std, "log1p": log1p, "expand_dims": expand_dims, "squeeze": squeeze, "dot": dot,
-    "outer": outer, "norm": norm, "pad": pad, "repeat": repeat, "tile": tile, "ravel": lambda a: flatten(a)})
+    "outer": outer, "norm": norm, "pad": pad, "repeat": repeat, "tile": tile, "ravel": lambda a: flatten(a),
+    "einsum": einsum})
 METHODS.update({
     # numpy's
     "var": var, "std": std, "clip": lambda x, min=None, max=None: clip(x, min, max),  # noqa: A002

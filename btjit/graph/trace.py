@@ -331,16 +331,36 @@ def split(x, indices_or_sections, axis=0):
     return [getitem(x, (slice(None),) * axis + (slice(lo, hi),)) for lo, hi in zip(bounds, bounds[1:])]
 
 
+def _advanced(i) -> bool:
+    return isinstance(i, (Tracer, list)) or isinstance(i, np.ndarray) and i.dtype.kind in "iu"
+
+
 def getitem(x, idx):
     x = lift(x)
-    if isinstance(idx, Tracer) or isinstance(idx, np.ndarray) and idx.dtype.kind in "iu" or \
-            isinstance(idx, list):
+    if _advanced(idx):
         return take(x, idx)
+    if isinstance(idx, tuple) and any(_advanced(i) for i in idx):
+        return _take_on_axis(x, idx)
     starts, stops, steps, out_shape = _region(x, idx)
     out = x
     if (starts, stops, steps) != ([0] * x.ndim, list(x.shape), [1] * x.ndim):
         out = emit("slice", (x,), starts=tuple(starts), stops=tuple(stops), steps=tuple(steps))
     return reshape(out, tuple(out_shape))
+
+
+def _take_on_axis(x, idx):
+    """x[:, ..., ids, ...]: one integer array among slices (numpy's result: the ids' axis where they stand)."""
+    e = next((j for j, i in enumerate(idx) if i is Ellipsis), None)
+    if e is not None:
+        idx = idx[:e] + (slice(None),) * (x.ndim - len(idx) + 1) + idx[e + 1:]
+    k = next(j for j, i in enumerate(idx) if _advanced(i))
+    ids = idx[k]
+    if builtins.sum(_advanced(i) for i in idx) != 1 or not all(isinstance(i, slice) for j, i in enumerate(idx) if j != k) \
+            or len(np.shape(ids) if not isinstance(ids, Tracer) else ids.shape) != 1:
+        raise TraceError(f"getitem: an integer index array can stand with slices only (one 1-d array), got "
+                         f"{tuple(type(i).__name__ for i in idx)} — {user_src()}")
+    y = getitem(x, tuple(slice(None) if j == k else i for j, i in enumerate(idx)))
+    return swapaxes(take(swapaxes(y, 0, k), ids), 0, k)
 
 
 def setitem(x, idx, value):
