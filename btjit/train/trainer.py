@@ -177,9 +177,15 @@ class Trainer:
         self.echo(f"model: {self.model.arch} | {p.n_params:,} params | arena {p.arena_bytes / 1e6:.2f} MB")
         self.echo(self.ds.describe())
         accum = f" x {t.grad_accum} micro-batches = {t.batch_size * t.grad_accum}" if t.grad_accum > 1 else ""
-        self.echo(f"optim: {o.name} {sched_mod.describe(self.cfg)}" +
-                  (f" momentum {o.momentum:g}" if o.name == "sgd" else f" betas {tuple(o.betas)} eps {o.eps:g}") +
-                  f" weight_decay {o.weight_decay:g}" + (f" clip_norm {o.clip_norm:g}" if o.clip_norm else "") +
+        opt = getattr(p, "optimizer", None)
+        if o.file or o.name not in ("sgd", "adam", "adamw"):    # the optimizer's own hyper-parameters
+            hp = "".join(f" {k} {v:g}" for k, v in (opt.hp if opt else {}).items() if k not in ("lr", "weight_decay"))
+        else:
+            hp = f" momentum {o.momentum:g}" if o.name == "sgd" else f" betas {tuple(o.betas)} eps {o.eps:g}"
+        name = f"{type(opt).__name__} ({Path(o.file).name})" if o.file and opt else o.name
+        groups = f" groups {len(opt.groups)}" if opt and opt.groups else ""
+        self.echo(f"optim: {name} {sched_mod.describe(self.cfg)}{hp}" +
+                  f" weight_decay {o.weight_decay:g}{groups}" + (f" clip_norm {o.clip_norm:g}" if o.clip_norm else "") +
                   f" | batch {t.batch_size}{accum} | {t.steps} steps | seed {t.seed}")
         self.echo(f"program: {times}")
         where = f"resumed from {self.last_ckpt.name} at step {self.step}" if self.resumed else "new run"
