@@ -75,8 +75,8 @@ def test_range_check_accepts_exactly_the_ignore_value():
                         dtype="float64", grad=True)
     with pytest.raises(ValueError, match=r"must be in \[0, 7\), got min -1"):
         plain.value_and_grad(np.array([-1, 0, 1]))
-    with pytest.raises(btjit.TraceError, match="reduction must be 'mean' or 'sum'"):
-        btjit.trace(lambda p: btjit.cross_entropy(p["z"], [0, 1, 2], reduction="none"), {"z": x}, grad=True)
+    with pytest.raises(btjit.TraceError, match="reduction must be 'mean' or 'sum' or 'none', got 'avg'"):
+        btjit.trace(lambda p: btjit.cross_entropy(p["z"], [0, 1, 2], reduction="avg"), {"z": x}, grad=True)
     with pytest.raises(btjit.TraceError, match=r"target values must be in \[0, 7\) or -1"):
         btjit.trace(lambda p: btjit.cross_entropy(p["z"], [0, -2, 1], ignore_index=-1), {"z": x}, grad=True)
 

@@ -75,10 +75,9 @@ def cross_entropy(logits, targets, ignore_index=None, reduction="mean", label_sm
     logits = _classes_last(lift(logits), targets)
     if not 0.0 <= label_smoothing <= 1.0:
         raise TraceError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing!r} — {user_src()}")
+    targets = class_targets("cross_entropy", logits, targets, ignore_index, reduction, ("mean", "sum", "none"))
     if label_smoothing or reduction == "none":
-        targets = class_targets("cross_entropy", logits, targets, ignore_index, reduction, ("mean", "sum", "none"))
         return _smoothed(log_softmax(logits), targets, ignore_index, reduction, float(label_smoothing))
-    targets = class_targets("cross_entropy", logits, targets, ignore_index, reduction, ("mean", "sum"))
     attrs = {k: v for k, v in (("ignore_index", None if ignore_index is None else int(ignore_index)),
                                ("reduction", reduction)) if v not in (None, "mean")}
     return emit("cross_entropy", (logits, targets), **attrs)[0]
