@@ -6,7 +6,7 @@ import pytest
 
 import btjit
 from btjit.testing import check_grads
-from test_functional import _btjit, _np_x, _torch
+from test_functional import _np_x, assert_like_torch
 
 X3 = (2, 3, 4)
 # id -> (fn written once for numpy arrays and traced values, x shape)
@@ -96,15 +96,7 @@ TORCH = {
 
 @pytest.mark.parametrize("name", list(TORCH))
 def test_torch_method_against_torch(name):
-    bt, th = TORCH[name]
-    x = _np_x(X3)
-    want, _ = _torch(th, x, "float64")
-    w = np.random.default_rng(1).normal(size=want.shape)
-    want, want_g = _torch(th, x, "float64", w)
-    got, got_g = _btjit(bt, x, "float64", w)
-    assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(got_g, want_g, rtol=1e-10, atol=1e-12)
+    assert_like_torch(*TORCH[name], _np_x(X3))
 
 
 @pytest.mark.parametrize("bad,needle", [
