@@ -150,7 +150,8 @@ def test_nll_loss_against_torch(kw, shape):
 
 
 CE = [dict(), dict(reduction="sum"), dict(reduction="none"), dict(ignore_index=1),
-      dict(label_smoothing=0.1), dict(label_smoothing=0.2, reduction="sum"), dict(label_smoothing=0.3, reduction="none"),
+      dict(label_smoothing=0.1), dict(label_smoothing=0.2, reduction="sum"),
+      dict(label_smoothing=0.3, reduction="none"),
       dict(label_smoothing=0.1, ignore_index=2), dict(label_smoothing=1.0, ignore_index=0, reduction="sum")]
 
 

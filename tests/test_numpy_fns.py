@@ -84,7 +84,8 @@ TORCH = {
     "pow square sign": (lambda x: x.pow(3) + x.square() + x.sign() * x, lambda x: x.pow(3) + x.square() + x.sign() * x),
     "clamp": (lambda x: x.clamp(min=-0.5) + x.clamp(max=0.2) + x.clamp(-0.1, 0.1),
               lambda x: x.clamp(min=-0.5) + x.clamp(max=0.2) + x.clamp(-0.1, 0.1)),
-    "chunk": (lambda x: x.chunk(3, dim=-1)[1] * 2.0 + x.chunk(2, dim=1)[1][..., :2],      # torch: 2 pieces of 2, then 2 and 1
+    # torch's chunk: 2 pieces of 2 along the last axis, then 2 and 1 along axis 1
+    "chunk": (lambda x: x.chunk(3, dim=-1)[1] * 2.0 + x.chunk(2, dim=1)[1][..., :2],
               lambda x: x.chunk(3, dim=-1)[1] * 2.0 + x.chunk(2, dim=1)[1][..., :2]),
     "softmax dim": (lambda x: x.softmax(1) + x.log_softmax(dim=0), lambda x: x.softmax(1) + x.log_softmax(dim=0)),
     "sum mean dim": (lambda x: x.sum(dim=1, keepdim=True) + x.mean(dim=(0, 1), keepdim=True),

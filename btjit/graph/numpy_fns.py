@@ -166,8 +166,9 @@ def repeat(x, repeats, axis=None):
         x, axis = reshape(x, (x.size,)), 0
     ax = axis % x.ndim
     r = int(repeats)
-    wide = broadcast_to(reshape(x, x.shape[:ax + 1] + (1,) + x.shape[ax + 1:]), x.shape[:ax + 1] + (r,) + x.shape[ax + 1:])
-    return reshape(wide, x.shape[:ax] + (x.shape[ax] * r,) + x.shape[ax + 1:])
+    head, tail = x.shape[:ax + 1], x.shape[ax + 1:]
+    wide = broadcast_to(reshape(x, head + (1,) + tail), head + (r,) + tail)
+    return reshape(wide, x.shape[:ax] + (x.shape[ax] * r,) + tail)
 
 
 def tile(x, reps):
@@ -255,7 +256,8 @@ METHODS.update({
     # torch's (beside x.relu(), x.sigmoid(), ... on the Tracer class itself)
     "square": lambda x: x * x, "sign": sign, "pow": lambda x, p: x ** p,
     "clamp": lambda x, min=None, max=None: clip(x, min, max),  # noqa: A002
-    "view": lambda x, *shape: reshape(x, _shape_args(shape)), "permute": lambda x, *dims: transpose(x, _shape_args(dims)),
+    "view": lambda x, *shape: reshape(x, _shape_args(shape)),
+    "permute": lambda x, *dims: transpose(x, _shape_args(dims)),
     "unsqueeze": lambda x, dim: expand_dims(x, dim), "contiguous": lambda x: x, "t": lambda x: transpose(x),
     "masked_fill": lambda x, mask, value: where(mask, value, x), "chunk": chunk,
     "softmax": lambda x, dim=-1: softmax(x, dim), "log_softmax": lambda x, dim=-1: log_softmax(x, dim)})

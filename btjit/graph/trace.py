@@ -355,8 +355,8 @@ def _take_on_axis(x, idx):
         idx = idx[:e] + (slice(None),) * (x.ndim - len(idx) + 1) + idx[e + 1:]
     k = next(j for j, i in enumerate(idx) if _advanced(i))
     ids = idx[k]
-    if builtins.sum(_advanced(i) for i in idx) != 1 or not all(isinstance(i, slice) for j, i in enumerate(idx) if j != k) \
-            or len(np.shape(ids) if not isinstance(ids, Tracer) else ids.shape) != 1:
+    others = [i for j, i in enumerate(idx) if j != k]
+    if not all(isinstance(i, slice) for i in others) or len(ids.shape if isinstance(ids, Tracer) else np.shape(ids)) != 1:
         raise TraceError(f"getitem: an integer index array can stand with slices only (one 1-d array), got "
                          f"{tuple(type(i).__name__ for i in idx)} — {user_src()}")
     y = getitem(x, tuple(slice(None) if j == k else i for j, i in enumerate(idx)))
