@@ -83,7 +83,7 @@ def test_concrete_value_of_a_traced_value(form):
 @pytest.mark.parametrize("call,name", [
     (lambda x: np.sort(x), "np.sort"), (lambda x: np.cumsum(x), "np.cumsum"), (lambda x: np.sin(x), "np.sin"),
     (lambda x: np.exp(x, dtype=np.float32), "np.exp"), (lambda x: np.add.reduce(x), "np.add"),
-    (lambda x: np.einsum("ij->i", x), "np.einsum"),
+    (lambda x: np.argmax(x), "np.argmax"),
 ])
 def test_unsupported_numpy_function_names_it_and_the_line(call, name):
     def fn(p):

@@ -146,8 +146,9 @@ def nll_loss(logp, target, ignore_index=None, reduction="mean"):
     """torch.nn.functional.nll_loss: -logp[..., target] for log-probabilities logp (..., C) (the class axis
     last, as btjit.cross_entropy: (N, C) as torch; torch's (N, C, d1, ...) with targets (N, d1, ...) is taken
     too) and integer class ids target (...). reduction "mean" (over the positions not ignored), "sum" or "none"
-    (shape (...), 0 at ignored positions). Positions whose target equals ignore_index add nothing and get zero gradient; "mean"
-    with every position ignored gives NaN and zero gradients, as torch. Class ids outside [0, C) are an error
+    (shape (...), 0 at ignored positions). Positions whose target equals ignore_index add nothing and get zero
+    gradient; "mean" with every position ignored gives NaN and zero gradients, as torch. Class ids outside [0, C) are
+    an error
     (checked before the step runs)."""
     logp = _classes_last(lift(logp), target)
     target = class_targets("nll_loss", logp, target, ignore_index, reduction, ("mean", "sum", "none"))

@@ -356,7 +356,7 @@ def _take_on_axis(x, idx):
     k = next(j for j, i in enumerate(idx) if _advanced(i))
     ids = idx[k]
     others = [i for j, i in enumerate(idx) if j != k]
-    if not all(isinstance(i, slice) for i in others) or len(ids.shape if isinstance(ids, Tracer) else np.shape(ids)) != 1:
+    if not all(isinstance(i, slice) for i in others) or (ids.ndim if isinstance(ids, Tracer) else np.ndim(ids)) != 1:
         raise TraceError(f"getitem: an integer index array can stand with slices only (one 1-d array), got "
                          f"{tuple(type(i).__name__ for i in idx)} — {user_src()}")
     y = getitem(x, tuple(slice(None) if j == k else i for j, i in enumerate(idx)))
