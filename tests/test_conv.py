@@ -65,6 +65,23 @@ POOL = [  # fn, x, args, kwargs
 ]
 
 
+CONV_T2D = [  # x, w (C, O/groups, kh, kw), kwargs: torch.nn.functional.conv_transpose2d
+    ((2, 4, 5, 6), (4, 3, 3, 2), {}),
+    ((1, 3, 4, 4), (3, 8, 4, 4), dict(stride=2, padding=1)),                 # a DCGAN / autoencoder upsampling
+    ((2, 4, 5, 6), (4, 3, 3, 3), dict(stride=2, padding=1, output_padding=1)),
+    ((2, 4, 3, 5), (4, 3, 3, 2), dict(stride=(2, 3), padding=(1, 0), dilation=(1, 2))),
+    ((2, 4, 5, 5), (4, 3, 3, 3), dict(groups=2, stride=2)),
+    ((1, 2, 4, 5), (2, 2, 3, 2), dict(dilation=2, padding=2, output_padding=1)),
+    ((2, 3, 4, 4), (3, 2, 3, 3), dict(stride=3, padding=2, output_padding=2)),
+    ((3, 4, 4), (3, 5, 2, 2), dict(stride=2)),                               # unbatched
+]
+CONV_T1D = [
+    ((2, 3, 7), (3, 4, 3), {}),
+    ((2, 4, 6), (4, 2, 4), dict(stride=2, padding=1, output_padding=1, groups=2)),
+    ((3, 5), (3, 2, 3), dict(stride=3, dilation=2)),
+]
+
+
 def _against_torch(fn, tfn, arrays, dtype, tol):
     """fn(traced arrays) vs tfn(torch tensors): the output and the gradient of sum(out * r) for every array."""
     names = [f"a{i}" for i in range(len(arrays))]
@@ -99,6 +116,34 @@ def test_conv1d_matches_torch(i, dtype, tol):
     rng = np.random.default_rng(i)
     arrays = [rng.normal(size=xs), rng.normal(size=ws)] + ([rng.normal(size=ws[0])] if i % 2 else [])
     _against_torch(lambda *a: btjit.conv1d(*a, **kw), lambda *a: TF.conv1d(*a, **kw), arrays, dtype, tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 2e-4)])
+@pytest.mark.parametrize("i", range(len(CONV_T2D) + len(CONV_T1D)))
+def test_conv_transpose_matches_torch(i, dtype, tol):
+    """conv_transpose2d / 1d: outputs and the gradients of x, w and b against torch's."""
+    one = i >= len(CONV_T2D)
+    xs, ws, kw = CONV_T1D[i - len(CONV_T2D)] if one else CONV_T2D[i]
+    rng = np.random.default_rng(i)
+    arrays = [rng.normal(size=xs), rng.normal(size=ws)] + ([rng.normal(size=ws[1] * kw.get("groups", 1))] if i % 2
+                                                           else [])
+    name = "conv_transpose1d" if one else "conv_transpose2d"
+    _against_torch(lambda *a: getattr(btjit, name)(*a, **kw), lambda *a: getattr(TF, name)(*a, **kw), arrays, dtype,
+                   tol)
+
+
+def test_a_conv_autoencoder_matches_finite_differences():
+    """conv (stride 2) -> relu -> conv_transpose (stride 2) -> sigmoid -> squared error, as a small autoencoder."""
+    rng = np.random.default_rng(3)
+    p = {"w1": rng.normal(size=(4, 2, 3, 3)) * 0.4, "w2": rng.normal(size=(4, 2, 4, 4)) * 0.4,
+         "b2": rng.normal(size=2) * 0.1}
+    x = rng.normal(size=(2, 2, 8, 8))
+
+    def loss(q, x):
+        h = btjit.relu(btjit.conv2d(x, q["w1"], stride=2, padding=1))                     # (2, 4, 4, 4)
+        r = btjit.sigmoid(btjit.conv_transpose2d(h, q["w2"], q["b2"], stride=2, padding=1))   # (2, 2, 8, 8)
+        return btjit.mean((r - x) ** 2)
+    check_grads(loss, p, x)
 
 
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-5)])
@@ -152,6 +197,9 @@ def test_a_small_cnn_matches_finite_differences():
     (lambda x, w: btjit.max_pool2d(x, 2, dilation=2), "dilation 2 is not supported"),
     (lambda x, w: btjit.max_pool2d(x, 2, return_indices=True), "return_indices=True is not supported"),
     (lambda x, w: btjit.conv2d(x, w, btjit.reshape(w, (-1,))[:3]), "bias must have shape (4,)"),
+    (lambda x, w: btjit.conv_transpose2d(x, w), "conv_transpose2d: x has 3 channels: w must be (3, O/groups, kh, kw)"),
+    (lambda x, w: btjit.conv_transpose2d(x, w[:3], stride=2, output_padding=2), "output_padding (2, 2) must be smaller"),
+    (lambda x, w: btjit.conv_transpose2d(x, w[:3], padding=5), "give an output of"),
 ])
 def test_bad_arguments_name_the_function_and_the_line(call, message):
     def loss(p):

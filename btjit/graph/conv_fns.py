@@ -89,6 +89,61 @@ def _conv2d(x, w, b, stride, padding, dilation, groups, _fn):
     return T.reshape(y, (N, O, oh, ow))
 
 
+def conv_transpose2d(x, w, b=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+    """torch.nn.functional.conv_transpose2d: x (N, C, H, W) or (C, H, W), w (C, O/groups, kh, kw), b (O,) or None;
+    the output (N, O, (H-1)*stride - 2*padding + dilation*(kh-1) + output_padding + 1, ...). Each input pixel's
+    products with the window (one GEMM, per group) are summed into the output by col2im, the adjoint of the
+    patches a convolution reads (its gradient is that convolution's patch matrix)."""
+    return _conv_transpose2d(x, w, b, stride, padding, output_padding, groups, dilation, "conv_transpose2d")
+
+
+def _conv_transpose2d(x, w, b, stride, padding, output_padding, groups, dilation, _fn):
+    x, w = T.lift(x), T.lift(w)
+    if x.ndim == 3:
+        y = _conv_transpose2d(T.reshape(x, (1,) + x.shape), w, b, stride, padding, output_padding, groups, dilation, _fn)
+        return T.reshape(y, y.shape[1:])
+    if x.ndim != 4 or w.ndim != 4:
+        _fail(_fn, "needs x (N, C, H, W) and w (C, O/groups, kh, kw)", x, w)
+    N, C, H, W = x.shape
+    _, Og, kh, kw = w.shape
+    G = int(groups)
+    if G < 1 or C % G or w.shape[0] != C:
+        _fail(_fn, f"x has {C} channels: w must be ({C}, O/groups, kh, kw) with {C} divisible by groups={G}", x, w)
+    (sh, sw), (ph, pw), (dh, dw) = (_tuple(_fn, v, 2, n) for v, n in ((stride, "stride"), (padding, "padding"),
+                                                                      (dilation, "dilation")))
+    oph, opw = _tuple(_fn, output_padding, 2, "output_padding")
+    if not (0 <= oph < max(sh, dh) and 0 <= opw < max(sw, dw)):
+        _fail(_fn, f"output_padding {(oph, opw)} must be smaller than the stride {(sh, sw)} or the dilation "
+                   f"{(dh, dw)} (as torch)", x, w)
+    OH, OW = (H - 1) * sh - 2 * ph + dh * (kh - 1) + oph + 1, (W - 1) * sw - 2 * pw + dw * (kw - 1) + opw + 1
+    if OH < 1 or OW < 1 or min(sh, sw, dh, dw, ph + 1, pw + 1) < 1:
+        _fail(_fn, f"stride {(sh, sw)}, padding {(ph, pw)} and dilation {(dh, dw)} give an output of {(OH, OW)}", x, w)
+    O = Og * G
+    rows = T.reshape(T.transpose(T.reshape(x, (N, G, C // G, H * W)), (1, 0, 3, 2)), (G, N * H * W, C // G))
+    cols = T.matmul(rows, T.reshape(w, (G, C // G, Og * kh * kw)))           # (G, N*H*W, Og*kh*kw)
+    y = T.emit("col2im", (cols,), x_shape=(N, O, OH, OW), kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw, dh=dh, dw=dw,
+               oh=H, ow=W, groups=G)
+    if b is not None:
+        b = T.lift(b)
+        if tuple(b.shape) != (O,):
+            _fail(_fn, f"the bias must have shape ({O},)", x, w, b)
+        y = y + T.reshape(b, (O, 1, 1))
+    return y
+
+
+def conv_transpose1d(x, w, b=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+    """torch.nn.functional.conv_transpose1d: x (N, C, L) or (C, L), w (C, O/groups, k)."""
+    x, w = T.lift(x), T.lift(w)
+    if x.ndim not in (2, 3) or w.ndim != 3:
+        _fail("conv_transpose1d", "needs x (N, C, L) and w (C, O/groups, k)", x, w)
+    fn = "conv_transpose1d"
+    pair = lambda v, what, unit: (unit,) + _tuple(fn, v, 1, what)  # noqa: E731 -- H is 1: stride 1, no padding
+    y = _conv_transpose2d(T.reshape(x, x.shape[:-1] + (1, x.shape[-1])), T.reshape(w, w.shape[:2] + (1, w.shape[2])),
+                          b, pair(stride, "stride", 1), pair(padding, "padding", 0),
+                          pair(output_padding, "output_padding", 0), groups, pair(dilation, "dilation", 1), fn)
+    return T.reshape(y, y.shape[:-2] + (y.shape[-1],))
+
+
 def conv1d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     """torch.nn.functional.conv1d: x (N, C, L) or (C, L), w (O, C/groups, k); padding an int, "same" or "valid"."""
     x, w = T.lift(x), T.lift(w)

@@ -94,7 +94,8 @@ op("im2col", infer=_im2col_rule, ref=_im2col_ref,
    lower=lambda e, L: _conv_row(L, 0, e.ins[0].shape, e.attrs, ox=L.off(e.ins[0]), ocol=L.off(e.outs[0])),
    vjp=lambda g, x, o, a: [T.emit("col2im", (g[0],), x_shape=tuple(x[0].shape), **a)],
    cases=[Case((s,), a) for s, a in _ic])
-op("col2im", infer=lambda t, a, fd: [(tuple(a["x_shape"]), fd)], ref=_col2im_ref, internal=True,
+op("col2im", infer=lambda t, a, fd: [(tuple(a["x_shape"]), fd)], ref=_col2im_ref,   # also conv_transpose2d's
+   vjp=lambda g, x, o, a: [T.emit("im2col", (g[0],), **{k: v for k, v in a.items() if k != "x_shape"})],
    lower=lambda e, L: _conv_row(L, 1, e.attrs["x_shape"], e.attrs, ocol=L.off(e.ins[0]), ox=L.off(e.outs[0])),
    cases=[Case((F(*_im2col_rule([(s[1], "f64")], a, "f64")[0][0]),), dict(a, x_shape=s[1])) for s, a in _ic])
 
