@@ -155,6 +155,13 @@ def test_pooling_matches_torch(i, dtype, tol):
                    [x], dtype, tol)
 
 
+@pytest.mark.parametrize("xs,kw", [((2, 3, 4, 5), dict(scale_factor=2)), ((1, 2, 3, 4), dict(size=(6, 12))),
+                                   ((2, 3, 5), dict(scale_factor=3)), ((1, 2, 3, 3), dict(scale_factor=(1, 2)))])
+def test_interpolate_nearest_matches_torch(xs, kw):
+    x = np.random.default_rng(0).normal(size=xs)
+    _against_torch(lambda a: btjit.interpolate(a, **kw), lambda a: TF.interpolate(a, **kw), [x], "float64", 1e-12)
+
+
 def test_flatten_matches_torch():
     x = np.random.default_rng(0).normal(size=(2, 3, 4, 5))
     _against_torch(btjit.flatten, lambda a: torch.nn.Flatten()(a), [x], "float64", 0)    # start_dim 1 as nn.Flatten
@@ -198,8 +205,11 @@ def test_a_small_cnn_matches_finite_differences():
     (lambda x, w: btjit.max_pool2d(x, 2, return_indices=True), "return_indices=True is not supported"),
     (lambda x, w: btjit.conv2d(x, w, btjit.reshape(w, (-1,))[:3]), "bias must have shape (4,)"),
     (lambda x, w: btjit.conv_transpose2d(x, w), "conv_transpose2d: x has 3 channels: w must be (3, O/groups, kh, kw)"),
-    (lambda x, w: btjit.conv_transpose2d(x, w[:3], stride=2, output_padding=2), "output_padding (2, 2) must be smaller"),
+    (lambda x, w: btjit.conv_transpose2d(x, w[:3], stride=2, output_padding=2),
+     "output_padding (2, 2) must be smaller"),
     (lambda x, w: btjit.conv_transpose2d(x, w[:3], padding=5), "give an output of"),
+    (lambda x, w: btjit.interpolate(x, scale_factor=1.5), "must be whole multiples"),
+    (lambda x, w: btjit.interpolate(x, scale_factor=2, mode="bilinear"), "mode 'nearest'"),
 ])
 def test_bad_arguments_name_the_function_and_the_line(call, message):
     def loss(p):

@@ -42,6 +42,9 @@ CASES = {
     "logsumexp_axes": (lambda x: btjit.logsumexp(x, axis=(0, 2), keepdims=True),
                        lambda x: torch.logsumexp(x, (0, 2), keepdim=True), (3, 4, 5), 3.0),
     "logsumexp_all": (lambda x: btjit.logsumexp(x), lambda x: torch.logsumexp(x, (0, 1)), X, 3.0),
+    "leaky_relu": (lambda x: btjit.leaky_relu(x, 0.2), lambda x: F.leaky_relu(x, 0.2), X, 1.5),
+    "elu": (lambda x: btjit.elu(x, 0.7), lambda x: F.elu(x, 0.7), X, 2.0),
+    "relu6": (lambda x: btjit.relu6(x * 3.0), lambda x: F.relu6(x * 3.0), X, 2.0),
     "softmax_axis0": (lambda x: btjit.softmax(x, axis=0), lambda x: F.softmax(x, 0), (3, 4, 5), 2.0),
     "log_softmax_axis1": (lambda x: btjit.log_softmax(x, axis=1), lambda x: F.log_softmax(x, 1), (3, 4, 5), 2.0),
     "methods": (lambda x: (x.abs() + 0.5).sqrt().log() + x.relu() * x.sigmoid() - x.tanh().exp(),
@@ -177,6 +180,49 @@ def test_cross_entropy_against_torch_in_its_layout(kw, shape):
     assert abs(got - want.item()) < 1e-12 * max(1.0, abs(want.item()))
     np.testing.assert_allclose(prog.grads["z"], t.grad.numpy(), rtol=1e-10, atol=1e-13)
     check_grads(loss, {"z": logits}, y)
+
+
+LOSSES = ["mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits"]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("name", LOSSES)
+def test_regression_and_binary_losses_against_torch(name, reduction):
+    """Each loss of (input, target) against torch.nn.functional's in float64: the value and both gradients."""
+    rng = np.random.default_rng(7)
+    x, t = rng.normal(size=(5, 3)), rng.uniform(size=(5, 3))
+    kw = {"reduction": reduction, **({"beta": 0.5} if name == "smooth_l1_loss" else {})}
+    tx = (lambda a: torch.sigmoid(a)) if name == "binary_cross_entropy" else (lambda a: a)
+    bx = (lambda a: btjit.sigmoid(a)) if name == "binary_cross_entropy" else (lambda a: a)
+    w = rng.normal(size=x.shape) if reduction == "none" else 1.0
+    prog = btjit.trace(lambda p: btjit.sum(getattr(btjit, name)(bx(p["x"]), p["t"], **kw) * w), {"x": x, "t": t},
+                       dtype="float64", grad=True)
+    got = prog.value_and_grad()
+    tt = {k: torch.tensor(v, requires_grad=True) for k, v in (("x", x), ("t", t))}
+    want = (getattr(F, name)(tx(tt["x"]), tt["t"], **kw) * torch.tensor(w)).sum()
+    want.backward()
+    assert abs(got - want.item()) < 1e-12 * max(1.0, abs(want.item()))
+    for k in tt:
+        np.testing.assert_allclose(prog.grads[k], tt[k].grad.numpy(), rtol=1e-10, atol=1e-13, err_msg=k)
+
+
+def test_bce_with_logits_pos_weight_and_extreme_logits():
+    x, t = np.array([-200.0, -3.0, 0.0, 2.5, 300.0]), np.array([1.0, 0.0, 0.5, 1.0, 0.0])
+    pw = np.array([2.0, 0.5, 1.0, 3.0, 1.5])
+    prog = btjit.trace(lambda p: btjit.binary_cross_entropy_with_logits(p["x"], t, pos_weight=pw), {"x": x},
+                       dtype="float64", grad=True)
+    tx = torch.tensor(x, requires_grad=True)
+    want = F.binary_cross_entropy_with_logits(tx, torch.tensor(t), pos_weight=torch.tensor(pw))
+    want.backward()
+    assert abs(prog.value_and_grad() - want.item()) < 1e-12 * abs(want.item())
+    np.testing.assert_allclose(prog.grads["x"], tx.grad.numpy(), rtol=1e-12)
+
+
+def test_losses_name_a_bad_reduction_or_shape():
+    with pytest.raises(btjit.TraceError, match="mse_loss: reduction must be 'mean', 'sum' or 'none', got 'avg'"):
+        btjit.trace(lambda p: btjit.mse_loss(p["x"], np.zeros(3), reduction="avg"), {"x": np.zeros(3)})
+    with pytest.raises(btjit.TraceError, match=r"l1_loss: input \(3,\) and target \(4,\) must have one shape"):
+        btjit.trace(lambda p: btjit.l1_loss(p["x"], np.zeros(4)), {"x": np.zeros(3)})
 
 
 def test_nll_loss_in_torch_layout_and_the_ambiguous_shape():

@@ -1,7 +1,8 @@
-"""The public convolution and pooling functions (btjit.conv2d, conv1d, max_pool2d, avg_pool2d, max_pool1d,
-avg_pool1d, adaptive_avg_pool2d, flatten), with torch.nn.functional's semantics, built from the op table's
-conv_gemm / im2col / pool2d entries (graph/ops/conv.py) and the tracer's matmul, reshape and transpose. Bad arguments
-raise a TraceError naming the function, the shapes and the user's line."""
+"""The public convolution and pooling functions (btjit.conv2d, conv1d, conv_transpose2d, conv_transpose1d,
+max_pool2d, avg_pool2d, max_pool1d, avg_pool1d, adaptive_avg_pool2d, interpolate, flatten), with
+torch.nn.functional's semantics, built from the op table's conv_gemm / im2col / col2im / pool2d entries
+(graph/ops/conv.py) and the tracer's matmul, reshape and transpose. Bad arguments raise a TraceError naming the
+function, the shapes and the user's line."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +11,7 @@ from btjit.kernels.conv import POOL_AVG, POOL_MAX
 from btjit.kernels.micro import MR
 
 from btjit.graph import trace as T
+from btjit.graph.numpy_fns import repeat
 
 
 def _fail(fn, msg, *xs):
@@ -100,7 +102,8 @@ def conv_transpose2d(x, w, b=None, stride=1, padding=0, output_padding=0, groups
 def _conv_transpose2d(x, w, b, stride, padding, output_padding, groups, dilation, _fn):
     x, w = T.lift(x), T.lift(w)
     if x.ndim == 3:
-        y = _conv_transpose2d(T.reshape(x, (1,) + x.shape), w, b, stride, padding, output_padding, groups, dilation, _fn)
+        y = _conv_transpose2d(T.reshape(x, (1,) + x.shape), w, b, stride, padding, output_padding, groups, dilation,
+                              _fn)
         return T.reshape(y, y.shape[1:])
     if x.ndim != 4 or w.ndim != 4:
         _fail(_fn, "needs x (N, C, H, W) and w (C, O/groups, kh, kw)", x, w)
@@ -234,6 +237,27 @@ def adaptive_avg_pool2d(x, output_size):
                                      f"are not supported)", x)
     kh, kw = x.shape[-2] // oh, x.shape[-1] // ow
     return _pool("adaptive_avg_pool2d", POOL_AVG, x, (kh, kw), (kh, kw), 0, 2)
+
+
+def interpolate(x, size=None, scale_factor=None, mode="nearest"):
+    """torch.nn.functional.interpolate in mode "nearest" by whole factors (an autoencoder's or a U-Net's
+    upsampling): each pixel repeated; x (N, C, L) or (N, C, H, W); `size` or `scale_factor` (an int or one per
+    spatial axis)."""
+    x = T.lift(x)
+    nd = x.ndim - 2
+    if mode != "nearest" or nd not in (1, 2) or (size is None) == (scale_factor is None):
+        _fail("interpolate", f"mode 'nearest' on (N, C, L) or (N, C, H, W) with one of size and scale_factor "
+                             f"(got mode={mode!r})", x)
+    if size is not None:
+        want = _tuple("interpolate", size, nd, "size")
+    else:
+        sf = (scale_factor,) * nd if isinstance(scale_factor, (int, float, np.number)) else tuple(scale_factor)
+        want = tuple(int(round(n * f)) for n, f in zip(x.shape[2:], sf))
+    if len(want) != nd or any(w < n or w % n for w, n in zip(want, x.shape[2:])):
+        _fail("interpolate", f"output size {want} must be whole multiples of the input's {x.shape[2:]}", x)
+    for k, (w, n) in enumerate(zip(want, x.shape[2:])):
+        x = repeat(x, w // n, axis=2 + k) if w != n else x
+    return x
 
 
 def flatten(x, start_dim=1, end_dim=-1):

@@ -1,5 +1,6 @@
 """Public tensor functions of the neural-network kind, as torch.nn.functional names them: softmax, log_softmax,
-cross_entropy, layer_norm, causal_attention (one fused op each), and silu, softplus, logsumexp, nll_loss (composed
+cross_entropy, layer_norm, causal_attention (one fused op each), and silu, softplus, logsumexp, nll_loss, the
+activations leaky_relu, elu, relu6 and the losses mse, l1, smooth_l1, binary_cross_entropy(_with_logits) (composed
 of the op table's ops: their elementwise parts become one fused-chain row forward and one backward, their
 gradients come from their parts' VJP rules).
 
@@ -9,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from btjit.graph.trace import (TraceError, Tracer, _norm_axes, arange, emit, equal, exp, lift, log, log1p, max, maximum,
-                               current_graph, minimum, reshape, sigmoid, sum, swapaxes, transpose,
-                               user_src, where)
+from btjit.graph.trace import (TraceError, Tracer, _norm_axes, abs, arange, current_graph, emit, equal, exp, lift, log,
+                               log1p, max, maximum, minimum, reshape, sigmoid, sum, swapaxes, transpose, user_src,
+                               where)
 
 
 def softmax(x, axis=-1):
@@ -173,3 +174,69 @@ def nll_loss(logp, target, ignore_index=None, reduction="mean"):
     count = sum(keep)
     return where(count > 0.0, total / maximum(count, 1.0), np.nan)
 
+
+# ----------------------------------------------------------------------------- activations and losses as torch
+def leaky_relu(x, negative_slope=0.01):
+    x = lift(x)
+    return where(x > 0.0, x, x * float(negative_slope))
+
+
+def elu(x, alpha=1.0):
+    x = lift(x)
+    return where(x > 0.0, x, (exp(minimum(x, 0.0)) - 1.0) * float(alpha))    # exp of the kept branch only
+
+
+def relu6(x):
+    return minimum(maximum(lift(x), 0.0), 6.0)
+
+
+def _reduced(fn, per, reduction):
+    if reduction == "none":
+        return per
+    if reduction not in ("mean", "sum"):
+        raise TraceError(f"{fn}: reduction must be 'mean', 'sum' or 'none', got {reduction!r} — {user_src()}")
+    total = sum(per)
+    return total if reduction == "sum" else total * (1.0 / per.size)
+
+
+def _pair(fn, x, t):
+    x, t = lift(x), lift(t)
+    if x.shape != t.shape:
+        raise TraceError(f"{fn}: input {x.shape} and target {t.shape} must have one shape — {user_src()}")
+    return x, t
+
+
+def mse_loss(input, target, reduction="mean"):  # noqa: A002 -- torch's names
+    x, t = _pair("mse_loss", input, target)
+    return _reduced("mse_loss", (x - t) * (x - t), reduction)
+
+
+def l1_loss(input, target, reduction="mean"):  # noqa: A002
+    x, t = _pair("l1_loss", input, target)
+    return _reduced("l1_loss", abs(x - t), reduction)
+
+
+def smooth_l1_loss(input, target, reduction="mean", beta=1.0):  # noqa: A002
+    """torch's smooth L1 (Huber with 1 / beta): 0.5 d^2 / beta where |d| < beta, else |d| - 0.5 beta."""
+    x, t = _pair("smooth_l1_loss", input, target)
+    d = abs(x - t)
+    per = d if beta == 0 else where(d < float(beta), d * d * (0.5 / beta), d - 0.5 * beta)
+    return _reduced("smooth_l1_loss", per, reduction)
+
+
+def binary_cross_entropy(input, target, reduction="mean"):  # noqa: A002
+    """torch's: -(t log p + (1 - t) log(1 - p)), each log clamped at -100 as torch clamps it."""
+    p, t = _pair("binary_cross_entropy", input, target)
+    per = -(t * maximum(log(p), -100.0) + (1.0 - t) * maximum(log(1.0 - p), -100.0))
+    return _reduced("binary_cross_entropy", per, reduction)
+
+
+def binary_cross_entropy_with_logits(input, target, reduction="mean", pos_weight=None):  # noqa: A002
+    """torch's, computed stably: (1 - t) x + (1 + (w - 1) t) (log1p(exp(-|x|)) + max(-x, 0)), w = pos_weight
+    (1 if None)."""
+    x, t = _pair("binary_cross_entropy_with_logits", input, target)
+    # softplus(-x), its two kinks at 0 taken from one side (|x|' = 1, max(0, -x)' = 0) so they cancel: the
+    # gradient at x = 0 is sigmoid(0) - t, as torch's
+    soft = log1p(exp(-where(x >= 0.0, x, -x))) + maximum(0.0, -x)
+    per = (1.0 - t) * x + (soft if pos_weight is None else (1.0 + (lift(pos_weight) - 1.0) * t) * soft)
+    return _reduced("binary_cross_entropy_with_logits", per, reduction)
