@@ -9,7 +9,8 @@ from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, concatenat
                                log1p, matmul, max, maximum, mean, minimum, relu, reshape, setitem, sigmoid, split, sqrt,
                                sum, swapaxes, take, tanh, transpose, where)
 from btjit.graph.numpy_fns import clip, roll, stack, std, var
-from btjit.graph.rng import causal_attention, dropout, rand_like, randn_like  # noqa: F811 -- with dropout=
+from btjit.graph.rng import (causal_attention, dropout, rand_like, randn_like,  # noqa: F811 -- with dropout=
+                             scaled_dot_product_attention)
 from btjit.graph.conv_fns import (adaptive_avg_pool2d, avg_pool1d, avg_pool2d, conv1d, conv2d, conv_transpose1d,
                                  conv_transpose2d, flatten, interpolate, max_pool1d, max_pool2d)
 from btjit.core.program import Program, trace

@@ -225,6 +225,62 @@ def test_losses_name_a_bad_reduction_or_shape():
         btjit.trace(lambda p: btjit.l1_loss(p["x"], np.zeros(4)), {"x": np.zeros(3)})
 
 
+SDPA = [  # q, k, v shapes, kwargs (attn_mask given as a seed: a boolean or a float mask of shape (L, S))
+    (((2, 3, 5, 4), (2, 3, 5, 4), (2, 3, 5, 4)), {}),
+    (((2, 2, 9, 8),) * 3, dict(is_causal=True)),                             # the fused kernels
+    (((2, 4, 6), (2, 7, 6), (2, 7, 3)), dict(attn_mask="bool")),             # cross attention, 3-d
+    (((1, 2, 4, 5), (1, 2, 6, 5), (1, 2, 6, 5)), dict(attn_mask="float", scale=0.3)),
+    (((2, 3, 4), (2, 6, 4), (2, 6, 4)), dict(is_causal=True)),               # L != S: top-left causal, as torch
+]
+
+
+@pytest.mark.parametrize("i", range(len(SDPA)))
+def test_scaled_dot_product_attention_against_torch(i):
+    shapes, kw = SDPA[i]
+    rng = np.random.default_rng(i)
+    q, k, v = (rng.normal(size=s) for s in shapes)
+    kw = dict(kw)
+    if "attn_mask" in kw:
+        L, S = shapes[0][-2], shapes[1][-2]
+        kw["attn_mask"] = (rng.uniform(size=(L, S)) < 0.7) | np.eye(L, S, dtype=bool) if kw["attn_mask"] == "bool" \
+            else rng.normal(size=(L, S))
+    r = rng.normal(size=shapes[0][:-1] + shapes[2][-1:])
+    prog = btjit.trace(lambda p: btjit.sum(btjit.scaled_dot_product_attention(p["q"], p["k"], p["v"], **kw) * r),
+                       {"q": q, "k": k, "v": v}, dtype="float64", grad=True)
+    got = prog.value_and_grad()
+    ts = {n: torch.tensor(a, requires_grad=True) for n, a in (("q", q), ("k", k), ("v", v))}
+    tkw = {n: torch.tensor(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
+    want = (F.scaled_dot_product_attention(ts["q"], ts["k"], ts["v"], **tkw) * torch.tensor(r)).sum()
+    want.backward()
+    assert abs(got - want.item()) < 1e-10 * max(1.0, abs(want.item()))
+    for n in ts:
+        np.testing.assert_allclose(prog.grads[n], ts[n].grad.numpy(), rtol=1e-9, atol=1e-12, err_msg=n)
+    assert ("causal_attention" in str(prog.graph)) == (i == 1)
+
+
+def test_causal_sdpa_is_causal_attention_with_its_dropout():
+    """nanoGPT's call (B, H, T, hs, is_causal, dropout_p) computes what btjit.causal_attention does on q | k | v,
+    the dropout mask included (float32, the kept kernels)."""
+    rng = np.random.default_rng(0)
+    B, H, T, hs = 2, 2, 16, 8
+    x = rng.normal(size=(B, T, 3 * H * hs)).astype(np.float32)
+
+    def heads(t):
+        return btjit.transpose(btjit.reshape(t, (B, T, H, hs)), (0, 2, 1, 3))
+
+    def via_sdpa(p):
+        q, k, v = btjit.split(p["x"], 3, axis=2)
+        y = btjit.scaled_dot_product_attention(heads(q), heads(k), heads(v), dropout_p=0.2, is_causal=True)
+        return btjit.sum(btjit.reshape(btjit.transpose(y, (0, 2, 1, 3)), (B, T, H * hs)) * 1.0)
+
+    def direct(p):
+        return btjit.sum(btjit.causal_attention(p["x"], H, dropout=0.2) * 1.0)
+    a = btjit.trace(via_sdpa, {"x": x}, grad=True, seed=5)
+    b = btjit.trace(direct, {"x": x}, grad=True, seed=5)
+    assert a.value_and_grad() == b.value_and_grad()
+    np.testing.assert_array_equal(a.grads["x"], b.grads["x"])
+
+
 def test_nll_loss_in_torch_layout_and_the_ambiguous_shape():
     """nll_loss on torch's (N, C, d) layout; where C equals the last dim both layouts fit and btjit's (classes
     last) is taken, as documented."""

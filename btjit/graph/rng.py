@@ -1,5 +1,6 @@
 """Randomness inside the step, the graph side: the public functions that draw numbers (btjit.rand_like,
-randn_like, dropout, and causal_attention's dropout on the probabilities), and what a Program sets up for them
+randn_like, dropout, and the attention's dropout on the probabilities: causal_attention,
+scaled_dot_product_attention), and what a Program sets up for them
 (the key block's seed and replica words, the row that counts steps where the update does not).
 
 Every number comes from the `rand` op (graph/ops/random.py) or the kept attention kernels, and is a pure
@@ -54,6 +55,31 @@ def causal_attention(qkv, n_head, dropout=0.0):
                   -np.inf)
     y = T.matmul(_dropout(F.softmax(att), p), v)
     return T.reshape(T.transpose(y, (0, 2, 1, 3)), (B, T_, C))
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    """torch.nn.functional.scaled_dot_product_attention: softmax(q k^T * scale [+ mask]) v over the last two axes
+    of q (..., L, E), k (..., S, E), v (..., S, Ev); scale 1 / sqrt(E) by default; is_causal: query i sees keys
+    j <= i; attn_mask: a boolean array (True = attend) or a float one added to the scores; dropout_p on the
+    probabilities while training (none in eval mode). Causal self-attention of (B, H, T, hs) q, k, v, as nanoGPT
+    calls it, runs the fused attention kernels (btjit.causal_attention on q | k | v)."""
+    q, k, v = T.lift(query), T.lift(key), T.lift(value)
+    p = _probability(dropout_p, "scaled_dot_product_attention")
+    if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim or k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2]:
+        raise T.TraceError(f"scaled_dot_product_attention: q (..., L, E), k (..., S, E), v (..., S, Ev), got "
+                           f"{q.shape}, {k.shape}, {v.shape} — {T.user_src()}")
+    if is_causal and attn_mask is None and scale is None and q.ndim == 4 and q.shape == k.shape == v.shape:
+        B, H, T_, hs = q.shape
+        qkv = T.concatenate([T.reshape(T.transpose(t, (0, 2, 1, 3)), (B, T_, H * hs)) for t in (q, k, v)], 2)
+        return T.transpose(T.reshape(causal_attention(qkv, H, p), (B, T_, H, hs)), (0, 2, 1, 3))
+    L, S = q.shape[-2], k.shape[-2]
+    att = T.matmul(q, T.swapaxes(k, -1, -2)) * float(1.0 / np.sqrt(q.shape[-1]) if scale is None else scale)
+    if is_causal:
+        att = T.where(np.tril(np.ones((L, S), bool)), att, -np.inf)
+    if attn_mask is not None:
+        m = attn_mask if isinstance(attn_mask, T.Tracer) else np.asarray(attn_mask)
+        att = T.where(m, att, -np.inf) if isinstance(m, np.ndarray) and m.dtype == bool else att + m
+    return T.matmul(_dropout(F.softmax(att), p), v)
 
 
 def attn_dropout_in_kernel(qkv_shape, nh) -> bool:
