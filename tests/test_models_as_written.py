@@ -12,6 +12,11 @@ same batches, float64):
    the next as buffers through btjit.assign (torch: repackage_hidden, i.e. detach), btjit's side written with
    lstm_cell per time step, torch's with torch.nn.LSTM(num_layers=2). 5 SGD steps, no gradient clipping: every
    loss within 1e-10, params and the carried h / c within 1e-9.
+3. nanoGPT's model.py forward with torch's spellings kept -- `idx.size()`, `.split(n_embd, dim=2)`,
+   `.view(B, T, nh, hs).transpose(1, 2)`, `scaled_dot_product_attention(..., is_causal=True)`,
+   `.transpose(1, 2).contiguous().view(B, T, C)`, `logits.view(-1, logits.size(-1))` -- run once with
+   torch.nn.functional and once with btjit as the module: loss and every gradient against torch's, and the
+   attention runs btjit's fused kernels.
 """
 import numpy as np
 import pytest
@@ -219,3 +224,51 @@ def test_word_language_model_lstm_tied_carried_hidden_matches_torch():
     for k, v in want.items():
         np.testing.assert_allclose(prog.params[k], v.detach().numpy(), rtol=0, atol=STATE_TOL, err_msg=k)
     assert not np.allclose(prog.buffers["h1"], 0.0)
+
+
+# ----------------------------------------------------------------------------- nanoGPT's forward, torch's spellings
+def _nanogpt_forward(p, idx, targets, lib, n_layer, n_head, n_embd):
+    """model.py's GPT.forward / Block / CausalSelfAttention / MLP (bias=False, dropout 0, tied lm_head) written
+    once: `lib` is torch.nn.functional or btjit; weights (out, in) as torch.nn.Linear keeps them."""
+    ln = (lambda x, w: F.layer_norm(x, w.shape, w, None, 1e-5)) if lib is F else \
+        (lambda x, w: btjit.layer_norm(x, w, None))
+    b, t = idx.size()
+    pos = torch.arange(0, t, dtype=torch.long) if lib is F else btjit.arange(0, t)
+    x = p["wte"][idx] + p["wpe"][pos]
+    for i in range(n_layer):
+        h = ln(x, p[f"h{i}.ln_1"])
+        B, T, C = h.size()
+        q, k, v = (h @ p[f"h{i}.c_attn"].T).split(n_embd, dim=2)
+        k = k.view(B, T, n_head, C // n_head).transpose(1, 2)
+        q = q.view(B, T, n_head, C // n_head).transpose(1, 2)
+        v = v.view(B, T, n_head, C // n_head).transpose(1, 2)
+        y = lib.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        x = x + y @ p[f"h{i}.c_proj"].T
+        x = x + lib.gelu(ln(x, p[f"h{i}.ln_2"]) @ p[f"h{i}.c_fc"].T) @ p[f"h{i}.mlp_proj"].T
+    logits = ln(x, p["ln_f"]) @ p["wte"].T
+    return lib.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 2e-4)])
+def test_nanogpt_forward_with_torch_spellings_matches_torch(dtype, tol):
+    n_layer, n_head, n_embd, block, V = 2, 2, 16, 8, 11
+    rng = np.random.default_rng(0)
+    p = {"wte": rng.normal(0, .2, (V, n_embd)), "wpe": rng.normal(0, .2, (block, n_embd)), "ln_f": np.ones(n_embd)}
+    for i in range(n_layer):
+        p.update({f"h{i}.ln_1": 1 + rng.normal(0, .1, n_embd), f"h{i}.c_attn": rng.normal(0, .2, (3 * n_embd, n_embd)),
+                  f"h{i}.c_proj": rng.normal(0, .2, (n_embd, n_embd)), f"h{i}.ln_2": 1 + rng.normal(0, .1, n_embd),
+                  f"h{i}.c_fc": rng.normal(0, .2, (4 * n_embd, n_embd)),
+                  f"h{i}.mlp_proj": rng.normal(0, .2, (n_embd, 4 * n_embd))})
+    idx, targets = rng.integers(0, V, (3, block)), rng.integers(0, V, (3, block))
+    targets[0, :2] = -1                                                     # nanoGPT's ignore_index
+    prog = btjit.trace(lambda q, i, t: _nanogpt_forward(q, i, t, btjit, n_layer, n_head, n_embd),
+                       {k: v.astype(dtype) for k, v in p.items()}, idx, targets, dtype=dtype, grad=True)
+    got = prog.value_and_grad(idx, targets)
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in p.items()}
+    want = _nanogpt_forward(tp, torch.tensor(idx), torch.tensor(targets), F, n_layer, n_head, n_embd)
+    want.backward()
+    assert abs(got - want.item()) < tol
+    for k in p:
+        np.testing.assert_allclose(prog.grads[k], tp[k].grad.numpy(), rtol=tol, atol=tol * 1e-2, err_msg=k)
+    assert "causal_attention" in str(prog.graph)

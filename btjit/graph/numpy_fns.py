@@ -192,6 +192,18 @@ def chunk(x, chunks, dim=0):
     return [getitem(x, pre + (slice(lo, builtins.min(lo + step, n)),)) for lo in range(0, n, step)]
 
 
+def torch_split(x, split_size_or_sections, dim=0):
+    """torch's x.split: pieces of split_size along dim (the last one smaller), or of the listed sizes."""
+    x = lift(x)
+    n = x.shape[dim % x.ndim]
+    s = split_size_or_sections
+    sizes = [int(v) for v in s] if isinstance(s, (list, tuple)) else [builtins.min(int(s), n - lo)
+                                                                     for lo in range(0, n, int(s))]
+    if builtins.sum(sizes) != n:
+        raise TraceError(f"split: sizes {sizes} must add up to {n}, the size of dim {dim} — {user_src()}")
+    return split(x, list(np.cumsum(sizes)[:-1]), dim % x.ndim)
+
+
 def einsum(subscripts, *operands):
     """numpy's einsum for one or two operands written with explicit letters ("bhqd,bhkd->bhqk", "ij->j"; no
     "...", no letter twice in one operand): a letter only one operand has and the output lacks is summed first;
@@ -259,5 +271,5 @@ METHODS.update({
     "view": lambda x, *shape: reshape(x, _shape_args(shape)),
     "permute": lambda x, *dims: transpose(x, _shape_args(dims)),
     "unsqueeze": lambda x, dim: expand_dims(x, dim), "contiguous": lambda x: x, "t": lambda x: transpose(x),
-    "masked_fill": lambda x, mask, value: where(mask, value, x), "chunk": chunk,
+    "masked_fill": lambda x, mask, value: where(mask, value, x), "chunk": chunk, "split": torch_split,
     "softmax": lambda x, dim=-1: softmax(x, dim), "log_softmax": lambda x, dim=-1: log_softmax(x, dim)})

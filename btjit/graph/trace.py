@@ -28,6 +28,18 @@ def _binop(op, x, y):
     return emit(op, (x, y))
 
 
+class _Size(int):
+    """numpy's x.size (the element count, an int) that torch's x.size() / x.size(dim) can call (the shape)."""
+
+    def __new__(cls, n, shape):
+        s = super().__new__(cls, n)
+        s.shape = shape
+        return s
+
+    def __call__(self, dim=None):
+        return self.shape if dim is None else self.shape[dim]
+
+
 class Tracer:
     """A traced array value. Supports numpy-style operators, methods and many numpy functions."""
     __slots__ = ("node", "graph")
@@ -38,7 +50,7 @@ class Tracer:
 
     shape = property(lambda self: self.node.shape)
     ndim = property(lambda self: len(self.node.shape))
-    size = property(lambda self: self.node.size)
+    size = property(lambda self: _Size(self.node.size, self.node.shape))
     dtype = property(lambda self: np.dtype({"f32": np.float32, "f64": np.float64, "i32": np.int32}[self.node.dtype]))
     T = property(lambda self: transpose(self))
 
@@ -266,9 +278,8 @@ def reshape(x, shape):
 
 def transpose(x, axes=None):
     x = lift(x)
-    if axes is not None and len(axes) == 2 != x.ndim:
-        raise TraceError(f"transpose: axes {tuple(axes)} must list all {x.ndim} axes (numpy's permutation); torch's "
-                         f"transpose of two axes is x.swapaxes({axes[0]}, {axes[1]}) — {user_src()}")
+    if axes is not None and len(axes) == 2 != x.ndim:     # not a permutation: torch's x.transpose(1, 2)
+        return swapaxes(x, *axes)
     perm = tuple(reversed(range(x.ndim))) if axes is None else tuple(int(a) % x.ndim for a in axes)
     if perm == tuple(range(x.ndim)):
         return x
