@@ -17,6 +17,8 @@ NUMPY = {
     "np.square": (lambda x: np.square(x), X3),
     "np.sign": (lambda x: np.sign(x) * x, X3),
     "np.reciprocal": (lambda x: np.reciprocal(x * x + 1.0), X3),
+    "np.expm1 log2 log10": (lambda x: np.expm1(x) + np.log2(x * x + 1.0) + np.log10(x * x + 2.0), X3),
+    "np.zeros_like ones_like full_like": (lambda x: x * np.ones_like(x) + np.zeros_like(x) + np.full_like(x, 2.5), X3),
     "np.expand_dims": (lambda x: np.expand_dims(x, 1), X3),
     "np.expand_dims tuple": (lambda x: np.expand_dims(x, (0, -1)), X3),
     "x.squeeze": (lambda x: x[:, :1].squeeze(), X3),

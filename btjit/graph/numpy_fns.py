@@ -237,6 +237,12 @@ def einsum(subscripts, *operands):
     return transpose(y, tuple((batch + fa + fb).index(c) for c in out))
 
 
+def full_like(x, fill_value):
+    """numpy's full_like (zeros_like, ones_like): a constant of x's shape, broadcast from one value."""
+    x = lift(x)
+    return broadcast_to(lift(float(fill_value), x), x.shape)
+
+
 def _shape_args(shape):
     return shape[0] if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)) else shape
 
@@ -248,6 +254,8 @@ UFUNCS.update({
     "exp": exp, "log": log, "tanh": tanh, "sqrt": sqrt, "absolute": abs, "maximum": maximum, "erf": erf,
     "log1p": log1p, "minimum": minimum, "matmul": matmul, "power": lambda x, y: lift(x) ** y,
     "square": lambda x: lift(x) * lift(x), "sign": sign, "reciprocal": lambda x: 1.0 / lift(x),
+    "expm1": lambda x: exp(x) - 1.0, "log2": lambda x: log(x) * float(1 / np.log(2)),
+    "log10": lambda x: log(x) * float(1 / np.log(10)),
     "equal": equal, "greater": lambda x, y: _binop("gt", x, y), "less": lambda x, y: _binop("lt", x, y),
     "not_equal": lambda x, y: _binop("ne", x, y), "greater_equal": lambda x, y: _binop("ge", x, y),
     "less_equal": lambda x, y: _binop("le", x, y)})
@@ -260,7 +268,8 @@ FUNCS.update({
         a, min if a_min is None else a_min, max if a_max is None else a_max),
     "var": var, "std": std, "log1p": log1p, "expand_dims": expand_dims, "squeeze": squeeze, "dot": dot,
     "outer": outer, "norm": norm, "pad": pad, "repeat": repeat, "tile": tile, "ravel": lambda a: flatten(a),
-    "einsum": einsum})
+    "einsum": einsum, "full_like": full_like, "zeros_like": lambda a: full_like(a, 0.0),
+    "ones_like": lambda a: full_like(a, 1.0)})
 METHODS.update({
     # numpy's
     "var": var, "std": std, "clip": lambda x, min=None, max=None: clip(x, min, max),  # noqa: A002
