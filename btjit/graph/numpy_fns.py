@@ -3,8 +3,9 @@
 (trace.METHODS, found by Tracer.__getattr__): x.var(0), x.min(1), x.squeeze(), x.view(B, T, C), x.permute(0, 2,
 1), x.masked_fill(mask, v), ... Registered on import (btjit/core/program.py imports this module before tracing).
 
-Where numpy and torch give one name two meanings, numpy's is taken (x.transpose(*axes) is a permutation,
-x.repeat repeats elements); torch's other spellings are here under their own names (permute, swapaxes)."""
+Where numpy and torch give one name two meanings, numpy's is taken (x.repeat repeats elements, x.max(axis)
+gives the values); torch's meaning is kept where numpy's call would be an error (x.transpose(1, 2) of a 3-d value
+swaps two axes, x.split(size, dim), x.size() called) or under its own name (permute)."""
 from __future__ import annotations
 
 import builtins
@@ -12,7 +13,7 @@ import builtins
 import numpy as np
 
 from btjit.graph.functional import log_softmax, softmax
-from btjit.graph.trace import (FUNCS, METHODS, UFUNCS, TraceError, Tracer, _binop, _norm_axes, abs, broadcast_to,
+from btjit.graph.trace import (FUNCS, METHODS, UFUNCS, TraceError, _binop, _norm_axes, abs, broadcast_to,
                                concatenate, emit, equal, erf, exp, getitem, lift, log, log1p, matmul, max, maximum,
                                mean, minimum, reshape, split, sqrt, sum, swapaxes, take, tanh, transpose,
                                user_src, where)
