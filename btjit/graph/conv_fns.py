@@ -34,6 +34,12 @@ def _out(fn, size, k, s, lo, hi, d, xs):
     return o
 
 
+def _unbatched(f, x, *args):
+    """f of x with a batch axis of 1 added (torch's unbatched (C, H, W) input), the axis removed after."""
+    y = f(T.reshape(x, (1,) + x.shape), *args)
+    return T.reshape(y, y.shape[1:])
+
+
 def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     """torch.nn.functional.conv2d: x (N, C, H, W) or (C, H, W), w (O, C/groups, kh, kw), b (O,) or None;
     padding an int, a pair, "same" (stride 1; the odd extra pixel after, as torch) or "valid"."""
@@ -43,8 +49,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
 def _conv2d(x, w, b, stride, padding, dilation, groups, _fn):
     x, w = T.lift(x), T.lift(w)
     if x.ndim == 3:
-        y = _conv2d(T.reshape(x, (1,) + x.shape), w, b, stride, padding, dilation, groups, _fn)
-        return T.reshape(y, y.shape[1:])
+        return _unbatched(_conv2d, x, w, b, stride, padding, dilation, groups, _fn)
     if x.ndim != 4 or w.ndim != 4:
         _fail(_fn, "needs x (N, C, H, W) and w (O, C/groups, kh, kw)", x, w)
     N, C, H, W = x.shape
@@ -102,9 +107,7 @@ def conv_transpose2d(x, w, b=None, stride=1, padding=0, output_padding=0, groups
 def _conv_transpose2d(x, w, b, stride, padding, output_padding, groups, dilation, _fn):
     x, w = T.lift(x), T.lift(w)
     if x.ndim == 3:
-        y = _conv_transpose2d(T.reshape(x, (1,) + x.shape), w, b, stride, padding, output_padding, groups, dilation,
-                              _fn)
-        return T.reshape(y, y.shape[1:])
+        return _unbatched(_conv_transpose2d, x, w, b, stride, padding, output_padding, groups, dilation, _fn)
     if x.ndim != 4 or w.ndim != 4:
         _fail(_fn, "needs x (N, C, H, W) and w (C, O/groups, kh, kw)", x, w)
     N, C, H, W = x.shape
