@@ -218,6 +218,53 @@ def test_bce_with_logits_pos_weight_and_extreme_logits():
     np.testing.assert_allclose(prog.grads["x"], tx.grad.numpy(), rtol=1e-12)
 
 
+NORMS = {  # id -> (btjit fn of x, w, b; torch fn; x shape, w / b shape)
+    "layer_norm torch signature": (lambda x, w, b: btjit.layer_norm(x, (4,), w, b, 1e-3),
+                                   lambda x, w, b: F.layer_norm(x, (4,), w, b, 1e-3), (2, 3, 4), (4,)),
+    "layer_norm over two axes": (lambda x, w, b: btjit.layer_norm(x, [3, 4], weight=w, bias=b),
+                                 lambda x, w, b: F.layer_norm(x, [3, 4], weight=w, bias=b), (2, 3, 4), (3, 4)),
+    "group_norm": (lambda x, w, b: btjit.group_norm(x, 3, w, b), lambda x, w, b: F.group_norm(x, 3, w, b),
+                   (2, 6, 3, 4), (6,)),
+    "group_norm one group, 3-d": (lambda x, w, b: btjit.group_norm(x, 1, w, b, eps=1e-3),
+                                  lambda x, w, b: F.group_norm(x, 1, w, b, eps=1e-3), (2, 4, 5), (4,)),
+    "instance_norm": (lambda x, w, b: btjit.instance_norm(x, w, b),
+                      lambda x, w, b: F.instance_norm(x, weight=w, bias=b), (2, 3, 4, 5), (3,)),
+}
+
+
+@pytest.mark.parametrize("name", list(NORMS))
+def test_normalizations_against_torch(name):
+    bt, th, xs, ws = NORMS[name]
+    rng = np.random.default_rng(4)
+    x, w, b = rng.normal(size=xs) * 2.0 + 0.5, 1.0 + rng.normal(size=ws) * 0.2, rng.normal(size=ws) * 0.2
+    r = rng.normal(size=xs)
+    prog = btjit.trace(lambda p: btjit.sum(bt(p["x"], p["w"], p["b"]) * r), {"x": x, "w": w, "b": b},
+                       dtype="float64", grad=True)
+    got = prog.value_and_grad()
+    ts = {k: torch.tensor(v, requires_grad=True) for k, v in (("x", x), ("w", w), ("b", b))}
+    want = (th(ts["x"], ts["w"], ts["b"]) * torch.tensor(r)).sum()
+    want.backward()
+    assert abs(got - want.item()) < 1e-10 * max(1.0, abs(want.item()))
+    for k in ts:
+        np.testing.assert_allclose(prog.grads[k], ts[k].grad.numpy(), rtol=1e-9, atol=1e-11, err_msg=k)
+
+
+def test_one_hot_and_embedding_as_torch():
+    y = np.array([[2, 0], [1, 3]])
+    table = np.random.default_rng(0).normal(size=(4, 3))
+
+    def fn(p, y):
+        return btjit.sum(btjit.embedding(y, p["e"])), {"oh": btjit.one_hot(y, 5), "emb": btjit.embedding(y, p["e"])}
+    prog = btjit.trace(fn, {"e": table}, y.astype(np.int32), dtype="float64")
+    prog.forward(y.astype(np.int32))
+    np.testing.assert_array_equal(prog.outputs["oh"], F.one_hot(torch.tensor(y), 5).numpy())
+    np.testing.assert_array_equal(prog.outputs["emb"], F.embedding(torch.tensor(y), torch.tensor(table)).numpy())
+    with pytest.raises(btjit.TraceError, match="group_norm: 6 channels do not split into 4 groups"):
+        btjit.trace(lambda p: btjit.sum(btjit.group_norm(p["x"], 4)), {"x": np.zeros((2, 6, 3))})
+    with pytest.raises(btjit.TraceError, match=r"layer_norm: normalized_shape \(5,\) is not the end"):
+        btjit.trace(lambda p: btjit.sum(btjit.layer_norm(p["x"], (5,))), {"x": np.zeros((2, 6, 3))})
+
+
 def test_losses_name_a_bad_reduction_or_shape():
     with pytest.raises(btjit.TraceError, match="mse_loss: reduction must be 'mean', 'sum' or 'none', got 'avg'"):
         btjit.trace(lambda p: btjit.mse_loss(p["x"], np.zeros(3), reduction="avg"), {"x": np.zeros(3)})

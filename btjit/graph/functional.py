@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.graph.trace import (TraceError, Tracer, _norm_axes, abs, arange, current_graph, emit, equal, exp, lift, log,
-                               log1p, max, maximum, minimum, reshape, sigmoid, sum, swapaxes, transpose, user_src,
-                               where)
+                               log1p, max, maximum, minimum, reshape, sigmoid, sum, swapaxes, take, transpose,
+                               user_src, where)
 
 
 def softmax(x, axis=-1):
@@ -103,14 +103,66 @@ def _smoothed(logp, targets, ignore_index, reduction, eps):
     return where(count > 0.0, sum(per) / maximum(count, 1.0), np.nan)
 
 
-def layer_norm(x, weight, bias, eps=1e-5):
-    """LayerNorm over the last axis (biased variance, as torch); weight or bias None: none (nanoGPT's
-    bias=False), computed as ones / zeros."""
+def _ln_args(weight=None, bias=None, eps=1e-5):
+    return weight, bias, eps
+
+
+def layer_norm(x, weight_or_shape=None, *args, **kwargs):
+    """layer_norm(x, weight, bias=None, eps=1e-5): LayerNorm over the last axis (biased variance, as torch);
+    weight or bias None: none (nanoGPT's bias=False), computed as ones / zeros. torch's signature, layer_norm(x,
+    normalized_shape, weight=None, bias=None, eps=1e-5) with a tuple or list of ints second, normalizes over the
+    last len(normalized_shape) axes."""
     x = lift(x)
+    s = weight_or_shape
+    if isinstance(s, (tuple, list)) and all(isinstance(d, (int, np.integer)) for d in s):
+        shape, (weight, bias, eps) = tuple(int(d) for d in s), _ln_args(*args, **kwargs)
+        if x.shape[x.ndim - len(shape):] != shape:
+            raise TraceError(f"layer_norm: normalized_shape {shape} is not the end of the input's {x.shape} — "
+                             f"{user_src()}")
+        n = int(np.prod(shape))
+        flat = lambda v: None if v is None else reshape(lift(v), (n,))          # noqa: E731
+        y = layer_norm(reshape(x, x.shape[:x.ndim - len(shape)] + (n,)), flat(weight), flat(bias), eps)
+        return reshape(y, x.shape)
+    weight, bias, eps = _ln_args(*args, **kwargs) if s is None else _ln_args(s, *args, **kwargs)
     C = x.shape[-1] if x.ndim else 1
     w = lift(np.ones(C) if weight is None else weight)
     b = lift(np.zeros(C) if bias is None else bias)
     return emit("layernorm", (x, w, b), eps=float(eps))[0]
+
+
+def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
+    """torch.nn.functional.group_norm: x (N, C, ...) normalized over each group of C / num_groups channels and
+    the other axes (biased variance), then weight and bias per channel. instance_norm is num_groups = C."""
+    x = lift(x)
+    N, C, G = x.shape[0], x.shape[1], int(num_groups)
+    if G < 1 or C % G:
+        raise TraceError(f"group_norm: {C} channels do not split into {G} groups — {user_src()}")
+    g = reshape(x, (N, G, -1))
+    mu = sum(g, 2, keepdims=True) * (1.0 / g.shape[2])
+    d = g - mu
+    var = sum(d * d, 2, keepdims=True) * (1.0 / g.shape[2])
+    y = reshape(d * ((var + float(eps)) ** -0.5), x.shape)
+    per_channel = (C,) + (1,) * (x.ndim - 2)
+    y = y if weight is None else y * reshape(lift(weight), per_channel)
+    return y if bias is None else y + reshape(lift(bias), per_channel)
+
+
+def instance_norm(x, weight=None, bias=None, eps=1e-5):
+    """torch's instance norm with the input's statistics (nn.InstanceNorm*d's default): each (sample, channel)
+    normalized over its other axes."""
+    x = lift(x)
+    return group_norm(x, x.shape[1], weight, bias, eps)
+
+
+def embedding(input, weight):  # noqa: A002 -- torch's names
+    """torch.nn.functional.embedding: the rows of weight at the integer ids of input."""
+    return take(weight, input)
+
+
+def one_hot(y, num_classes):
+    """torch.nn.functional.one_hot as floats of the program's dtype: (..., num_classes), 1 at each class id."""
+    y = lift(np.asarray(y, np.int32)) if not isinstance(y, Tracer) else y
+    return equal(reshape(y, y.shape + (1,)), arange(int(num_classes)))
 
 
 def causal_attention(qkv, n_head):
