@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from btjit.graph.trace import (TraceError, Tracer, _norm_axes, abs, arange, current_graph, emit, equal, exp, lift, log,
-                               log1p, max, maximum, minimum, reshape, sigmoid, sum, swapaxes, take, transpose,
+from btjit.graph.trace import (TraceError, Tracer, _norm_axes, abs, arange, current_graph, emit, equal, erf, exp, lift,
+                               log, log1p, max, maximum, minimum, reshape, sigmoid, sum, swapaxes, take, transpose,
                                user_src, where)
 
 
@@ -168,6 +168,17 @@ def one_hot(y, num_classes):
 def causal_attention(qkv, n_head):
     """Fused causal self-attention: qkv (B, T, 3C) holding q | k | v -> (B, T, C), n_head heads of C/n_head."""
     return emit("causal_attention", (lift(qkv),), n_head=int(n_head))[0]
+
+
+def gelu(x, approximate="none"):
+    """GELU as torch: "none" (torch's default) x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2)); "tanh" the tanh
+    approximation (GPT-2's NewGELU: one kernel forward, one backward)."""
+    if approximate == "tanh":
+        return emit("gelu", (lift(x),))
+    if approximate != "none":
+        raise TraceError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r} — {user_src()}")
+    x = lift(x)
+    return x * (0.5 + 0.5 * erf(x * 0.7071067811865476))
 
 
 def silu(x):

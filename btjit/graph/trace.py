@@ -212,17 +212,6 @@ def equal(x, y): return _binop("eq", x, y)
 def copy(x): return emit("copy", (lift(x),))
 
 
-def gelu(x, approximate="none"):
-    """GELU as torch: "none" (torch's default) x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2)); "tanh" the tanh
-    approximation (GPT-2's NewGELU: one kernel forward, one backward)."""
-    if approximate == "tanh":
-        return emit("gelu", (lift(x),))
-    if approximate != "none":
-        raise TraceError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r} — {user_src()}")
-    x = lift(x)
-    return x * (0.5 + 0.5 * erf(x * 0.7071067811865476))
-
-
 def where(cond, x, y):
     """Select x where cond is true (nonzero), else y. cond is usually a constant numpy mask."""
     c = lift(np.asarray(cond, dtype=np.float64) if not isinstance(cond, Tracer) else cond)
