@@ -13,7 +13,7 @@ from btjit.graph.numpy_fns import clip, roll, stack, std, var
 from btjit.graph.rng import (causal_attention, dropout, rand_like, randn_like,  # noqa: F811 -- with dropout=
                              scaled_dot_product_attention)
 from btjit.graph.conv_fns import (adaptive_avg_pool2d, avg_pool1d, avg_pool2d, conv1d, conv2d, conv_transpose1d,
-                                 conv_transpose2d, flatten, interpolate, max_pool1d, max_pool2d)
+                                 conv_transpose2d, flatten, interpolate, max_pool1d, max_pool2d, pad, pixel_shuffle)
 from btjit.core.program import Program, trace
 from btjit.scalar.front import trace_scalar
 from btjit.host.threads import replicas_for, set_num_threads

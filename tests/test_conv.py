@@ -162,6 +162,27 @@ def test_interpolate_nearest_matches_torch(xs, kw):
     _against_torch(lambda a: btjit.interpolate(a, **kw), lambda a: TF.interpolate(a, **kw), [x], "float64", 1e-12)
 
 
+@pytest.mark.parametrize("padding,mode", [((1, 2, 0, 0), "reflect"), ((2, 1, 1, 3), "reflect"),
+                                          ((1, 2, 0, 1), "replicate"), ((2, 2, 1, 1), "circular"),
+                                          ((1, 0, 2, 1), "constant")])
+def test_pad_matches_torch(padding, mode):
+    x = np.random.default_rng(1).normal(size=(2, 3, 4, 5))
+    kw = {"value": 0.5} if mode == "constant" else {}
+    _against_torch(lambda a: btjit.pad(a, padding, mode, **kw), lambda a: TF.pad(a, padding, mode, **kw), [x],
+                   "float64", 1e-12)
+
+
+def test_numpy_pad_modes_match_numpy_and_pixel_shuffle_matches_torch():
+    x = np.random.default_rng(2).normal(size=(2, 3, 4))
+    for mode in ("reflect", "edge", "wrap"):
+        got = btjit.trace(lambda p: (btjit.sum(p["x"]), {"y": np.pad(p["x"], ((0, 0), (2, 1), (1, 3)), mode)}),
+                          {"x": x}, dtype="float64")
+        got.forward()
+        np.testing.assert_array_equal(got.outputs["y"], np.pad(x, ((0, 0), (2, 1), (1, 3)), mode))
+    z = np.random.default_rng(3).normal(size=(2, 8, 3, 2))
+    _against_torch(lambda a: btjit.pixel_shuffle(a, 2), lambda a: TF.pixel_shuffle(a, 2), [z], "float64", 0)
+
+
 def test_flatten_matches_torch():
     x = np.random.default_rng(0).normal(size=(2, 3, 4, 5))
     _against_torch(btjit.flatten, lambda a: torch.nn.Flatten()(a), [x], "float64", 0)    # start_dim 1 as nn.Flatten
@@ -209,6 +230,9 @@ def test_a_small_cnn_matches_finite_differences():
      "output_padding (2, 2) must be smaller"),
     (lambda x, w: btjit.conv_transpose2d(x, w[:3], padding=5), "give an output of"),
     (lambda x, w: btjit.interpolate(x, scale_factor=1.5), "must be whole multiples"),
+    (lambda x, w: btjit.pad(x, (1, 2, 3)), "must hold (before, after) pairs"),
+    (lambda x, w: btjit.pad(x, (8, 8), "reflect"), "reflect padding of (8, 8) on an axis of size 8"),
+    (lambda x, w: btjit.pixel_shuffle(x, 2), "needs (N, C*2*2, H, W)"),
     (lambda x, w: btjit.interpolate(x, scale_factor=2, mode="bilinear"), "mode 'nearest'"),
 ])
 def test_bad_arguments_name_the_function_and_the_line(call, message):

@@ -11,7 +11,7 @@ from btjit.kernels.conv import POOL_AVG, POOL_MAX
 from btjit.kernels.micro import MR
 
 from btjit.graph import trace as T
-from btjit.graph.numpy_fns import repeat
+from btjit.graph.numpy_fns import pad as np_pad, repeat
 
 
 def _fail(fn, msg, *xs):
@@ -261,6 +261,30 @@ def interpolate(x, size=None, scale_factor=None, mode="nearest"):
     for k, (w, n) in enumerate(zip(want, x.shape[2:])):
         x = repeat(x, w // n, axis=2 + k) if w != n else x
     return x
+
+
+TORCH_PAD = {"constant": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
+
+
+def pad(x, pad, mode="constant", value=0.0):
+    """torch.nn.functional.pad: `pad` lists (before, after) pairs from the last axis backwards, (1, 1, 2, 2) pads W
+    by 1 and H by 2; modes "constant" (value), "reflect", "replicate" and "circular"."""
+    x = T.lift(x)
+    if mode not in TORCH_PAD or len(pad) % 2 or len(pad) // 2 > x.ndim:
+        _fail("pad", f"pad {tuple(pad)} must hold (before, after) pairs for at most {x.ndim} axes, mode one of "
+                     f"{tuple(TORCH_PAD)} (got {mode!r})", x)
+    pairs = [tuple(pad[i:i + 2]) for i in range(0, len(pad), 2)][::-1]
+    return np_pad(x, [(0, 0)] * (x.ndim - len(pairs)) + pairs, TORCH_PAD[mode], value)
+
+
+def pixel_shuffle(x, upscale_factor):
+    """torch.nn.functional.pixel_shuffle: (N, C*r*r, H, W) -> (N, C, H*r, W*r)."""
+    x, r = T.lift(x), int(upscale_factor)
+    if x.ndim != 4 or r < 1 or x.shape[1] % (r * r):
+        _fail("pixel_shuffle", f"needs (N, C*{r}*{r}, H, W)", x)
+    N, C, H, W = x.shape
+    y = T.transpose(T.reshape(x, (N, C // (r * r), r, r, H, W)), (0, 1, 4, 2, 5, 3))
+    return T.reshape(y, (N, C // (r * r), H * r, W * r))
 
 
 def flatten(x, start_dim=1, end_dim=-1):

@@ -144,17 +144,32 @@ def norm(x, ord=None, axis=None, keepdims=False):  # noqa: A002
     return sqrt(sum(x * x, axis, keepdims))
 
 
+PAD_MODES = ("constant", "reflect", "edge", "wrap")
+
+
 def pad(x, pad_width, mode="constant", constant_values=0):
-    """numpy's pad in "constant" mode: each axis between blocks of constant_values."""
-    if mode != "constant":
-        raise TraceError(f"pad: only mode='constant' is supported, got {mode!r} — {user_src()}")
+    """numpy's pad in modes "constant" (each axis between blocks of constant_values), "reflect" (mirrored
+    without the edge), "edge" (the edge repeated) and "wrap" (circular): the last three gather each axis by an
+    index array, so their gradients sum back where an element is read twice."""
+    if mode not in PAD_MODES:
+        raise TraceError(f"pad: mode must be one of {PAD_MODES}, got {mode!r} — {user_src()}")
     x = lift(x)
     widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (x.ndim, 2))
     for ax, (lo, hi) in enumerate(widths):
+        lo, hi, n = int(lo), int(hi), x.shape[ax]
+        if mode != "constant" and (lo or hi):
+            if mode == "reflect" and builtins.max(lo, hi) >= n or mode == "wrap" and builtins.max(lo, hi) > n:
+                raise TraceError(f"pad: {mode} padding of ({lo}, {hi}) on an axis of size {n} — {user_src()}")
+            ids = np.arange(-lo, n + hi)
+            ids = (np.abs(ids) if mode == "reflect" else np.clip(ids, 0, n - 1) if mode == "edge" else ids % n)
+            if mode == "reflect":
+                ids = np.where(ids > n - 1, 2 * (n - 1) - ids, ids)
+            x = getitem(x, (slice(None),) * ax + (ids,))
+            continue
         parts = [x]
-        for n, at in ((int(lo), 0), (int(hi), 1)):
-            if n:
-                shape = x.shape[:ax] + (n,) + x.shape[ax + 1:]
+        for k, at in ((lo, 0), (hi, 1)):
+            if k:
+                shape = x.shape[:ax] + (k,) + x.shape[ax + 1:]
                 parts.insert(len(parts) * at, lift(np.full(shape, float(constant_values)), x))
         x = concatenate(parts, ax) if len(parts) > 1 else x
     return x
