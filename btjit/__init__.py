@@ -15,7 +15,7 @@ __all__ = ["trace", "trace_scalar", "Program", "set_num_threads", "replicas_for"
            "std", "var"]
 __all__ += ["leaky_relu", "elu", "relu6", "mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy",
             "binary_cross_entropy_with_logits", "group_norm", "instance_norm", "one_hot", "embedding"]
-__all__ += ["scaled_dot_product_attention", "dropout", "rand_like", "randn_like", "is_training", "assign",
+__all__ += ["scaled_dot_product_attention", "dropout", "dropout2d", "rand_like", "randn_like", "is_training", "assign",
             "batch_norm"]     # randomness inside the step (kernels/rng.py)
 __all__ += ["conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "max_pool1d", "max_pool2d", "avg_pool1d",
             "avg_pool2d", "adaptive_avg_pool2d", "interpolate", "flatten", "pad", "pixel_shuffle"]

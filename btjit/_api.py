@@ -3,14 +3,14 @@
 from btjit import optim
 from btjit.host import threads
 from btjit.graph.functional import (binary_cross_entropy, binary_cross_entropy_with_logits, cross_entropy, elu,
-                                    embedding, gelu, group_norm, instance_norm, l1_loss, layer_norm, leaky_relu, log_softmax,
-                                    logsumexp, mse_loss, nll_loss, one_hot, relu6, silu, smooth_l1_loss, softmax,
-                                    softplus)
+                                    embedding, gelu, group_norm, instance_norm, l1_loss, layer_norm, leaky_relu,
+                                    log_softmax, logsumexp, mse_loss, nll_loss, one_hot, relu6, silu, smooth_l1_loss,
+                                    softmax, softplus)
 from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, concatenate, copy, equal, erf, exp, log,
                                log1p, matmul, max, maximum, mean, minimum, relu, reshape, setitem, sigmoid, split, sqrt,
                                sum, swapaxes, take, tanh, transpose, where)
 from btjit.graph.numpy_fns import clip, roll, stack, std, var
-from btjit.graph.rng import (causal_attention, dropout, rand_like, randn_like,  # noqa: F811 -- with dropout=
+from btjit.graph.rng import (causal_attention, dropout, dropout2d, rand_like, randn_like,  # noqa: F811 -- dropout=
                              scaled_dot_product_attention)
 from btjit.graph.conv_fns import (adaptive_avg_pool2d, avg_pool1d, avg_pool2d, conv1d, conv2d, conv_transpose1d,
                                  conv_transpose2d, flatten, interpolate, max_pool1d, max_pool2d, pad, pixel_shuffle)

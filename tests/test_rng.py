@@ -52,6 +52,33 @@ def test_dropout_keeps_a_binomial_fraction_scales_exactly_and_the_backward_uses_
     np.testing.assert_allclose(g[kept], (x * x)[kept] * s, rtol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(40, 50, 6, 7), (40, 50, 9)])
+def test_dropout2d_zeros_whole_channels_and_the_backward_uses_the_mask(shape):
+    """torch's dropout2d / dropout1d: every (sample, channel) kept or zeroed whole, Bin(N*C, 1 - p) kept, scaled by
+    1 / (1 - p); the gradient through the same mask; the identity in eval mode."""
+    p = 0.3
+    x = np.random.default_rng(0).normal(size=shape).astype(np.float32) + 2.0       # never exactly 0
+
+    def fn(q):
+        y = btjit.dropout2d(q["x"], p)
+        return btjit.sum(y * y) * 0.5, {"y": y}
+    prog = btjit.trace(fn, {"x": x}, grad=True, seed=3)
+    prog.value_and_grad()
+    y, g = prog.outputs["y"], prog.grads["x"]
+    kept = (y != 0).reshape(shape[0], shape[1], -1)
+    assert np.all(kept.all(axis=2) | ~kept.any(axis=2))                         # whole channels
+    n = shape[0] * shape[1]
+    assert abs(kept[:, :, 0].sum() - n * (1 - p)) <= 5 * np.sqrt(n * p * (1 - p))
+    s = np.float32(1 / (1 - p))
+    m = (y != 0)
+    assert np.array_equal(y[m], x[m] * s)
+    np.testing.assert_allclose(g[m], x[m] * s * s, rtol=1e-6)                   # d(y^2/2)/dx = y * s
+    assert np.all(g[~m] == 0)
+    ev = btjit.trace(fn, {"x": x}, training=False)
+    ev.forward()
+    np.testing.assert_array_equal(ev.outputs["y"], x)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_numbers_are_the_reference_function_of_seed_step_site_and_element(dtype):
     prog, x, _ = _prog(_dropout_fn(0.3), (3, 50, 7), seed=2 ** 40 + 5, dtype=dtype)

@@ -37,6 +37,18 @@ def dropout(x, p=0.5, training=None):
     return _dropout(x, _probability(p, "dropout"), training)
 
 
+def dropout2d(x, p=0.5, training=None):
+    """torch's dropout2d / dropout1d: while training, zero whole channels -- x[n, c] of (N, C, ...) -- with
+    probability p and scale the others by 1 / (1 - p); the identity in eval mode."""
+    x, p = T.lift(x), _probability(p, "dropout2d")
+    if x.ndim < 3:
+        raise T.TraceError(f"dropout2d: needs (N, C, ...) input, got {x.shape} — {T.user_src()}")
+    if p == 0.0 or not (T.current_graph().training if training is None else training):
+        return x
+    mask = T.getitem(x, (slice(None), slice(None)) + (slice(0, 1),) * (x.ndim - 2))      # (N, C, 1, ...)
+    return x * ((_random(mask, K.U_UNIFORM) >= p) * (1.0 / (1.0 - p)))
+
+
 def causal_attention(qkv, n_head, dropout=0.0):
     """Fused causal self-attention: qkv (B, T, 3C) holding q | k | v -> (B, T, C), n_head heads of C/n_head;
     dropout on the probabilities while training, as torch's scaled_dot_product_attention(dropout_p=).
