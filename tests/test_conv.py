@@ -74,6 +74,11 @@ CONV_T2D = [  # x, w (C, O/groups, kh, kw), kwargs: torch.nn.functional.conv_tra
     ((1, 2, 4, 5), (2, 2, 3, 2), dict(dilation=2, padding=2, output_padding=1)),
     ((2, 3, 4, 4), (3, 2, 3, 3), dict(stride=3, padding=2, output_padding=2)),
     ((3, 4, 4), (3, 5, 2, 2), dict(stride=2)),                               # unbatched
+    # 8k input channels: the gradients by the convolution it transposes (conv_transpose_grad, implicit GEMMs)
+    ((2, 8, 4, 5), (8, 3, 4, 4), dict(stride=2, padding=1)),
+    ((1, 16, 3, 3), (16, 8, 3, 3), {}),
+    ((2, 8, 4, 4), (8, 4, 3, 2), dict(stride=(2, 3), padding=(1, 0), output_padding=(1, 2), dilation=(1, 2))),
+    ((8, 3, 5), (8, 2, 3, 3), dict(stride=2, padding=1)),                    # unbatched
 ]
 CONV_T1D = [
     ((2, 3, 7), (3, 4, 3), {}),
@@ -130,6 +135,16 @@ def test_conv_transpose_matches_torch(i, dtype, tol):
     name = "conv_transpose1d" if one else "conv_transpose2d"
     _against_torch(lambda *a: getattr(btjit, name)(*a, **kw), lambda *a: getattr(TF, name)(*a, **kw), arrays, dtype,
                    tol)
+
+
+def test_transposed_convolution_gradients_skip_the_patch_matrix():
+    """With 8k input channels the backward is the transposed convolution's own convolution and weight gradient:
+    no im2col row in the program."""
+    def loss(p):
+        return btjit.sum(btjit.conv_transpose2d(p["x"], p["w"], stride=2, padding=1) ** 2)
+    p = {"x": np.ones((2, 8, 4, 4), np.float32), "w": np.ones((8, 3, 4, 4), np.float32)}
+    text = str(btjit.trace(loss, p, grad=True).graph)
+    assert "conv_transpose_grad" in text and "im2col" not in text and "conv_wgrad" in text
 
 
 def test_a_conv_autoencoder_matches_finite_differences():

@@ -129,6 +129,9 @@ def _conv_transpose2d(x, w, b, stride, padding, output_padding, groups, dilation
     cols = T.matmul(rows, T.reshape(w, (G, C // G, Og * kh * kw)))           # (G, N*H*W, Og*kh*kw)
     y = T.emit("col2im", (cols,), x_shape=(N, O, OH, OW), kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw, dh=dh, dw=dw,
                oh=H, ow=W, groups=G)
+    if G == 1 and C % MR == 0 and N * H * W >= MR and oph < sh and opw < sw and \
+            T.current_graph().precision == "fp32":          # x's and w's gradients by implicit GEMMs, no patch matrix
+        y = T.emit("conv_transpose_grad", (y, x, w), stride=(sh, sw), padding=(ph, pw), dilation=(dh, dw))
     if b is not None:
         b = T.lift(b)
         if tuple(b.shape) != (O,):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.graph import trace as T
+from btjit.graph.conv_fns import conv2d          # VJP rules are written with the public functions (one way)
 from btjit.kernels.conv import POOL_AVG, POOL_MAX
 from btjit.kernels.common import MAX_THREADS
 from btjit.kernels.micro import MR
@@ -98,6 +99,30 @@ op("col2im", infer=lambda t, a, fd: [(tuple(a["x_shape"]), fd)], ref=_col2im_ref
    vjp=lambda g, x, o, a: [T.emit("im2col", (g[0],), **{k: v for k, v in a.items() if k != "x_shape"})],
    lower=lambda e, L: _conv_row(L, 1, e.attrs["x_shape"], e.attrs, ocol=L.off(e.ins[0]), ox=L.off(e.outs[0])),
    cases=[Case((F(*_im2col_rule([(s[1], "f64")], a, "f64")[0][0]),), dict(a, x_shape=s[1])) for s, a in _ic])
+
+
+def _conv_transpose_vjp(g, x, o, a):
+    """The gradients of a transposed convolution (conv_fns.conv_transpose2d, computed as a GEMM and col2im) without
+    its patch matrix: dx is the convolution it transposes, applied to g (an implicit GEMM), and dw that
+    convolution's weight gradient (conv_wgrad, pixels of x as the output-gradient rows)."""
+    _, X, Wt = x
+    g = g[0]
+    N, C, H, W = X.shape
+    _, O, kh, kw = Wt.shape
+    (sh, sw), (ph, pw), (dh, dw) = a["stride"], a["padding"], a["dilation"]
+    dx = conv2d(g, Wt, None, (sh, sw), (ph, pw), (dh, dw))
+    OH, OW = g.shape[2:]
+    gp = g if not (ph or pw) else T.emit("slice_scatter", (g,), shape=(N, O, OH + 2 * ph, OW + 2 * pw),
+                                         starts=(0, 0, ph, pw), stops=(N, O, ph + OH, pw + OW), steps=(1, 1, 1, 1))
+    rows = T.reshape(T.transpose(X, (0, 2, 3, 1)), (N * H * W, C))
+    dwt = T.emit("conv_wgrad", (gp, rows), **_cg(kh, kw, H, W, sh, sw, dh, dw))             # (Kpad, C), (o, i, j) rows
+    if _kpad(O * kh * kw) != O * kh * kw:
+        dwt = T.emit("slice", (dwt,), starts=(0, 0), stops=(O * kh * kw, C), steps=(1, 1))
+    return [None, dx, T.transpose(T.reshape(dwt, (O, kh, kw, C)), (3, 0, 1, 2))]
+
+
+op("conv_transpose_grad", infer=lambda t, a, fd: [t[0]], ref=lambda xs, a: (xs[0],), lower=lambda e, L: [], view=True,
+   internal=True, vjp=_conv_transpose_vjp)      # y = its first input; the gradients of (x, w) by the rule above
 
 
 # ----------------------------------------------------------------------------- implicit-GEMM convolution
