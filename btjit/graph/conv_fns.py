@@ -11,7 +11,7 @@ from btjit.kernels.conv import POOL_AVG, POOL_MAX
 from btjit.kernels.micro import MR
 
 from btjit.graph import trace as T
-from btjit.graph.numpy_fns import pad as np_pad, repeat
+from btjit.graph.numpy_fns import flatten as np_flatten, pad as np_pad, repeat
 
 
 def _fail(fn, msg, *xs):
@@ -32,6 +32,11 @@ def _out(fn, size, k, s, lo, hi, d, xs):
         _fail(fn, f"window {k} (stride {s}, dilation {d}, padding {lo}+{hi}) gives no output on a size-{size} "
                   f"axis", *xs)
     return o
+
+
+def _implicit(groups, out_channels, pixels) -> bool:
+    """Whether a convolution runs as an implicit GEMM (conv_gemm, no patch matrix)."""
+    return groups == 1 and out_channels % MR == 0 and pixels >= MR and T.current_graph().precision == "fp32"
 
 
 def _unbatched(f, x, *args):
@@ -78,7 +83,7 @@ def _conv2d(x, w, b, stride, padding, dilation, groups, _fn):
         b = T.lift(b)
         if tuple(b.shape) != (O,):
             _fail(_fn, f"the bias must have shape ({O},)", x, w, b)
-    if G == 1 and O % MR == 0 and N * P >= MR and T.current_graph().precision == "fp32":
+    if _implicit(G, O, N * P):
         if ph or ph2 or pw or pw2:      # an implicit GEMM over the padded image (conv_gemm: no patch matrix)
             x = T.emit("slice_scatter", (x,), shape=(N, C, H + ph + ph2, W + pw + pw2), starts=(0, 0, ph, pw),
                        stops=(N, C, ph + H, pw + W), steps=(1, 1, 1, 1))
@@ -129,8 +134,7 @@ def _conv_transpose2d(x, w, b, stride, padding, output_padding, groups, dilation
     cols = T.matmul(rows, T.reshape(w, (G, C // G, Og * kh * kw)))           # (G, N*H*W, Og*kh*kw)
     y = T.emit("col2im", (cols,), x_shape=(N, O, OH, OW), kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw, dh=dh, dw=dw,
                oh=H, ow=W, groups=G)
-    if G == 1 and C % MR == 0 and N * H * W >= MR and oph < sh and opw < sw and \
-            T.current_graph().precision == "fp32":          # x's and w's gradients by implicit GEMMs, no patch matrix
+    if _implicit(G, C, N * H * W) and oph < sh and opw < sw:   # x's and w's gradients by implicit GEMMs
         y = T.emit("conv_transpose_grad", (y, x, w), stride=(sh, sw), padding=(ph, pw), dilation=(dh, dw))
     if b is not None:
         b = T.lift(b)
@@ -292,9 +296,4 @@ def pixel_shuffle(x, upscale_factor):
 
 def flatten(x, start_dim=1, end_dim=-1):
     """torch.flatten: dims start_dim..end_dim merged into one (start_dim 1 by default, as torch.nn.Flatten)."""
-    x = T.lift(x)
-    n = max(x.ndim, 1)
-    s, e = start_dim % n, end_dim % n
-    if s > e:
-        _fail("flatten", f"start_dim {start_dim} comes after end_dim {end_dim}", x)
-    return T.reshape(x, x.shape[:s] + (int(np.prod(x.shape[s:e + 1], dtype=np.int64)),) + x.shape[e + 1:])
+    return np_flatten(x, start_dim, end_dim)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.graph.trace import (TraceError, Tracer, _norm_axes, abs, arange, current_graph, emit, equal, erf, exp, lift,
-                               log, log1p, max, maximum, minimum, reshape, sigmoid, sum, swapaxes, take, transpose,
-                               user_src, where)
+                               log, log1p, max, maximum, mean, minimum, reshape, sigmoid, sum, swapaxes, take,
+                               transpose, user_src, where)
 
 
 def softmax(x, axis=-1):
@@ -87,20 +87,11 @@ def cross_entropy(logits, targets, ignore_index=None, reduction="mean", label_sm
 def _smoothed(logp, targets, ignore_index, reduction, eps):
     """cross_entropy from log-probabilities and checked targets (a Tracer): (1 - eps) nll + eps * the mean of
     -logp over the classes, per position (0 where ignored), reduced as torch."""
-    per = nll_loss(logp, targets, ignore_index, "none")
+    per, keep = nll_loss(logp, targets, ignore_index, "none"), _kept(targets, ignore_index)
     if eps:
         smooth = -sum(logp, -1) * (1.0 / logp.shape[-1])
-        if ignore_index is not None:
-            smooth = smooth * (targets != lift(int(ignore_index), targets))
-        per = per * (1.0 - eps) + smooth * eps
-    if reduction == "none":
-        return per
-    if reduction == "sum" or per.size == 0:
-        return sum(per)
-    if ignore_index is None:
-        return sum(per) * (1.0 / per.size)
-    count = sum(targets != lift(int(ignore_index), targets))
-    return where(count > 0.0, sum(per) / maximum(count, 1.0), np.nan)
+        per = per * (1.0 - eps) + (smooth if keep is None else smooth * keep) * eps
+    return _reduced("cross_entropy", per, reduction, keep)
 
 
 def _ln_args(weight=None, bias=None, eps=1e-5):
@@ -137,11 +128,9 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
     N, C, G = x.shape[0], x.shape[1], int(num_groups)
     if G < 1 or C % G:
         raise TraceError(f"group_norm: {C} channels do not split into {G} groups — {user_src()}")
-    g = reshape(x, (N, G, -1))
-    mu = sum(g, 2, keepdims=True) * (1.0 / g.shape[2])
-    d = g - mu
-    var = sum(d * d, 2, keepdims=True) * (1.0 / g.shape[2])
-    y = reshape(d * ((var + float(eps)) ** -0.5), x.shape)
+    d = reshape(x, (N, G, -1))
+    d = d - mean(d, 2, keepdims=True)
+    y = reshape(d * ((mean(d * d, 2, keepdims=True) + float(eps)) ** -0.5), x.shape)
     per_channel = (C,) + (1,) * (x.ndim - 2)
     y = y if weight is None else y * reshape(lift(weight), per_channel)
     return y if bias is None else y + reshape(lift(bias), per_channel)
@@ -212,8 +201,7 @@ def nll_loss(logp, target, ignore_index=None, reduction="mean"):
     too) and integer class ids target (...). reduction "mean" (over the positions not ignored), "sum" or "none"
     (shape (...), 0 at ignored positions). Positions whose target equals ignore_index add nothing and get zero
     gradient; "mean" with every position ignored gives NaN and zero gradients, as torch. Class ids outside [0, C) are
-    an error
-    (checked before the step runs)."""
+    an error (checked before the step runs)."""
     logp = _classes_last(lift(logp), target)
     target = class_targets("nll_loss", logp, target, ignore_index, reduction, ("mean", "sum", "none"))
     if target.node.dtype != "i32" or logp.ndim == 0 or target.shape != logp.shape[:-1]:
@@ -222,18 +210,30 @@ def nll_loss(logp, target, ignore_index=None, reduction="mean"):
     C = logp.shape[-1]
     ok = None if ignore_index is None else int(ignore_index)
     target = emit("check_index", (target,), hi=C, **({} if ok is None else {"ok": ok}))
-    onehot = equal(reshape(target, target.shape + (1,)), arange(C))          # (..., C) 0/1
-    keep = None if ok is None else (target != lift(ok, target))             # (...) 0/1
+    onehot = one_hot(target, C)                                              # (..., C) 0/1
+    keep = _kept(target, ignore_index)                                       # (...) 0/1
     if keep is not None:
         onehot = onehot * reshape(keep, keep.shape + (1,))
-    picked = sum(logp * onehot, -1)                                          # (...)
+    return _reduced("nll_loss", -sum(logp * onehot, -1), reduction, keep)
+
+
+def _kept(targets, ignore_index):
+    """1 where a position's target is not ignore_index (None without one)."""
+    return None if ignore_index is None else targets != lift(int(ignore_index), targets)
+
+
+def _reduced(fn, per, reduction, keep=None):
+    """Per-position losses reduced as torch: "none" as they are, "sum", or "mean" over the kept positions (keep:
+    1 where kept; NaN where none is, and for an empty batch)."""
     if reduction == "none":
-        return -picked
-    total = -sum(picked)
+        return per
+    if reduction not in ("mean", "sum"):
+        raise TraceError(f"{fn}: reduction must be 'mean', 'sum' or 'none', got {reduction!r} — {user_src()}")
+    total = sum(per)
     if reduction == "sum":
         return total
     if keep is None:
-        return total * (1.0 / target.size if target.size else np.nan)
+        return total * (1.0 / per.size if per.size else np.nan)
     count = sum(keep)
     return where(count > 0.0, total / maximum(count, 1.0), np.nan)
 
@@ -251,15 +251,6 @@ def elu(x, alpha=1.0):
 
 def relu6(x):
     return minimum(maximum(lift(x), 0.0), 6.0)
-
-
-def _reduced(fn, per, reduction):
-    if reduction == "none":
-        return per
-    if reduction not in ("mean", "sum"):
-        raise TraceError(f"{fn}: reduction must be 'mean', 'sum' or 'none', got {reduction!r} — {user_src()}")
-    total = sum(per)
-    return total if reduction == "sum" else total * (1.0 / per.size)
 
 
 def _pair(fn, x, t):

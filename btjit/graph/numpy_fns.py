@@ -113,12 +113,15 @@ def squeeze(x, axis=None):
 
 
 def flatten(x, start_dim=0, end_dim=-1):
-    """numpy's x.flatten() (everything) and torch's x.flatten(start_dim, end_dim)."""
+    """numpy's x.flatten() (everything) and torch's x.flatten(start_dim, end_dim) / torch.flatten: dims start_dim ..
+    end_dim merged into one (btjit.flatten's default start_dim is 1, as torch.nn.Flatten)."""
     x = lift(x)
-    if x.ndim == 0:
-        return reshape(x, (1,))
-    lo, hi = start_dim % x.ndim, end_dim % x.ndim
-    return reshape(x, x.shape[:lo] + (int(np.prod(x.shape[lo:hi + 1])),) + x.shape[hi + 1:])
+    n = builtins.max(x.ndim, 1)
+    lo, hi = start_dim % n, end_dim % n
+    if lo > hi:
+        raise TraceError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim} (input shapes {x.shape}) — "
+                         f"{user_src()}")
+    return reshape(x, x.shape[:lo] + (int(np.prod(x.shape[lo:hi + 1], dtype=np.int64)),) + x.shape[hi + 1:])
 
 
 def dot(a, b):
@@ -201,11 +204,7 @@ def tile(x, reps):
 def chunk(x, chunks, dim=0):
     """torch's chunk: pieces of ceil(n / chunks) along dim (the last one smaller)."""
     x = lift(x)
-    ax = dim % x.ndim
-    n = x.shape[ax]
-    step = -(-n // int(chunks))
-    pre = (slice(None),) * ax
-    return [getitem(x, pre + (slice(lo, builtins.min(lo + step, n)),)) for lo in range(0, n, step)]
+    return torch_split(x, -(-x.shape[dim % x.ndim] // int(chunks)), dim)
 
 
 def torch_split(x, split_size_or_sections, dim=0):

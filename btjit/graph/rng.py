@@ -40,13 +40,10 @@ def dropout(x, p=0.5, training=None):
 def dropout2d(x, p=0.5, training=None):
     """torch's dropout2d / dropout1d: while training, zero whole channels -- x[n, c] of (N, C, ...) -- with
     probability p and scale the others by 1 / (1 - p); the identity in eval mode."""
-    x, p = T.lift(x), _probability(p, "dropout2d")
+    x = T.lift(x)
     if x.ndim < 3:
         raise T.TraceError(f"dropout2d: needs (N, C, ...) input, got {x.shape} — {T.user_src()}")
-    if p == 0.0 or not (T.current_graph().training if training is None else training):
-        return x
-    mask = T.getitem(x, (slice(None), slice(None)) + (slice(0, 1),) * (x.ndim - 2))      # (N, C, 1, ...)
-    return x * ((_random(mask, K.U_UNIFORM) >= p) * (1.0 / (1.0 - p)))
+    return _dropout(x, _probability(p, "dropout2d"), training, channels=True)
 
 
 def causal_attention(qkv, n_head, dropout=0.0):
@@ -61,12 +58,8 @@ def causal_attention(qkv, n_head, dropout=0.0):
     if attn_dropout_in_kernel(qkv.shape, nh):
         return T.emit("causal_attention", (qkv, _key()), n_head=nh, dropout=p, site=_site())[0]
     B, T_, C = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
-    hs = C // nh
-    q, k, v = (T.transpose(T.reshape(t, (B, T_, nh, hs)), (0, 2, 1, 3)) for t in T.split(qkv, 3, axis=2))
-    att = T.where(np.tril(np.ones((T_, T_), bool)), T.matmul(q, T.swapaxes(k, -1, -2)) * (1.0 / np.sqrt(hs)),
-                  -np.inf)
-    y = T.matmul(_dropout(F.softmax(att), p), v)
-    return T.reshape(T.transpose(y, (0, 2, 1, 3)), (B, T_, C))
+    q, k, v = (T.transpose(T.reshape(t, (B, T_, nh, C // nh)), (0, 2, 1, 3)) for t in T.split(qkv, 3, axis=2))
+    return T.reshape(T.transpose(_attention_ops(q, k, v, p, causal=True), (0, 2, 1, 3)), (B, T_, C))
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
@@ -84,12 +77,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         B, H, T_, hs = q.shape
         qkv = T.concatenate([T.reshape(T.transpose(t, (0, 2, 1, 3)), (B, T_, H * hs)) for t in (q, k, v)], 2)
         return T.transpose(T.reshape(causal_attention(qkv, H, p), (B, T_, H, hs)), (0, 2, 1, 3))
+    return _attention_ops(q, k, v, p, is_causal, attn_mask, scale)
+
+
+def _attention_ops(q, k, v, p, causal, mask=None, scale=None):
+    """Attention written out as the op table's ops: softmax(q k^T * scale [masked]) with dropout p, times v."""
     L, S = q.shape[-2], k.shape[-2]
     att = T.matmul(q, T.swapaxes(k, -1, -2)) * float(1.0 / np.sqrt(q.shape[-1]) if scale is None else scale)
-    if is_causal:
+    if causal:
         att = T.where(np.tril(np.ones((L, S), bool)), att, -np.inf)
-    if attn_mask is not None:
-        m = attn_mask if isinstance(attn_mask, T.Tracer) else np.asarray(attn_mask)
+    if mask is not None:
+        m = mask if isinstance(mask, T.Tracer) else np.asarray(mask)
         att = T.where(m, att, -np.inf) if isinstance(m, np.ndarray) and m.dtype == bool else att + m
     return T.matmul(_dropout(F.softmax(att), p), v)
 
@@ -107,11 +105,14 @@ def _probability(p, op):
     return float(p)
 
 
-def _dropout(x, p, training=None):
+def _dropout(x, p, training=None, channels=False):
+    """x with its elements (channels: its (N, C) channels, one number each) kept with probability 1 - p and
+    scaled by 1 / (1 - p), while training."""
     x = T.lift(x)
     if p == 0.0 or not (T.current_graph().training if training is None else training):
         return x
-    return x * ((_random(x, K.U_UNIFORM) >= p) * (1.0 / (1.0 - p)))
+    like = T.getitem(x, (slice(None), slice(None)) + (slice(0, 1),) * (x.ndim - 2)) if channels else x
+    return x * ((_random(like, K.U_UNIFORM) >= p) * (1.0 / (1.0 - p)))
 
 
 def _key() -> T.Tracer:
