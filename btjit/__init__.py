@@ -12,7 +12,7 @@ __all__ = ["trace", "trace_scalar", "Program", "set_num_threads", "replicas_for"
            "copy", "cross_entropy", "equal", "exp", "gelu", "layer_norm", "log", "log_softmax", "matmul", "max",
            "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "split", "sqrt", "sum", "swapaxes",
            "take", "tanh", "transpose", "where", "clip", "erf", "log1p", "logsumexp", "nll_loss", "silu", "softplus",
-           "std", "var"]
+           "std", "var", "stop_gradient"]
 __all__ += ["leaky_relu", "elu", "relu6", "mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy",
             "binary_cross_entropy_with_logits", "group_norm", "instance_norm", "one_hot", "embedding"]
 __all__ += ["scaled_dot_product_attention", "dropout", "dropout2d", "rand_like", "randn_like", "is_training", "assign",

@@ -6,9 +6,10 @@ from btjit.graph.functional import (binary_cross_entropy, binary_cross_entropy_w
                                     embedding, gelu, group_norm, instance_norm, l1_loss, layer_norm, leaky_relu,
                                     log_softmax, logsumexp, mse_loss, nll_loss, one_hot, relu6, silu, smooth_l1_loss,
                                     softmax, softplus)
-from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, concatenate, copy, equal, erf, exp, log,
-                               log1p, matmul, max, maximum, mean, minimum, relu, reshape, setitem, sigmoid, split, sqrt,
-                               sum, swapaxes, take, tanh, transpose, where)
+from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, concatenate, copy, equal, erf, exp, log, log1p,
+                               matmul, max, maximum, mean, minimum, relu, reshape, sigmoid, split, sqrt, stop_gradient,
+                               sum, swapaxes, tanh, transpose, where)
+from btjit.graph.indexing import setitem, take
 from btjit.graph.numpy_fns import clip, roll, stack, std, var
 from btjit.graph.rng import (causal_attention, dropout, dropout2d, rand_like, randn_like,  # noqa: F811 -- dropout=
                              scaled_dot_product_attention)

@@ -81,9 +81,9 @@ def test_concrete_value_of_a_traced_value(form):
 
 
 @pytest.mark.parametrize("call,name", [
-    (lambda x: np.sort(x), "np.sort"), (lambda x: np.cumsum(x), "np.cumsum"), (lambda x: np.sin(x), "np.sin"),
+    (lambda x: np.sort(x), "np.sort"), (lambda x: np.cumprod(x), "np.cumprod"), (lambda x: np.sin(x), "np.sin"),
     (lambda x: np.exp(x, dtype=np.float32), "np.exp"), (lambda x: np.add.reduce(x), "np.add"),
-    (lambda x: np.argmax(x), "np.argmax"),
+    (lambda x: np.argsort(x), "np.argsort"),
 ])
 def test_unsupported_numpy_function_names_it_and_the_line(call, name):
     def fn(p):
@@ -138,7 +138,7 @@ def test_integer_input_used_as_float(use, op):
     (lambda p: p["a"].sum(axis=2), ["sum: axis 2 out of range for 2-d input"]),
     (lambda p: p["a"][3], ["getitem: index 3 out of range for axis 0 of size 3"]),
     (lambda p: p["a"][0, 0, 0], ["getitem: too many indices for a 2-d value"]),
-    (lambda p: p["a"][::-1], ["getitem: only positive slice steps are supported"]),
+    (lambda p: btjit.setitem(p["a"], slice(None, None, -1), 0.0), ["setitem: only positive slice steps can index an"]),
     (lambda p: btjit.split(p["a"], 2, axis=0), ["split: axis 0 of size 3 does not divide into 2 sections"]),
     (lambda p: btjit.broadcast_to(p["a"], (3, 5)), ["broadcast_to: cannot broadcast (3, 4) to (3, 5)"]),
     (lambda p: p["a"].transpose(0, 0), ["transpose: bad axes (0, 0) for a 2-d input"]),

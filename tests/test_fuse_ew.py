@@ -35,11 +35,22 @@ CHAINS = {
         {"a": (4, 3), "b": (4, 3), "w": (6, 2)}),
     "split gradient": (lambda p: btjit.sum(_pieces(*btjit.split(p["g"] @ p["w"], 3, axis=-1))),
                        {"g": (6, 5), "w": (5, 12)}),
+    # the gradients of column slices that tile the input: a concatenation of (6, 1) pieces, whose regions have
+    # a stride of 4 along the iteration space's rows, so the group is not fused (its outputs are written in place)
+    "product of every column": (lambda p: btjit.sum(np.prod(p["g"] @ p["w"], axis=1) * p["c"]),
+                                {"g": (6, 5), "w": (5, 4), "c": (6,)}),
+    # two chains reading the same arrays (an optimizer's param and state updates): one group, one pass
+    "siblings": (lambda p: _siblings(p["a"], p["b"], p["w"]), {"a": (5, 6), "b": (5, 6), "w": (6, 3)}),
     # a product and the add / subtract reading it: one FMA / FMS / FNMA instruction each (fuse_ew.multiply_add)
     "multiply-adds": (lambda p: btjit.sum((p["a"] * p["b"] + p["c"]) * (p["a"] * p["c"] - p["b"])
                                           + btjit.tanh(p["c"] - p["a"] * p["b"]) * p["a"]),
                       {"a": (7, 9), "b": (7, 9), "c": (7, 9)}),
 }
+
+
+def _siblings(a, b, w):
+    t, u = btjit.tanh(a * b), a * 0.5 + b
+    return btjit.sum(t @ w + u @ w)
 
 
 def _pieces(a, b, c):
@@ -61,6 +72,8 @@ def test_fused_chain_equals_unfused(name, dtype):
     plain = btjit.trace(fn, p, dtype=dtype, grad=True, fuse_elementwise=False)
     assert any(e.op == "ew_fused" for e in fused.graph.eqns) and not any(e.op == "ew_fused" for e in plain.graph.eqns)
     assert fused.tape.shape[0] < plain.tape.shape[0]
+    if name == "siblings":          # forward: tanh(a*b) and a*0.5 + b one pass over a and b (two values out)
+        assert len(fused.graph.eqns[0].outs) == 2 and fused.graph.eqns[0].op == "ew_fused"
     tol = 1e-13 if dtype == "float64" else 3e-6
     assert fused.value_and_grad() == pytest.approx(plain.value_and_grad(), rel=tol, abs=tol)
     for k in p:
@@ -133,6 +146,17 @@ def test_split_gates_are_read_in_place_and_their_gradient_written_as_one_array()
     assert ops.count("ew_fused") == 2 and not {"slice", "slice_scatter", "concatenate", "add"} & set(ops), str(g)
     bwd = next(e for e in g.eqns[g.n_forward:] if e.op == "ew_fused")
     assert (6, 12) in bwd.attrs["oshapes"] and len(bwd.attrs["oview"]) == len(bwd.outs) + 2
+
+
+def test_an_optimizers_update_reading_the_same_arrays_is_one_pass():
+    """Lion's new param and new state are two chains sharing only their inputs (m and g): one fused group,
+    so one pass over the params, grads and state (fuse_ew's sibling join)."""
+    p = _params({"x": (4, 6), "w": (6, 3)}, "float32")
+    prog = btjit.trace(lambda q, x: btjit.sum((x @ q["w"]) ** 2), {"w": p["w"]}, p["x"],
+                       optimizer=btjit.optim.Lion(lr=1e-3, weight_decay=0.1))
+    g = prog.graph
+    update = [e for e in g.eqns[g.n_backward:] if e.op == "ew_fused" and e.attrs["shape"] != ()]
+    assert len(update) == 1 and len(update[0].outs) == 2
 
 
 def test_multiply_add_instructions():

@@ -45,6 +45,18 @@ NUMPY = {
     "index list on axis 1": (lambda x: x[:, [0, 2, 2]] * 1.0, X3),
     "index array, slices": (lambda x: x[1:, :, np.array([3, 0])] * 1.0, X3),
     "index after ellipsis": (lambda x: x[..., [1]] * 1.0, X3),
+    "np.cumsum": (lambda x: np.cumsum(x, axis=1), X3),
+    "np.cumsum flat": (lambda x: np.cumsum(x), X3),
+    "np.prod": (lambda x: np.prod(x, axis=2), X3),
+    "np.prod keepdims": (lambda x: np.prod(x, axis=0, keepdims=True), X3),
+    "np.flip": (lambda x: np.flip(x, 1) + np.flip(x, (0, 2)), X3),
+    "negative steps": (lambda x: x[::-1, :, ::-2] * 1.0, X3),
+    "negative step after ellipsis, None": (lambda x: x[..., None, 3:0:-1] * 1.0, X3),
+    "np.argmax": (lambda x: np.argmax(x, axis=1)[:, None] + np.argmin(x, axis=-1, keepdims=True), X3),
+    "np.argmax flat": (lambda x: np.argmax(x) * np.ones(2), X3),
+    "two index arrays": (lambda x: x[[0, 1, 1], [2, 0, 1]] * 1.0, X3),
+    "range and array": (lambda x: x[range(2), np.array([[2], [0]]), np.array([1, 3])] * 1.0, X3),
+    "x.copy": (lambda x: x.copy() * np.copy(x), X3),
     "einsum bmm": (lambda x: np.einsum("bij,bkj->bik", x, x * 0.5), X3),
     "einsum heads": (lambda x: np.einsum("bhd,bhe->hde", x, x * x), X3),
     "einsum sum": (lambda x: np.einsum("ijk->ik", x), X3),
@@ -100,6 +112,16 @@ TORCH = {
     "transpose two dims": (lambda x: x.transpose(1, 2) * 1.0, lambda x: x.transpose(1, 2) * 1.0),
     "split sizes": (lambda x: x.split(3, dim=-1)[1] + x.split([2, 1], dim=1)[1][..., :1],
                     lambda x: x.split(3, dim=-1)[1] + x.split([2, 1], dim=1)[1][..., :1]),
+    "max(dim) min(dim)": (lambda x: x.max(dim=1).values + x.max(1, keepdim=True)[1][:, 0] + x.min(dim=1)[0] * 2,
+                          lambda x: x.max(dim=1).values + x.max(1, keepdim=True)[1][:, 0] + x.min(dim=1)[0] * 2),
+    "argmax argmin": (lambda x: x.argmax(dim=-1) + x.argmin(2, keepdim=True)[..., 0] * 3 + x.argmax() + x[..., 0],
+                      lambda x: x.argmax(dim=-1) + x.argmin(2, keepdim=True)[..., 0] * 3 + x.argmax() + x[..., 0]),
+    "amax amin norm": (lambda x: x.amax(dim=-1) + x.amin(1)[..., :1] + x.norm(dim=-1) + x.norm(),
+                       lambda x: x.amax(dim=-1) + x.amin(1)[..., :1] + x.norm(dim=-1) + x.norm()),
+    "flip cumsum prod": (lambda x: x.flip(0, 2) + x.cumsum(dim=1) + x.prod(dim=2, keepdim=True),
+                         lambda x: x.flip(0, 2) + x.cumsum(dim=1) + x.prod(dim=2, keepdim=True)),
+    "clone detach": (lambda x: x.clone() * x.detach() + x.detach().exp(), lambda x: x.clone() * x.detach() +
+                     x.detach().exp()),
     "size()": (lambda x: x.view(x.size(0), -1) * x.size(-1) + x.size()[1],
                lambda x: x.view(x.size(0), -1) * x.size(-1) + x.size()[1]),
 }
@@ -116,7 +138,9 @@ def test_torch_method_against_torch(name):
     (lambda x: np.linalg.norm(x, ord=1), "norm: only the 2-norm is supported, got ord=1"),
     (lambda x: np.pad(x, 1, mode="symmetric"), "pad: mode must be one of"),
     (lambda x: np.dot(x, x), r"dot: operands of at most 2 dims, got \(2, 3, 4\)"),
-    (lambda x: x[[0, 1], [1, 2]], r"getitem: an integer index array can stand with slices only"),
+    (lambda x: x[[0, 1], :, [1, 2]], r"getitem: several integer index arrays must index the leading axes"),
+    (lambda x: x[[0, 1], [1, 2, 0]], r"getitem: index arrays of shapes \[\(2,\), \(3,\)\] do not broadcast"),
+    (lambda x: x[[0, 5], [1, 2]], r"getitem: index 0 out of range for axis 0 of size 2"),
     (lambda x: x[0, [1, 2]], r"getitem: an integer index array can stand with slices only"),
     (lambda x: np.einsum("...j,...j->...", x, x), r"einsum: '...j,...j->...': one or two operands"),
     (lambda x: np.einsum("ii->i", x[0, :, :3]), r"no letter twice in one term"),
@@ -125,3 +149,34 @@ def test_torch_method_against_torch(name):
 def test_unsupported_uses_are_named(bad, needle):
     with pytest.raises((btjit.TraceError, AttributeError), match=needle):
         btjit.trace(lambda p: btjit.sum(bad(p["x"])), {"x": _np_x(X3)})
+
+
+def test_accuracy_by_argmax_against_integer_labels():
+    """(logits.argmax(-1) == y).float().mean() with y the batch's integer labels: a comparison of the float
+    indices with the integers (converted), no gradient through it; logprobs[range(n), y] picks each row's label."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 5)), rng.integers(0, 5, 8)
+
+    def loss(p, x, y):
+        logits = x @ p["w"]
+        acc = (logits.argmax(-1) == y).float().mean()
+        return -btjit.log_softmax(logits)[range(8), y].mean(), {"acc": acc}
+    w = rng.normal(size=(5, 5))
+    prog = btjit.trace(loss, {"w": w}, x, y, dtype="float64", grad=True)
+    got = prog.value_and_grad(x, y)
+    logits = x @ w
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    assert got == pytest.approx(-logp[range(8), y].mean(), rel=1e-12)
+    assert prog.outputs["acc"] == pytest.approx((logits.argmax(-1) == y).mean(), abs=0)
+    check_grads(lambda p, x, y: loss(p, x, y)[0], {"w": w}, x, y)
+
+
+def test_stop_gradient_and_detach_block_the_gradient():
+    w = np.array([2.0, -3.0])
+
+    def loss(p):
+        a = p["w"] * 3.0
+        return btjit.sum(a * btjit.stop_gradient(a)) + btjit.sum(p["w"].detach() * p["w"])
+    prog = btjit.trace(loss, {"w": w}, dtype="float64", grad=True)
+    assert prog.value_and_grad() == pytest.approx(9 * 13 + 13)
+    np.testing.assert_allclose(prog.grads["w"], 3 * (3 * w) + w)          # only the un-stopped factors

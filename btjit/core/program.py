@@ -111,7 +111,11 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         g.buffers[name] = g.new_var(np.shape(v), fd)
     names = _arg_names(fn, len(batch))
     for name, x in zip(names, batch):
-        x = np.asarray(x)
+        try:
+            x = np.asarray(x)
+        except ValueError as err:
+            raise TypeError(f"batch argument {name!r} is not an array ({err}); pass the batch as separate "
+                            f"arrays: btjit.trace(fn, params, x, y)") from None
         if x.dtype.kind not in "iuf":
             raise TypeError(f"batch argument {name!r} has dtype {x.dtype}; use float or integer arrays")
         if replicas > 1 and (x.ndim == 0 or x.shape[0] % replicas):

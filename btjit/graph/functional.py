@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.graph.trace import (TraceError, Tracer, _norm_axes, abs, arange, current_graph, emit, equal, erf, exp, lift,
-                               log, log1p, max, maximum, mean, minimum, reshape, sigmoid, sum, swapaxes, take,
-                               transpose, user_src, where)
+                               log, log1p, max, maximum, mean, minimum, reshape, sigmoid, sum, swapaxes, transpose,
+                               user_src, where)
+from btjit.graph.indexing import take
 
 
 def softmax(x, axis=-1):

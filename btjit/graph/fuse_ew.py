@@ -32,7 +32,7 @@ BINARY = {"add": EW.B_ADD, "sub": EW.B_SUB, "mul": EW.B_MUL, "div": EW.B_DIV, "m
           "minimum": EW.B_MIN, "pow2": EW.B_POW, "eq": EW.B_EQ, "gt": EW.B_GT, "ge": EW.B_GE, "lt": EW.B_LT,
           "le": EW.B_LE, "ne": EW.B_NE, "tanh_grad": EW.B_TANH_GRAD, "relu_grad": EW.B_RELU_GRAD,
           "sigmoid_grad": EW.B_SIGMOID_GRAD}
-ALIAS = {"copy", "broadcast_to"}        # no instruction: the operand's register (loaded with broadcast strides)
+ALIAS = {"copy", "stop_gradient", "broadcast_to"}        # no instruction: the operand's register (loaded with broadcast strides)
 MAX_MEMBERS = 24
 REMAT = 16
 
@@ -62,6 +62,8 @@ def _merge(groups, group_of, closed, remat, ks):
     k = ks[0]
     for other in ks[1:]:
         groups[k]["members"] += groups[other]["members"]
+        groups[k]["reads"] |= groups[other]["reads"]
+        groups[k]["sib"] |= groups[other]["sib"]
         for j in groups[other]["members"]:
             group_of[j] = k
         groups[other]["members"] = []
@@ -71,6 +73,13 @@ def _merge(groups, group_of, closed, remat, ks):
 
 
 def fuse_elementwise(g: Graph) -> None:
+    if not _fuse(g, siblings=True):      # a sibling join that does not fit the kernel: group without them
+        _fuse(g, siblings=False)
+
+
+def _fuse(g: Graph, siblings: bool) -> bool:
+    """Groups and fuses g's equations; False (g untouched) if siblings is set and a group joined by one
+    no longer fits the kernel."""
     eqns = g.eqns
     n_fwd, n_bwd = g.n_forward, g.n_backward or len(eqns)
     producer = {o.id: i for i, e in enumerate(eqns) for o in e.outs}
@@ -94,13 +103,22 @@ def fuse_elementwise(g: Graph) -> None:
                 groups[k]["region"] == region]
         for k in src_groups - set(join):
             closed.add(k)
+        full = {v.id for v in e.ins if v.shape == shape}
+        sib = [k for k, grp in enumerate(groups) if siblings and full & grp["reads"] and k not in closed and
+               k not in join and grp["shape"] == shape and grp["region"] == region]
+        if sum(len(groups[k]["members"]) for k in join + sib) < MAX_MEMBERS:
+            join += sib                  # open groups reading the same array: one pass over it, not two
+        else:
+            sib = []
         if join and sum(len(groups[k]["members"]) for k in join) < MAX_MEMBERS:
             k = _merge(groups, group_of, closed, remat, join)
         else:
             closed.update(join)
             k = len(groups)
-            groups.append({"shape": shape, "region": region, "members": []})
+            groups.append({"shape": shape, "region": region, "members": [], "reads": set(), "sib": False})
         groups[k]["members"].append(i)
+        groups[k]["reads"] |= full
+        groups[k]["sib"] |= bool(sib)
         group_of[i] = k
         if region:                                       # recompute forward values instead of reading them
             for v in e.ins:
@@ -127,6 +145,8 @@ def fuse_elementwise(g: Graph) -> None:
                                              dry=True) is None]
         if not bad:
             break
+        if any(groups[k]["sib"] for k in bad):
+            return False
         for k in bad:
             del body[k]
     new, n_new_fwd, n_new_bwd = [], 0, 0
@@ -143,6 +163,7 @@ def fuse_elementwise(g: Graph) -> None:
         n_new_bwd += len(out) if i < n_bwd else 0
     g.eqns = new
     g.n_forward, g.n_backward = n_new_fwd, n_new_bwd
+    return True
 
 
 def _cone(eqns, producer, group_of, groups, j, shape):
@@ -199,6 +220,8 @@ def _fused_eqn(g, eqns, body, members, needed, shape, dry=False):
         return None
     opers = [(0, st or (0,)) for *_, st in ins] + [(0, st or (0,)) for *_, st in oview]
     (_, inner), *_ = loop_nest(shape or (1,), opers, 4)
+    if any(inner[-1][1][k] != 1 for k in range(len(ins), len(opers))) and inner[-1][0] > 1:
+        return None                     # an output is written in place, so its innermost stride must be 1
     code = {vid: -1 - k for k, (vid, *_) in enumerate(ins) if inner[-1][1][k] == 1}     # read in place
     region = {}                                   # (concat eqn index, input position) -> its output operand code
     q = 0
@@ -279,8 +302,10 @@ def _registers(es, ins, code, region, scalars):
                 else:
                     code[o.id] = srcs[0]
             else:
-                if o.id not in code:
-                    code[o.id] = free.pop()
+                if o.id not in code:        # not a register the instruction before read: a sum can then take
+                    avoid = set(_reads(instrs[-1])) if instrs else ()          # its product (multiply_add)
+                    code[o.id] = next((r for r in reversed(free) if r not in avoid), free[-1])
+                    free.remove(code[o.id])
                 op_ = UNARY.get(e.op, BIN + BINARY.get(e.op, 0))
                 instrs.append((WHERE, code[o.id], *srcs) if e.op == "where" else (op_, code[o.id], srcs[0], srcs[-1], 0))
             for v in set(e.ins):                         # registers read for the last time are free again

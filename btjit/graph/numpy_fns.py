@@ -13,10 +13,10 @@ import builtins
 import numpy as np
 
 from btjit.graph.functional import log_softmax, softmax
-from btjit.graph.trace import (FUNCS, METHODS, UFUNCS, TraceError, _binop, _norm_axes, abs, broadcast_to,
-                               concatenate, emit, equal, erf, exp, getitem, lift, log, log1p, matmul, max, maximum,
-                               mean, minimum, reshape, split, sqrt, sum, swapaxes, take, tanh, transpose,
-                               user_src, where)
+from btjit.graph.trace import (FUNCS, METHODS, UFUNCS, TraceError, _binop, _norm_axes, abs, broadcast_to, concatenate,
+                               copy, emit, equal, erf, exp, lift, log, log1p, matmul, max, maximum, mean, minimum,
+                               reshape, split, sqrt, stop_gradient, sum, swapaxes, tanh, transpose, user_src, where)
+from btjit.graph.indexing import getitem, take
 
 
 def clip(x, lo=None, hi=None):
@@ -252,6 +252,67 @@ def einsum(subscripts, *operands):
     return transpose(y, tuple((batch + fa + fb).index(c) for c in out))
 
 
+def argmax(x, axis=None, keepdims=False):
+    """numpy's argmax as a float (the first largest element's index along axis, of the flattened x for None): an
+    accuracy written as (logits.argmax(-1) == y).mean(). No gradient, as in numpy and torch."""
+    x = lift(x)
+    if axis is None:
+        x, axis = reshape(x, (x.size,)), 0
+    ax = axis % x.ndim
+    n = x.shape[ax]
+    pos = np.arange(n, dtype=np.float64).reshape([n if i == ax else 1 for i in range(x.ndim)])
+    return amin(where(equal(x, max(x, ax, True)), pos, float(n)), ax, keepdims)
+
+
+def cumsum(x, axis=None):
+    """numpy's cumsum: a product with the upper triangle of ones along axis (of the flattened x for None)."""
+    x = lift(x)
+    if axis is None:
+        x, axis = reshape(x, (x.size,)), 0
+    n = x.shape[axis % x.ndim]
+    return swapaxes(matmul(swapaxes(x, axis, -1), np.triu(np.ones((n, n)))), axis, -1)
+
+
+def prod(x, axis=None, keepdims=False):
+    """numpy's prod: the slices along axis multiplied in turn (the gradient by the product rule)."""
+    x = lift(x)
+    if axis is None:
+        x, axis = reshape(x, (x.size,)), 0
+    ax = axis % x.ndim
+    if x.shape[ax] > 256:
+        raise TraceError(f"prod: {x.shape[ax]} factors along axis {ax}; at most 256 — {user_src()}")
+    out = None
+    for i in range(x.shape[ax]):
+        s = getitem(x, (slice(None),) * ax + (slice(i, i + 1),))
+        out = s if out is None else out * s
+    return out if keepdims else reshape(out, x.shape[:ax] + x.shape[ax + 1:])
+
+
+def flip(x, axis=None):
+    """numpy's flip (torch's flip(dims)): the order reversed along the axes (all for None)."""
+    x = lift(x)
+    axes = range(x.ndim) if axis is None else [a % x.ndim for a in (axis if isinstance(axis, (tuple, list))
+                                                                       else (axis,))]
+    return getitem(x, tuple(slice(None, None, -1) if a in axes else slice(None) for a in range(x.ndim)))
+
+
+class ValuesIndices(tuple):
+    """torch's x.max(dim) / x.min(dim): (values, indices), the indices as floats (see argmax)."""
+    values = property(lambda self: self[0])
+    indices = property(lambda self: self[1])
+
+
+def max_dim(x, dim, keepdim=False, sign=1.0):
+    x = lift(x)
+    return ValuesIndices((max(x * sign, dim, keepdim) * sign, argmax(x * sign, dim, keepdim)))
+
+
+def _torch_dims(fn):
+    """fn(x, axis, keepdims) as a method taking numpy's (axis, keepdims) or torch's (dim, keepdim) names."""
+    return lambda x, axis=None, keepdims=False, dim=None, keepdim=None: fn(
+        x, axis if dim is None else dim, keepdims if keepdim is None else keepdim)
+
+
 def full_like(x, fill_value):
     """numpy's full_like (zeros_like, ones_like): a constant of x's shape, broadcast from one value."""
     x = lift(x)
@@ -284,13 +345,21 @@ FUNCS.update({
     "var": var, "std": std, "log1p": log1p, "expand_dims": expand_dims, "squeeze": squeeze, "dot": dot,
     "outer": outer, "norm": norm, "pad": pad, "repeat": repeat, "tile": tile, "ravel": lambda a: flatten(a),
     "einsum": einsum, "full_like": full_like, "zeros_like": lambda a: full_like(a, 0.0),
-    "ones_like": lambda a: full_like(a, 1.0)})
+    "ones_like": lambda a: full_like(a, 1.0), "copy": copy, "argmax": argmax,
+    "argmin": lambda a, axis=None, keepdims=False: argmax(-lift(a), axis, keepdims), "cumsum": cumsum, "prod": prod,
+    "flip": flip})
 METHODS.update({
     # numpy's
     "var": var, "std": std, "clip": lambda x, min=None, max=None: clip(x, min, max),  # noqa: A002
-    "min": amin, "squeeze": squeeze, "flatten": flatten, "ravel": flatten, "dot": dot, "repeat": repeat,
+    "min": lambda x, axis=None, keepdims=False, *, dim=None, keepdim=None: amin(x, axis, keepdims) if dim is None and
+    keepdim is None else max_dim(x, axis if dim is None else dim, bool(keepdim), -1.0), "max_dim": max_dim,
+    "squeeze": squeeze, "flatten": flatten, "ravel": flatten, "dot": dot, "repeat": repeat,
+    "copy": copy, "argmax": _torch_dims(argmax), "argmin": _torch_dims(lambda x, a, k: argmax(-x, a, k)),
+    "cumsum": lambda x, axis=None, dim=None: cumsum(x, axis if dim is None else dim), "prod": _torch_dims(prod),
     # torch's (beside x.relu(), x.sigmoid(), ... on the Tracer class itself)
-    "square": lambda x: x * x, "sign": sign, "pow": lambda x, p: x ** p,
+    "square": lambda x: x * x, "sign": sign, "pow": lambda x, p: x ** p, "clone": copy, "detach": stop_gradient,
+    "amax": _torch_dims(max), "amin": _torch_dims(amin), "flip": lambda x, *dims: flip(x, _shape_args(dims)),
+    "norm": lambda x, p=2, dim=None, keepdim=False: norm(x, p, dim, keepdim),
     "clamp": lambda x, min=None, max=None: clip(x, min, max),  # noqa: A002
     "view": lambda x, *shape: reshape(x, _shape_args(shape)),
     "permute": lambda x, *dims: transpose(x, _shape_args(dims)),

@@ -111,7 +111,7 @@ def _dropout(x, p, training=None, channels=False):
     x = T.lift(x)
     if p == 0.0 or not (T.current_graph().training if training is None else training):
         return x
-    like = T.getitem(x, (slice(None), slice(None)) + (slice(0, 1),) * (x.ndim - 2)) if channels else x
+    like = x[(slice(None), slice(None)) + (slice(0, 1),) * (x.ndim - 2)] if channels else x
     return x * ((_random(like, K.U_UNIFORM) >= p) * (1.0 / (1.0 - p)))
 
 

@@ -16,7 +16,8 @@ from btjit.graph.tracer import (TraceError, _norm_axes, building, current_graph,
                                 source, user_src)
 
 # numpy's functions on traced values (__array_function__ / __array_ufunc__, by name) and the methods found by
-# Tracer.__getattr__: filled by btjit/graph/numpy_fns.py, which composes them of this module's primitives.
+# Tracer.__getattr__: filled by btjit/graph/numpy_fns.py, which composes them of this module's primitives, and
+# indexing (x[idx], x[idx] = v) by btjit/graph/indexing.py.
 FUNCS: dict = {}
 UFUNCS: dict = {}
 METHODS: dict = {}
@@ -25,6 +26,8 @@ METHODS: dict = {}
 def _binop(op, x, y):
     x = lift(x, y if isinstance(y, Tracer) else None)
     y = lift(y, x)
+    if op in ("eq", "ne", "gt", "ge", "lt", "le") and (x.node.dtype == "i32") != (y.node.dtype == "i32"):
+        x, y = (emit("to_float", (v,)) if v.node.dtype == "i32" else v for v in (x, y))    # labels vs argmax
     return emit(op, (x, y))
 
 
@@ -112,7 +115,7 @@ class Tracer:
                          f"control flow); use btjit.where or compute it outside the traced function — {user_src()}")
 
     __bool__ = lambda s: s._no_concrete("bool()")
-    __float__ = lambda s: s._no_concrete("float()")
+    __float__ = lambda s: s._no_concrete("float() (or a math.* function such as math.sqrt: use np.sqrt)")
     __int__ = lambda s: s._no_concrete("int()")
     __index__ = lambda s: s._no_concrete("int()")
 
@@ -150,8 +153,10 @@ class Tracer:
     def mean(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
         return mean(self, axis if dim is None else dim, keepdims if keepdim is None else keepdim)
 
-    def max(self, axis=None, keepdims=False):
-        return max(self, axis, keepdims)
+    def max(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
+        if dim is None and keepdim is None:
+            return max(self, axis, keepdims)
+        return METHODS["max_dim"](self, axis if dim is None else dim, bool(keepdim))     # torch's (values, indices)
 
     def reshape(self, *shape):
         return reshape(self, shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
@@ -171,13 +176,13 @@ class Tracer:
     sqrt = lambda s: sqrt(s)        # noqa: E731
     abs = lambda s: abs(s)          # noqa: E731
 
-    def __getitem__(self, idx):
-        return getitem(self, idx)
+    def __getitem__(self, idx):                 # btjit/graph/indexing.py
+        return METHODS["__getitem__"](self, idx)
 
     def __setitem__(self, idx, value):
         """x[idx] = value, as torch and numpy write it: this tracer then holds the new value (functionally:
         a slice_set equation; other tracers of the old value keep it)."""
-        self.node = setitem(self, idx, value).node
+        self.node = METHODS["__setitem__"](self, idx, value).node
 
     def astype(self, dtype):
         """Integer -> the program's float dtype (float32 / float64 / float); float -> float is a no-op."""
@@ -210,6 +215,9 @@ def maximum(x, y): return _binop("maximum", x, y)
 def minimum(x, y): return _binop("minimum", x, y)
 def equal(x, y): return _binop("eq", x, y)
 def copy(x): return emit("copy", (lift(x),))
+def stop_gradient(x):
+    """x, through which no gradient flows (torch's x.detach())."""
+    return emit("stop_gradient", (lift(x),))
 
 
 def where(cond, x, y):
@@ -328,84 +336,12 @@ def split(x, indices_or_sections, axis=0):
     else:
         cuts = list(indices_or_sections)
     bounds = [0, *cuts, n]
-    return [getitem(x, (slice(None),) * axis + (slice(lo, hi),)) for lo, hi in zip(bounds, bounds[1:])]
-
-
-def _advanced(i) -> bool:
-    return isinstance(i, (Tracer, list)) or isinstance(i, np.ndarray) and i.dtype.kind in "iu"
-
-
-def getitem(x, idx):
-    x = lift(x)
-    if _advanced(idx):
-        return take(x, idx)
-    if isinstance(idx, tuple) and any(_advanced(i) for i in idx):
-        return _take_on_axis(x, idx)
-    starts, stops, steps, out_shape = _region(x, idx)
-    out = x
-    if (starts, stops, steps) != ([0] * x.ndim, list(x.shape), [1] * x.ndim):
-        out = emit("slice", (x,), starts=tuple(starts), stops=tuple(stops), steps=tuple(steps))
-    return reshape(out, tuple(out_shape))
-
-
-def _take_on_axis(x, idx):
-    """x[:, ..., ids, ...]: one integer array among slices (numpy's result: the ids' axis where they stand)."""
-    e = next((j for j, i in enumerate(idx) if i is Ellipsis), None)
-    if e is not None:
-        idx = idx[:e] + (slice(None),) * (x.ndim - len(idx) + 1) + idx[e + 1:]
-    k = next(j for j, i in enumerate(idx) if _advanced(i))
-    ids = idx[k]
-    others = [i for j, i in enumerate(idx) if j != k]
-    if not all(isinstance(i, slice) for i in others) or (ids.ndim if isinstance(ids, Tracer) else np.ndim(ids)) != 1:
-        raise TraceError(f"getitem: an integer index array can stand with slices only (one 1-d array), got "
-                         f"{tuple(type(i).__name__ for i in idx)} — {user_src()}")
-    y = getitem(x, tuple(slice(None) if j == k else i for j, i in enumerate(idx)))
-    return swapaxes(take(swapaxes(y, 0, k), ids), 0, k)
-
-
-def setitem(x, idx, value):
-    """The value of x with x[idx] = value (basic indexing: ints, slices, None, Ellipsis)."""
-    x = lift(x)
-    if isinstance(idx, Tracer) or isinstance(idx, (np.ndarray, list)):
-        raise TraceError(f"setitem: only ints and slices can index an assignment — {user_src()}")
-    starts, stops, steps, _ = _region(x, idx)
-    return emit("slice_set", (x, lift(value, x)), starts=tuple(starts), stops=tuple(stops), steps=tuple(steps))
-
-
-def _region(x, idx):
-    """(starts, stops, steps) per axis of x and the result's shape for a basic index."""
-    idx = idx if isinstance(idx, tuple) else (idx,)
-    if any(i is Ellipsis for i in idx):
-        k = idx.index(Ellipsis)
-        used = builtins.sum(i is not None and i is not Ellipsis for i in idx)    # None takes no input axis
-        idx = idx[:k] + (slice(None),) * (x.ndim - used) + idx[k + 1:]
-    starts, stops, steps, out_shape = [], [], [], []
-    d = 0
-    for i in idx:
-        if i is None:
-            out_shape.append(1)
-            continue
-        if d >= x.ndim:
-            raise TraceError(f"getitem: too many indices for a {x.ndim}-d value — {user_src()}")
-        n = x.shape[d]
-        if isinstance(i, slice):
-            lo, hi, st = i.indices(n)
-            if st <= 0:
-                raise TraceError(f"getitem: only positive slice steps are supported — {user_src()}")
-            starts.append(lo); stops.append(hi); steps.append(st)
-            out_shape.append(len(range(lo, hi, st)))
-        elif isinstance(i, (int, np.integer)):
-            if not -n <= i < n:
-                raise TraceError(f"getitem: index {i} out of range for axis {d} of size {n} — {user_src()}")
-            i = int(i) % n
-            starts.append(i); stops.append(i + 1); steps.append(1)
-        else:
-            raise TraceError(f"getitem: unsupported index {i!r} — {user_src()}")
-        d += 1
-    for n in x.shape[d:]:
-        starts.append(0); stops.append(n); steps.append(1)
-        out_shape.append(n)
-    return starts, stops, steps, out_shape
+    if len(bounds) == 2:
+        return [x]
+    starts, stops = [0] * x.ndim, list(x.shape)
+    return [emit("slice", (x,), starts=tuple(starts[:axis] + [lo] + starts[axis + 1:]),
+                 stops=tuple(stops[:axis] + [hi] + stops[axis + 1:]), steps=(1,) * x.ndim)
+            for lo, hi in zip(bounds, bounds[1:])]
 
 
 def arange(start, stop=None, step=1):
@@ -415,19 +351,6 @@ def arange(start, stop=None, step=1):
         raise TraceError(f"arange: integer bounds only, got {start!r}, {stop!r}, {step!r} — {user_src()}")
     g = current_graph()
     return Tracer(g.const(a.astype(np.int32), "i32"), g)
-
-
-def take(table, idx):
-    """table[idx] along axis 0 with an integer index array (embedding lookup)."""
-    table = lift(table)
-    if not isinstance(idx, Tracer):
-        idx = np.asarray(idx)
-        if idx.dtype.kind not in "iu":
-            raise TraceError(f"take: index array must be integer, got {idx.dtype} — {user_src()}")
-        if idx.size and (idx.min() < -table.shape[0] or idx.max() >= table.shape[0]):
-            raise TraceError(f"take: index out of range for axis 0 of size {table.shape[0]} — {user_src()}")
-        idx = Tracer(current_graph().const(idx % table.shape[0], "i32"), current_graph())
-    return emit("take", (table, idx))
 
 
 _core.TRACER.append(Tracer)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.graph import state as S, trace as T
-from btjit.graph.fuse_ew import BINARY, UNARY
+from btjit.graph.fuse_ew import ALIAS, BINARY, UNARY
 from btjit.graph.lower import lower_eqns
 from btjit.graph.memory import _al, storage_roots
 
@@ -217,6 +217,6 @@ def _read_after(g, i, new, old, root) -> bool:
     at = next(k for k, m in enumerate(body) if m[3] == new.id)
     alias = {old.id}
     for op, _, ins, out in body:
-        if op in ("copy", "broadcast_to") and ins[0] in alias:
+        if op in ALIAS and ins[0] in alias:
             alias.add(out)
     return any(set(ins) & alias for _, _, ins, _ in body[at + 1:])

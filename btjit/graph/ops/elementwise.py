@@ -47,8 +47,8 @@ _binary("sigmoid_grad", EW.B_SIGMOID_GRAD, lambda y, g: g * y * (1 - y), interna
         cases=[Case((F(3, 4), F(3, 4)))])
 
 
-def _unary(name, sub, fn, vjp, dom="normal", tol=1e-6):
-    op(name, infer=same_as_input, ref=lambda xs, at, fn=fn: (fn(xs[0], at),),
+def _unary(name, sub, fn, vjp, dom="normal", tol=1e-6, nondiff=False):
+    op(name, infer=same_as_input, nondiff=nondiff, ref=lambda xs, at, fn=fn: (fn(xs[0], at),),
        lower=lambda e, L, sub=sub: [L.row("k_unary", sub=sub, oout=L.off(e.outs[0]), oin=L.off(e.ins[0]),
                                           n=e.outs[0].size, oc=L.const(e.attrs.get("p", 0.0)))],
        vjp=vjp, cases=[Case((F(3, 5, dom=dom),), tol=tol), Case((F(dom=dom),), tol=tol)])
@@ -58,6 +58,7 @@ _sig = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
 _erf_ref = np.vectorize(math.erf, otypes=[np.float64])     # numpy has no erf; math.erf is libm's (correctly
 #                                                           rounded to within an ulp in float64)
 _unary("copy", EW.U_COPY, lambda x, a: x.copy(), lambda g, x, o, a: [g[0]])
+_unary("stop_gradient", EW.U_COPY, lambda x, a: x.copy(), None, nondiff=True)      # torch's x.detach()
 _unary("neg", EW.U_NEG, lambda x, a: -x, lambda g, x, o, a: [-g[0]])
 _unary("exp", EW.U_EXP, lambda x, a: np.exp(x), lambda g, x, o, a: [g[0] * o[0]])
 _unary("log", EW.U_LOG, lambda x, a: np.log(x), lambda g, x, o, a: [g[0] / x[0]], dom="pos")

@@ -1,0 +1,169 @@
+"""Indexing traced values as numpy does: x[idx] (ints, slices of any step, None, Ellipsis, integer arrays)
+and x[idx] = value, composed of the slice, slice_set and take ops (the last a gather along axis 0). Registered
+as the Tracer's __getitem__ / __setitem__ (btjit/graph/trace.py's METHODS)."""
+from __future__ import annotations
+
+import builtins
+
+import numpy as np
+
+from btjit.graph.trace import (METHODS, TraceError, Tracer, broadcast_to, current_graph, emit, lift, reshape,
+                               swapaxes, user_src)
+
+
+def _advanced(i) -> bool:
+    return isinstance(i, (Tracer, list, range)) or isinstance(i, np.ndarray) and i.dtype.kind in "iu"
+
+
+def getitem(x, idx):
+    x = lift(x)
+    if _advanced(idx):
+        return take(x, list(idx) if isinstance(idx, range) else idx)
+    if isinstance(idx, tuple) and builtins.sum(map(_advanced, idx)) > 1:
+        return _take_leading(x, idx)
+    if isinstance(idx, tuple) and any(_advanced(i) for i in idx):
+        return _take_on_axis(x, idx)
+    if any(isinstance(i, slice) and (i.step or 1) < 0 for i in (idx if isinstance(idx, tuple) else (idx,))):
+        return _reversed(x, idx)
+    starts, stops, steps, out_shape = _region(x, idx)
+    out = x
+    if (starts, stops, steps) != ([0] * x.ndim, list(x.shape), [1] * x.ndim):
+        out = emit("slice", (x,), starts=tuple(starts), stops=tuple(stops), steps=tuple(steps))
+    return reshape(out, tuple(out_shape))
+
+
+def _reversed(x, idx):
+    """x[..., ::-1, ...] (slices of negative step): the positive-step slice of the same elements, then a gather
+    of that axis in the slice's order."""
+    idx = _expand(x, idx if isinstance(idx, tuple) else (idx,))
+    base, gathers, d, out = [], [], 0, 0
+    for i in idx:
+        if isinstance(i, slice) and (i.step or 1) < 0:
+            ids = np.arange(*i.indices(x.shape[d]))
+            lo = int(ids.min()) if ids.size else 0
+            base.append(slice(lo, lo + 1 if ids.size == 0 else int(ids.max()) + 1))
+            gathers.append((out, ids - lo))
+        else:
+            base.append(i)
+        d += i is not None
+        out += not isinstance(i, (int, np.integer))
+    y = getitem(x, tuple(base))
+    for ax, ids in gathers:
+        y = swapaxes(take(swapaxes(y, 0, ax), ids), 0, ax) if ids.size else y[(slice(None),) * ax + (slice(0, 0),)]
+    return y
+
+
+def _expand(x, idx):
+    """idx with its Ellipsis replaced by the full slices it stands for."""
+    if any(i is Ellipsis for i in idx):
+        k = idx.index(Ellipsis)
+        used = builtins.sum(i is not None and i is not Ellipsis for i in idx)    # None takes no input axis
+        idx = idx[:k] + (slice(None),) * (x.ndim - used) + idx[k + 1:]
+    return idx
+
+
+def _take_on_axis(x, idx):
+    """x[:, ..., ids, ...]: one integer array among slices (numpy's result: the ids' axis where they stand)."""
+    e = next((j for j, i in enumerate(idx) if i is Ellipsis), None)
+    if e is not None:
+        idx = idx[:e] + (slice(None),) * (x.ndim - len(idx) + 1) + idx[e + 1:]
+    k = next(j for j, i in enumerate(idx) if _advanced(i))
+    ids = idx[k]
+    others = [i for j, i in enumerate(idx) if j != k]
+    if not all(isinstance(i, slice) for i in others) or (ids.ndim if isinstance(ids, Tracer) else np.ndim(ids)) != 1:
+        raise TraceError(f"getitem: an integer index array can stand with slices only (one 1-d array), got "
+                         f"{tuple(type(i).__name__ for i in idx)} — {user_src()}")
+    y = getitem(x, tuple(slice(None) if j == k else i for j, i in enumerate(idx)))
+    return swapaxes(take(swapaxes(y, 0, k), ids), 0, k)
+
+
+def _take_leading(x, idx):
+    """x[i0, i1, ...]: integer arrays (broadcast together) on x's leading axes, as numpy (logprobs[range(n), y]):
+    one take from x's leading axes flattened, at the flat index sum(i_j * stride_j)."""
+    k = len(idx)
+    if not all(map(_advanced, idx)) or k > x.ndim:
+        raise TraceError(f"getitem: several integer index arrays must index the leading axes, with nothing after "
+                         f"them, got {tuple(type(i).__name__ for i in idx)} — {user_src()}")
+    arrs = [i if isinstance(i, Tracer) else np.asarray(list(i) if isinstance(i, range) else i) for i in idx]
+    for j, a in enumerate(arrs):
+        if not isinstance(a, Tracer):
+            if a.dtype.kind not in "iu":
+                raise TraceError(f"getitem: index array {j} must be integer, got {a.dtype} — {user_src()}")
+            if a.size and (a.min() < -x.shape[j] or a.max() >= x.shape[j]):
+                raise TraceError(f"getitem: index {j} out of range for axis {j} of size {x.shape[j]} — "
+                                 f"{user_src()}")
+            arrs[j] = a % x.shape[j]
+        elif a.node.dtype != "i32":
+            raise TraceError(f"getitem: index array {j} must be integer, got a float value — {user_src()}")
+    try:
+        shape = np.broadcast_shapes(*(tuple(a.shape) for a in arrs))
+    except ValueError:
+        raise TraceError(f"getitem: index arrays of shapes {[tuple(a.shape) for a in arrs]} do not broadcast — "
+                         f"{user_src()}") from None
+    flat, stride = 0, 1
+    for j in reversed(range(k)):
+        a = arrs[j] if isinstance(arrs[j], Tracer) else np.asarray(arrs[j], np.int64)
+        flat = flat + (a * stride if stride != 1 else a)
+        stride *= x.shape[j]
+    if not isinstance(flat, Tracer):
+        flat = np.broadcast_to(flat, shape)
+    elif tuple(flat.shape) != shape:
+        flat = broadcast_to(flat, shape)
+    return take(reshape(x, (stride,) + x.shape[k:]), flat)
+
+
+def setitem(x, idx, value):
+    """The value of x with x[idx] = value (basic indexing: ints, slices, None, Ellipsis)."""
+    x = lift(x)
+    if isinstance(idx, Tracer) or isinstance(idx, (np.ndarray, list)):
+        raise TraceError(f"setitem: only ints and slices can index an assignment — {user_src()}")
+    starts, stops, steps, _ = _region(x, idx)
+    return emit("slice_set", (x, lift(value, x)), starts=tuple(starts), stops=tuple(stops), steps=tuple(steps))
+
+
+def _region(x, idx):
+    """(starts, stops, steps) per axis of x and the result's shape for a basic index."""
+    idx = _expand(x, idx if isinstance(idx, tuple) else (idx,))
+    starts, stops, steps, out_shape = [], [], [], []
+    d = 0
+    for i in idx:
+        if i is None:
+            out_shape.append(1)
+            continue
+        if d >= x.ndim:
+            raise TraceError(f"getitem: too many indices for a {x.ndim}-d value — {user_src()}")
+        n = x.shape[d]
+        if isinstance(i, slice):
+            lo, hi, st = i.indices(n)
+            if st <= 0:
+                raise TraceError(f"setitem: only positive slice steps can index an assignment — {user_src()}")
+            starts.append(lo); stops.append(hi); steps.append(st)
+            out_shape.append(len(range(lo, hi, st)))
+        elif isinstance(i, (int, np.integer)):
+            if not -n <= i < n:
+                raise TraceError(f"getitem: index {i} out of range for axis {d} of size {n} — {user_src()}")
+            i = int(i) % n
+            starts.append(i); stops.append(i + 1); steps.append(1)
+        else:
+            raise TraceError(f"getitem: unsupported index {i!r} — {user_src()}")
+        d += 1
+    for n in x.shape[d:]:
+        starts.append(0); stops.append(n); steps.append(1)
+        out_shape.append(n)
+    return starts, stops, steps, out_shape
+
+
+def take(table, idx):
+    """table[idx] along axis 0 with an integer index array (embedding lookup)."""
+    table = lift(table)
+    if not isinstance(idx, Tracer):
+        idx = np.asarray(idx)
+        if idx.dtype.kind not in "iu":
+            raise TraceError(f"take: index array must be integer, got {idx.dtype} — {user_src()}")
+        if idx.size and (idx.min() < -table.shape[0] or idx.max() >= table.shape[0]):
+            raise TraceError(f"take: index out of range for axis 0 of size {table.shape[0]} — {user_src()}")
+        idx = Tracer(current_graph().const(idx % table.shape[0], "i32"), current_graph())
+    return emit("take", (table, idx))
+
+
+METHODS.update({"__getitem__": getitem, "__setitem__": setitem})
