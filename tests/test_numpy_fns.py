@@ -114,6 +114,8 @@ TORCH = {
                     lambda x: x.split(3, dim=-1)[1] + x.split([2, 1], dim=1)[1][..., :1]),
     "max(dim) min(dim)": (lambda x: x.max(dim=1).values + x.max(1, keepdim=True)[1][:, 0] + x.min(dim=1)[0] * 2,
                           lambda x: x.max(dim=1).values + x.max(1, keepdim=True)[1][:, 0] + x.min(dim=1)[0] * 2),
+    "max(1).values .indices": (lambda x: x.max(1).values * 2 + x.min(1).indices + x.max(1).indices,
+                               lambda x: x.max(1).values * 2 + x.min(1).indices + x.max(1).indices),
     "argmax argmin": (lambda x: x.argmax(dim=-1) + x.argmin(2, keepdim=True)[..., 0] * 3 + x.argmax() + x[..., 0],
                       lambda x: x.argmax(dim=-1) + x.argmin(2, keepdim=True)[..., 0] * 3 + x.argmax() + x[..., 0]),
     "amax amin norm": (lambda x: x.amax(dim=-1) + x.amin(1)[..., :1] + x.norm(dim=-1) + x.norm(),

@@ -13,9 +13,10 @@ import builtins
 import numpy as np
 
 from btjit.graph.functional import log_softmax, softmax
-from btjit.graph.trace import (FUNCS, METHODS, UFUNCS, TraceError, _binop, _norm_axes, abs, broadcast_to, concatenate,
-                               copy, emit, equal, erf, exp, lift, log, log1p, matmul, max, maximum, mean, minimum,
-                               reshape, split, sqrt, stop_gradient, sum, swapaxes, tanh, transpose, user_src, where)
+from btjit.graph.trace import (FUNCS, METHODS, UFUNCS, TraceError, Tracer, _binop, _norm_axes, abs, broadcast_to,
+                               concatenate, copy, emit, equal, erf, exp, lift, log, log1p, matmul, max, maximum, mean,
+                               minimum, reshape, split, sqrt, stop_gradient, sum, swapaxes, tanh, transpose, user_src,
+                               where)
 from btjit.graph.indexing import getitem, take
 
 
@@ -297,14 +298,29 @@ def flip(x, axis=None):
 
 
 class ValuesIndices(tuple):
-    """torch's x.max(dim) / x.min(dim): (values, indices), the indices as floats (see argmax)."""
+    """torch's x.max(dim=) / x.min(dim=): (values, indices), the indices as floats (see argmax)."""
     values = property(lambda self: self[0])
     indices = property(lambda self: self[1])
 
 
-def max_dim(x, dim, keepdim=False, sign=1.0):
+class Extremum(Tracer):
+    """numpy's x.max(axis) / x.min(axis) (the values), with torch's `.values` and `.indices` beside."""
+    __slots__ = ("_of",)
+
+    def __init__(self, t, of):
+        super().__init__(t.node, t.graph)
+        self._of = of
+    values = property(lambda self: Tracer(self.node, self.graph))
+    indices = property(lambda self: argmax(*self._of))
+
+
+def max_dim(x, axis, keepdims=False, sign=1.0, torch=False):
+    """x.max / x.min (sign -1): numpy's values, or with torch's dim= / keepdim= (values, indices)."""
     x = lift(x)
-    return ValuesIndices((max(x * sign, dim, keepdim) * sign, argmax(x * sign, dim, keepdim)))
+    v = max(x * sign, axis, keepdims) * sign if sign != 1.0 else max(x, axis, keepdims)
+    if torch:
+        return ValuesIndices((v, argmax(x * sign, axis, keepdims)))
+    return Extremum(v, (x * sign, axis, keepdims)) if isinstance(axis, (int, np.integer)) else v
 
 
 def _torch_dims(fn):
@@ -351,8 +367,9 @@ FUNCS.update({
 METHODS.update({
     # numpy's
     "var": var, "std": std, "clip": lambda x, min=None, max=None: clip(x, min, max),  # noqa: A002
-    "min": lambda x, axis=None, keepdims=False, *, dim=None, keepdim=None: amin(x, axis, keepdims) if dim is None and
-    keepdim is None else max_dim(x, axis if dim is None else dim, bool(keepdim), -1.0), "max_dim": max_dim,
+    "min": lambda x, axis=None, keepdims=False, *, dim=None, keepdim=None: max_dim(
+        x, axis if dim is None else dim, keepdims if keepdim is None else keepdim, -1.0, dim is not None or
+        keepdim is not None), "max_dim": max_dim,
     "squeeze": squeeze, "flatten": flatten, "ravel": flatten, "dot": dot, "repeat": repeat,
     "copy": copy, "argmax": _torch_dims(argmax), "argmin": _torch_dims(lambda x, a, k: argmax(-x, a, k)),
     "cumsum": lambda x, axis=None, dim=None: cumsum(x, axis if dim is None else dim), "prod": _torch_dims(prod),

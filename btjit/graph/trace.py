@@ -154,9 +154,8 @@ class Tracer:
         return mean(self, axis if dim is None else dim, keepdims if keepdim is None else keepdim)
 
     def max(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
-        if dim is None and keepdim is None:
-            return max(self, axis, keepdims)
-        return METHODS["max_dim"](self, axis if dim is None else dim, bool(keepdim))     # torch's (values, indices)
+        return METHODS["max_dim"](self, axis if dim is None else dim, keepdims if keepdim is None else keepdim,
+                                  torch=dim is not None or keepdim is not None)
 
     def reshape(self, *shape):
         return reshape(self, shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
