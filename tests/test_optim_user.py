@@ -124,3 +124,53 @@ def test_an_update_reading_old_values_after_new_ones_is_copied_at_the_end():
     for k in SHAPES:
         np.testing.assert_allclose(prog.params[k], p[k], rtol=1e-13, err_msg=k)
         np.testing.assert_allclose(prog.opt_state["mom"][k], mom[k], rtol=1e-13, err_msg=k)
+
+
+class TupleAdam(btjit.optim.Optimizer):
+    """torch.optim.Adam as a user writes it: betas one tuple hyper-parameter, bias correction by the traced step."""
+
+    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, groups=None):
+        super().__init__(lr=lr, betas=betas, eps=eps, groups=groups)
+
+    def init(self, name, param):
+        return {"m": np.zeros_like(param), "v": np.zeros_like(param)}
+
+    def update(self, p, g, s, hp, step):
+        b1, b2 = hp["betas"]
+        m, v = b1 * s["m"] + (1 - b1) * g, b2 * s["v"] + (1 - b2) * g * g
+        return p - hp["lr"] * (m / (1 - b1 ** step)) / (np.sqrt(v / (1 - b2 ** step)) + hp["eps"]), {"m": m, "v": v}
+
+
+def test_a_tuple_hyper_parameter_is_slots_and_matches_torch():
+    torch = pytest.importorskip("torch")
+    bs = quad_batches()
+    opt = TupleAdam(lr=0.01, groups=[{"params": "w|e"}, {"params": ["b", "g"], "betas": (0.8, 0.95)}])
+    prog = btjit.trace(loss, params0(), *bs[0], optimizer=opt, dtype="float64")
+    assert prog.hp.groups[1]["betas"] == (0.8, 0.95) and "betas[1]" in prog.hp
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params0().items()}
+    topt = torch.optim.Adam([{"params": [tp["w"], tp["e"]]}, {"params": [tp["b"], tp["g"]], "betas": (0.8, 0.95)}],
+                            lr=0.01)
+    for t, b in enumerate(bs):
+        if t == 2:                                         # both groups' betas changed between steps
+            prog.hp["betas"] = (0.7, 0.9)
+            for grp in topt.param_groups:
+                grp["betas"] = (0.7, 0.9)
+        prog.step(*b)
+        topt.zero_grad()
+        for k, a in zip(SHAPES, b):                        # test_optim's loss: grad_k = a_k + p_k
+            tp[k].grad = torch.tensor(a) + tp[k].detach()
+        topt.step()
+    assert prog.hp["betas"] == (0.7, 0.9)
+    for k in SHAPES:
+        np.testing.assert_allclose(prog.params[k], tp[k].detach().numpy(), rtol=1e-12, atol=1e-13, err_msg=k)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(betas=("a", 0.9)), r"TupleAdam: betas=\('a', 0.9\) must be a number or a tuple of numbers"),
+    (dict(lr=(0.1, 0.2)), "lr must be one number"),
+    (dict(groups=[{"params": "w", "betas": (0.8,)}, {"params": "b|g|e"}]),
+     r"group 0: betas=\(0.8,\) must be of the form of the optimizer's betas=\(0.9, 0.999\)"),
+])
+def test_tuple_hyper_parameter_errors(kw, needle):
+    with pytest.raises(btjit.optim.OptimizerError, match=needle):
+        TupleAdam(**kw)

@@ -35,14 +35,13 @@ class Optimizer:
     def __init__(self, groups=None, **hp):
         if "lr" not in hp:
             raise OptimizerError(f"{type(self).__name__}: an optimizer needs a learning rate, lr=...")
-        for k, v in hp.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
-                raise OptimizerError(f"{type(self).__name__}: hyper-parameter {k}={v!r} must be a number "
-                                     f"(options that change the update's structure are attributes, not hp)")
+        for k in hp:
             if k in RESERVED:
                 raise OptimizerError(f"{type(self).__name__}: {k!r} is reserved (param groups, clipping, the step "
                                      f"counter): name the hyper-parameter otherwise")
-        self.hp = {k: float(v) for k, v in hp.items()}
+        self.hp = {k: hp_value(type(self).__name__, k, v) for k, v in hp.items()}
+        if isinstance(self.hp["lr"], tuple):
+            raise OptimizerError(f"{type(self).__name__}: lr must be one number, got {hp['lr']!r}")
         self.groups = _check_groups(type(self).__name__, groups, self.hp)
 
     def init(self, name: str, param: np.ndarray) -> dict:
@@ -59,8 +58,27 @@ class Optimizer:
         return bool(self.hp.get(name)) or any(g.get(name) for g in self.groups or ())
 
     def __repr__(self):
-        hp = ", ".join(f"{k}={v:g}" for k, v in self.hp.items())
+        hp = ", ".join(f"{k}={v!r}" if isinstance(v, tuple) else f"{k}={v:g}" for k, v in self.hp.items())
         return f"{type(self).__name__}({hp}{f', {len(self.groups)} groups' if self.groups else ''})"
+
+
+def hp_value(who, k, v):
+    """A hyper-parameter's value: a float, or a tuple of floats (torch's betas=(0.9, 0.999)); else an error."""
+    num = lambda x: not isinstance(x, bool) and isinstance(x, (int, float, np.floating, np.integer))  # noqa: E731
+    if num(v):
+        return float(v)
+    if isinstance(v, (tuple, list)) and v and all(map(num, v)):
+        return tuple(float(x) for x in v)
+    raise OptimizerError(f"{who}: {k}={v!r} must be a number or a tuple of numbers (options that "
+                         f"change the update's structure are attributes, not hp)")
+
+
+def flat_hp(hp: dict) -> dict:
+    """{slot name: value}: a tuple hyper-parameter k as slots k[0], k[1], ..."""
+    out = {}
+    for k, v in hp.items():
+        out.update({f"{k}[{i}]": x for i, x in enumerate(v)} if isinstance(v, tuple) else {k: v})
+    return out
 
 
 def _check_groups(who, groups, hp):
@@ -79,8 +97,13 @@ def _check_groups(who, groups, hp):
             raise OptimizerError(f"{who}: group {i} has unknown key {bad[0]!r} (allowed: params, lr_scale, "
                                  f"{', '.join(k for k in hp if k != 'lr')})")
         for k, v in g.items():
-            if k != "params" and (isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer))):
-                raise OptimizerError(f"{who}: group {i}: {k}={v!r} must be a number")
+            if k == "params":
+                continue
+            v = hp_value(f"{who}: group {i}", k, v)
+            if k in hp and isinstance(v, tuple) != isinstance(hp[k], tuple) or \
+                    isinstance(v, tuple) and len(v) != len(hp[k]):
+                raise OptimizerError(f"{who}: group {i}: {k}={g[k]!r} must be of the form of the optimizer's "
+                                     f"{k}={hp[k]!r}")
         out.append(dict(g))
     return out
 
@@ -130,7 +153,7 @@ def resolve_groups(opt: Optimizer, params: dict) -> list:
     out = []
     for i, g in enumerate(specs):
         names = [n for n in shapes if found[n] == i]
-        hp = {**opt.hp, **{k: float(v) for k, v in g.items() if k != "params"}}
+        hp = {**opt.hp, **{k: hp_value("", k, v) for k, v in g.items() if k != "params"}}
         hp.setdefault("lr_scale", 1.0)
         if names:
             out.append((names, hp))

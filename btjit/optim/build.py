@@ -18,7 +18,7 @@ from btjit.graph.fuse_ew import ALIAS, BINARY, UNARY
 from btjit.graph.lower import lower_eqns
 from btjit.graph.memory import _al, storage_roots
 
-from btjit.optim.base import Optimizer, OptimizerError, resolve_groups
+from btjit.optim.base import Optimizer, OptimizerError, flat_hp, resolve_groups
 from btjit.optim.builtin import one_pass
 
 GLOBAL = ("lr", "clip_norm", "clip_scale", "clip_value", "step")
@@ -62,6 +62,7 @@ class Update:
         self.values = [start[k] for k in GLOBAL]
         self.group_slots = []
         for _, hp in self.groups:
+            hp = flat_hp(hp)
             names = [k for k in hp if k != "lr"]
             names += [ONE_MINUS + k for k in names if k != "lr_scale"]
             self.group_slots.append({k: len(self.values) + i for i, k in enumerate(names)})
@@ -114,13 +115,15 @@ class Update:
             scale = hyper(self.slots["clip_scale"]) if clip_norm or skip_nonfinite else None
             ok = T.equal(scale, scale) if skip_nonfinite else None      # False when a gradient is NaN/Inf
             writes.append((T.where(ok, t, step) if skip_nonfinite else t, step))
-            for (names, _), slots in zip(self.groups, self.group_slots):
+            for (names, group_hp), slots in zip(self.groups, self.group_slots):
                 n = sum(_al(g.params[k].size) for k in names)
                 first = names[0]
                 p, grad = region(("slice", 0, first), (n,)), region(("slice", 1, first), (n,))
                 state = {k: region(("slice", 2 + j, first), (n,)) for j, k in enumerate(self.state_names)}
-                hp = {k: _Hyper(hyper(i).node, g, hyper(slots[ONE_MINUS + k])) for k, i in slots.items()
-                      if k != "lr_scale" and not k.startswith(ONE_MINUS)}
+                one = {k: _Hyper(hyper(i).node, g, hyper(slots[ONE_MINUS + k])) for k, i in slots.items()
+                       if k != "lr_scale" and not k.startswith(ONE_MINUS)}
+                hp = {k: tuple(one[f"{k}[{i}]"] for i in range(len(v))) if isinstance(v, tuple) else one[k]
+                      for k, v in group_hp.items() if k not in ("lr", "lr_scale")}
                 hp["lr"] = hyper(self.slots["lr"]) * hyper(slots["lr_scale"])
                 res = None if clip_value else one_pass(
                     opt, p, grad, state, hp, t, hyper(self.slots["clip_scale"]),
