@@ -56,6 +56,8 @@ NUMPY = {
     "np.argmax flat": (lambda x: np.argmax(x) * np.ones(2), X3),
     "two index arrays": (lambda x: x[[0, 1, 1], [2, 0, 1]] * 1.0, X3),
     "range and array": (lambda x: x[range(2), np.array([[2], [0]]), np.array([1, 3])] * 1.0, X3),
+    "np.take_along_axis": (lambda x: np.take_along_axis(x, np.array([[[0], [2], [1]], [[3], [3], [0]]]), 2), X3),
+    "np.take_along_axis 0": (lambda x: np.take_along_axis(x, np.array([[[1, 0, 0, 1]]]), 0), X3),
     "x.copy": (lambda x: x.copy() * np.copy(x), X3),
     "einsum bmm": (lambda x: np.einsum("bij,bkj->bik", x, x * 0.5), X3),
     "einsum heads": (lambda x: np.einsum("bhd,bhe->hde", x, x * x), X3),
@@ -124,6 +126,8 @@ TORCH = {
                          lambda x: x.flip(0, 2) + x.cumsum(dim=1) + x.prod(dim=2, keepdim=True)),
     "clone detach": (lambda x: x.clone() * x.detach() + x.detach().exp(), lambda x: x.clone() * x.detach() +
                      x.detach().exp()),
+    "gather": (lambda x: x.gather(2, np.array([[[0, 0], [2, 1], [1, 3]], [[3, 2], [3, 3], [0, 1]]])),
+               lambda x: x.gather(2, torch.tensor([[[0, 0], [2, 1], [1, 3]], [[3, 2], [3, 3], [0, 1]]]))),
     "size()": (lambda x: x.view(x.size(0), -1) * x.size(-1) + x.size()[1],
                lambda x: x.view(x.size(0), -1) * x.size(-1) + x.size()[1]),
 }

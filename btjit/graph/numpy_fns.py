@@ -265,6 +265,17 @@ def argmax(x, axis=None, keepdims=False):
     return amin(where(equal(x, max(x, ax, True)), pos, float(n)), ax, keepdims)
 
 
+def take_along_axis(x, indices, axis):
+    """numpy's take_along_axis (torch's x.gather(dim, index)): x's elements at `indices` along axis, the other
+    axes paired by position (-take_along_axis(logp, y[:, None], 1) picks each row's label)."""
+    x = lift(x)
+    ax = axis % x.ndim
+    if np.ndim(indices) != x.ndim if not isinstance(indices, Tracer) else indices.ndim != x.ndim:
+        raise TraceError(f"take_along_axis: indices need x's {x.ndim} dims — {user_src()}")
+    return getitem(x, tuple(indices if d == ax else np.arange(x.shape[d]).reshape(
+        [-1 if e == d else 1 for e in range(x.ndim)]) for d in range(x.ndim)))
+
+
 def cumsum(x, axis=None):
     """numpy's cumsum: a product with the upper triangle of ones along axis (of the flattened x for None)."""
     x = lift(x)
@@ -363,7 +374,7 @@ FUNCS.update({
     "einsum": einsum, "full_like": full_like, "zeros_like": lambda a: full_like(a, 0.0),
     "ones_like": lambda a: full_like(a, 1.0), "copy": copy, "argmax": argmax,
     "argmin": lambda a, axis=None, keepdims=False: argmax(-lift(a), axis, keepdims), "cumsum": cumsum, "prod": prod,
-    "flip": flip})
+    "flip": flip, "take_along_axis": take_along_axis})
 METHODS.update({
     # numpy's
     "var": var, "std": std, "clip": lambda x, min=None, max=None: clip(x, min, max),  # noqa: A002
@@ -377,6 +388,7 @@ METHODS.update({
     "square": lambda x: x * x, "sign": sign, "pow": lambda x, p: x ** p, "clone": copy, "detach": stop_gradient,
     "amax": _torch_dims(max), "amin": _torch_dims(amin), "flip": lambda x, *dims: flip(x, _shape_args(dims)),
     "norm": lambda x, p=2, dim=None, keepdim=False: norm(x, p, dim, keepdim),
+    "gather": lambda x, dim, index: take_along_axis(x, index, dim),
     "clamp": lambda x, min=None, max=None: clip(x, min, max),  # noqa: A002
     "view": lambda x, *shape: reshape(x, _shape_args(shape)),
     "permute": lambda x, *dims: transpose(x, _shape_args(dims)),
