@@ -87,8 +87,10 @@ def _conv2d(x, w, b, stride, padding, dilation, groups, _fn):
         if ph or ph2 or pw or pw2:      # an implicit GEMM over the padded image (conv_gemm: no patch matrix)
             x = T.emit("slice_scatter", (x,), shape=(N, C, H + ph + ph2, W + pw + pw2), starts=(0, 0, ph, pw),
                        stops=(N, C, ph + H, pw + W), steps=(1, 1, 1, 1))
-        y = T.emit("conv_gemm", (x, T.transpose(T.reshape(w, (O, K)))) + ((b,) if b is not None else ()), kh=kh,
-                   kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, oh=oh, ow=ow, nhwc=0, flip=0, tout=int(P >= MR))
+        cin = _channels_inner(C, kh, kw, sh, sw)
+        wt = T.transpose(T.reshape(T.transpose(w, (0, 2, 3, 1)) if cin else w, (O, K)))   # rows in the taps' order
+        y = T.emit("conv_gemm", (x, wt) + ((b,) if b is not None else ()), kh=kh,
+                   kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, oh=oh, ow=ow, nhwc=2 if cin else 0, flip=0, tout=int(P >= MR))
         return y if P >= MR else T.reshape(T.transpose(T.reshape(y, (N, P, O)), (0, 2, 1)), (N, O, oh, ow))
     cols = T.emit("im2col", (x,), kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw, dh=dh, dw=dw, oh=oh, ow=ow, groups=G)
     if G == 1:          # (N*P, K) @ (K, O) [+ b]: one GEMM (with the bias, a fused linear)
@@ -99,6 +101,14 @@ def _conv2d(x, w, b, stride, padding, dilation, groups, _fn):
         y = y if b is None else y + T.reshape(b, (G, 1, Og))
         y = T.transpose(T.reshape(y, (G, N, P, Og)), (1, 0, 3, 2))
     return T.reshape(y, (N, O, oh, ow))
+
+
+def _channels_inner(C, kh, kw, sh, sw) -> bool:
+    """The taps' order of an implicit-GEMM convolution over an NCHW input: (i, j, c), the channels the inner loop
+    of the micro-kernel, where its gradient dx is implicit too (stride 1, 8k channels); else (c, i, j), the
+    window's columns inner. Measured on 8 shapes (3x3 to 7x7, 8 to 128 channels; znver5, one thread): the forward
+    1.1-1.3x faster with the channels inner, none slower."""
+    return (sh, sw) == (1, 1) and C % MR == 0
 
 
 def conv_transpose2d(x, w, b=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):

@@ -39,9 +39,10 @@ def _gtile(a, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, O, obias, acc, 
 
 @njit(**FM)
 def _taps(C, H, W, kh, kw, dh, dw, nhwc, flip):
-    """The window's loop nest in the weights' row order -- NCHW input: taps (c, i, j); NHWC: (i, j, c) -- as
-    (base, n1, s1, n2, s2, n3, s3), offsets in x; flip: taps (kh-1-i, kw-1-j) (a transposed convolution)."""
-    sC, sH, sW = (1, W * C, C) if nhwc else (H * W, W, 1)
+    """The window's loop nest in the weights' row order -- nhwc 0: NCHW input, taps (c, i, j); 1: NHWC input,
+    taps (i, j, c); 2: NCHW input, taps (i, j, c) -- as (base, n1, s1, n2, s2, n3, s3), offsets in x; flip: taps
+    (kh-1-i, kw-1-j) (a transposed convolution)."""
+    sC, sH, sW = (1, W * C, C) if nhwc == 1 else (H * W, W, 1)
     si, sj = dh * sH, dw * sW
     base = 0
     if flip:
@@ -66,7 +67,7 @@ def conv_part(a, r, part, nparts):
     O = r[10]; kh = r[11]; kw = r[12]; sh = r[13]; sw = r[14]; dh = r[15]; dw = r[16]; OH = r[17]; OW = r[18]
     nhwc = r[19]; flip = r[20]; tout = r[21]; pt = r[22]; vh = r[23]; relu = r[24]
     tab = carray(stack_buf(r, MR), (MR,))
-    sN, sH, sW = H * W * C, (W * C if nhwc else W), (C if nhwc else 1)
+    sN, sH, sW = H * W * C, (W * C if nhwc == 1 else W), (C if nhwc == 1 else 1)
     P = OH * OW
     if mode == 0:           # y = [b +] patches @ wt: a row of C per output pixel, (N*OH*OW, O) or (N, O, OH*OW)
         base, n1, s1, n2, s2, n3, s3 = _taps(C, H, W, kh, kw, dh, dw, nhwc, flip)
@@ -107,7 +108,8 @@ def k_conv(a, ia, r):
     """Implicit-GEMM convolution, no patch matrix (stride, dilation any; padding made beforehand). x (N, C, H, W)
     at ox (nhwc 1: (N, H, W, C)); O a multiple of 8, at least MR output pixels and C*kh*kw >= 1.
     mode 0: y (N*OH*OW, O) at oc = [bias at obias +] the patches of x @ wt (C*kh*kw, O) at ob (rows in the taps'
-    order: (c, i, j) for NCHW, (i, j, c) for NHWC; flip 1: the window reversed, a transposed convolution);
+    order: (c, i, j) for NCHW, (i, j, c) for NHWC and for NCHW with nhwc 2; flip 1: the window reversed, a
+    transposed convolution);
     tout 1 (OH*OW >= MR): y stored (N, O, OH*OW) instead, each 8 x 8 tile transposed in registers. vh > 0
     (NHWC): x's rows outside pt .. pt+vh-1 are zeros (padding) and a block of pixels skips the window rows that
     only reach them. relu 1 (mode 0): relu of y stored (a convolution with its activation).

@@ -133,7 +133,7 @@ def _kpad(K):
 def _cg_dims(x_shape, a):
     """(N, C, H, W) of a conv_gemm input stored NCHW (nhwc 0) or NHWC (nhwc 1)."""
     N, *r = x_shape
-    return (N, r[2], r[0], r[1]) if a["nhwc"] else (N, *r)
+    return (N, r[2], r[0], r[1]) if a["nhwc"] == 1 else (N, *r)
 
 
 def _conv_gemm_rule(types, attrs, fd):
@@ -150,7 +150,7 @@ def _conv_gemm_rule(types, attrs, fd):
 
 def _windows(x, a):
     """The patch matrix (N*OH*OW, K) of x in the weights' row order (the reference of conv_gemm / conv_wgrad)."""
-    xs = x.transpose(0, 3, 1, 2) if a["nhwc"] else x
+    xs = x.transpose(0, 3, 1, 2) if a["nhwc"] == 1 else x
     N, C, H, W = xs.shape
     kh, kw, oh, ow = a["kh"], a["kw"], a["oh"], a["ow"]
     taps = np.zeros((N, oh, ow, C, kh, kw), x.dtype)
@@ -182,7 +182,7 @@ def _conv_gemm_vjp(g, x, o, a):
     N, C, H, W = _cg_dims(X.shape, a)
     K, O = WT.shape
     kh, kw, dh, dw = a["kh"], a["kw"], a["dh"], a["dw"]
-    if a["nhwc"] or a["flip"]:
+    if a["nhwc"] == 1 or a["flip"]:
         raise T.TraceError("conv_gemm: the gradient of a transposed convolution's gradient is not supported")
     bias = len(x) == 3
     if a["tout"]:       # y (N, O, OH, OW): the row-per-pixel gradient (N*P, O) the products read, in one pass
@@ -193,18 +193,22 @@ def _conv_gemm_vjp(g, x, o, a):
         g = T.emit("relu_grad", (o[0], g)) if a.get("relu") else g
         db = T.sum(g, axis=0) if bias else None
     a = dict(a, tout=0, relu=0)
-    dWT = T.emit("conv_wgrad", (X, g), **a)
+    dWT = T.emit("conv_wgrad", (X, g), **dict(a, nhwc=0))        # taps (c, i, j): measured the faster wgrad
     dWT = T.emit("slice", (dWT,), starts=(0, 0), stops=(K, O), steps=(1, 1)) if _kpad(K) != K else dWT
+    if a["nhwc"]:                                                 # into the forward's (i, j, c) rows
+        dWT = T.reshape(T.transpose(T.reshape(dWT, (C, kh * kw, O)), (1, 0, 2)), (K, O))
     if (a["sh"], a["sw"]) == (1, 1) and C % MR == 0:     # dx: the transposed convolution, implicit too
         ph, pw = dh * (kh - 1), dw * (kw - 1)
         oh, ow = a["oh"], a["ow"]
         gp = T.emit("slice_scatter", (T.reshape(g, (N, oh, ow, O)),), shape=(N, oh + 2 * ph, ow + 2 * pw, O),
                     starts=(0, ph, pw, 0), stops=(N, ph + oh, pw + ow, O), steps=(1, 1, 1, 1))
-        wr = T.reshape(T.transpose(T.reshape(WT, (C, kh * kw, O)), (1, 2, 0)), (kh * kw * O, C))
+        wr = T.reshape(T.transpose(T.reshape(WT, (kh * kw, C, O)), (0, 2, 1)) if a["nhwc"] else  # taps (i, j, c)
+                       T.transpose(T.reshape(WT, (C, kh * kw, O)), (1, 2, 0)), (kh * kw * O, C))
         tout = int(H * W >= MR)
         dX = T.emit("conv_gemm", (gp, wr), **dict(a, sh=1, sw=1, oh=H, ow=W, nhwc=1, flip=1, tout=tout, pt=ph, vh=oh))
         dX = dX if tout else T.transpose(T.reshape(dX, (N, H, W, C)), (0, 3, 1, 2))
     else:                                                   # the patches' gradient, summed back by col2im
+        assert not a["nhwc"], "taps (i, j, c) only where dx is implicit (conv_fns._channels_inner)"
         dcol = T.emit("matmul", (g, WT), ta=False, tb=True)
         dX = T.emit("col2im", (T.reshape(dcol, (1,) + dcol.shape),), x_shape=tuple(X.shape), groups=1, ph=0, pw=0,
                     **{k: a[k] for k in ("kh", "kw", "sh", "sw", "dh", "dw", "oh", "ow")})
