@@ -32,7 +32,7 @@ BINARY = {"add": EW.B_ADD, "sub": EW.B_SUB, "mul": EW.B_MUL, "div": EW.B_DIV, "m
           "minimum": EW.B_MIN, "pow2": EW.B_POW, "eq": EW.B_EQ, "gt": EW.B_GT, "ge": EW.B_GE, "lt": EW.B_LT,
           "le": EW.B_LE, "ne": EW.B_NE, "tanh_grad": EW.B_TANH_GRAD, "relu_grad": EW.B_RELU_GRAD,
           "sigmoid_grad": EW.B_SIGMOID_GRAD}
-ALIAS = {"copy", "stop_gradient", "broadcast_to"}        # no instruction: the operand's register (loaded with broadcast strides)
+ALIAS = {"copy", "stop_gradient", "broadcast_to"}   # no instruction: the operand's register (broadcast strides)
 MAX_MEMBERS = 24
 REMAT = 16
 

@@ -55,8 +55,8 @@ def _reversed(x, idx):
 
 def _expand(x, idx):
     """idx with its Ellipsis replaced by the full slices it stands for."""
-    if any(i is Ellipsis for i in idx):
-        k = idx.index(Ellipsis)
+    k = next((j for j, i in enumerate(idx) if i is Ellipsis), None)      # `is`: idx may hold arrays
+    if k is not None:
         used = builtins.sum(i is not None and i is not Ellipsis for i in idx)    # None takes no input axis
         idx = idx[:k] + (slice(None),) * (x.ndim - used) + idx[k + 1:]
     return idx
@@ -64,9 +64,7 @@ def _expand(x, idx):
 
 def _take_on_axis(x, idx):
     """x[:, ..., ids, ...]: one integer array among slices (numpy's result: the ids' axis where they stand)."""
-    e = next((j for j, i in enumerate(idx) if i is Ellipsis), None)
-    if e is not None:
-        idx = idx[:e] + (slice(None),) * (x.ndim - len(idx) + 1) + idx[e + 1:]
+    idx = _expand(x, idx)
     k = next(j for j, i in enumerate(idx) if _advanced(i))
     ids = idx[k]
     others = [i for j, i in enumerate(idx) if j != k]

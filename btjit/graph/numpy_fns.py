@@ -327,11 +327,11 @@ class Extremum(Tracer):
 
 def max_dim(x, axis, keepdims=False, sign=1.0, torch=False):
     """x.max / x.min (sign -1): numpy's values, or with torch's dim= / keepdim= (values, indices)."""
-    x = lift(x)
-    v = max(x * sign, axis, keepdims) * sign if sign != 1.0 else max(x, axis, keepdims)
+    xs = lift(x) if sign == 1.0 else -lift(x)
+    v = max(xs, axis, keepdims) if sign == 1.0 else -max(xs, axis, keepdims)
     if torch:
-        return ValuesIndices((v, argmax(x * sign, axis, keepdims)))
-    return Extremum(v, (x * sign, axis, keepdims)) if isinstance(axis, (int, np.integer)) else v
+        return ValuesIndices((v, argmax(xs, axis, keepdims)))
+    return Extremum(v, (xs, axis, keepdims)) if isinstance(axis, (int, np.integer)) else v
 
 
 def _torch_dims(fn):
