@@ -58,7 +58,7 @@ class Optimizer:
         return bool(self.hp.get(name)) or any(g.get(name) for g in self.groups or ())
 
     def __repr__(self):
-        hp = ", ".join(f"{k}={v!r}" if isinstance(v, tuple) else f"{k}={v:g}" for k, v in self.hp.items())
+        hp = ", ".join(f"{k}={fmt(v)}" for k, v in self.hp.items())
         return f"{type(self).__name__}({hp}{f', {len(self.groups)} groups' if self.groups else ''})"
 
 
@@ -71,6 +71,11 @@ def hp_value(who, k, v):
         return tuple(float(x) for x in v)
     raise OptimizerError(f"{who}: {k}={v!r} must be a number or a tuple of numbers (options that "
                          f"change the update's structure are attributes, not hp)")
+
+
+def fmt(v) -> str:
+    """A hyper-parameter's value as text: 0.001, or (0.9, 0.95) for a tuple."""
+    return "(" + ", ".join(f"{x:g}" for x in v) + ")" if isinstance(v, tuple) else f"{v:g}"
 
 
 def flat_hp(hp: dict) -> dict:

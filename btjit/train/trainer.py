@@ -22,6 +22,7 @@ import numpy as np
 
 import btjit
 from btjit.kernels.library import LIBRARY
+from btjit.optim.base import fmt
 from btjit.train import arrays
 from btjit.train import checkpoint as ckpt_mod
 from btjit.train import data as data_mod
@@ -179,7 +180,8 @@ class Trainer:
         accum = f" x {t.grad_accum} micro-batches = {t.batch_size * t.grad_accum}" if t.grad_accum > 1 else ""
         opt = getattr(p, "optimizer", None)
         if o.file or o.name not in ("sgd", "adam", "adamw"):    # the optimizer's own hyper-parameters
-            hp = "".join(f" {k} {v:g}" for k, v in (opt.hp if opt else {}).items() if k not in ("lr", "weight_decay"))
+            hp = "".join(f" {k} {fmt(v)}" for k, v in (opt.hp if opt else {}).items()
+                         if k not in ("lr", "weight_decay"))
         else:
             hp = f" momentum {o.momentum:g}" if o.name == "sgd" else f" betas {tuple(o.betas)} eps {o.eps:g}"
         name = f"{type(opt).__name__} ({Path(o.file).name})" if o.file and opt else o.name
