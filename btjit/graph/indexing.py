@@ -17,6 +17,15 @@ def _advanced(i) -> bool:
 
 def getitem(x, idx):
     x = lift(x)
+    if isinstance(idx, np.ndarray) and idx.dtype == bool:        # a constant mask: the indices where it is true
+        if idx.shape != x.shape[:idx.ndim]:
+            raise TraceError(f"getitem: a boolean mask of shape {idx.shape} for a value of shape {x.shape} — "
+                             f"{user_src()}")
+        idx = np.nonzero(idx)
+        idx = idx[0] if len(idx) == 1 else idx
+    if isinstance(idx, Tracer) and idx.node.dtype != "i32":
+        raise TraceError(f"getitem: a traced float index (a mask like x[x > 0]?) selects a number of elements only "
+                         f"known at run time; use btjit.where(mask, x, 0.0) — {user_src()}")
     if _advanced(idx):
         return take(x, list(idx) if isinstance(idx, range) else idx)
     if isinstance(idx, tuple) and builtins.sum(map(_advanced, idx)) > 1:
