@@ -1,6 +1,8 @@
 """The [optim] section for btjit.optim: every built-in by name, [optim.hp], decay = "matrices", [[optim.groups]]
 (round trip through the run dir's TOML, errors), and the user's own optimizer file ([optim] file) through
 `btjit train`: copied into the run dir, --resume bit-exact from the copy, `btjit export` of the run."""
+import inspect
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,7 @@ from btjit.train import config as C
 from btjit import runtime
 from btjit.train.trainer import make_optimizer
 from test_cli import assert_error, assert_same_state, final_state
+from test_optim_user import TupleAdam
 from test_usermodel import EXAMPLE, config, run
 from textdata import words
 
@@ -132,34 +135,15 @@ def test_an_optimizer_file_without_one_optimizer_is_named(lion_setup):
                  "mylion.py must define one btjit.optim.Optimizer subclass, found 0")
 
 
-ADAM = '''
-import numpy as np
-import btjit
-
-
-class MyAdam(btjit.optim.Optimizer):
-    def __init__(self, lr, betas=(0.9, 0.999), eps=1e-8, groups=None):
-        super().__init__(lr=lr, betas=betas, eps=eps, groups=groups)
-
-    def init(self, name, param):
-        return {"m": np.zeros_like(param), "v": np.zeros_like(param)}
-
-    def update(self, p, g, s, hp, step):
-        b1, b2 = hp["betas"]
-        m, v = b1 * s["m"] + (1 - b1) * g, b2 * s["v"] + (1 - b2) * g * g
-        return p - hp["lr"] * (m / (1 - b1 ** step)) / (np.sqrt(v / (1 - b2 ** step)) + hp["eps"]), {"m": m, "v": v}
-'''
-
-
 def test_a_tuple_hyper_parameter_from_the_config(tmp_path):
-    """[optim.hp] betas = [0.9, 0.95] reaches a user's torch-style Adam as a tuple: the banner shows it, the
-    checkpoint holds its two slots."""
+    """[optim.hp] betas = [0.9, 0.95] reaches a user's torch-style Adam (test_optim_user's TupleAdam) as a tuple:
+    the banner shows it, the checkpoint holds its two slots."""
     (tmp_path / "mymodel.py").write_text(EXAMPLE)
-    (tmp_path / "myadam.py").write_text(ADAM)
+    (tmp_path / "myadam.py").write_text("import numpy as np\nimport btjit\n\n\n" + inspect.getsource(TupleAdam))
     (tmp_path / "c.toml").write_text(config() + 'file = "myadam.py"\n[optim.hp]\nbetas = [0.9, 0.95]\n')
     (tmp_path / "words.txt").write_text(words())
     res = run("train", tmp_path / "c.toml", "--data", tmp_path / "words.txt", "--out", tmp_path / "a")
     assert res.exit_code == 0, res.output
-    assert "MyAdam (myadam.py)" in res.output and "betas (0.9, 0.95)" in res.output
+    assert "TupleAdam (myadam.py)" in res.output and "betas (0.9, 0.95)" in res.output
     st = final_state(tmp_path / "a").state
     assert {"opt/m", "opt/v"} <= set(st) and np.isclose(st["opt/hyper"], 0.95).any()

@@ -220,15 +220,8 @@ class HyperParams:
         return [k for k in self._g if k not in ("clip_scale", "step")] + \
             [k for k in (self.groups[0]._s if self.groups else ()) if k not in self._g and not k.startswith("1-")]
 
-    def _parts(self, name):
-        """The slots k[0], k[1], ... of a tuple hyper-parameter k (torch's betas), or None."""
-        n = 0
-        while f"{name}[{n}]" in self.keys():
-            n += 1
-        return [f"{name}[{i}]" for i in range(n)] if n and name not in self.keys() else None
-
     def __getitem__(self, name):
-        parts = self._parts(name)
+        parts = _parts(name, self.keys())
         if parts:
             return tuple(self[k] for k in parts)
         vals = {float(self._a[o]) for o in self._slots(name)}
@@ -238,12 +231,7 @@ class HyperParams:
         return vals.pop()
 
     def __setitem__(self, name, value):
-        parts = self._parts(name)
-        if parts:
-            if len(value) != len(parts):
-                raise ValueError(f"hyper-parameter {name!r} holds {len(parts)} numbers, got {value!r}")
-            for k, v in zip(parts, value):
-                self[k] = v
+        if _set_parts(self, name, value, self.keys()):
             return
         self._slots(name)                          # a KeyError naming what there is
         if name in self._g:
@@ -264,14 +252,13 @@ class _Slots:
         self._a, self._s = a, slots
 
     def __getitem__(self, name):
-        if name not in self._s and f"{name}[0]" in self._s:          # a tuple hyper-parameter (betas)
-            return tuple(self[k] for k in self._s if k.startswith(name + "["))
+        parts = _parts(name, self._s)
+        if parts:
+            return tuple(self[k] for k in parts)
         return float(self._a[self._s[name]])
 
     def __setitem__(self, name, value):
-        if name not in self._s and f"{name}[0]" in self._s and len(value) == len(self[name]):
-            for i, v in enumerate(value):
-                self[f"{name}[{i}]"] = v
+        if _set_parts(self, name, value, self._s):
             return
         if name not in self._s or name.startswith("1-"):
             raise KeyError(f"no hyper-parameter {name!r} in this param group (it has: "
@@ -282,3 +269,20 @@ class _Slots:
 
     def __repr__(self):
         return repr({k: float(self._a[o]) for k, o in self._s.items() if not k.startswith("1-")})
+
+
+def _parts(name, keys) -> list:
+    """The slots name[0], name[1], ... of a tuple hyper-parameter (torch's betas) among keys; [] for a number."""
+    return [] if name in keys else [k for k in keys if k.startswith(name + "[")]
+
+
+def _set_parts(hp, name, value, keys) -> bool:
+    """hp[name] = value for a tuple hyper-parameter, one slot per number; False if name is not one."""
+    parts = _parts(name, keys)
+    if not parts:
+        return False
+    if len(value) != len(parts):
+        raise ValueError(f"hyper-parameter {name!r} holds {len(parts)} numbers, got {value!r}")
+    for k, v in zip(parts, value):
+        hp[k] = v
+    return True

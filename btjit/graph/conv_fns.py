@@ -87,7 +87,7 @@ def _conv2d(x, w, b, stride, padding, dilation, groups, _fn):
         if ph or ph2 or pw or pw2:      # an implicit GEMM over the padded image (conv_gemm: no patch matrix)
             x = T.emit("slice_scatter", (x,), shape=(N, C, H + ph + ph2, W + pw + pw2), starts=(0, 0, ph, pw),
                        stops=(N, C, ph + H, pw + W), steps=(1, 1, 1, 1))
-        cin = _channels_inner(C, kh, kw, sh, sw)
+        cin = _channels_inner(C, sh, sw)
         wt = T.transpose(T.reshape(T.transpose(w, (0, 2, 3, 1)) if cin else w, (O, K)))   # rows in the taps' order
         y = T.emit("conv_gemm", (x, wt) + ((b,) if b is not None else ()), kh=kh,
                    kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, oh=oh, ow=ow, nhwc=2 if cin else 0, flip=0, tout=int(P >= MR))
@@ -103,7 +103,7 @@ def _conv2d(x, w, b, stride, padding, dilation, groups, _fn):
     return T.reshape(y, (N, O, oh, ow))
 
 
-def _channels_inner(C, kh, kw, sh, sw) -> bool:
+def _channels_inner(C, sh, sw) -> bool:
     """The taps' order of an implicit-GEMM convolution over an NCHW input: (i, j, c), the channels the inner loop
     of the micro-kernel, where its gradient dx is implicit too (stride 1, 8k channels); else (c, i, j), the
     window's columns inner. Measured on 8 shapes (3x3 to 7x7, 8 to 128 channels; znver5, one thread): the forward

@@ -57,12 +57,12 @@ def _sink(e: Eqn, producer, group_of, groups, closed, region):
     return ks if ok and sum(len(groups[k]["members"]) for k in ks) < MAX_MEMBERS else None
 
 
-def _merge(groups, group_of, closed, remat, ks):
+def _merge(groups, group_of, closed, remat, ks, readers):
     """Merge the open groups ks into the first (safe: nothing outside has read their values yet)."""
     k = ks[0]
     for other in ks[1:]:
         groups[k]["members"] += groups[other]["members"]
-        groups[k]["reads"] |= groups[other]["reads"]
+        _add_reads(groups, readers, k, groups[other]["reads"])
         groups[k]["sib"] |= groups[other]["sib"]
         for j in groups[other]["members"]:
             group_of[j] = k
@@ -70,6 +70,13 @@ def _merge(groups, group_of, closed, remat, ks):
         remat.setdefault(k, set()).update(remat.pop(other, ()))
         closed.add(other)
     return k
+
+
+def _add_reads(groups, readers, k, ids):
+    """Group k reads the arrays ids (readers: array id -> the groups reading it, for the sibling join)."""
+    groups[k]["reads"] |= ids
+    for v in ids:
+        readers.setdefault(v, set()).add(k)
 
 
 def fuse_elementwise(g: Graph) -> None:
@@ -85,12 +92,13 @@ def _fuse(g: Graph, siblings: bool) -> bool:
     producer = {o.id: i for i, e in enumerate(eqns) for o in e.outs}
     group_of, groups, closed = {}, [], set()
     remat: dict = {}                     # group -> [forward eqn indices recomputed in it]
+    readers: dict = {}                   # array id -> the groups reading it whole
     for i, e in enumerate(eqns):
         region = 0 if i < n_fwd else 1 if i < n_bwd else 2
         src_groups = {group_of[producer[v.id]] for v in e.ins if producer.get(v.id) in group_of}
         ks = _sink(e, producer, group_of, groups, closed, region)
         if ks is not None:
-            k = _merge(groups, group_of, closed, remat, ks)
+            k = _merge(groups, group_of, closed, remat, ks, readers)
             groups[k]["members"].append(i)
             group_of[i] = k
             closed.update(src_groups - {k})
@@ -104,20 +112,20 @@ def _fuse(g: Graph, siblings: bool) -> bool:
         for k in src_groups - set(join):
             closed.add(k)
         full = {v.id for v in e.ins if v.shape == shape}
-        sib = [k for k, grp in enumerate(groups) if siblings and full & grp["reads"] and k not in closed and
-               k not in join and grp["shape"] == shape and grp["region"] == region]
+        sib = sorted({k for v in full for k in readers.get(v, ()) if siblings and k not in closed and k not in join
+                      and groups[k]["shape"] == shape and groups[k]["region"] == region})
         if sum(len(groups[k]["members"]) for k in join + sib) < MAX_MEMBERS:
             join += sib                  # open groups reading the same array: one pass over it, not two
         else:
             sib = []
         if join and sum(len(groups[k]["members"]) for k in join) < MAX_MEMBERS:
-            k = _merge(groups, group_of, closed, remat, join)
+            k = _merge(groups, group_of, closed, remat, join, readers)
         else:
             closed.update(join)
             k = len(groups)
             groups.append({"shape": shape, "region": region, "members": [], "reads": set(), "sib": False})
         groups[k]["members"].append(i)
-        groups[k]["reads"] |= full
+        _add_reads(groups, readers, k, full)
         groups[k]["sib"] |= bool(sib)
         group_of[i] = k
         if region:                                       # recompute forward values instead of reading them

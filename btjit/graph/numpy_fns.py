@@ -265,6 +265,11 @@ def argmax(x, axis=None, keepdims=False):
     return amin(where(equal(x, max(x, ax, True)), pos, float(n)), ax, keepdims)
 
 
+def argmin(x, axis=None, keepdims=False):
+    """numpy's argmin, as argmax's float indices."""
+    return argmax(-lift(x), axis, keepdims)
+
+
 def take_along_axis(x, indices, axis):
     """numpy's take_along_axis (torch's x.gather(dim, index)): x's elements at `indices` along axis, the other
     axes paired by position (-take_along_axis(logp, y[:, None], 1) picks each row's label)."""
@@ -373,7 +378,7 @@ FUNCS.update({
     "outer": outer, "norm": norm, "pad": pad, "repeat": repeat, "tile": tile, "ravel": lambda a: flatten(a),
     "einsum": einsum, "full_like": full_like, "zeros_like": lambda a: full_like(a, 0.0),
     "ones_like": lambda a: full_like(a, 1.0), "copy": copy, "argmax": argmax,
-    "argmin": lambda a, axis=None, keepdims=False: argmax(-lift(a), axis, keepdims), "cumsum": cumsum, "prod": prod,
+    "argmin": argmin, "cumsum": cumsum, "prod": prod,
     "flip": flip, "take_along_axis": take_along_axis})
 METHODS.update({
     # numpy's
@@ -382,7 +387,7 @@ METHODS.update({
         x, axis if dim is None else dim, keepdims if keepdim is None else keepdim, -1.0, dim is not None or
         keepdim is not None), "max_dim": max_dim,
     "squeeze": squeeze, "flatten": flatten, "ravel": flatten, "dot": dot, "repeat": repeat,
-    "copy": copy, "argmax": _torch_dims(argmax), "argmin": _torch_dims(lambda x, a, k: argmax(-x, a, k)),
+    "copy": copy, "argmax": _torch_dims(argmax), "argmin": _torch_dims(argmin),
     "cumsum": lambda x, axis=None, dim=None: cumsum(x, axis if dim is None else dim), "prod": _torch_dims(prod),
     # torch's (beside x.relu(), x.sigmoid(), ... on the Tracer class itself)
     "square": lambda x: x * x, "sign": sign, "pow": lambda x, p: x ** p, "clone": copy, "detach": stop_gradient,
