@@ -45,6 +45,10 @@ CHAINS = {
     "multiply-adds": (lambda p: btjit.sum((p["a"] * p["b"] + p["c"]) * (p["a"] * p["c"] - p["b"])
                                           + btjit.tanh(p["c"] - p["a"] * p["b"]) * p["a"]),
                       {"a": (7, 9), "b": (7, 9), "c": (7, 9)}),
+    # sums and differences of two products (FMA2 / FMS2), one of them across a sign (Lion's update)
+    "two-products": (lambda p: btjit.sum(btjit.tanh(p["a"] * p["b"] + p["c"] * 0.5) *
+                                         (p["c"] * 0.9 - 0.01 * np.sign(p["a"] * p["b"] - p["c"] * p["c"]))),
+                     {"a": (5, 300), "b": (5, 300), "c": (5, 300)}),
 }
 
 
@@ -161,29 +165,37 @@ def test_an_optimizers_update_reading_the_same_arrays_is_one_pass():
 
 def test_multiply_add_instructions():
     """multiply_add turns a product read only by the add / subtract after it into FMA (x*y + z), FMS (x*y - z)
-    or FNMA (z - x*y); not when the product is read again later, read twice by the sum, or the sum would
-    overwrite one of the product's operands; the chain that has all three runs them (the CHAINS case)."""
+    or FNMA (z - x*y), and two products read only by the sum after them into FMA2 (x*y + z*w) / FMS2 (x*y - z*w),
+    also where a product was made earlier and its factors are unchanged in between; not when the product is
+    read again later, read twice by the sum, or the sum would overwrite one of the product's operands; the
+    chains that have them run them (the CHAINS cases)."""
     from btjit.graph.fuse_ew import multiply_add
-    from btjit.kernels.elementwise import B_ADD, B_MUL, B_SUB, U_EXP
-    from btjit.kernels.fused import BIN, FMA, FMS, FNMA
+    from btjit.kernels.elementwise import B_ADD, B_MUL, B_SUB, U_EXP, U_SIGN
+    from btjit.kernels.fused import BIN, FMA, FMA2, FMS, FMS2, FNMA, HEAD, WIDTH
     mul, add, sub = BIN + B_MUL, BIN + B_ADD, BIN + B_SUB
     assert multiply_add([(mul, 3, 1, -2, 0), (add, 4, 3, 5, 0)]) == [(FMA, 4, 1, -2, 5)]
     assert multiply_add([(mul, 3, 1, 2, 0), (add, -1, 5, 3, 0)]) == [(FMA, -1, 1, 2, 5)]
     assert multiply_add([(mul, 3, 1, 2, 0), (sub, 4, 3, 5, 0)]) == [(FMS, 4, 1, 2, 5)]
     assert multiply_add([(mul, 3, 1, 2, 0), (sub, 4, 5, 3, 0), (U_EXP, 3, 4, 4, 0), (add, 6, 3, 3, 0)]) == \
         [(FNMA, 4, 1, 2, 5), (U_EXP, 3, 4, 4, 0), (add, 6, 3, 3, 0)]                # 3 written again first
+    assert multiply_add([(mul, 3, 1, -2, 0), (mul, 4, 5, 6, 0), (sub, 7, 4, 3, 0)]) == [(FMS2, 7, 5, 6, 1, -2)]
+    folded = multiply_add([(mul, 3, 1, -2, 0), (U_SIGN, 4, 5, 5, 0), (mul, 6, 7, 4, 0), (sub, -3, 3, 6, 0)])
+    assert folded == [(U_SIGN, 4, 5, 5, 0), (FMS2, -3, 1, -2, 7, 4)]               # p * s - lr * sign(c)
     kept = [[(mul, 3, 1, 2, 0), (add, 4, 3, 5, 0), (U_EXP, 6, 3, 3, 0)],          # the product read later
             [(mul, 3, 1, 2, 0), (add, 4, 3, 3, 0)],                                # read twice by the sum
             [(mul, 3, 1, 2, 0), (add, 1, 3, 5, 0)],                                # the sum overwrites x
             [(mul, -3, 1, 2, 0), (add, 4, -3, 5, 0)]]                              # a product in the arena
     for instrs in kept:
         assert multiply_add(instrs) == instrs
-    prog = btjit.trace(CHAINS["multiply-adds"][0], _params(CHAINS["multiply-adds"][1], "float64"), dtype="float64",
-                       grad=True)
-    from btjit.kernels.fused import HEAD
-    ops = set()
-    for r in prog.tape:
-        if btjit.core.program.LIBRARY.entry_of(r[0])[0] == "k_ew_program":
-            P = prog.ia[r[1]:]
-            ops |= {int(P[HEAD + 4 * P[1] + 5 * t]) for t in range(P[0])}
-    assert {FMA, FMS, FNMA} <= ops
+    assert multiply_add([(mul, 3, 1, 2, 0), (mul, 4, 3, 6, 0), (add, 7, 3, 4, 0)]) == \
+        [(mul, 3, 1, 2, 0), (FMA, 7, 3, 6, 3)]                                    # a product of the product
+    moved = [(mul, 3, -1, 2, 0), (U_EXP, -4, 5, 5, 0), (FMA, 6, 7, 8, 3)]         # the arena written between
+    assert multiply_add(moved) == moved
+    for chain, want in (("multiply-adds", {FMA, FMS, FNMA}), ("two-products", {FMA2, FMS2})):
+        prog = btjit.trace(CHAINS[chain][0], _params(CHAINS[chain][1], "float64"), dtype="float64", grad=True)
+        ops = set()
+        for r in prog.tape:
+            if btjit.core.program.LIBRARY.entry_of(r[0])[0] == "k_ew_program":
+                P = prog.ia[r[1]:]
+                ops |= {int(P[HEAD + 4 * P[1] + WIDTH * t]) for t in range(P[0])}
+        assert want <= ops, chain

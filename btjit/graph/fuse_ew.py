@@ -20,14 +20,15 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.kernels import elementwise as EW
-from btjit.kernels.fused import BIN, FMA, FMS, FNMA, LOAD, LOADC, MAX_OPERANDS, NREG, RAND, WHERE
+from btjit.kernels.fused import BIN, FMA, FMA2, FMS, FMS2, FNMA, LOAD, LOADC, MAX_OPERANDS, NREG, RAND, WHERE, WIDTH
 
 from btjit.graph.ir import Eqn, Graph
 from btjit.graph.ops import bstrides, cstrides, loop_nest
 from btjit.graph.ops.layout import _slice_view
 
 UNARY = {"neg": EW.U_NEG, "exp": EW.U_EXP, "log": EW.U_LOG, "tanh": EW.U_TANH, "relu": EW.U_RELU,
-         "sigmoid": EW.U_SIGMOID, "sqrt": EW.U_SQRT, "abs": EW.U_ABS, "erf": EW.U_ERF, "log1p": EW.U_LOG1P}
+         "sigmoid": EW.U_SIGMOID, "sqrt": EW.U_SQRT, "abs": EW.U_ABS, "erf": EW.U_ERF, "log1p": EW.U_LOG1P,
+         "sign": EW.U_SIGN}
 BINARY = {"add": EW.B_ADD, "sub": EW.B_SUB, "mul": EW.B_MUL, "div": EW.B_DIV, "maximum": EW.B_MAX,
           "minimum": EW.B_MIN, "pow2": EW.B_POW, "eq": EW.B_EQ, "gt": EW.B_GT, "ge": EW.B_GE, "lt": EW.B_LT,
           "le": EW.B_LE, "ne": EW.B_NE, "tanh_grad": EW.B_TANH_GRAD, "relu_grad": EW.B_RELU_GRAD,
@@ -254,7 +255,7 @@ def _fused_eqn(g, eqns, body, members, needed, shape, dry=False):
     if dry:
         return True
     prog = [len(instrs), len(opers), *[n for n, _ in inner]] + \
-        [st[q] for q in range(len(opers)) for _, st in inner] + [x for q in instrs for x in q]
+        [st[q] for q in range(len(opers)) for _, st in inner] + [x for q in instrs for x in (*q, 0, 0)[:WIDTH]]
     pvar = g.const(np.array(prog, np.int64).astype(np.int32), "i32")
     return Eqn("ew_fused", (pvar, *[w[1] for w in ins], *keys), tuple(outs),
                {"shape": shape, "outs": tuple(o.id for o in outs), "ins": tuple(w[1].id for w in ins) + tuple(k.id for k in keys),
@@ -310,8 +311,8 @@ def _registers(es, ins, code, region, scalars):
                 else:
                     code[o.id] = srcs[0]
             else:
-                if o.id not in code:        # not a register the instruction before read: a sum can then take
-                    avoid = set(_reads(instrs[-1])) if instrs else ()          # its product (multiply_add)
+                if o.id not in code:        # not a register the two instructions before read: a sum can then
+                    avoid = {c for q in instrs[-2:] for c in _reads(q)}      # take their products (multiply_add)
                     code[o.id] = next((r for r in reversed(free) if r not in avoid), free[-1])
                     free.remove(code[o.id])
                 op_ = UNARY.get(e.op, BIN + BINARY.get(e.op, 0))
@@ -331,21 +332,29 @@ def _reads(ins) -> tuple:
     op = ins[0]
     if op in (LOAD, LOADC, RAND):
         return ()
-    return ins[2:5] if op == WHERE or op >= FMA else ins[2:4]
+    return ins[2:6] if op >= FMA2 else ins[2:5] if op == WHERE or op >= FMA else ins[2:4]
 
 
 def multiply_add(instrs):
-    """A product into a register read only by the add or subtract right after it -> one FMA (x*y + z), FMS
-    (x*y - z) or FNMA (z - x*y) instruction: one pass over the block instead of two (an optimizer's b * m +
-    (1 - b) * g, a gate's sigmoid(f) * c + sigmoid(i) * tanh(g)). Not where the sum's destination is one of
-    the product's operands (the loop would then run in place)."""
+    """Two products into registers read only by the add or subtract right after them -> one FMA2 (x*y + z*w) or
+    FMS2 (x*y - z*w) instruction (an optimizer's b * m + (1 - b) * g, a gate's sigmoid(f) * c + sigmoid(i) *
+    tanh(g)); else a product read only by the add or subtract right after it -> one FMA (x*y + z), FMS (x*y - z)
+    or FNMA (z - x*y): one pass over the block instead of three or two. Not where the sum's destination is one
+    of the products' operands (the loop would then run in place)."""
     if instrs is None:
         return None
     mul, add, sub = BIN + EW.B_MUL, BIN + EW.B_ADD, BIN + EW.B_SUB
     out, t = [], 0
     while t < len(instrs):
-        a, b = instrs[t], instrs[t + 1] if t + 1 < len(instrs) else None
+        a, b, c = (instrs[t + k] if t + k < len(instrs) else None for k in range(3))
         p = a[1]
+        if c is not None and a[0] == b[0] == mul and c[0] in (add, sub) and min(p, b[1]) >= 0 and p != b[1] \
+                and sorted(c[2:4]) == sorted((p, b[1])) and p not in b[2:4] and b[1] not in a[2:4] \
+                and c[1] not in (*a[2:4], *b[2:4]) and _dead(instrs[t + 3:], p) and _dead(instrs[t + 3:], b[1]):
+            x, y = (a, b) if c[2] == p else (b, a)
+            out.append((FMA2 if c[0] == add else FMS2, c[1], x[2], x[3], y[2], y[3]))
+            t += 3
+            continue
         if b is not None and a[0] == mul and p >= 0 and b[0] in (add, sub) and (b[2] == p) != (b[3] == p) \
                 and b[1] not in (a[2], a[3]) and _dead(instrs[t + 2:], p):
             z = b[3] if b[2] == p else b[2]
@@ -355,7 +364,30 @@ def multiply_add(instrs):
             continue
         out.append(a)
         t += 1
-    return out
+    return _fold_products(out)
+
+
+def _fold_products(instrs):
+    """An FMA / FMS / FNMA whose addend is a product made earlier (other instructions in between, as
+    p * (1 - lr * wd) - lr * sign(c)) -> one FMA2 / FMS2, the product dropped: where nothing in between reads the
+    product or writes its factors, or writes the arena at all if a factor is read from there (an in-place
+    update of that factor)."""
+    mul = BIN + EW.B_MUL
+    out = list(instrs)
+    for k, c in enumerate(out):
+        if c is None or c[0] not in (FMA, FMS, FNMA) or c[4] < 0:
+            continue
+        i = next((i for i in range(k - 1, -1, -1) if out[i] is not None and out[i][1] == c[4]), None)
+        if i is None or out[i][0] != mul or c[1] in out[i][2:4] or c[4] in c[2:4] or not _dead(out[k + 1:], c[4]):
+            continue
+        u, v = out[i][2:4]
+        between = [q for q in out[i + 1:k] if q is not None]
+        if any(c[4] in _reads(q) or q[1] in (u, v) or (q[1] < 0 and min(u, v) < 0) for q in between):
+            continue
+        out[k] = (FMA2, c[1], c[2], c[3], u, v) if c[0] == FMA else \
+            (FMS2, c[1], c[2], c[3], u, v) if c[0] == FMS else (FMS2, c[1], u, v, c[2], c[3])
+        out[i] = None
+    return [q for q in out if q is not None]
 
 
 def _dead(rest, r) -> bool:

@@ -91,7 +91,7 @@ def amin(x, axis=None, keepdims=False):
 def sign(x):
     """numpy's sign: 1, 0 or -1 (zero gradient, as torch)."""
     x = lift(x)
-    return _binop("gt", x, 0.0) - _binop("lt", x, 0.0)
+    return emit("sign", (x,)) if x.node.dtype != "i32" else _binop("gt", x, 0.0) - _binop("lt", x, 0.0)
 
 
 def expand_dims(x, axis):

@@ -9,10 +9,11 @@ read and written in place in the arena (an instruction's source or destination c
 the others (broadcast, strided) are LOADed into a register first. Outputs are written by the instruction
 that computes them, so a single op costs one pass, as a dedicated loop would.
 
-Program at ia[oprog:] (int32): [ninstr, nops, n0, n1, n2, n3, strides (4 per operand), instructions (5 each:
-op, dst, x, y, z)]. Operand k's float-arena offset is the row's o<k>. Opcodes: the unary (U_*) and binary
+Program at ia[oprog:] (int32): [ninstr, nops, n0, n1, n2, n3, strides (4 per operand), instructions (WIDTH
+each: op, dst, x, y, z, w)]. Operand k's float-arena offset is the row's o<k>. Opcodes: the unary (U_*) and binary
 (B_* + BIN) sub-op codes of btjit/kernels/elementwise.py, WHERE (dst = y where x != 0 else z), LOAD (register
-dst = operand x), RAND (register or output dst = the random numbers of site x, kind y, btjit/kernels/rng.py:
+dst = operand x), FMA / FMS / FNMA (dst = x*y + z, x*y - z, z - x*y), FMA2 / FMS2 (dst = x*y + z*w, x*y - z*w),
+RAND (register or output dst = the random numbers of site x, kind y, btjit/kernels/rng.py:
 drawn in the block, from the key block at ia[okey:] and the element's C-order index in the iteration space
 of esize elements, ebase + its position in the row's loops), LOADC (register dst = scalar operand x, filled at
 the first block of a run only: its register is kept). k_ew_program_par runs the blocks in nparts runs on the
@@ -23,11 +24,11 @@ import math
 import numpy as np
 from numba import carray, njit, prange
 
-from btjit.kernels.common import FM, FM_PAR, ferf, fexp, ftanh, row, stack_buf
+from btjit.kernels.common import FM, FM_PAR, ferf, fexp, fptr, ftanh, row, stack_buf
 from btjit.kernels.rng import fill, first, key
 from btjit.kernels.elementwise import (B_ADD, B_DIV, B_EQ, B_GE, B_GT, B_LE, B_LT, B_MAX, B_MIN, B_MUL, B_NE, B_POW,
                           B_RELU_GRAD, B_SIGMOID_GRAD, B_SUB, B_TANH_GRAD, U_ABS, U_COPY, U_ERF, U_EXP, U_LOG,
-                          U_LOG1P, U_NEG, U_RELU, U_SIGMOID, U_SQRT, U_TANH)
+                          U_LOG1P, U_NEG, U_RELU, U_SIGMOID, U_SIGN, U_SQRT, U_TANH)
 
 BLOCK = 1024         # elements per register
 NREG = 16            # registers (BLOCK * NREG floats of stack: 64 KB in float32)
@@ -35,7 +36,9 @@ MAX_OPERANDS = 23    # o0 .. o22 in the row
 BIN = 16             # binary opcodes are BIN + B_*
 WHERE, LOAD, RAND, LOADC = 40, 41, 42, 43
 FMA, FMS, FNMA = 44, 45, 46   # dst = x*y + z, x*y - z, z - x*y
+FMA2, FMS2 = 47, 48           # dst = x*y + z*w, x*y - z*w
 HEAD = 6
+WIDTH = 6            # ints per instruction
 RSIZE = BLOCK * (NREG + 1)   # and one scratch register (in-place destinations, below)
 
 
@@ -61,9 +64,16 @@ def _where(d, c, x, y, m):
 
 
 @njit(**FM)
-def _fma(op, d, x, y, z, m):
-    """d[:m] = x*y + z (FMA), x*y - z (FMS) or z - x*y (FNMA): a product and the sum reading it, one pass."""
-    if op == FMA:
+def _fma(op, d, x, y, z, w, m):
+    """d[:m] = x*y + z (FMA), x*y - z (FMS), z - x*y (FNMA), x*y + z*w (FMA2) or x*y - z*w (FMS2): products and
+    the sum reading them, one pass."""
+    if op == FMA2:
+        for j in range(m):
+            d[j] = x[j] * y[j] + z[j] * w[j]
+    elif op == FMS2:
+        for j in range(m):
+            d[j] = x[j] * y[j] - z[j] * w[j]
+    elif op == FMA:
         for j in range(m):
             d[j] = x[j] * y[j] + z[j]
     elif op == FMS:
@@ -112,6 +122,9 @@ def _op(op, d, x, y, m):
     elif op == U_LOG1P:
         for j in range(m):
             d[j] = math.log1p(x[j])
+    elif op == U_SIGN:
+        for j in range(m):
+            d[j] = one if x[j] > z else -one if x[j] < z else x[j]
     elif op == BIN + B_ADD:
         for j in range(m):
             d[j] = x[j] + y[j]
@@ -163,13 +176,17 @@ def _op(op, d, x, y, m):
 
 
 @njit(inline="always", **FM)
-def _at(a, R, P, r, code, i0, i1, i2, j0):
-    """The block a source or destination code names: register code (>= 0) in R, or operand -1 - code read /
-    written in place in the arena (its innermost stride is 1)."""
-    if code >= 0:
-        return R[code * BLOCK:]
+def _off(P, r, code, i0, i1, i2, j0):
+    """Where in the arena operand -1 - code's block starts."""
     s = HEAD + 4 * (-1 - code)
-    return a[r[1 - code] + i0 * P[s] + i1 * P[s + 1] + i2 * P[s + 2] + j0 * P[s + 3]:]
+    return r[1 - code] + i0 * P[s] + i1 * P[s + 1] + i2 * P[s + 2] + j0 * P[s + 3]
+
+
+@njit(inline="always", **FM)
+def _at(a, R, P, r, code, i0, i1, i2, j0):
+    """A pointer to the block a source or destination code names: register code (>= 0) in R, or operand
+    -1 - code read / written in place in the arena (its innermost stride is 1)."""
+    return fptr(R, code * BLOCK) if code >= 0 else fptr(a, _off(P, r, code, i0, i1, i2, j0))
 
 
 @row("oprog " + " ".join(f"o{k}" for k in range(MAX_OPERANDS)) + " okey ebase esize")
@@ -218,8 +235,8 @@ def _blocks(a, ia, r, lo, hi):
         j0 = jb * BLOCK
         m = min(BLOCK, n3 - j0)
         for t in range(ninstr):
-            q = oi + 5 * t
-            op, dr, xr, yr, zr = P[q], P[q + 1], P[q + 2], P[q + 3], P[q + 4]
+            q = oi + WIDTH * t
+            op, dr, xr, yr, zr, wr = P[q], P[q + 1], P[q + 2], P[q + 3], P[q + 4], P[q + 5]
             d = _at(a, R, P, r, dr, i0, i1, i2, j0)
             if op == LOAD:                   # operand xr (stride 0 or > 1) into register dr
                 s = HEAD + 4 * xr
@@ -230,10 +247,10 @@ def _blocks(a, ia, r, lo, hi):
                 else:
                     for j in range(m):
                         d[j] = a[base + j * st]
-            elif op == RAND:
+            elif op == RAND:                 # fill takes an array: a slice, built for this rare instruction
                 k0, k1, c2, c3 = key(ia, okey, xr)
                 e = first(ia, okey, esize) + ebase + ((i0 * n1 + i1) * n2 + i2) * n3 + j0
-                fill(d, m, e, yr, k0, k1, c2, c3)
+                fill(R[dr * BLOCK:] if dr >= 0 else a[_off(P, r, dr, i0, i1, i2, j0):], m, e, yr, k0, k1, c2, c3)
             elif op == LOADC:                # a scalar operand xr: its register filled once, for any block
                 if b == lo:
                     _fill(d, a[r[2 + xr]], min(BLOCK, n3))
@@ -243,11 +260,15 @@ def _blocks(a, ia, r, lo, hi):
             else:
                 x, y = _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0)
                 z = _at(a, R, P, r, zr, i0, i1, i2, j0) if op >= FMA else x
-                at = d.ctypes.data               # written in place: LLVM's alias check fails and the loop runs
-                inplace = dr < 0 and (at == x.ctypes.data or at == y.ctypes.data or at == z.ctypes.data)
-                s = R[NREG * BLOCK:] if inplace else d      # scalar; through the scratch register both vectorize
+                w = _at(a, R, P, r, wr, i0, i1, i2, j0) if op >= FMA2 else x
+                inplace = False                  # written in place: LLVM's alias check fails and the loop runs
+                if dr < 0:                       # scalar; through the scratch register both vectorize
+                    at = _off(P, r, dr, i0, i1, i2, j0)
+                    for c in (xr, yr, zr if op >= FMA else xr, wr if op >= FMA2 else xr):
+                        inplace = inplace or (c < 0 and _off(P, r, c, i0, i1, i2, j0) == at)
+                s = fptr(R, NREG * BLOCK) if inplace else d
                 if op >= FMA:
-                    _fma(op, s, x, y, z, m)
+                    _fma(op, s, x, y, z, w, m)
                 else:
                     _op(op, s, x, y, m)
                 if inplace:

@@ -71,7 +71,7 @@ class ScalarGraphError(Exception):
 # opcode of the tape interpreter; the generated-code expression uses {0},{1},{2} for the operands, ONE/ZERO/
 # HALF for dtype-correct literals, and may be a list of statements with {o} the result and {t} a temp prefix.
 (ADD, SUB, MUL, DIV, NEG, COPY, EXP, LOG, TANH, SQRT, ABS, RELU, SIGMOID, POW, MAXIMUM, MINIMUM, EQ, NE, GT,
- GE, LT, LE, TANH_GRAD, RELU_GRAD, SIGMOID_GRAD, WHERE, GELU, GELU_GRAD, ARG, ERF, LOG1P) = range(31)
+ GE, LT, LE, TANH_GRAD, RELU_GRAD, SIGMOID_GRAD, WHERE, GELU, GELU_GRAD, ARG, ERF, LOG1P, SIGN) = range(32)
 
 _G0 = 0.7978845608028654      # sqrt(2/pi), as in graph/ops/elementwise.py's _gelu_ref
 _G1 = 0.044715
@@ -90,6 +90,7 @@ OPS = {
     "erf": (ERF, "math.erf({0})"),
     "log1p": (LOG1P, "math.log1p({0})"),
     "abs": (ABS, "abs({0})"),
+    "sign": (SIGN, "ONE if {0} > ZERO else (-ONE if {0} < ZERO else {0})"),     # 0 and NaN kept
     "relu": (RELU, "{0} if not ({0} <= ZERO) else ZERO"),            # max(x, 0); NaN stays NaN as np.maximum
     "sigmoid": (SIGMOID, "ONE / (ONE + math.exp(-{0}))"),
     "pow": (POW, "{0} ** {1}"),                                        # attr p becomes operand {1}
@@ -446,6 +447,8 @@ def tape_run(code, r, K):
             r[o] = math.log1p(r[a])
         elif op == ABS:
             r[o] = abs(r[a])
+        elif op == SIGN:
+            r[o] = one if r[a] > z else (-one if r[a] < z else r[a])
         elif op == COPY:
             r[o] = r[a]
         elif op == MAXIMUM:

@@ -69,9 +69,8 @@ _unary("relu", EW.U_RELU, lambda x, a: np.maximum(x, 0), lambda g, x, o, a: [T.e
        dom="away")
 _unary("sigmoid", EW.U_SIGMOID, lambda x, a: _sig(x), lambda g, x, o, a: [T.emit("sigmoid_grad", (o[0], g[0]))])
 _unary("sqrt", EW.U_SQRT, lambda x, a: np.sqrt(x), lambda g, x, o, a: [g[0] * 0.5 / o[0]], dom="pos")
-_unary("abs", EW.U_ABS, lambda x, a: np.abs(x), lambda g, x, o, a: [g[0] * T.emit("gt", (x[0], T.lift(0.0))) -
-                                                                      g[0] * T.emit("lt", (x[0], T.lift(0.0)))],
-       dom="away")
+_unary("sign", EW.U_SIGN, lambda x, a: np.sign(x), None, dom="away", nondiff=True)     # zero gradient, as torch's
+_unary("abs", EW.U_ABS, lambda x, a: np.abs(x), lambda g, x, o, a: [g[0] * T.emit("sign", (x[0],))], dom="away")
 _unary("erf", EW.U_ERF, lambda x, a: _erf_ref(x), lambda g, x, o, a: [g[0] * 1.1283791670955126 * T.exp(-x[0] * x[0])])
 _unary("log1p", EW.U_LOG1P, lambda x, a: np.log1p(x), lambda g, x, o, a: [g[0] / (1.0 + x[0])], dom="pos")
 _unary("pow", EW.U_POW, lambda x, a: np.power(x, a["p"]), lambda g, x, o, a: [g[0] * a["p"] * x[0] ** (a["p"] - 1)],
