@@ -336,25 +336,17 @@ def _reads(ins) -> tuple:
 
 
 def multiply_add(instrs):
-    """Two products into registers read only by the add or subtract right after them -> one FMA2 (x*y + z*w) or
-    FMS2 (x*y - z*w) instruction (an optimizer's b * m + (1 - b) * g, a gate's sigmoid(f) * c + sigmoid(i) *
-    tanh(g)); else a product read only by the add or subtract right after it -> one FMA (x*y + z), FMS (x*y - z)
-    or FNMA (z - x*y): one pass over the block instead of three or two. Not where the sum's destination is one
-    of the products' operands (the loop would then run in place)."""
+    """A product into a register read only by the add or subtract right after it -> one FMA (x*y + z), FMS
+    (x*y - z) or FNMA (z - x*y) instruction: one pass over the block instead of two (an optimizer's b * m +
+    (1 - b) * g, a gate's sigmoid(f) * c + sigmoid(i) * tanh(g)); then _fold_products. Not where the sum's
+    destination is one of the product's operands (the loop would then run in place)."""
     if instrs is None:
         return None
     mul, add, sub = BIN + EW.B_MUL, BIN + EW.B_ADD, BIN + EW.B_SUB
     out, t = [], 0
     while t < len(instrs):
-        a, b, c = (instrs[t + k] if t + k < len(instrs) else None for k in range(3))
+        a, b = instrs[t], instrs[t + 1] if t + 1 < len(instrs) else None
         p = a[1]
-        if c is not None and a[0] == b[0] == mul and c[0] in (add, sub) and min(p, b[1]) >= 0 and p != b[1] \
-                and sorted(c[2:4]) == sorted((p, b[1])) and p not in b[2:4] and b[1] not in a[2:4] \
-                and c[1] not in (*a[2:4], *b[2:4]) and _dead(instrs[t + 3:], p) and _dead(instrs[t + 3:], b[1]):
-            x, y = (a, b) if c[2] == p else (b, a)
-            out.append((FMA2 if c[0] == add else FMS2, c[1], x[2], x[3], y[2], y[3]))
-            t += 3
-            continue
         if b is not None and a[0] == mul and p >= 0 and b[0] in (add, sub) and (b[2] == p) != (b[3] == p) \
                 and b[1] not in (a[2], a[3]) and _dead(instrs[t + 2:], p):
             z = b[3] if b[2] == p else b[2]
@@ -368,10 +360,10 @@ def multiply_add(instrs):
 
 
 def _fold_products(instrs):
-    """An FMA / FMS / FNMA whose addend is a product made earlier (other instructions in between, as
-    p * (1 - lr * wd) - lr * sign(c)) -> one FMA2 / FMS2, the product dropped: where nothing in between reads the
-    product or writes its factors, or writes the arena at all if a factor is read from there (an in-place
-    update of that factor)."""
+    """An FMA / FMS / FNMA whose addend is a product made earlier (right before it, as b * m + (1 - b) * g, or
+    with other instructions in between, as p * (1 - lr * wd) - lr * sign(c)) -> one FMA2 (x*y + z*w) / FMS2
+    (x*y - z*w), the product dropped: where nothing in between reads the product or writes its factors, or writes
+    the arena at all if a factor is read from there (an in-place update of that factor)."""
     mul = BIN + EW.B_MUL
     out = list(instrs)
     for k, c in enumerate(out):
