@@ -7,14 +7,17 @@ from btjit.graph.functional import (binary_cross_entropy, binary_cross_entropy_w
                                     log_softmax, logsumexp, mse_loss, nll_loss, one_hot, relu6, silu, smooth_l1_loss,
                                     softmax, softplus)
 from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, concatenate, copy, equal, erf, exp, log, log1p,
-                               matmul, max, maximum, mean, minimum, relu, reshape, sigmoid, split, sqrt, stop_gradient,
-                               sum, swapaxes, tanh, transpose, where)
+                               matmul, max, maximum, mean, minimum, relu, reshape, sigmoid, sin, cos, split, sqrt,
+                               stop_gradient, sum, swapaxes, tanh, transpose, where)
 from btjit.graph.indexing import setitem, take
 from btjit.graph.numpy_fns import clip, roll, stack, std, var
 from btjit.graph.rng import (causal_attention, dropout, dropout2d, rand_like, randn_like,  # noqa: F811 -- dropout=
                              scaled_dot_product_attention)
-from btjit.graph.conv_fns import (adaptive_avg_pool2d, avg_pool1d, avg_pool2d, conv1d, conv2d, conv_transpose1d,
-                                 conv_transpose2d, flatten, interpolate, max_pool1d, max_pool2d, pad, pixel_shuffle)
+from btjit.graph.conv_fns import (adaptive_avg_pool1d, adaptive_avg_pool2d, adaptive_max_pool1d, adaptive_max_pool2d,
+                                  avg_pool1d, avg_pool2d, conv1d, conv2d, conv_transpose1d, conv_transpose2d, flatten,
+                                  interpolate, max_pool1d, max_pool2d, pad, pixel_shuffle)
+from btjit.graph.torch_fns import (celu, cosine_similarity, glu, hardsigmoid, hardswish, hardtanh, huber_loss, kl_div,
+                                   logsigmoid, mish, normalize, prelu, selu, softsign)
 from btjit.core.program import Program, trace
 from btjit.scalar.front import trace_scalar
 from btjit.host.threads import replicas_for, set_num_threads

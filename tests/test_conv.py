@@ -53,6 +53,13 @@ POOL = [  # fn, x, args, kwargs
     ("avg_pool1d", (2, 3, 9), (3,), dict(stride=1, padding=1)),
     ("adaptive_avg_pool2d", (2, 4, 5, 5), (1,), {}),
     ("adaptive_avg_pool2d", (2, 4, 6, 4), ((3, 2),), {}),
+    ("adaptive_avg_pool2d", (2, 3, 13, 13), (6,), {}),            # AlexNet's (6, 6) of a 13 x 13 map: overlapping
+    ("adaptive_avg_pool2d", (3, 7, 5), ((4, None),), {}),         # unbatched, W kept
+    ("adaptive_max_pool2d", (2, 4, 6, 4), ((3, 2),), {}),
+    ("adaptive_max_pool2d", (2, 3, 7, 5), ((3, 4),), {}),
+    ("adaptive_avg_pool1d", (2, 3, 10), (4,), {}),
+    ("adaptive_max_pool1d", (2, 3, 10), (5,), {}),
+    ("adaptive_max_pool1d", (2, 3, 11), (1,), {}),
     ("max_pool2d", (2, 3, 21, 18), (2,), {}),                     # 2 x 2 windows 8 at a time, an odd last row
     ("avg_pool2d", (1, 2, 16, 19), (2,), {}),
     ("max_pool2d", (2, 3, 7, 9), (2,), dict(ceil_mode=True)),    # 2 x 2 windows past the last row and column
@@ -236,7 +243,7 @@ def test_a_small_cnn_matches_finite_differences():
     (lambda x, w: btjit.conv2d(x[0, 0], w), "needs x (N, C, H, W)"),
     (lambda x, w: btjit.conv2d(x, w, dilation=9), "gives no output"),
     (lambda x, w: btjit.max_pool2d(x, 3, padding=2), "at most half the kernel size"),
-    (lambda x, w: btjit.adaptive_avg_pool2d(x, 3), "must divide"),
+    (lambda x, w: btjit.adaptive_avg_pool2d(x, (2, 0)), "output size (2, 0) must be positive"),
     (lambda x, w: btjit.max_pool2d(x, 2, dilation=2), "dilation 2 is not supported"),
     (lambda x, w: btjit.max_pool2d(x, 2, return_indices=True), "return_indices=True is not supported"),
     (lambda x, w: btjit.conv2d(x, w, btjit.reshape(w, (-1,))[:3]), "bias must have shape (4,)"),

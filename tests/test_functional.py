@@ -47,6 +47,32 @@ CASES = {
     "relu6": (lambda x: btjit.relu6(x * 3.0), lambda x: F.relu6(x * 3.0), X, 2.0),
     "softmax_axis0": (lambda x: btjit.softmax(x, axis=0), lambda x: F.softmax(x, 0), (3, 4, 5), 2.0),
     "log_softmax_axis1": (lambda x: btjit.log_softmax(x, axis=1), lambda x: F.log_softmax(x, 1), (3, 4, 5), 2.0),
+    "hardtanh": (lambda x: btjit.hardtanh(x, -0.5, 0.8), lambda x: F.hardtanh(x, -0.5, 0.8), X, 1.5),
+    # torch's hardsigmoid kernel rounds its gradient's 1/6 to float32: compared with torch's own relu6 / 6
+    "hardsigmoid": (btjit.hardsigmoid, lambda x: F.relu6(x + 3.0) / 6.0, X, 4.0),
+    "hardswish": (btjit.hardswish, F.hardswish, X, 4.0),
+    "logsigmoid": (btjit.logsigmoid, F.logsigmoid, X, 30.0),
+    "mish": (btjit.mish, F.mish, X, 3.0),
+    "selu": (btjit.selu, F.selu, X, 2.0),
+    "celu": (lambda x: btjit.celu(x, 0.5), lambda x: F.celu(x, 0.5), X, 2.0),
+    "softsign": (btjit.softsign, F.softsign, X, 2.0),
+    "prelu": (lambda x: btjit.prelu(x, np.linspace(-0.3, 0.5, 6)),
+              lambda x: F.prelu(x, torch.linspace(-0.3, 0.5, 6, dtype=x.dtype)), X, 1.5),
+    "prelu_one": (lambda x: btjit.prelu(x, np.array([0.25])), lambda x: F.prelu(x, torch.tensor([0.25], dtype=x.dtype)),
+                  (2, 3, 4), 1.5),
+    "glu": (lambda x: btjit.glu(x, 1), lambda x: F.glu(x, 1), X, 2.0),
+    "normalize": (lambda x: btjit.normalize(x, dim=1), lambda x: F.normalize(x, dim=1), (3, 4, 5), 1.0),
+    "normalize_p1": (lambda x: btjit.normalize(x, p=1, dim=-1), lambda x: F.normalize(x, p=1, dim=-1), X, 1.0),
+    "normalize_p3": (lambda x: btjit.normalize(x, p=3, dim=0), lambda x: F.normalize(x, p=3, dim=0), X, 1.0),
+    "cosine_similarity": (lambda x: btjit.cosine_similarity(x, x[::-1] + 0.3, dim=1),
+                          lambda x: F.cosine_similarity(x, x.flip(0) + 0.3, dim=1), (3, 4, 5), 1.0),
+    "sin_cos": (lambda x: np.sin(x) * x.cos(), lambda x: torch.sin(x) * x.cos(), X, 3.0),
+    "logaddexp": (lambda x: np.logaddexp(x, 0.5 * x[:, ::-1]), lambda x: torch.logaddexp(x, 0.5 * x.flip(1)), X, 3.0),
+    "moveaxis": (lambda x: np.moveaxis(x, (0, 1), (-1, 0)) * np.arange(60.0).reshape(4, 5, 3),
+                 lambda x: torch.movedim(x, (0, 1), (-1, 0)) * torch.arange(60.0, dtype=x.dtype).reshape(4, 5, 3),
+                 (3, 4, 5), 1.0),
+    "tril_triu": (lambda x: np.triu(x, 1) + x.tril(-2) * 2.0, lambda x: torch.triu(x, 1) + x.tril(-2) * 2.0,
+                  (2, 4, 5), 1.0),
     "methods": (lambda x: (x.abs() + 0.5).sqrt().log() + x.relu() * x.sigmoid() - x.tanh().exp(),
                 lambda x: (x.abs() + 0.5).sqrt().log() + x.relu() * x.sigmoid() - x.tanh().exp(), X, 1.5),
 }
@@ -93,7 +119,8 @@ def test_gradient_finite_differences(name):
     check_grads(lambda p: btjit.sum(bt(p["x"]) * w), {"x": _np_x(shape, seed=2, scale=scale)})
 
 
-@pytest.mark.parametrize("name", ["gelu", "erf", "silu", "softplus", "logsumexp", "x.std", "methods"])
+@pytest.mark.parametrize("name", ["gelu", "erf", "silu", "softplus", "logsumexp", "x.std", "methods", "sin_cos", "mish",
+                                  "logsigmoid", "cosine_similarity"])
 def test_against_torch_float32(name):
     bt, th, shape, scale = CASES[name]
     x = _np_x(shape, scale=scale)
@@ -182,7 +209,8 @@ def test_cross_entropy_against_torch_in_its_layout(kw, shape):
     check_grads(loss, {"z": logits}, y)
 
 
-LOSSES = ["mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits"]
+LOSSES = ["mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+          "huber_loss", "kl_div"]
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -191,7 +219,8 @@ def test_regression_and_binary_losses_against_torch(name, reduction):
     """Each loss of (input, target) against torch.nn.functional's in float64: the value and both gradients."""
     rng = np.random.default_rng(7)
     x, t = rng.normal(size=(5, 3)), rng.uniform(size=(5, 3))
-    kw = {"reduction": reduction, **({"beta": 0.5} if name == "smooth_l1_loss" else {})}
+    kw = {"reduction": reduction, **({"beta": 0.5} if name == "smooth_l1_loss" else {}),
+          **({"delta": 0.7} if name == "huber_loss" else {})}
     tx = (lambda a: torch.sigmoid(a)) if name == "binary_cross_entropy" else (lambda a: a)
     bx = (lambda a: btjit.sigmoid(a)) if name == "binary_cross_entropy" else (lambda a: a)
     w = rng.normal(size=x.shape) if reduction == "none" else 1.0
@@ -270,6 +299,33 @@ def test_losses_name_a_bad_reduction_or_shape():
         btjit.trace(lambda p: btjit.mse_loss(p["x"], np.zeros(3), reduction="avg"), {"x": np.zeros(3)})
     with pytest.raises(btjit.TraceError, match=r"l1_loss: input \(3,\) and target \(4,\) must have one shape"):
         btjit.trace(lambda p: btjit.l1_loss(p["x"], np.zeros(4)), {"x": np.zeros(3)})
+    with pytest.raises(btjit.TraceError, match="kl_div: reduction must be 'mean', 'batchmean', 'sum' or 'none'"):
+        btjit.trace(lambda p: btjit.kl_div(p["x"], np.zeros(3), reduction="avg"), {"x": np.zeros(3)})
+    with pytest.raises(btjit.TraceError, match=r"prelu: weight \(4,\) must have one element or one per channel"):
+        btjit.trace(lambda p: btjit.sum(btjit.prelu(p["x"], np.ones(4))), {"x": np.zeros((2, 3))})
+    with pytest.raises(btjit.TraceError, match=r"glu: dim 1 of x \(2, 3\) must exist and have an even size"):
+        btjit.trace(lambda p: btjit.sum(btjit.glu(p["x"], 1)), {"x": np.zeros((2, 3))})
+
+
+@pytest.mark.parametrize("log_target", [False, True])
+def test_kl_div_batchmean_and_log_target_against_torch(log_target):
+    """The KL divergence as a VAE or distillation loss writes it: log-probabilities against (log-)probabilities,
+    'batchmean', a zero target probability included; both gradients."""
+    rng = np.random.default_rng(3)
+    x, t = rng.normal(size=(4, 5)), rng.uniform(size=(4, 5))
+    t[0, 0] = 0.0
+    t = np.log(t + 0.1) if log_target else t
+    prog = btjit.trace(lambda p: btjit.kl_div(btjit.log_softmax(p["x"], 1), p["t"], "batchmean", log_target),
+                       {"x": x, "t": t}, dtype="float64", grad=True)
+    got = prog.value_and_grad()
+    tt = {k: torch.tensor(v, requires_grad=True) for k, v in (("x", x), ("t", t))}
+    want = F.kl_div(F.log_softmax(tt["x"], 1), tt["t"], reduction="batchmean", log_target=log_target)
+    want.backward()
+    assert abs(got - want.item()) < 1e-12
+    np.testing.assert_allclose(prog.grads["x"], tt["x"].grad.numpy(), rtol=1e-10, atol=1e-13)
+    kept = np.ones(t.shape, bool) if log_target else t > 0     # torch's d(t log t)/dt at t = 0 is NaN
+    np.testing.assert_allclose(prog.grads["t"][kept], tt["t"].grad.numpy()[kept], rtol=1e-10, atol=1e-13)
+    assert np.isfinite(prog.grads["t"]).all()
 
 
 SDPA = [  # q, k, v shapes, kwargs (attn_mask given as a seed: a boolean or a float mask of shape (L, S))

@@ -1,5 +1,5 @@
 """The public convolution and pooling functions (btjit.conv2d, conv1d, conv_transpose2d, conv_transpose1d,
-max_pool2d, avg_pool2d, max_pool1d, avg_pool1d, adaptive_avg_pool2d, interpolate, flatten), with
+max_pool2d, avg_pool2d, max_pool1d, avg_pool1d, the adaptive avg / max pools 1d and 2d, interpolate, flatten), with
 torch.nn.functional's semantics, built from the op table's conv_gemm / im2col / col2im / pool2d entries
 (graph/ops/conv.py) and the tracer's matmul, reshape and transpose. Bad arguments raise a TraceError naming the
 function, the shapes and the user's line."""
@@ -249,14 +249,56 @@ def avg_pool1d(x, kernel_size, stride=None, padding=0, ceil_mode=False, count_in
 
 
 def adaptive_avg_pool2d(x, output_size):
-    """torch's adaptive_avg_pool2d where the output size divides the input's (1: global average pooling)."""
+    """torch's adaptive_avg_pool2d: x (N, C, H, W) or (C, H, W) averaged over torch's windows (rows
+    floor(i H / oh) .. ceil((i + 1) H / oh), likewise columns); output_size an int, a pair or None (keep)."""
+    return _adaptive("adaptive_avg_pool2d", POOL_AVG, x, output_size, 2)
+
+
+def adaptive_max_pool2d(x, output_size):
+    """torch's adaptive_max_pool2d: the max over the windows adaptive_avg_pool2d averages."""
+    return _adaptive("adaptive_max_pool2d", POOL_MAX, x, output_size, 2)
+
+
+def adaptive_avg_pool1d(x, output_size):
+    """torch's adaptive_avg_pool1d: x (N, C, L) or (C, L), adaptive_avg_pool2d's windows along L."""
+    return _adaptive("adaptive_avg_pool1d", POOL_AVG, x, output_size, 1)
+
+
+def adaptive_max_pool1d(x, output_size):
+    """torch's adaptive_max_pool1d: x (N, C, L) or (C, L), adaptive_max_pool2d's windows along L."""
+    return _adaptive("adaptive_max_pool1d", POOL_MAX, x, output_size, 1)
+
+
+def _adaptive(fn, mode, x, output_size, nd):
+    """Sizes that divide the input's: one pool row (kernel = stride = the quotient). Others, axis by axis (both
+    reductions are separable): averages by a constant (n, o) matrix of window weights, maxima window by window."""
     x = T.lift(x)
-    oh, ow = _tuple("adaptive_avg_pool2d", output_size, 2, "output_size")
-    if x.ndim not in (3, 4) or oh < 1 or ow < 1 or x.shape[-2] % oh or x.shape[-1] % ow:
-        _fail("adaptive_avg_pool2d", f"output size ({oh}, {ow}) must divide the input's (H, W) (other sizes "
-                                     f"are not supported)", x)
-    kh, kw = x.shape[-2] // oh, x.shape[-1] // ow
-    return _pool("adaptive_avg_pool2d", POOL_AVG, x, (kh, kw), (kh, kw), 0, 2)
+    if x.ndim not in (nd + 1, nd + 2):
+        _fail(fn, f"needs ({'N, C, H, W' if nd == 2 else 'N, C, L'}) or an unbatched input", x)
+    sizes = x.shape[-nd:]
+    given = (output_size,) * nd if output_size is None or isinstance(output_size, (int, np.integer)) else output_size
+    out = _tuple(fn, tuple(n if o is None else o for o, n in zip(given, sizes)) if len(given) == nd else given, nd,
+                 "output_size")
+    if any(o < 1 for o in out):
+        _fail(fn, f"output size {out} must be positive", x)
+    if not any(n % o for n, o in zip(sizes, out)):
+        k = tuple(n // o for n, o in zip(sizes, out))
+        return _pool(fn, mode, x, k, k, 0, nd)
+    for ax, (n, o) in zip(range(x.ndim - nd, x.ndim), zip(sizes, out)):
+        if n == o:
+            continue
+        lo = [i * n // o for i in range(o)]
+        hi = [-(-(i + 1) * n // o) for i in range(o)]
+        y = T.swapaxes(x, ax, -1)
+        if mode == POOL_AVG:
+            m = np.zeros((n, o))
+            for i in range(o):
+                m[lo[i]:hi[i], i] = 1.0 / (hi[i] - lo[i])
+            y = T.matmul(y, m)
+        else:
+            y = T.concatenate([T.max(y[..., a:b], -1, keepdims=True) for a, b in zip(lo, hi)], -1)
+        x = T.swapaxes(y, ax, -1)
+    return x
 
 
 def interpolate(x, size=None, scale_factor=None, mode="nearest"):

@@ -15,8 +15,8 @@ import numpy as np
 from btjit.graph.functional import log_softmax, softmax
 from btjit.graph.trace import (FUNCS, METHODS, UFUNCS, TraceError, Tracer, _binop, _norm_axes, abs, broadcast_to,
                                concatenate, copy, emit, equal, erf, exp, lift, log, log1p, matmul, max, maximum, mean,
-                               minimum, reshape, split, sqrt, stop_gradient, sum, swapaxes, tanh, transpose, user_src,
-                               where)
+                               minimum, reshape, sin, cos, split, sqrt, stop_gradient, sum, swapaxes, tanh, transpose,
+                               user_src, where)
 from btjit.graph.indexing import getitem, take
 
 
@@ -305,6 +305,34 @@ def prod(x, axis=None, keepdims=False):
     return out if keepdims else reshape(out, x.shape[:ax] + x.shape[ax + 1:])
 
 
+def tri(x, k=0, lower=True):
+    """numpy's tril / triu: the last two axes' entries on and below (above) diagonal k kept, the others 0."""
+    x = lift(x)
+    if x.ndim < 2:
+        raise TraceError(f"{'tril' if lower else 'triu'}: needs at least 2 dims, got shape {x.shape} — {user_src()}")
+    keep = np.tri(*x.shape[-2:], k=k, dtype=bool)
+    return where(keep if lower else ~np.tri(*x.shape[-2:], k=k - 1, dtype=bool), x, 0.0)
+
+
+def moveaxis(x, source, destination):
+    """numpy's moveaxis (torch's movedim): axes `source` moved to `destination`, the others in order."""
+    x = lift(x)
+    src, dst = ([_norm_axes(a, x.ndim, "moveaxis")[0] for a in np.atleast_1d(v)] for v in (source, destination))
+    if len(src) != len(dst) or len(set(src)) < len(src) or len(set(dst)) < len(dst):
+        raise TraceError(f"moveaxis: source {source} and destination {destination} must be as many distinct axes "
+                         f"— {user_src()}")
+    perm = [a for a in range(x.ndim) if a not in src]
+    for d, s in sorted(zip(dst, src)):
+        perm.insert(d, s)
+    return transpose(x, perm)
+
+
+def logaddexp(x, y):
+    """numpy's logaddexp: log(exp(x) + exp(y)), computed as max + log1p(exp(-|x - y|))."""
+    x, y = lift(x), lift(y)
+    return maximum(x, y) + log1p(exp(-abs(x - y)))
+
+
 def flip(x, axis=None):
     """numpy's flip (torch's flip(dims)): the order reversed along the axes (all for None)."""
     x = lift(x)
@@ -366,7 +394,7 @@ UFUNCS.update({
     "log10": lambda x: log(x) * float(1 / np.log(10)),
     "equal": equal, "greater": lambda x, y: _binop("gt", x, y), "less": lambda x, y: _binop("lt", x, y),
     "not_equal": lambda x, y: _binop("ne", x, y), "greater_equal": lambda x, y: _binop("ge", x, y),
-    "less_equal": lambda x, y: _binop("le", x, y)})
+    "less_equal": lambda x, y: _binop("le", x, y), "sin": sin, "cos": cos, "logaddexp": logaddexp})
 FUNCS.update({
     "sum": sum, "mean": mean, "max": max, "amax": max, "min": amin, "amin": amin, "reshape": reshape,
     "transpose": transpose, "swapaxes": swapaxes, "concatenate": concatenate, "split": split, "where": where,
@@ -379,7 +407,8 @@ FUNCS.update({
     "einsum": einsum, "full_like": full_like, "zeros_like": lambda a: full_like(a, 0.0),
     "ones_like": lambda a: full_like(a, 1.0), "copy": copy, "argmax": argmax,
     "argmin": argmin, "cumsum": cumsum, "prod": prod,
-    "flip": flip, "take_along_axis": take_along_axis})
+    "flip": flip, "take_along_axis": take_along_axis, "moveaxis": moveaxis, "sin": sin, "cos": cos,
+    "tril": lambda m, k=0: tri(m, k), "triu": lambda m, k=0: tri(m, k, lower=False), "logaddexp": logaddexp})
 METHODS.update({
     # numpy's
     "var": var, "std": std, "clip": lambda x, min=None, max=None: clip(x, min, max),  # noqa: A002
@@ -399,4 +428,6 @@ METHODS.update({
     "permute": lambda x, *dims: transpose(x, _shape_args(dims)),
     "unsqueeze": lambda x, dim: expand_dims(x, dim), "contiguous": lambda x: x, "t": lambda x: transpose(x),
     "masked_fill": lambda x, mask, value: where(mask, value, x), "chunk": chunk, "split": torch_split,
-    "softmax": lambda x, dim=-1: softmax(x, dim), "log_softmax": lambda x, dim=-1: log_softmax(x, dim)})
+    "softmax": lambda x, dim=-1: softmax(x, dim), "log_softmax": lambda x, dim=-1: log_softmax(x, dim),
+    "movedim": moveaxis, "tril": lambda x, diagonal=0: tri(x, diagonal),
+    "triu": lambda x, diagonal=0: tri(x, diagonal, lower=False)})

@@ -174,6 +174,8 @@ class Tracer:
     sigmoid = lambda s: sigmoid(s)  # noqa: E731
     sqrt = lambda s: sqrt(s)        # noqa: E731
     abs = lambda s: abs(s)          # noqa: E731
+    sin = lambda s: sin(s)          # noqa: E731
+    cos = lambda s: cos(s)          # noqa: E731
 
     def __getitem__(self, idx):                 # btjit/graph/indexing.py
         return METHODS["__getitem__"](self, idx)
@@ -209,6 +211,8 @@ def sigmoid(x): return emit("sigmoid", (lift(x),))
 def sqrt(x): return emit("sqrt", (lift(x),))
 def erf(x): return emit("erf", (lift(x),))
 def log1p(x): return emit("log1p", (lift(x),))
+def sin(x): return emit("sin", (lift(x),))
+def cos(x): return emit("cos", (lift(x),))
 def abs(x): return emit("abs", (lift(x),))  # noqa: A001
 def maximum(x, y): return _binop("maximum", x, y)
 def minimum(x, y): return _binop("minimum", x, y)

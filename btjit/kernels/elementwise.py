@@ -22,7 +22,8 @@ from numba import njit, prange
 from btjit.kernels.common import FM, FM_PAR, cvt, ferf, fexp, ftanh, row
 
 # unary sub-ops
-U_COPY, U_NEG, U_EXP, U_LOG, U_TANH, U_RELU, U_SIGMOID, U_SQRT, U_POW, U_ABS, U_ERF, U_LOG1P, U_SIGN = range(13)
+(U_COPY, U_NEG, U_EXP, U_LOG, U_TANH, U_RELU, U_SIGMOID, U_SQRT, U_POW, U_ABS, U_ERF, U_LOG1P, U_SIGN, U_SIN,
+ U_COS) = range(15)
 # binary sub-ops (also used by k_strided); COPY = unary copy of in1
 (B_ADD, B_SUB, B_MUL, B_DIV, B_MAX, B_MIN, B_POW, B_EQ, B_GT, B_GE, B_LT, B_LE, B_NE,
  B_TANH_GRAD, B_RELU_GRAD, B_SIGMOID_GRAD, B_COPY) = range(17)
@@ -59,6 +60,10 @@ def _unary(sub, x, c):
         return math.log1p(x)
     elif sub == U_SIGN:
         return _one if x > _z else -_one if x < _z else x     # 0, -0 and NaN kept
+    elif sub == U_SIN:
+        return math.sin(x)
+    elif sub == U_COS:
+        return math.cos(x)
     else:
         return abs(x)
 

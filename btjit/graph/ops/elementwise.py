@@ -73,6 +73,8 @@ _unary("sign", EW.U_SIGN, lambda x, a: np.sign(x), None, dom="away", nondiff=Tru
 _unary("abs", EW.U_ABS, lambda x, a: np.abs(x), lambda g, x, o, a: [g[0] * T.emit("sign", (x[0],))], dom="away")
 _unary("erf", EW.U_ERF, lambda x, a: _erf_ref(x), lambda g, x, o, a: [g[0] * 1.1283791670955126 * T.exp(-x[0] * x[0])])
 _unary("log1p", EW.U_LOG1P, lambda x, a: np.log1p(x), lambda g, x, o, a: [g[0] / (1.0 + x[0])], dom="pos")
+_unary("sin", EW.U_SIN, lambda x, a: np.sin(x), lambda g, x, o, a: [g[0] * T.emit("cos", (x[0],))])
+_unary("cos", EW.U_COS, lambda x, a: np.cos(x), lambda g, x, o, a: [-g[0] * T.emit("sin", (x[0],))])
 _unary("pow", EW.U_POW, lambda x, a: np.power(x, a["p"]), lambda g, x, o, a: [g[0] * a["p"] * x[0] ** (a["p"] - 1)],
        dom="pos")
 TABLE["pow"].cases = [Case((F(3, 5, dom="pos"),), {"p": 3.0}), Case((F(4, dom="pos"),), {"p": -1.5})]

@@ -1,0 +1,124 @@
+"""More of torch.nn.functional, composed of the op table's ops as btjit/graph/functional.py's activations are:
+the activations hardtanh, hardsigmoid, hardswish, logsigmoid, mish, selu, celu, softsign, prelu and glu; normalize
+and cosine_similarity; the losses kl_div and huber_loss. Each is torch's formula (its gradient at a kink is
+torch's where one side is torch's choice), fused into one elementwise row forward and one backward.
+"""
+from __future__ import annotations
+
+from btjit.graph.functional import _pair, _reduced, elu, relu6, softplus
+from btjit.graph.trace import (TraceError, abs, exp, lift, log, log1p, maximum, minimum, reshape, sigmoid, sqrt, sum,
+                               tanh, user_src, where)
+
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+def hardtanh(x, min_val=-1.0, max_val=1.0):
+    """x clamped to [min_val, max_val]."""
+    return minimum(maximum(lift(x), float(min_val)), float(max_val))
+
+
+def hardsigmoid(x):
+    """relu6(x + 3) / 6."""
+    return relu6(lift(x) + 3.0) * (1.0 / 6.0)
+
+
+def hardswish(x):
+    """x * relu6(x + 3) / 6 (MobileNetV3's)."""
+    x = lift(x)
+    return x * hardsigmoid(x)
+
+
+def logsigmoid(x):
+    """log(sigmoid(x)) = min(x, 0) - log1p(exp(-|x|)), finite for every x (at 0 the gradient is 1/2)."""
+    x = lift(x)
+    return minimum(0.0, x) - log1p(exp(-where(x >= 0.0, x, -x)))
+
+
+def mish(x):
+    """x * tanh(softplus(x))."""
+    x = lift(x)
+    return x * tanh(softplus(x))
+
+
+def selu(x):
+    """scale * elu(x, alpha) with torch's (self-normalizing) constants."""
+    return elu(x, _SELU_ALPHA) * _SELU_SCALE
+
+
+def celu(x, alpha=1.0):
+    """max(0, x) + min(0, alpha (exp(x / alpha) - 1))."""
+    x = lift(x)
+    return where(x > 0.0, x, (exp(minimum(x, 0.0) * (1.0 / alpha)) - 1.0) * float(alpha))
+
+
+def softsign(x):
+    """x / (1 + |x|)."""
+    x = lift(x)
+    return x / (abs(x) + 1.0)
+
+
+def prelu(x, weight):
+    """x where x > 0, else weight * x; weight is one number or one per channel (axis 1 of x, as torch's)."""
+    x, w = lift(x), lift(weight)
+    if w.size != 1:
+        if x.ndim < 2 or w.shape != (x.shape[1],):
+            raise TraceError(f"prelu: weight {w.shape} must have one element or one per channel (axis 1 of x "
+                             f"{x.shape}) — {user_src()}")
+        w = reshape(w, (w.size,) + (1,) * (x.ndim - 2))
+    return where(x > 0.0, x, x * w)
+
+
+def glu(x, dim=-1):
+    """a * sigmoid(b) for the two halves a, b of x along dim."""
+    x = lift(x)
+    ax = dim % x.ndim if -x.ndim <= dim < x.ndim else None
+    if ax is None or x.shape[ax] % 2:
+        raise TraceError(f"glu: dim {dim} of x {x.shape} must exist and have an even size — {user_src()}")
+    h, lead = x.shape[ax] // 2, (slice(None),) * ax
+    return x[lead + (slice(0, h),)] * sigmoid(x[lead + (slice(h, None),)])
+
+
+def _pnorm(x, p, dim):
+    if p == 2:
+        return sqrt(sum(x * x, dim, keepdims=True))
+    if p == 1:
+        return sum(abs(x), dim, keepdims=True)
+    return sum(abs(x) ** float(p), dim, keepdims=True) ** (1.0 / p)
+
+
+def normalize(x, p=2.0, dim=1, eps=1e-12):
+    """x / max(||x||_p, eps) along dim (torch.nn.functional.normalize)."""
+    x = lift(x)
+    return x / maximum(_pnorm(x, p, dim), float(eps))
+
+
+def cosine_similarity(x1, x2, dim=1, eps=1e-8):
+    """sum((x1 / max(||x1||, eps)) * (x2 / max(||x2||, eps)), dim), torch's formula (each side normalized
+    first); x1 and x2 broadcast."""
+    x1, x2 = lift(x1), lift(x2)
+    n1, n2 = (maximum(sqrt(sum(v * v, dim, keepdims=True)), float(eps)) for v in (x1, x2))
+    return sum((x1 / n1) * (x2 / n2), dim)
+
+
+def kl_div(input, target, reduction="mean", log_target=False):  # noqa: A002 -- torch's names
+    """torch's: target * (log target - input) pointwise (0 where target is 0), or exp(target) * (target - input)
+    with log_target; reduction "mean" (over every element, torch's default), "batchmean" (the sum over the
+    batch size: the KL divergence), "sum" or "none"."""
+    if reduction not in ("mean", "batchmean", "sum", "none"):
+        raise TraceError(f"kl_div: reduction must be 'mean', 'batchmean', 'sum' or 'none', got {reduction!r} — "
+                         f"{user_src()}")
+    x, t = _pair("kl_div", input, target)
+    if log_target:
+        per = exp(t) * (t - x)
+    else:
+        per = t * log(where(t > 0.0, t, 1.0)) - t * x
+    if reduction == "batchmean":
+        return sum(per) * (1.0 / (x.shape[0] if x.ndim else 1))
+    return _reduced("kl_div", per, reduction)
+
+
+def huber_loss(input, target, reduction="mean", delta=1.0):  # noqa: A002
+    """0.5 d^2 where |d| < delta, else delta (|d| - 0.5 delta), d = input - target."""
+    x, t = _pair("huber_loss", input, target)
+    d = abs(x - t)
+    return _reduced("huber_loss", where(d < float(delta), d * d * 0.5, (d - 0.5 * delta) * float(delta)), reduction)
