@@ -4,8 +4,8 @@ The tests in test_optim.py check btjit's traced updates against these and agains
 import numpy as np
 
 
-def sgd(p, g, s, hp, t, nesterov=False):
-    g = g + hp["weight_decay"] * p
+def sgd(p, g, s, hp, t, nesterov=False, maximize=False):
+    g = (-g if maximize else g) + hp["weight_decay"] * p
     if hp["momentum"]:
         b = g.copy() if t == 1 else hp["momentum"] * s["momentum_buffer"] + (1 - hp["dampening"]) * g
         s["momentum_buffer"] = b
@@ -13,7 +13,8 @@ def sgd(p, g, s, hp, t, nesterov=False):
     return p - hp["lr"] * g
 
 
-def adam(p, g, s, hp, t, decoupled=False):
+def adam(p, g, s, hp, t, decoupled=False, amsgrad=False, maximize=False):
+    g = -g if maximize else g
     if decoupled:
         p = p * (1 - hp["lr"] * hp["weight_decay"])
     else:
@@ -21,7 +22,10 @@ def adam(p, g, s, hp, t, decoupled=False):
     s["exp_avg"] = hp["beta1"] * s["exp_avg"] + (1 - hp["beta1"]) * g
     s["exp_avg_sq"] = hp["beta2"] * s["exp_avg_sq"] + (1 - hp["beta2"]) * g * g
     step_size = hp["lr"] / (1 - hp["beta1"] ** t)
-    denom = np.sqrt(s["exp_avg_sq"]) / np.sqrt(1 - hp["beta2"] ** t) + hp["eps"]
+    v = s["exp_avg_sq"]
+    if amsgrad:
+        v = s["max_exp_avg_sq"] = np.maximum(s["max_exp_avg_sq"], v)
+    denom = np.sqrt(v) / np.sqrt(1 - hp["beta2"] ** t) + hp["eps"]
     return p - step_size * s["exp_avg"] / denom
 
 
@@ -36,8 +40,8 @@ def adagrad(p, g, s, hp, t):
     return p - clr * g / (np.sqrt(s["sum"]) + hp["eps"])
 
 
-def adadelta(p, g, s, hp, t):
-    g = g + hp["weight_decay"] * p
+def adadelta(p, g, s, hp, t, maximize=False):
+    g = (-g if maximize else g) + hp["weight_decay"] * p
     rho, eps = hp["rho"], hp["eps"]
     s["square_avg"] = rho * s["square_avg"] + (1 - rho) * g * g
     delta = np.sqrt(s["acc_delta"] + eps) / np.sqrt(s["square_avg"] + eps) * g

@@ -1,5 +1,5 @@
 """btjit.optim: every built-in against torch.optim and a numpy transcription (tests/optim_numpy.py) over 20
-steps with param groups, weight decay and momentum, in float64 (1e-12) and float32 (1e-6 relative); the
+steps with param groups, weight decay and momentum (and Adam's amsgrad, maximize), in float64 (1e-12) and float32 (1e-6 relative); the
 update as one fused pass per group; hyper-parameters changed between steps; the group rules and errors.
 A user-written optimizer end to end is in test_optim_user.py."""
 import numpy as np
@@ -47,6 +47,14 @@ CASES = [
     ("adam", lambda gr: O.Adam(lr=0.01, betas=(0.8, 0.99), groups=gr), ("Adam", dict(betas=(0.8, 0.99))),
      (R.adam, {})),
     ("adamw", lambda gr: O.AdamW(lr=0.01, groups=gr), ("AdamW", {}), (R.adamw, {})),
+    ("adam_amsgrad", lambda gr: O.Adam(lr=0.01, amsgrad=True, groups=gr), ("Adam", dict(amsgrad=True)),
+     (R.adam, {"amsgrad": True})),
+    ("adamw_amsgrad_maximize", lambda gr: O.AdamW(lr=0.01, amsgrad=True, maximize=True, groups=gr),
+     ("AdamW", dict(amsgrad=True, maximize=True)), (R.adam, {"decoupled": True, "amsgrad": True, "maximize": True})),
+    ("sgd_momentum_maximize", lambda gr: O.SGD(lr=0.05, momentum=0.9, maximize=True, groups=gr),
+     ("SGD", dict(momentum=0.9, maximize=True)), (R.sgd, {"maximize": True})),
+    ("adadelta_maximize", lambda gr: O.Adadelta(lr=0.5, maximize=True, groups=gr), ("Adadelta", dict(maximize=True)),
+     (R.adadelta, {"maximize": True})),
     ("adagrad", lambda gr: O.Adagrad(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1, groups=gr),
      ("Adagrad", dict(lr_decay=0.01, initial_accumulator_value=0.1)), (R.adagrad, {})),
     ("adadelta", lambda gr: O.Adadelta(lr=0.5, rho=0.8, groups=gr), ("Adadelta", dict(rho=0.8)), (R.adadelta, {})),

@@ -1,5 +1,5 @@
 """The built-in optimizers, each an `Optimizer` whose update is traced like a user's, with torch.optim's
-semantics and argument names (single-tensor implementation, no maximize / amsgrad), plus Lion (Chen et al.
+semantics and argument names (single-tensor implementation, maximize and Adam's amsgrad included), plus Lion (Chen et al.
 2023, as lucidrains' lion-pytorch). Hyper-parameters are arena slots; options that change the equations
 (nesterov, centered, whether momentum or a decay term exists at all) are fixed when the program is traced.
 """
@@ -24,18 +24,29 @@ def _check(who, **ranges):
 
 
 def _decay(opt, grad, param, hp):
-    """torch's coupled L2 decay: grad + weight_decay * param (only if some group decays)."""
+    """torch's coupled L2 decay: grad + weight_decay * param (only if some group decays), of -grad if the
+    optimizer maximizes."""
+    grad = -grad if opt.maximize else grad
     return grad + hp["weight_decay"] * param if opt.nonzero("weight_decay") else grad
 
 
-class SGD(Optimizer):
-    """torch.optim.SGD: momentum, dampening, nesterov, weight_decay (L2, added to the gradient)."""
+class _Torch(Optimizer):
+    """A torch.optim optimizer: `maximize` (ascend the loss) fixed when the program is traced."""
 
-    def __init__(self, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, groups=None):
+    def __init__(self, maximize=False, **hp):
+        super().__init__(**hp)
+        self.maximize = bool(maximize)
+
+
+class SGD(_Torch):
+    """torch.optim.SGD: momentum, dampening, nesterov, weight_decay (L2, added to the gradient), maximize."""
+
+    def __init__(self, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, groups=None, maximize=False):
         _check("SGD", momentum=(momentum, 0.0, 1.0), dampening=(dampening, 0.0, 1.0))
         if nesterov and (momentum <= 0 or dampening != 0):
             raise OptimizerError("SGD: nesterov needs momentum > 0 and dampening = 0")
-        super().__init__(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, groups=groups)
+        super().__init__(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, groups=groups,
+                         maximize=maximize)
         self.nesterov = bool(nesterov)
 
     def init(self, name, param):
@@ -52,45 +63,57 @@ class SGD(Optimizer):
         return p - hp["lr"] * d, {"momentum_buffer": buf}
 
 
-class Adam(Optimizer):
-    """torch.optim.Adam (weight_decay: L2 added to the gradient)."""
+class Adam(_Torch):
+    """torch.optim.Adam (weight_decay: L2 added to the gradient), amsgrad (the denominator from the largest second
+    moment so far, state max_exp_avg_sq), maximize."""
     decoupled = False
 
-    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, groups=None):
+    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, groups=None,
+                 maximize=False):
         _check(type(self).__name__, beta1=(betas[0], 0.0, 1.0), beta2=(betas[1], 0.0, 1.0))
-        super().__init__(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay, groups=groups)
+        super().__init__(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay, groups=groups,
+                         maximize=maximize)
+        self.amsgrad = bool(amsgrad)
 
     def init(self, name, param):
-        return {"exp_avg": _zeros(param), "exp_avg_sq": _zeros(param)}
+        return {"exp_avg": _zeros(param), "exp_avg_sq": _zeros(param),
+                **({"max_exp_avg_sq": _zeros(param)} if self.amsgrad else {})}
 
     def update(self, p, g, s, hp, step):
         lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
         if self.decoupled:
+            g = -g if self.maximize else g
             p = p * (1.0 - lr * hp["weight_decay"]) if self.nonzero("weight_decay") else p
         else:
             g = _decay(self, g, p, hp)
         m = s["exp_avg"] + (1.0 - b1) * (g - s["exp_avg"])          # torch's lerp (weight < 0.5)
         v = b2 * s["exp_avg_sq"] + (1.0 - b2) * (g * g)
+        new = {"exp_avg": m, "exp_avg_sq": v}
+        if self.amsgrad:
+            v = new["max_exp_avg_sq"] = T.maximum(s["max_exp_avg_sq"], v)
         step_size = lr / (1.0 - b1 ** step)
         bc2_sqrt = T.sqrt(1.0 - b2 ** step)
         denom = T.sqrt(v) / bc2_sqrt + hp["eps"]
-        return p + (-step_size) * m / denom, {"exp_avg": m, "exp_avg_sq": v}    # torch's addcdiv
+        return p + (-step_size) * m / denom, new    # torch's addcdiv
 
 
 class AdamW(Adam):
     """torch.optim.AdamW: decoupled weight decay (p *= 1 - lr * weight_decay), default 0.01."""
     decoupled = True
 
-    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, groups=None):
-        super().__init__(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, groups=groups)
+    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, amsgrad=False, groups=None,
+                 maximize=False):
+        super().__init__(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, groups=groups,
+                         maximize=maximize)
 
 
-class Adagrad(Optimizer):
-    """torch.optim.Adagrad: lr_decay, weight_decay, initial_accumulator_value, eps."""
+class Adagrad(_Torch):
+    """torch.optim.Adagrad: lr_decay, weight_decay, initial_accumulator_value, eps, maximize."""
 
     def __init__(self, lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10,
-                 groups=None):
-        super().__init__(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, groups=groups)
+                 groups=None, maximize=False):
+        super().__init__(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, groups=groups,
+                         maximize=maximize)
         self.initial_accumulator_value = float(initial_accumulator_value)
 
     def init(self, name, param):
@@ -103,12 +126,12 @@ class Adagrad(Optimizer):
         return p + (-clr) * g / (T.sqrt(acc) + hp["eps"]), {"sum": acc}
 
 
-class Adadelta(Optimizer):
-    """torch.optim.Adadelta: lr (default 1.0), rho, eps, weight_decay."""
+class Adadelta(_Torch):
+    """torch.optim.Adadelta: lr (default 1.0), rho, eps, weight_decay, maximize."""
 
-    def __init__(self, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, groups=None):
+    def __init__(self, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, groups=None, maximize=False):
         _check("Adadelta", rho=(rho, 0.0, 1.0))
-        super().__init__(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, groups=groups)
+        super().__init__(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, groups=groups, maximize=maximize)
 
     def init(self, name, param):
         return {"square_avg": _zeros(param), "acc_delta": _zeros(param)}
@@ -122,12 +145,14 @@ class Adadelta(Optimizer):
         return p - hp["lr"] * delta, {"square_avg": sq, "acc_delta": acc}
 
 
-class RMSprop(Optimizer):
-    """torch.optim.RMSprop: alpha, eps, weight_decay, momentum, centered."""
+class RMSprop(_Torch):
+    """torch.optim.RMSprop: alpha, eps, weight_decay, momentum, centered, maximize."""
 
-    def __init__(self, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False, groups=None):
+    def __init__(self, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False, groups=None,
+                 maximize=False):
         _check("RMSprop", alpha=(alpha, 0.0, 1.0), momentum=(momentum, 0.0, 1.0))
-        super().__init__(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, groups=groups)
+        super().__init__(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, groups=groups,
+                         maximize=maximize)
         self.centered = bool(centered)
 
     def init(self, name, param):
@@ -184,7 +209,7 @@ def one_pass(opt, p, g, s, hp, step, scale, flags):
     None for any other optimizer, a subclass overriding either included. flags: "scale" (g is multiplied by the clip
     factor `scale`), "skip" (a NaN scale leaves every value as it was)."""
     cls = next((c for c in (SGD, Adam, Adadelta) if type(opt).update is c.update and type(opt).init is c.init), None)
-    if cls is None:
+    if cls is None or getattr(opt, "maximize", False) or getattr(opt, "amsgrad", False):
         return None
     flags = set(flags) | {f for f, k in (("wd", "weight_decay"), ("momentum", "momentum"),
                                          ("dampening", "dampening")) if k in hp and opt.nonzero(k)}
