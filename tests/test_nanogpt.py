@@ -93,6 +93,39 @@ def test_adamw_trajectory_matches_pytorch_nanogpt(bias):
         np.testing.assert_allclose(v, want, rtol=1e-4, atol=1e-5, err_msg=k)
 
 
+def test_recipe_program_matches_pytorch_nanogpt_over_its_warmup():
+    """configs/nanogpt_cpu.toml's program as `btjit train` builds it (its size, AdamW with decay on the matrices
+    only, clip 1.0) and its lr schedule, against the torch peer's model, configure_optimizers and get_lr from the
+    same init and batches: 120 steps (the warm-up and the first decay steps) agree to float32 rounding."""
+    from btjit.train import runparts, schedule
+    cfg = config_mod.load(CONFIGS / "nanogpt_cpu.toml")
+    o, m = cfg.optim, model_for(cfg.model, 65)
+    params = m.init_params(np.random.default_rng(0))
+    model = torch_gpt(m.cfg, params)
+    opt = model.configure_optimizers(o.weight_decay, o.lr, o.betas)
+    rng = np.random.default_rng(1)
+    batch = lambda: tuple(rng.integers(0, 65, (12, 64)).astype(np.int32) for _ in range(2))  # noqa: E731
+    prog = runparts.build_program(cfg, m, {k: v.copy() for k, v in params.items()}, *batch())
+    for it in range(120):
+        lr = schedule.lr_at(it, o.lr, o.schedule, o.warmup_steps, o.decay_steps, o.lr_min)
+        assert lr == NG.get_lr(it, o.lr, o.warmup_steps, o.decay_steps, o.lr_min)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        prog.lr = lr
+        x, y = batch()
+        _, ref = model(torch.tensor(x, dtype=torch.long), torch.tensor(y, dtype=torch.long))
+        ref.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        got = prog.step(x, y)
+        assert abs(got - ref.item()) < 1e-5, f"step {it}: {got} vs {ref.item()}"
+    sd = model.state_dict()
+    for k, v in prog.params.items():
+        want = sd[k].numpy()
+        np.testing.assert_allclose(v, want.T if v.ndim == 2 and ".h." in k else want, rtol=1e-4, atol=1e-5, err_msg=k)
+
+
 def test_dropout_sites_train_and_eval():
     """dropout 0.2 at the four sites: eval mode is the dropout-0 model exactly; training draws masks from the seed
     (the same seed the same loss, another seed another loss) and changes the loss at every site."""
