@@ -207,7 +207,7 @@ def _pairs(width, adjacent):
     return pairs
 
 
-_pairs16, _pairs8, _adjacent16 = _pairs(16, False), _pairs(8, False), _pairs(16, True)
+_pairs16, _pairs8, _adjacent16, _adjacent8 = _pairs(16, False), _pairs(8, False), _pairs(16, True), _pairs(8, True)
 
 
 @njit(**FM)
@@ -245,7 +245,8 @@ def _pack(a, ws, o, src, s_lane, s_k, n_pairs, lanes, stride, k_left):
 @njit(**FM)
 def _pack_rows(a, ws, o, src, sar, n_pairs, rows, nrows, k_left):
     """Pairs of rows whose k-steps are adjacent (row-major A, or B^T's rows): ws[o + r*KB/2 + p] = the pair
-    (bf16 of a[src + r*sar + 2p], of the next) for r < rows, p < n_pairs (16 pairs a time, then _pack's loop);
+    (bf16 of a[src + r*sar + 2p], of the next) for r < rows, p < n_pairs (16 pairs a time, then 8, then
+    _pack's loop for the last < 8: K = 24 or 48 packed by scalars cost more than the bf16 products saved);
     rows from `rows` to nrows zero."""
     for r in range(nrows):
         if r >= rows:
@@ -255,6 +256,9 @@ def _pack_rows(a, ws, o, src, sar, n_pairs, rows, nrows, k_left):
         full = k_left // 32 * 16
         for p in range(0, full, 16):
             _adjacent16(a, ws, o + r * (KB // 2) + p, src + r * sar + 2 * p, 0, 0)
+        if k_left - 2 * full >= 16:
+            _adjacent8(a, ws, o + r * (KB // 2) + full, src + r * sar + 2 * full, 0, 0)
+            full += 8
         _pack(a, ws, o + r * (KB // 2) + full, src + r * sar + 2 * full, 0, 1, n_pairs - full, 1, 1,
               k_left - 2 * full)
 
