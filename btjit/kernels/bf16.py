@@ -173,23 +173,34 @@ def _rounded(builder, u, k):
     return builder.select(nan, builder.or_(u, k(0x400000)), r)
 
 
-def _pairs(width, adjacent):
+def _pairs(width, adjacent, masked=False):
     """Intrinsic pairs(a, ws, o, src, s_k, both): ws[o + l] for l < width = the pair (bf16 of a[src + l],
     bf16 of a[src + s_k + l]) (the second zero unless both), or with adjacent the pair (bf16 of a[src + 2l],
-    bf16 of a[src + 2l + 1]) (s_k and both unused); vectors, the rounding as _bf16's."""
+    bf16 of a[src + 2l + 1]) (both unused; s_k unused, or with masked the number of floats to read: those
+    past it are not read and pack as 0); vectors, the rounding as _bf16's."""
     @intrinsic
     def pairs(typingctx, a, ws, o, src, s_k, both):
         def impl(context, builder, sig, args):
             ad = context.make_array(sig.args[0])(context, builder, args[0]).data
             wd = context.make_array(sig.args[1])(context, builder, args[1]).data
             _, _, o, src, s_k, both = args
-            vi = ir.VectorType(ir.IntType(32), width)
+            i32 = ir.IntType(32)
+            vi = ir.VectorType(i32, width)
 
             def load(off, n):
-                return builder.load(builder.bitcast(builder.gep(ad, [off]), ir.VectorType(ir.IntType(32), n).as_pointer()),
-                                    align=4)
+                vt = ir.VectorType(i32, n)
+                ptr = builder.bitcast(builder.gep(ad, [off]), vt.as_pointer())
+                if not masked:
+                    return builder.load(ptr, align=4)
+                name = f"llvm.masked.load.v{n}i32.p0"
+                fn = builder.module.globals.get(name) or ir.Function(
+                    builder.module, ir.FunctionType(vt, [vt.as_pointer(), i32, ir.VectorType(ir.IntType(1), n), vt]),
+                    name)
+                keep = builder.icmp_signed("<", ir.Constant(vt, list(range(n))),
+                                           splat(builder, builder.trunc(s_k, i32), vt))
+                return builder.call(fn, [ptr, ir.Constant(i32, 4), keep, ir.Constant(vt, None)])
             if adjacent:
-                k2 = lambda x: ir.Constant(ir.VectorType(ir.IntType(32), 2 * width), [x] * 2 * width)  # noqa: E731
+                k2 = lambda x: ir.Constant(ir.VectorType(i32, 2 * width), [x] * 2 * width)  # noqa: E731
                 r = _rounded(builder, load(src, 2 * width), k2)
                 even = builder.shuffle_vector(r, r, ir.Constant(vi, list(range(0, 2 * width, 2))))
                 odd = builder.shuffle_vector(r, r, ir.Constant(vi, list(range(1, 2 * width, 2))))
@@ -207,7 +218,8 @@ def _pairs(width, adjacent):
     return pairs
 
 
-_pairs16, _pairs8, _adjacent16, _adjacent8 = _pairs(16, False), _pairs(8, False), _pairs(16, True), _pairs(8, True)
+_pairs16, _pairs8, _adjacent16 = _pairs(16, False), _pairs(8, False), _pairs(16, True)
+_adjacent16_upto = _pairs(16, True, masked=True)
 
 
 @njit(**FM)
@@ -245,9 +257,9 @@ def _pack(a, ws, o, src, s_lane, s_k, n_pairs, lanes, stride, k_left):
 @njit(**FM)
 def _pack_rows(a, ws, o, src, sar, n_pairs, rows, nrows, k_left):
     """Pairs of rows whose k-steps are adjacent (row-major A, or B^T's rows): ws[o + r*KB/2 + p] = the pair
-    (bf16 of a[src + r*sar + 2p], of the next) for r < rows, p < n_pairs (16 pairs a time, then 8, then
-    _pack's loop for the last < 8: K = 24 or 48 packed by scalars cost more than the bf16 products saved);
-    rows from `rows` to nrows zero."""
+    (bf16 of a[src + r*sar + 2p], of the next) for r < rows, p < n_pairs (16 pairs a time, the last 16 from a
+    masked load: a K of 24 packed by scalars cost more than its bf16 products saved); rows from `rows` to nrows
+    zero. Writes whole 16-pair groups (up to KB/2 a row: the pairs past n_pairs are zero)."""
     for r in range(nrows):
         if r >= rows:
             for p in range(n_pairs):
@@ -256,11 +268,8 @@ def _pack_rows(a, ws, o, src, sar, n_pairs, rows, nrows, k_left):
         full = k_left // 32 * 16
         for p in range(0, full, 16):
             _adjacent16(a, ws, o + r * (KB // 2) + p, src + r * sar + 2 * p, 0, 0)
-        if k_left - 2 * full >= 16:
-            _adjacent8(a, ws, o + r * (KB // 2) + full, src + r * sar + 2 * full, 0, 0)
-            full += 8
-        _pack(a, ws, o + r * (KB // 2) + full, src + r * sar + 2 * full, 0, 1, n_pairs - full, 1, 1,
-              k_left - 2 * full)
+        if 2 * full < k_left:
+            _adjacent16_upto(a, ws, o + r * (KB // 2) + full, src + r * sar + 2 * full, k_left - 2 * full, 0)
 
 
 @njit(**FM)

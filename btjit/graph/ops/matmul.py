@@ -77,16 +77,11 @@ def kc_rows(M, N, K, tb) -> int:
     return linalg.MICRO_B_MAX // N // 8 * 8
 
 
-BF16_MIN = 32   # K and N from which a bf16 product beats float32: below, packing the pairs costs more than the
-#                 products save (one thread, znver5, against float32: K 24 0.65-0.84x, K 32-64 1.2-1.4x; N 24-32
-#                 0.98-1.14x, N 48 1.13-1.30x); an AMX tile row holds 32 bf16 k-steps, so a shorter K wastes it
-
-
-def bf16_gemm(L, N, K, float_dtype) -> bool:
+def bf16_gemm(L, N, float_dtype) -> bool:
     """Whether a product runs on k_matmul_bf16 or k_matmul_amx (bf16 operands, float32 sums; gemm_rule.bf16_kernel
-    chooses): a float32 program traced with precision="bf16", N and K at least BF16_MIN (smaller products
-    stay float32)."""
-    return L.precision == "bf16" and float_dtype == "f32" and min(N, K) >= max(BF16_MIN, bf16.N_MIN)
+    chooses): a float32 program traced with precision="bf16", C at least bf16.N_MIN columns wide (narrower
+    products stay float32)."""
+    return L.precision == "bf16" and float_dtype == "f32" and N >= bf16.N_MIN
 
 
 def batch_split(nbatch, threads) -> bool:
@@ -115,7 +110,7 @@ def _lower_matmul(e, L, beta=0, bias=0, osum=0, res=None, relu=False):
     threads = min(L.threads, MAX_THREADS)
     par = par_gemm(M * N * K * nb_total, threads)
 
-    bf = bf16_gemm(L, N, K, C.dtype) and not beta
+    bf = bf16_gemm(L, N, C.dtype) and not beta
 
     def micro(m):           # bias, residual and relu inside the product's kernel
         return bf or micro_gemm(m, N, K, ta, tb, beta, bias, C.dtype)
@@ -208,7 +203,7 @@ def _lower_matmul_colsum(e, L):
     (X, G), (dW, db) = e.ins, e.outs
     mm = type(e)("matmul", (X, G), (dW,), {"ta": True, "tb": False})
     M, N, K = X.shape[1], G.shape[1], X.shape[0]
-    if micro_gemm(M, N, K, 1, 0, 0, 0, X.dtype) and not bf16_gemm(L, N, K, X.dtype):
+    if micro_gemm(M, N, K, 1, 0, 0, 0, X.dtype) and not bf16_gemm(L, N, X.dtype):
         return _lower_matmul(mm, L, osum=L.off(db))
     return _lower_matmul(mm, L) + TABLE["sum"].lower(type(e)("sum", (G,), (db,), {"lo": 0, "hi": 1}), L)
 
