@@ -81,7 +81,7 @@ def test_concrete_value_of_a_traced_value(form):
 
 
 @pytest.mark.parametrize("call,name", [
-    (lambda x: np.sort(x), "np.sort"), (lambda x: np.cumprod(x), "np.cumprod"), (lambda x: np.sin(x), "np.sin"),
+    (lambda x: np.sort(x), "np.sort"), (lambda x: np.cumprod(x), "np.cumprod"), (lambda x: np.arcsinh(x), "np.arcsinh"),
     (lambda x: np.exp(x, dtype=np.float32), "np.exp"), (lambda x: np.add.reduce(x), "np.add"),
     (lambda x: np.argsort(x), "np.argsort"),
 ])
