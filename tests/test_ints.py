@@ -1,7 +1,7 @@
-"""Integer values inside the trace: slicing and indexing, reshape/transpose, concatenate and stack, roll,
-assignment (x[:, 0] = v), integer arithmetic, comparisons giving masks for where, arange constants -- each
-against numpy inside programs that also train (AdamW steps against a float64 numpy reference where it
-matters); float stack / setitem / expand with their gradients against finite differences; makemore's MLP
+"""Integer values inside the trace: slicing and indexing (by slices, index arrays and constant masks),
+reshape/transpose, concatenate and stack, roll, assignment (x[:, 0] = v), integer arithmetic, comparisons giving
+masks for where, arange constants -- each against numpy inside programs that also train (AdamW steps against a
+float64 numpy reference where it matters); float stack / setitem / expand with their gradients against finite differences; makemore's MLP
 context and nanoGPT's positions written as their sources write them; a computed index out of range."""
 import numpy as np
 import pytest
@@ -51,6 +51,9 @@ def _program(int_fn, np_fn):
     ("arithmetic", lambda i: btjit.minimum(i * 2 + 3 - i, V - 1), lambda i: np.minimum(i * 2 + 3 - i, V - 1)),
     ("maximum", lambda i: btjit.maximum(i - 3, 0), lambda i: np.maximum(i - 3, 0)),
     ("arange", lambda i: i[0] * 0 + btjit.arange(T), lambda i: np.arange(T)),
+    ("boolean mask", lambda i: i[np.array([True, False, True])], lambda i: i[[0, 2]]),     # labels[train_mask]
+    ("index array", lambda i: i[:, [4, 0, 4]], lambda i: i[:, [4, 0, 4]]),
+    ("take rows", lambda i: btjit.take(i, np.array([2, 0, 2])), lambda i: i[[2, 0, 2]]),
 ])
 def test_integer_op_inside_a_training_program(name, int_fn, np_fn):
     _program(int_fn, np_fn)

@@ -209,14 +209,21 @@ def k_gelu_bwd(a, ia, r):
 
 
 # ---------------------------------------------------------------- embedding gather / scatter-add
-@row("otable oidx oout n C")
+@row("otable oidx oout n C ints")
 @njit(**FM)
 def k_gather_rows(a, ia, r):
     """out[i, :] = table[ia[oidx + i], :] for i < n.
 
-    table: (V, C); idx: int32 ia[oidx:oidx+n]; out: (n, C)
+    table: (V, C); idx: int32 ia[oidx:oidx+n]; out: (n, C); ints 1: table and out int32, in ia (labels
+    indexed by a mask)
     """
     otable = r[1]; oidx = r[2]; oout = r[3]; n = r[4]; C = r[5]
+    if r[6]:
+        for i in range(n):
+            j = ia[oidx + i]
+            for c in range(C):
+                ia[oout + i * C + c] = ia[otable + j * C + c]
+        return
     for i in range(n):
         j = ia[oidx + i]
         src = a[otable + j * C:otable + j * C + C]

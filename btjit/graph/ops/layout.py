@@ -187,11 +187,11 @@ op("concatenate", infer=_concat_rule, ref=lambda xs, a: (np.concatenate(xs, a["a
 # ----------------------------------------------------------------------------- gather
 def _take_rule(types, attrs, fd):
     (st, dt), (si, di) = types
-    if dt == "i32" or di != "i32":
-        raise ShapeError("take needs a float table and an integer index array")
+    if di != "i32":
+        raise ShapeError("take needs an integer index array")
     if not st:
         raise ShapeError("cannot index a 0-d value")
-    return [(tuple(si) + tuple(st[1:]), fd)]
+    return [(tuple(si) + tuple(st[1:]), dt if dt == "i32" else fd)]
 
 
 def _row_len(shape):
@@ -201,7 +201,7 @@ def _row_len(shape):
 op("take", infer=_take_rule, ref=lambda xs, a: (xs[0][xs[1]],),
    lower=lambda e, L: L.index_check(e, e.ins[1], e.ins[0].shape[0]) + [
        L.row("k_gather_rows", otable=L.off(e.ins[0]), oidx=L.off(e.ins[1]), oout=L.off(e.outs[0]), n=e.ins[1].size,
-             C=_row_len(e.ins[0].shape))],
+             C=_row_len(e.ins[0].shape), ints=int(e.ins[0].dtype == "i32"))],
    vjp=lambda g, x, o, a: [T.emit("take_grad", (g[0], x[1]), rows=x[0].shape[0]), None],
    cases=[Case((F(5, 3), ("i", (4, 2), 5))), Case((F(6), ("i", (7,), 6)))])
 
