@@ -73,6 +73,9 @@ CASES = {
                  (3, 4, 5), 1.0),
     "tril_triu": (lambda x: np.triu(x, 1) + x.tril(-2) * 2.0, lambda x: torch.triu(x, 1) + x.tril(-2) * 2.0,
                   (2, 4, 5), 1.0),
+    "torch_methods": (lambda x: (x.clamp_min(-0.3) + x.mT.mT.clamp_max(0.5) + x[:, :1].expand_as(x)) / x.numel(),
+                      lambda x: (x.clamp_min(-0.3) + x.mT.mT.clamp_max(0.5) + x[:, :1].expand_as(x)) / x.numel(),
+                      X, 1.0),
     "methods": (lambda x: (x.abs() + 0.5).sqrt().log() + x.relu() * x.sigmoid() - x.tanh().exp(),
                 lambda x: (x.abs() + 0.5).sqrt().log() + x.relu() * x.sigmoid() - x.tanh().exp(), X, 1.5),
 }

@@ -429,5 +429,7 @@ METHODS.update({
     "unsqueeze": lambda x, dim: expand_dims(x, dim), "contiguous": lambda x: x, "t": lambda x: transpose(x),
     "masked_fill": lambda x, mask, value: where(mask, value, x), "chunk": chunk, "split": torch_split,
     "softmax": lambda x, dim=-1: softmax(x, dim), "log_softmax": lambda x, dim=-1: log_softmax(x, dim),
-    "movedim": moveaxis, "tril": lambda x, diagonal=0: tri(x, diagonal),
+    "movedim": moveaxis, "tril": lambda x, diagonal=0: tri(x, diagonal), "numel": lambda x: x.node.size,
+    "expand_as": lambda x, other: broadcast_to(x, other.shape), "clamp_min": lambda x, m: maximum(x, m),
+    "clamp_max": lambda x, m: minimum(x, m), "type_as": lambda x, other: x.astype(other.dtype),
     "triu": lambda x, diagonal=0: tri(x, diagonal, lower=False)})

@@ -56,6 +56,7 @@ class Tracer:
     size = property(lambda self: _Size(self.node.size, self.node.shape))
     dtype = property(lambda self: np.dtype({"f32": np.float32, "f64": np.float64, "i32": np.int32}[self.node.dtype]))
     T = property(lambda self: transpose(self))
+    mT = property(lambda self: swapaxes(self, -1, -2))      # torch's: the last two axes swapped
 
     def __repr__(self):
         return f"Tracer({self.node!r}: {self.node.type_str})"
