@@ -54,13 +54,6 @@ def _taps(C, H, W, kh, kw, dh, dw, nhwc, flip):
 
 
 @njit(**FM)
-def _tap_off(t, C, H, W, kh, kw, dh, dw, nhwc, flip):
-    """Offset in x of tap t of the window (in _taps's order)."""
-    base, n1, s1, n2, s2, n3, s3 = _taps(C, H, W, kh, kw, dh, dw, nhwc, flip)
-    return base + t // (n2 * n3) * s1 + t // n3 % n2 * s2 + t % n3 * s3
-
-
-@njit(**FM)
 def conv_part(a, r, part, nparts):
     """Part `part` of nparts of a k_conv row (pixel blocks of the output for mode 0, tap blocks of dW for 1)."""
     mode = r[1]; ox = r[2]; ob = r[3]; oc = r[4]; obias = r[5]; N = r[6]; C = r[7]; H = r[8]; W = r[9]
@@ -75,10 +68,16 @@ def conv_part(a, r, part, nparts):
         nblk = N * per if tout else (N * P + MR - 1) // MR
         for blk in range(part * nblk // nparts, (part + 1) * nblk // nparts):
             p0 = blk // per * P + min(blk % per * MR, P - MR) if tout else min(blk * MR, N * P - MR)
+            n = p0 // P                 # the block's first pixel (n, oh, ow); then counted up pixel by pixel
+            oh = (p0 - n * P) // OW     # (64-bit divisions per pixel cost ~1/3 of a K = 9 convolution)
+            ow = p0 - n * P - oh * OW
             for q in range(MR):
-                n = (p0 + q) // P
-                oh = (p0 + q - n * P) // OW
-                tab[q] = n * sN + oh * sh * sH + (p0 + q - n * P - oh * OW) * sw * sW
+                tab[q] = n * sN + oh * sh * sH + ow * sw * sW
+                ow += 1
+                if ow == OW:
+                    ow, oh = 0, oh + 1
+                    if oh == OH:
+                        oh, n = 0, n + 1
             n = p0 // P
             at = oc + n * O * P + p0 - n * P if tout else oc + p0 * O
             i0, i1 = 0, n1
@@ -93,11 +92,20 @@ def conv_part(a, r, part, nparts):
     K = C * kh * kw         # dW (Kpad, O) = patches^T @ dy: a row per tap (rows K.. repeat tap K-1), by images
     nblk = (K + MR - 1) // MR
     per = max(1, 256 // P)  # images per call: at least 256 pixels summed between C's loads and stores
+    base, n1, s1, n2, s2, n3, s3 = _taps(C, H, W, kh, kw, dh, dw, nhwc, flip)
     for n0 in range(0, N, per):
         ni = min(per, N - n0)
         for blk in range(part * nblk // nparts, (part + 1) * nblk // nparts):
+            t = min(blk * MR, K - 1)        # the block's first tap (u, v, w) in the nest; then counted up
+            u, v, w = t // (n2 * n3), t // n3 % n2, t % n3
             for q in range(MR):
-                tab[q] = _tap_off(min(blk * MR + q, K - 1), C, H, W, kh, kw, dh, dw, nhwc, flip)
+                tab[q] = base + u * s1 + v * s2 + w * s3
+                if t < K - 1:
+                    t, w = t + 1, w + 1
+                    if w == n3:
+                        w, v = 0, v + 1
+                        if v == n2:
+                            v, u = 0, u + 1
             _gtile(a, tab, ox + n0 * sN, ob + n0 * P * O, O, oc + blk * MR * O, O, ni, sN, OH, sh * sH, OW, sw * sW,
                    O, 0, n0, 0, 0)
 
