@@ -18,8 +18,8 @@ __all__ += ["leaky_relu", "elu", "relu6", "mse_loss", "l1_loss", "smooth_l1_loss
 __all__ += ["scaled_dot_product_attention", "dropout", "dropout2d", "rand_like", "randn_like", "is_training", "assign",
             "batch_norm"]     # randomness inside the step (kernels/rng.py)
 __all__ += ["conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "max_pool1d", "max_pool2d", "avg_pool1d",
-            "avg_pool2d", "adaptive_avg_pool2d", "interpolate", "flatten", "pad", "pixel_shuffle", "adaptive_max_pool2d",
-            "adaptive_avg_pool1d", "adaptive_max_pool1d"]
+            "avg_pool2d", "adaptive_avg_pool2d", "interpolate", "flatten", "pad", "pixel_shuffle",
+            "adaptive_max_pool2d", "adaptive_avg_pool1d", "adaptive_max_pool1d"]
 __all__ += ["sin", "cos", "hardtanh", "hardsigmoid", "hardswish", "logsigmoid", "mish", "selu", "celu", "softsign",
             "prelu", "glu", "normalize", "cosine_similarity", "kl_div", "huber_loss"]
 

@@ -1,8 +1,9 @@
 """Integer values inside the trace: slicing and indexing (by slices, index arrays and constant masks),
-reshape/transpose, concatenate and stack, roll, assignment (x[:, 0] = v), integer arithmetic, comparisons giving
-masks for where, arange constants -- each against numpy inside programs that also train (AdamW steps against a
-float64 numpy reference where it matters); float stack / setitem / expand with their gradients against finite differences; makemore's MLP
-context and nanoGPT's positions written as their sources write them; a computed index out of range."""
+reshape/transpose, concatenate and stack, roll, assignment (x[:, 0] = v), integer arithmetic, comparisons
+giving masks for where, arange constants -- each against numpy inside programs that also train (AdamW steps
+against a float64 numpy reference where it matters); float stack / setitem / expand with their gradients
+against finite differences; makemore's MLP context and nanoGPT's positions written as their sources write
+them; a computed index out of range."""
 import numpy as np
 import pytest
 

@@ -1,6 +1,6 @@
 """btjit.optim: every built-in against torch.optim and a numpy transcription (tests/optim_numpy.py) over 20
-steps with param groups, weight decay and momentum (and Adam's amsgrad, maximize), in float64 (1e-12) and float32 (1e-6 relative); the
-update as one fused pass per group; hyper-parameters changed between steps; the group rules and errors.
+steps with param groups, weight decay and momentum (and Adam's amsgrad, maximize), in float64 (1e-12) and
+float32 (1e-6 relative); the update as one fused pass per group; hyper-parameters changed between steps; the group rules and errors.
 A user-written optimizer end to end is in test_optim_user.py."""
 import numpy as np
 import pytest

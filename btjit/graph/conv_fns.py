@@ -276,9 +276,11 @@ def _adaptive(fn, mode, x, output_size, nd):
     if x.ndim not in (nd + 1, nd + 2):
         _fail(fn, f"needs ({'N, C, H, W' if nd == 2 else 'N, C, L'}) or an unbatched input", x)
     sizes = x.shape[-nd:]
-    given = (output_size,) * nd if output_size is None or isinstance(output_size, (int, np.integer)) else output_size
-    out = _tuple(fn, tuple(n if o is None else o for o, n in zip(given, sizes)) if len(given) == nd else given, nd,
-                 "output_size")
+    given = (output_size,) * nd if output_size is None or isinstance(output_size, (int, np.integer)) else \
+        tuple(output_size)
+    if len(given) == nd:                    # None keeps an axis's size
+        given = tuple(n if o is None else o for o, n in zip(given, sizes))
+    out = _tuple(fn, given, nd, "output_size")
     if any(o < 1 for o in out):
         _fail(fn, f"output size {out} must be positive", x)
     if not any(n % o for n, o in zip(sizes, out)):

@@ -1,7 +1,7 @@
 """More of torch.nn.functional, composed of the op table's ops as btjit/graph/functional.py's activations are:
 the activations hardtanh, hardsigmoid, hardswish, logsigmoid, mish, selu, celu, softsign, prelu and glu; normalize
-and cosine_similarity; the losses kl_div and huber_loss. Each is torch's formula (its gradient at a kink is
-torch's where one side is torch's choice), fused into one elementwise row forward and one backward.
+and cosine_similarity; the losses kl_div and huber_loss. Each is torch's formula; its elementwise parts fuse into
+one row forward and one backward.
 """
 from __future__ import annotations
 

@@ -28,8 +28,7 @@ from btjit.kernels.common import FM, FM_PAR, ferf, fexp, fptr, ftanh, row, stack
 from btjit.kernels.rng import fill, first, key
 from btjit.kernels.elementwise import (B_ADD, B_DIV, B_EQ, B_GE, B_GT, B_LE, B_LT, B_MAX, B_MIN, B_MUL, B_NE, B_POW,
                           B_RELU_GRAD, B_SIGMOID_GRAD, B_SUB, B_TANH_GRAD, U_ABS, U_COPY, U_ERF, U_EXP, U_LOG,
-                          U_LOG1P, U_NEG, U_RELU, U_SIGMOID, U_SIGN, U_SQRT, U_TANH,
-                          U_SIN, U_COS)
+                          U_LOG1P, U_NEG, U_RELU, U_SIGMOID, U_SIGN, U_SQRT, U_TANH, U_SIN, U_COS)
 
 BLOCK = 1024         # elements per register
 NREG = 16            # registers (BLOCK * NREG floats of stack: 64 KB in float32)

@@ -1,7 +1,8 @@
 """The built-in optimizers, each an `Optimizer` whose update is traced like a user's, with torch.optim's
-semantics and argument names (single-tensor implementation, maximize and Adam's amsgrad included), plus Lion (Chen et al.
-2023, as lucidrains' lion-pytorch). Hyper-parameters are arena slots; options that change the equations
-(nesterov, centered, whether momentum or a decay term exists at all) are fixed when the program is traced.
+semantics and argument names (single-tensor implementation, maximize and Adam's amsgrad included), plus Lion
+(Chen et al. 2023, as lucidrains' lion-pytorch). Hyper-parameters are arena slots; options that change the
+equations (nesterov, centered, amsgrad, maximize, whether momentum or a decay term exists at all) are fixed when
+the program is traced.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ class _Torch(Optimizer):
 class SGD(_Torch):
     """torch.optim.SGD: momentum, dampening, nesterov, weight_decay (L2, added to the gradient), maximize."""
 
-    def __init__(self, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, groups=None, maximize=False):
+    def __init__(self, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, groups=None,
+                 maximize=False):
         _check("SGD", momentum=(momentum, 0.0, 1.0), dampening=(dampening, 0.0, 1.0))
         if nesterov and (momentum <= 0 or dampening != 0):
             raise OptimizerError("SGD: nesterov needs momentum > 0 and dampening = 0")
