@@ -228,7 +228,7 @@ def test_every_kernel_reads_its_row_as_declared(monkeypatch):
     from btjit.kernels.common import ROWS, RowDecl
     assert rowcheck.check_rows() == []
     assert set(library.KERNELS) == set(ROWS)
-    monkeypatch.setitem(ROWS, "k_gather_rows", RowDecl(("oidx", "otable", "oout", "n", "C"), None))
+    monkeypatch.setitem(ROWS, "k_gather_rows", RowDecl(("oidx", "otable", "oout", "n", "C", "ints"), None))
     assert rowcheck.check_rows(["k_gather_rows"]) == [
         "k_gather_rows: k_gather_rows names r[1] 'otable', its row declares 'oidx'",
         "k_gather_rows: k_gather_rows names r[2] 'oidx', its row declares 'otable'"]
