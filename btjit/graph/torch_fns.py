@@ -6,15 +6,16 @@ one row forward and one backward.
 from __future__ import annotations
 
 from btjit.graph.functional import _pair, _reduced, elu, relu6, softplus
-from btjit.graph.trace import (TraceError, abs, exp, lift, log, log1p, maximum, minimum, reshape, sigmoid, sqrt, sum,
-                               tanh, user_src, where)
+from btjit.graph.numpy_fns import clip, norm
+from btjit.graph.trace import (TraceError, abs, exp, lift, log, log1p, maximum, minimum, reshape, sigmoid, sum, tanh,
+                               user_src, where)
 
 _SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
 
 
 def hardtanh(x, min_val=-1.0, max_val=1.0):
     """x clamped to [min_val, max_val]."""
-    return minimum(maximum(lift(x), float(min_val)), float(max_val))
+    return clip(x, float(min_val), float(max_val))
 
 
 def hardsigmoid(x):
@@ -80,7 +81,7 @@ def glu(x, dim=-1):
 
 def _pnorm(x, p, dim):
     if p == 2:
-        return sqrt(sum(x * x, dim, keepdims=True))
+        return norm(x, None, dim, keepdims=True)
     if p == 1:
         return sum(abs(x), dim, keepdims=True)
     return sum(abs(x) ** float(p), dim, keepdims=True) ** (1.0 / p)
@@ -95,9 +96,7 @@ def normalize(x, p=2.0, dim=1, eps=1e-12):
 def cosine_similarity(x1, x2, dim=1, eps=1e-8):
     """sum((x1 / max(||x1||, eps)) * (x2 / max(||x2||, eps)), dim), torch's formula (each side normalized
     first); x1 and x2 broadcast."""
-    x1, x2 = lift(x1), lift(x2)
-    n1, n2 = (maximum(sqrt(sum(v * v, dim, keepdims=True)), float(eps)) for v in (x1, x2))
-    return sum((x1 / n1) * (x2 / n2), dim)
+    return sum(normalize(x1, 2, dim, eps) * normalize(x2, 2, dim, eps), dim)
 
 
 def kl_div(input, target, reduction="mean", log_target=False):  # noqa: A002 -- torch's names

@@ -68,17 +68,16 @@ def conv_part(a, r, part, nparts):
         nblk = N * per if tout else (N * P + MR - 1) // MR
         for blk in range(part * nblk // nparts, (part + 1) * nblk // nparts):
             p0 = blk // per * P + min(blk % per * MR, P - MR) if tout else min(blk * MR, N * P - MR)
-            n = p0 // P                 # the block's first pixel (n, oh, ow); then counted up pixel by pixel
+            n = p0 // P                 # the block's first pixel (n, oh, ow); the others counted up from it
             oh = (p0 - n * P) // OW     # (64-bit divisions per pixel cost ~1/3 of a K = 9 convolution)
-            ow = p0 - n * P - oh * OW
+            qn, qh, qw = n, oh, p0 - n * P - oh * OW
             for q in range(MR):
-                tab[q] = n * sN + oh * sh * sH + ow * sw * sW
-                ow += 1
-                if ow == OW:
-                    ow, oh = 0, oh + 1
-                    if oh == OH:
-                        oh, n = 0, n + 1
-            n = p0 // P
+                tab[q] = qn * sN + qh * sh * sH + qw * sw * sW
+                qw += 1
+                if qw == OW:
+                    qw, qh = 0, qh + 1
+                    if qh == OH:
+                        qh, qn = 0, qn + 1
             at = oc + n * O * P + p0 - n * P if tout else oc + p0 * O
             i0, i1 = 0, n1
             if vh > 0 and nhwc and (p0 + MR - 1) // P == n:    # only the taps reaching x's rows pt .. pt+vh-1

@@ -24,11 +24,11 @@ def _check(who, **ranges):
             raise OptimizerError(f"{who}: {k} must be in [{lo}, {hi}], got {v}")
 
 
-def _decay(opt, grad, param, hp):
-    """torch's coupled L2 decay: grad + weight_decay * param (only if some group decays), of -grad if the
-    optimizer maximizes."""
+def _decay(opt, grad, param, hp, coupled=True):
+    """The gradient torch's update reads: -grad if the optimizer maximizes, plus the coupled L2 decay
+    weight_decay * param (if coupled and some group decays)."""
     grad = -grad if opt.maximize else grad
-    return grad + hp["weight_decay"] * param if opt.nonzero("weight_decay") else grad
+    return grad + hp["weight_decay"] * param if coupled and opt.nonzero("weight_decay") else grad
 
 
 class _Torch(Optimizer):
@@ -83,11 +83,9 @@ class Adam(_Torch):
 
     def update(self, p, g, s, hp, step):
         lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
-        if self.decoupled:
-            g = -g if self.maximize else g
-            p = p * (1.0 - lr * hp["weight_decay"]) if self.nonzero("weight_decay") else p
-        else:
-            g = _decay(self, g, p, hp)
+        g = _decay(self, g, p, hp, coupled=not self.decoupled)
+        if self.decoupled and self.nonzero("weight_decay"):
+            p = p * (1.0 - lr * hp["weight_decay"])
         m = s["exp_avg"] + (1.0 - b1) * (g - s["exp_avg"])          # torch's lerp (weight < 0.5)
         v = b2 * s["exp_avg_sq"] + (1.0 - b2) * (g * g)
         new = {"exp_avg": m, "exp_avg_sq": v}
