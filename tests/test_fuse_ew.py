@@ -49,6 +49,11 @@ CHAINS = {
     "two-products": (lambda p: btjit.sum(btjit.tanh(p["a"] * p["b"] + p["c"] * 0.5) *
                                          (p["c"] * 0.9 - 0.01 * np.sign(p["a"] * p["b"] - p["c"] * p["c"]))),
                      {"a": (5, 300), "b": (5, 300), "c": (5, 300)}),
+    # products and sums with a scalar (the interpreter's a*x + b*y and a*x + b forms), on either side
+    "scalar operands": (lambda p: btjit.sum(btjit.tanh(2.0 - p["a"]) * (p["a"] - 0.5) + (0.25 + p["b"]) * (p["b"] * 1.5)
+                                            + btjit.sin(0.9 * p["a"] + 0.1 * p["b"]) * (p["c"] * 0.3 - p["a"] * 0.7)
+                                            + btjit.exp(p["c"] - 3.0 * p["a"]) + (1.0 - p["c"] * p["b"]) * 2.0),
+                        {"a": (3, 1100), "b": (3, 1100), "c": (3, 1100)}),
 }
 
 
@@ -199,3 +204,35 @@ def test_multiply_add_instructions():
                 P = prog.ia[r[1]:]
                 ops |= {int(P[HEAD + 4 * P[1] + WIDTH * t]) for t in range(P[0])}
         assert want <= ops, chain
+
+
+class _ScalarForms(btjit.optim.Optimizer):
+    """An update whose param and state arrays are written in place by every scalar form of the interpreter
+    (fused._affine): as the first term or the second, p - lr * v, b * s + (1 - b) * g, 0.5 * t - 0.25, 2 * u,
+    1.5 + w."""
+    def __init__(self):
+        super().__init__(lr=0.1, b=0.9)
+
+    def init(self, name, param):
+        return {k: np.full_like(param, 0.5) for k in "stuw"}
+
+    def update(self, p, g, st, hp, step):
+        v = (1 - hp["b"]) * g + hp["b"] * st["s"]
+        t = 0.5 * st["t"] - 0.25 + g
+        return p - hp["lr"] * v, {"s": v, "t": t, "u": 2.0 * st["u"], "w": 1.5 + st["w"]}
+
+
+def test_updates_written_in_place_with_scalar_operands():
+    rng = np.random.default_rng(5)
+    w0, x = rng.normal(size=(40, 70)), rng.normal(size=(8, 40))
+    prog = btjit.trace(lambda q, x: btjit.sum(btjit.tanh(x @ q["w"])), {"w": w0}, x, optimizer=_ScalarForms(),
+                       dtype="float64")
+    w, st = w0.copy(), {k: np.full_like(w0, 0.5) for k in "stuw"}
+    for _ in range(3):
+        prog.step(x)
+        g = x.T @ (1 - np.tanh(x @ w) ** 2)
+        st = {"s": 0.1 * g + 0.9 * st["s"], "t": 0.5 * st["t"] - 0.25 + g, "u": 2 * st["u"], "w": 1.5 + st["w"]}
+        w = w - 0.1 * st["s"]
+    np.testing.assert_allclose(prog.params["w"], w, rtol=1e-12, atol=1e-12)
+    for k in "stuw":
+        np.testing.assert_allclose(prog.opt_state[k]["w"], st[k], rtol=1e-12, atol=1e-12, err_msg=k)

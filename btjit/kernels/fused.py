@@ -181,6 +181,96 @@ def _op(op, d, x, y, m):
             d[j] = y[j] * x[j] * (one - x[j])
 
 
+@njit(**FM)
+def _axpby(d, a, x, b, y, m):
+    """d[:m] = a*x + b*y, a and b scalars (an instruction reading LOADC registers, below)."""
+    for j in range(m):
+        d[j] = a * x[j] + b * y[j]
+
+
+@njit(**FM)
+def _axpby_in(x, a, b, y, m):
+    """x[:m] = a*x + b*y in place: one pointer read and written, so the loop vectorizes (with d and x two
+    pointers to the same block, LLVM's alias check fails and it runs scalar)."""
+    for j in range(m):
+        x[j] = a * x[j] + b * y[j]
+
+
+@njit(**FM)
+def _axpb(d, a, x, b, m):
+    """d[:m] = a*x + b."""
+    for j in range(m):
+        d[j] = a * x[j] + b
+
+
+@njit(**FM)
+def _axpb_in(x, a, b, m):
+    """x[:m] = a*x + b in place."""
+    for j in range(m):
+        x[j] = a * x[j] + b
+
+
+@njit(inline="always", **FM)
+def _isc(sc, code):
+    """Is code a register holding a scalar (filled by LOADC)?"""
+    return code >= 0 and ((sc >> code) & 1) == 1
+
+
+@njit(inline="always", **FM)
+def _affine(a, R, P, r, sc, op, dr, xr, yr, zr, wr, i0, i1, i2, j0, m):
+    """Run op as d = a*X + b*Y or d = a*X + b with a and b read from LOADC registers (the bit of sc for register
+    k is set if LOADC filled it) -- the scalar operands of an optimizer's b1*m + (1 - b1)*g or a scale x*c -- so
+    the loop loads one or two blocks, not a block of copies of each scalar; in place where the destination is
+    X or Y. False (nothing run) if op has no such form with these operands."""
+    one, add, sub = _one, BIN + B_ADD, BIN + B_SUB
+    if op == add or op == sub:
+        if _isc(sc, yr):
+            ca, xc, cb = one, xr, R[yr * BLOCK] if op == add else -R[yr * BLOCK]
+        elif _isc(sc, xr):
+            ca, xc, cb = one if op == add else -one, yr, R[xr * BLOCK]
+        else:
+            return False
+        two, yc = False, xc
+    elif op == BIN + B_MUL or op >= FMA:
+        if _isc(sc, xr):
+            ca, xc = R[xr * BLOCK], yr
+        elif _isc(sc, yr):
+            ca, xc = R[yr * BLOCK], xr
+        else:
+            return False
+        two, cb, yc = op != BIN + B_MUL, _z, zr
+        if op == FMA2 or op == FMS2:
+            if _isc(sc, zr):
+                cb, yc = R[zr * BLOCK], wr
+            elif _isc(sc, wr):
+                cb, yc = R[wr * BLOCK], zr
+            else:
+                return False
+            cb = -cb if op == FMS2 else cb
+        elif two:                               # FMA x*y + z, FMS x*y - z, FNMA z - x*y
+            cb = -one if op == FMS else one
+            ca = -ca if op == FNMA else ca
+    else:
+        return False
+    ix = dr < 0 and xc < 0 and _off(P, r, xc, i0, i1, i2, j0) == _off(P, r, dr, i0, i1, i2, j0)
+    iy = two and dr < 0 and yc < 0 and _off(P, r, yc, i0, i1, i2, j0) == _off(P, r, dr, i0, i1, i2, j0)
+    X = _at(a, R, P, r, xc, i0, i1, i2, j0)
+    if not two:
+        if ix:
+            _axpb_in(X, ca, cb, m)
+        else:
+            _axpb(_at(a, R, P, r, dr, i0, i1, i2, j0), ca, X, cb, m)
+        return True
+    Y = _at(a, R, P, r, yc, i0, i1, i2, j0)
+    if ix:
+        _axpby_in(X, ca, cb, Y, m)
+    elif iy:
+        _axpby_in(Y, cb, ca, X, m)
+    else:
+        _axpby(_at(a, R, P, r, dr, i0, i1, i2, j0), ca, X, cb, Y, m)
+    return True
+
+
 @njit(inline="always", **FM)
 def _off(P, r, code, i0, i1, i2, j0):
     """Where in the arena operand -1 - code's block starts."""
@@ -234,6 +324,10 @@ def _blocks(a, ia, r, lo, hi):
     nb3 = (n3 + BLOCK - 1) // BLOCK
     oi = HEAD + 4 * nops
     R = carray(stack_buf(a, RSIZE), (RSIZE,))
+    sc = np.int64(0)                        # bit k: register k holds a scalar (LOADC)
+    for t in range(ninstr):
+        if P[oi + WIDTH * t] == LOADC:
+            sc |= np.int64(1) << P[oi + WIDTH * t + 1]
     jb, t = lo % nb3, lo // nb3             # block lo's place (i0, i1, i2, jb); then counted up block by block
     i2, t = t % n2, t // n2                 # (not divided out per block: 64-bit divisions cost ~1.5 us per
     i1, i0 = t % n1, t // n1                # 45 blocks, a tenth of E6 batch 1's update)
@@ -263,7 +357,7 @@ def _blocks(a, ia, r, lo, hi):
             elif op == WHERE:
                 _where(d, _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0),
                        _at(a, R, P, r, zr, i0, i1, i2, j0), m)
-            else:
+            elif not (sc != 0 and _affine(a, R, P, r, sc, op, dr, xr, yr, zr, wr, i0, i1, i2, j0, m)):
                 x, y = _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0)
                 z = _at(a, R, P, r, zr, i0, i1, i2, j0) if op >= FMA else x
                 w = _at(a, R, P, r, wr, i0, i1, i2, j0) if op >= FMA2 else x
