@@ -220,7 +220,8 @@ def stack_buf(typingctx, arr, n):
     """Pointer to a fresh n-element stack buffer (n a literal int) of arr's dtype, for numba.carray. LLVM
     knows an alloca aliases no argument, so loops that load from the arena and store only here vectorize
     without runtime alias checks. Keep ONE such buffer per function: with two, LLVM checks them against
-    each other and can give up."""
+    each other and can give up. 64-byte aligned, as the arena's buffers: a zmm load or store never splits a line
+    (the interpreter's registers: Lion's update 1.1x, a user's Lion 1.2x faster, znver5)."""
     if not isinstance(n, types.IntegerLiteral):
         return None
     size = n.literal_value
@@ -229,6 +230,7 @@ def stack_buf(typingctx, arr, n):
         ety = context.get_data_type(sig.args[0].dtype)
         with builder.goto_entry_block():
             buf = builder.alloca(ir.ArrayType(ety, size))
+            buf.align = 64
         return builder.bitcast(buf, ety.as_pointer())
     return types.CPointer(arr.dtype)(arr, n), impl
 
