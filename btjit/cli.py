@@ -243,7 +243,8 @@ def plot(run_dir, out, debug):
                    "scale (the GPT at E6 and S1-S4 against torch, JAX, torch.compile with --compile), or nanogpt "
                    "(nanoGPT's CPU recipe end to end: btjit train configs/nanogpt_cpu.toml beside nanoGPT's own "
                    "loop in PyTorch eager; --only btjit to skip torch).")
-@click.option("--only", default=None, metavar="E1,E6b1,...", help="Only these workloads (nanogpt: btjit,btjit-bf16,torch).")
+@click.option("--only", default=None, metavar="E1,E6b1,...",
+              help="Only these workloads (nanogpt: btjit,btjit-bf16,torch,torch-bf16).")
 @click.option("--peers", default=None, metavar="torch,jax,micrograd,autograd|none",
               help="Peers to run beside btjit (default: every installed one).")
 @click.option("--threads", type=int, default=None,

@@ -41,15 +41,16 @@ def _check(row, steps):
 def test_btjit_and_torch_rows_from_one_config(small_config):
     pytest.importorskip("torch")
     rows = nanogpt_suite.run(steps=12, config=small_config)
-    assert [r["impl"] for r in rows] == ["btjit", "btjit-bf16", "torch"]
+    assert [r["impl"] for r in rows] == ["btjit", "btjit-bf16", "torch", "torch-bf16"]
     for r in rows:
         _check(r, 12)
-    assert rows[0]["n_params"] == rows[1]["n_params"] == rows[2]["n_params"]   # the same model on every side
+    assert len({r["n_params"] for r in rows}) == 1                  # the same model on every side
     assert "train.precision=bf16" in rows[1]["command"] and "precision" not in rows[0]["command"]
     assert rows[0]["val_loss"] != rows[1]["val_loss"]            # the bf16 products round
+    assert rows[2]["val_loss"] != rows[3]["val_loss"]            # so do torch's under autocast
     assert rows[0]["threads"] >= 1 and rows[2]["threads"] >= 1
     head, cells = report.parse_markdown(nanogpt_suite.format_table(rows, markdown=True, command="btjit bench"))
-    assert [c[0] for c in cells] == ["btjit", "btjit-bf16", "torch"] and head[4] == "val loss"
+    assert [c[0] for c in cells] == ["btjit", "btjit-bf16", "torch", "torch-bf16"] and head[4] == "val loss"
     assert cells[0][4] == f"{rows[0]['val_loss']:.4f}"
 
 

@@ -4,7 +4,8 @@
   btjit-bf16  the same with `--set train.precision=bf16` (bf16 products, float32 sums);
   torch  nanoGPT's model.py and train.py loop in PyTorch eager (btjit/bench/peers/nanogpt_torch.py, a child run by
          path: no btjit imported) on the same config, data (the bundled Tiny Shakespeare, 90/10) and schedule,
-         at torch's default threads.
+         at torch's default threads;
+  torch-bf16  the same under torch.autocast("cpu", torch.bfloat16) (`--set train.precision="bf16"`).
 
 Each row: wall time in all (Popen to exit: start-up, compile, training, every eval), steps, ms/step (the timed
 steps only), the val losses at every eval and the last one, params, threads. `steps` shortens the recipe (a smoke
@@ -25,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "nanogpt_cpu.toml"
 PEER = Path(__file__).resolve().parent / "peers" / "nanogpt_torch.py"
-IMPLS = ("btjit", "btjit-bf16", "torch")
+IMPLS = ("btjit", "btjit-bf16", "torch", "torch-bf16")
 README_CLAIM = "nanoGPT's README: ~3 minutes, loss 1.88 on an unnamed Mac (2023-02 code: tanh GELU, weight decay 1e-2)"
 
 
@@ -95,13 +96,14 @@ def run_btjit(config=CONFIG, steps=None, threads=None, timeout=3600.0, precision
     return row
 
 
-def run_torch(config=CONFIG, steps=None, threads=None, timeout=3600.0) -> dict:
-    cmd = [sys.executable, str(PEER), str(config)] + [a for kv in overrides(config, steps) for a in ("--set", kv)] \
+def run_torch(config=CONFIG, steps=None, threads=None, timeout=3600.0, precision="fp32") -> dict:
+    sets = overrides(config, steps) + ([f'train.precision="{precision}"'] if precision != "fp32" else [])
+    cmd = [sys.executable, str(PEER), str(config)] + [a for kv in sets for a in ("--set", kv)] \
         + (["--threads", str(threads)] if threads is not None else [])
     proc, wall, err = _run(cmd, timeout)
     if err:
         status = "not installed (torch)" if "No module named 'torch'" in err else err
-        return dict(impl="torch", status=status, wall_s=None)
+        return dict(impl="torch" if precision == "fp32" else f"torch-{precision}", status=status, wall_s=None)
     row = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     row["wall_s"] = wall
     return row
@@ -117,8 +119,9 @@ def run(only=None, steps=None, threads=None, config=CONFIG, progress=None) -> li
         raise ValueError(f"unknown implementation(s) {', '.join(bad)} for the nanogpt suite (known: {', '.join(IMPLS)})")
     rows = []
     for impl in impls:
-        row = run_torch(config, steps, threads) if impl == "torch" else \
-            run_btjit(config, steps, threads, precision="bf16" if impl == "btjit-bf16" else "fp32")
+        precision = "bf16" if impl.endswith("-bf16") else "fp32"
+        row = run_torch(config, steps, threads, precision=precision) if impl.startswith("torch") else \
+            run_btjit(config, steps, threads, precision=precision)
         rows.append(row)
         if progress is not None:
             progress(f"  {impl:<10s} {row['status']}" + (f" {row['wall_s']:.1f} s" if row.get("wall_s") else ""))

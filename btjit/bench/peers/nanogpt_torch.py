@@ -2,8 +2,9 @@
 model.py (HEAD: pre-LN blocks, LayerNorm/Linear with `bias`, SDPA causal attention with dropout_p while training,
 exact GELU, tied lm_head, its init, configure_optimizers' decay groups) and of train.py's loop (get_lr, eval of
 eval_iters random batches of both splits every eval_interval, forward, backward, clip_grad_norm_, AdamW step, the
-loop that runs max_iters + 1 steps), driven by btjit's TOML config (configs/nanogpt_cpu.toml) so both sides train
-the same recipe on the same data: the bundled Tiny Shakespeare, char-level, nanoGPT's prepare.py 90/10 split.
+loop that runs max_iters + 1 steps; the forward under `torch.autocast("cpu", torch.bfloat16)` where the config's
+`[train] precision` is "bf16", as train.py's `ctx` on a device with bf16), driven by btjit's TOML config
+(configs/nanogpt_cpu.toml) so both sides train the same recipe on the same data: the bundled Tiny Shakespeare, char-level, nanoGPT's prepare.py 90/10 split.
 
 Run by path in its own process (it imports no btjit, only torch, numpy and the standard library):
     python btjit/bench/peers/nanogpt_torch.py CONFIG.toml [--set train.steps=N ...] [--threads N]
@@ -14,6 +15,7 @@ ms_per_step (mean of the timed steps: forward, backward, clip, update), val_loss
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import math
@@ -155,6 +157,8 @@ def train(cfg: dict, threads=None, log=lambda s: print(s, file=sys.stderr, flush
     model = GPT(argparse.Namespace(vocab_size=vocab, block_size=block, n_layer=m["n_layer"], n_head=m["n_head"],
                                    n_embd=m["n_embd"], dropout=m.get("dropout", 0.0), bias=m.get("bias", False)))
     optimizer = model.configure_optimizers(o["weight_decay"], o["lr"], tuple(o["betas"]))
+    bf16 = t.get("precision", "fp32") == "bf16"
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
 
     def get_batch(split):
         data = train_ids if split == "train" else val_ids
@@ -168,7 +172,8 @@ def train(cfg: dict, threads=None, log=lambda s: print(s, file=sys.stderr, flush
         out = {}
         model.eval()
         for split in splits:
-            out[split] = float(np.mean([model(*get_batch(split))[1].item() for _ in range(eval_iters)]))
+            with ctx():
+                out[split] = float(np.mean([model(*get_batch(split))[1].item() for _ in range(eval_iters)]))
         model.train()
         return out
 
@@ -183,7 +188,8 @@ def train(cfg: dict, threads=None, log=lambda s: print(s, file=sys.stderr, flush
             log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             val_losses.append([it, losses["val"]])
         t0 = time.perf_counter()
-        _, loss = model(X, Y)
+        with ctx():
+            _, loss = model(X, Y)
         X, Y = get_batch("train")
         loss.backward()
         if o.get("clip_norm"):
@@ -198,8 +204,8 @@ def train(cfg: dict, threads=None, log=lambda s: print(s, file=sys.stderr, flush
             break
     if val_losses[-1][0] != it:                               # btjit's trainer also evaluates at the end
         val_losses.append([it, estimate_loss(("val",))["val"]])
-    return dict(impl="torch", status="ok", steps=it, ms_per_step=1000.0 * step_s / it, val_losses=val_losses,
-                val_loss=val_losses[-1][1], n_params=sum(p.numel() for p in model.parameters()),
+    return dict(impl="torch-bf16" if bf16 else "torch", status="ok", steps=it, ms_per_step=1000.0 * step_s / it,
+                val_losses=val_losses, val_loss=val_losses[-1][1], n_params=sum(p.numel() for p in model.parameters()),
                 threads=torch.get_num_threads(), version=torch.__version__)
 
 
