@@ -4,7 +4,8 @@ exact GELU, tied lm_head, its init, configure_optimizers' decay groups) and of t
 eval_iters random batches of both splits every eval_interval, forward, backward, clip_grad_norm_, AdamW step, the
 loop that runs max_iters + 1 steps; the forward under `torch.autocast("cpu", torch.bfloat16)` where the config's
 `[train] precision` is "bf16", as train.py's `ctx` on a device with bf16), driven by btjit's TOML config
-(configs/nanogpt_cpu.toml) so both sides train the same recipe on the same data: the bundled Tiny Shakespeare, char-level, nanoGPT's prepare.py 90/10 split.
+(configs/nanogpt_cpu.toml) so both sides train the same recipe on the same data: the bundled Tiny Shakespeare,
+char-level, nanoGPT's prepare.py 90/10 split.
 
 Run by path in its own process (it imports no btjit, only torch, numpy and the standard library):
     python btjit/bench/peers/nanogpt_torch.py CONFIG.toml [--set train.steps=N ...] [--threads N]
