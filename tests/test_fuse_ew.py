@@ -52,7 +52,8 @@ CHAINS = {
     # products and sums with a scalar (the interpreter's a*x + b*y and a*x + b forms), on either side
     "scalar operands": (lambda p: btjit.sum(btjit.tanh(2.0 - p["a"]) * (p["a"] - 0.5) + (0.25 + p["b"]) * (p["b"] * 1.5)
                                             + btjit.sin(0.9 * p["a"] + 0.1 * p["b"]) * (p["c"] * 0.3 - p["a"] * 0.7)
-                                            + btjit.exp(p["c"] - 3.0 * p["a"]) + (1.0 - p["c"] * p["b"]) * 2.0),
+                                            + btjit.exp(p["c"] - 3.0 * p["a"]) + (1.0 - p["c"] * p["b"]) * 2.0
+                                            + btjit.tanh(p["b"] / 3.0) * (p["c"] / p["a"])),
                         {"a": (3, 1100), "b": (3, 1100), "c": (3, 1100)}),
 }
 

@@ -219,7 +219,7 @@ def _isc(sc, code):
 @njit(inline="always", **FM)
 def _affine(a, R, P, r, sc, op, dr, xr, yr, zr, wr, i0, i1, i2, j0, m):
     """Run op as d = a*X + b*Y or d = a*X + b with a and b read from LOADC registers (the bit of sc for register
-    k is set if LOADC filled it) -- the scalar operands of an optimizer's b1*m + (1 - b1)*g or a scale x*c -- so
+    k is set if LOADC filled it) -- the scalar operands of an optimizer's b1*m + (1 - b1)*g, a scale x*c or x/c -- so
     the loop loads one or two blocks, not a block of copies of each scalar; in place where the destination is
     X or Y. False (nothing run) if op has no such form with these operands."""
     one, add, sub = _one, BIN + B_ADD, BIN + B_SUB
@@ -231,6 +231,10 @@ def _affine(a, R, P, r, sc, op, dr, xr, yr, zr, wr, i0, i1, i2, j0, m):
         else:
             return False
         two, yc = False, xc
+    elif op == BIN + B_DIV:                     # x / s as x * (1 / s) (the loop's own fast-math arcp would)
+        if not _isc(sc, yr):
+            return False
+        ca, xc, cb, two, yc = one / R[yr * BLOCK], xr, _z, False, xr
     elif op == BIN + B_MUL or op >= FMA:
         if _isc(sc, xr):
             ca, xc = R[xr * BLOCK], yr
