@@ -16,8 +16,9 @@ dst = operand x), FMA / FMS / FNMA (dst = x*y + z, x*y - z, z - x*y), FMA2 / FMS
 RAND (register or output dst = the random numbers of site x, kind y, btjit/kernels/rng.py:
 drawn in the block, from the key block at ia[okey:] and the element's C-order index in the iteration space
 of esize elements, ebase + its position in the row's loops), LOADC (register dst = scalar operand x, filled at
-the first block of a run only: its register is kept). k_ew_program_par runs the blocks in nparts runs on the
-threads, each with its own registers.
+the first block of a run only: its register is kept; a product, quotient, sum or difference whose factor or addend
+is such a scalar runs as a*x + b*y or a*x + b with a and b read once, see _affine). k_ew_program_par runs the
+blocks in nparts runs on the threads, each with its own registers.
 """
 import math
 
