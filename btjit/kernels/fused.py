@@ -218,44 +218,41 @@ def _isc(sc, code):
 
 
 @njit(inline="always", **FM)
+def _factor(R, sc, u, v):
+    """(s, the other code, True) if register u (else v) holds a scalar s; (0, u, False) if neither does."""
+    if _isc(sc, u):
+        return R[u * BLOCK], v, True
+    if _isc(sc, v):
+        return R[v * BLOCK], u, True
+    return _z, u, False
+
+
+@njit(inline="always", **FM)
 def _affine(a, R, P, r, sc, op, dr, xr, yr, zr, wr, i0, i1, i2, j0, m):
     """Run op as d = a*X + b*Y or d = a*X + b with a and b read from LOADC registers (the bit of sc for register
     k is set if LOADC filled it) -- the scalar operands of an optimizer's b1*m + (1 - b1)*g, a scale x*c or x/c -- so
     the loop loads one or two blocks, not a block of copies of each scalar; in place where the destination is
     X or Y. False (nothing run) if op has no such form with these operands."""
     one, add, sub = _one, BIN + B_ADD, BIN + B_SUB
-    if op == add or op == sub:
-        if _isc(sc, yr):
-            ca, xc, cb = one, xr, R[yr * BLOCK] if op == add else -R[yr * BLOCK]
-        elif _isc(sc, xr):
-            ca, xc, cb = one if op == add else -one, yr, R[xr * BLOCK]
-        else:
-            return False
-        two, yc = False, xc
+    two, cb, yc = op >= FMA, _z, zr
+    if op == add or op == sub:                  # x + s, s + x, x - s, s - x
+        cb, xc, ok = _factor(R, sc, yr, xr)
+        ca = one if xc == xr or op == add else -one
+        cb = -cb if xc == xr and op == sub else cb
     elif op == BIN + B_DIV:                     # x / s as x * (1 / s) (the loop's own fast-math arcp would)
-        if not _isc(sc, yr):
-            return False
-        ca, xc, cb, two, yc = one / R[yr * BLOCK], xr, _z, False, xr
-    elif op == BIN + B_MUL or op >= FMA:
-        if _isc(sc, xr):
-            ca, xc = R[xr * BLOCK], yr
-        elif _isc(sc, yr):
-            ca, xc = R[yr * BLOCK], xr
-        else:
-            return False
-        two, cb, yc = op != BIN + B_MUL, _z, zr
+        ok, xc = _isc(sc, yr), xr
+        ca = one / R[yr * BLOCK] if ok else one
+    elif op == BIN + B_MUL or two:
+        ca, xc, ok = _factor(R, sc, xr, yr)
         if op == FMA2 or op == FMS2:
-            if _isc(sc, zr):
-                cb, yc = R[zr * BLOCK], wr
-            elif _isc(sc, wr):
-                cb, yc = R[wr * BLOCK], zr
-            else:
-                return False
-            cb = -cb if op == FMS2 else cb
+            cb, yc, ok2 = _factor(R, sc, zr, wr)
+            ok, cb = ok and ok2, -cb if op == FMS2 else cb
         elif two:                               # FMA x*y + z, FMS x*y - z, FNMA z - x*y
             cb = -one if op == FMS else one
             ca = -ca if op == FNMA else ca
     else:
+        return False
+    if not ok:
         return False
     ix = dr < 0 and xc < 0 and _off(P, r, xc, i0, i1, i2, j0) == _off(P, r, dr, i0, i1, i2, j0)
     iy = two and dr < 0 and yc < 0 and _off(P, r, yc, i0, i1, i2, j0) == _off(P, r, dr, i0, i1, i2, j0)
