@@ -183,32 +183,22 @@ def _op(op, d, x, y, m):
 
 
 @njit(**FM)
-def _axpby(d, a, x, b, y, m):
-    """d[:m] = a*x + b*y, a and b scalars (an instruction reading LOADC registers, below)."""
-    for j in range(m):
-        d[j] = a * x[j] + b * y[j]
-
-
-@njit(**FM)
-def _axpby_in(x, a, b, y, m):
-    """x[:m] = a*x + b*y in place: one pointer read and written, so the loop vectorizes (with d and x two
-    pointers to the same block, LLVM's alias check fails and it runs scalar)."""
-    for j in range(m):
-        x[j] = a * x[j] + b * y[j]
-
-
-@njit(**FM)
-def _axpb(d, a, x, b, m):
-    """d[:m] = a*x + b."""
-    for j in range(m):
-        d[j] = a * x[j] + b
-
-
-@njit(**FM)
-def _axpb_in(x, a, b, m):
-    """x[:m] = a*x + b in place."""
-    for j in range(m):
-        x[j] = a * x[j] + b
+def _lin(form, d, a, x, b, y, m):
+    """d[:m] = a*x + b*y (form 0), a*x + b (form 2), a and b scalars (instructions reading LOADC registers, below);
+    forms 1 and 3 write x in place instead of d: one pointer read and written, so the loop vectorizes (with d and
+    x two pointers to the same block, LLVM's alias check fails and the loop runs scalar)."""
+    if form == 0:
+        for j in range(m):
+            d[j] = a * x[j] + b * y[j]
+    elif form == 1:
+        for j in range(m):
+            x[j] = a * x[j] + b * y[j]
+    elif form == 2:
+        for j in range(m):
+            d[j] = a * x[j] + b
+    else:
+        for j in range(m):
+            x[j] = a * x[j] + b
 
 
 @njit(inline="always", **FM)
@@ -218,58 +208,52 @@ def _isc(sc, code):
 
 
 @njit(inline="always", **FM)
-def _factor(R, sc, u, v):
-    """(s, the other code, True) if register u (else v) holds a scalar s; (0, u, False) if neither does."""
-    if _isc(sc, u):
-        return R[u * BLOCK], v, True
-    if _isc(sc, v):
-        return R[v * BLOCK], u, True
-    return _z, u, False
+def _pick(k, x, y, z, w):
+    """Source k (0 x, 1 y, 2 z, 3 w) of an instruction."""
+    return x if k == 0 else y if k == 1 else z if k == 2 else w
 
 
-@njit(inline="always", **FM)
-def _affine(a, R, P, r, sc, op, dr, xr, yr, zr, wr, i0, i1, i2, j0, m):
-    """Run op as d = a*X + b*Y or d = a*X + b with a and b read from LOADC registers (the bit of sc for register
-    k is set if LOADC filled it) -- the scalar operands of an optimizer's b1*m + (1 - b1)*g, a scale x*c or x/c -- so
-    the loop loads one or two blocks, not a block of copies of each scalar; in place where the destination is
-    X or Y. False (nothing run) if op has no such form with these operands."""
+@njit(**FM)
+def _affine(op, sc, R, xr, yr, zr, wr, al, d, x, y, z, w, m):
+    """Run op as d = a*X + b*Y or d = a*X + b, a and b read from LOADC registers of R (register k's bit of sc is set
+    if LOADC filled it) -- the scalar operands of an optimizer's b1*m + (1 - b1)*g, a scale x*c or x/c -- so the
+    loop loads one or two blocks, not a block of copies of each scalar; in place where the destination is X or Y
+    (al: bit k set if source k, as _pick numbers them, is the destination's block). x y z w: the sources' blocks.
+    False (nothing run) if op has no such form with these operands. Not inlined: a call with pointers costs a few
+    ns, the code inlined into the interpreter doubled its compile time."""
     one, add, sub = _one, BIN + B_ADD, BIN + B_SUB
-    two, cb, yc = op >= FMA, _z, zr
+    two, cb, ky = op >= FMA, _z, 2               # ky: Y's source
     if op == add or op == sub:                  # x + s, s + x, x - s, s - x
-        cb, xc, ok = _factor(R, sc, yr, xr)
-        ca = one if xc == xr or op == add else -one
-        cb = -cb if xc == xr and op == sub else cb
+        kx = 0 if _isc(sc, yr) else 1
+        if not _isc(sc, yr if kx == 0 else xr):
+            return False
+        cb = R[(yr if kx == 0 else xr) * BLOCK]
+        ca = one if kx == 0 or op == add else -one
+        cb = -cb if kx == 0 and op == sub else cb
     elif op == BIN + B_DIV:                     # x / s as x * (1 / s) (the loop's own fast-math arcp would)
-        ok, xc = _isc(sc, yr), xr
-        ca = one / R[yr * BLOCK] if ok else one
+        if not _isc(sc, yr):
+            return False
+        kx, ca = 0, one / R[yr * BLOCK]
     elif op == BIN + B_MUL or two:
-        ca, xc, ok = _factor(R, sc, xr, yr)
+        if not (_isc(sc, xr) or _isc(sc, yr)):
+            return False
+        kx = 1 if _isc(sc, xr) else 0
+        ca = R[(xr if kx == 1 else yr) * BLOCK]
         if op == FMA2 or op == FMS2:
-            cb, yc, ok2 = _factor(R, sc, zr, wr)
-            ok, cb = ok and ok2, -cb if op == FMS2 else cb
+            if not (_isc(sc, zr) or _isc(sc, wr)):
+                return False
+            ky = 3 if _isc(sc, zr) else 2
+            cb = R[(zr if ky == 3 else wr) * BLOCK]
+            cb = -cb if op == FMS2 else cb
         elif two:                               # FMA x*y + z, FMS x*y - z, FNMA z - x*y
             cb = -one if op == FMS else one
             ca = -ca if op == FNMA else ca
     else:
         return False
-    if not ok:
-        return False
-    ix = dr < 0 and xc < 0 and _off(P, r, xc, i0, i1, i2, j0) == _off(P, r, dr, i0, i1, i2, j0)
-    iy = two and dr < 0 and yc < 0 and _off(P, r, yc, i0, i1, i2, j0) == _off(P, r, dr, i0, i1, i2, j0)
-    X = _at(a, R, P, r, xc, i0, i1, i2, j0)
-    if not two:
-        if ix:
-            _axpb_in(X, ca, cb, m)
-        else:
-            _axpb(_at(a, R, P, r, dr, i0, i1, i2, j0), ca, X, cb, m)
-        return True
-    Y = _at(a, R, P, r, yc, i0, i1, i2, j0)
-    if ix:
-        _axpby_in(X, ca, cb, Y, m)
-    elif iy:
-        _axpby_in(Y, cb, ca, X, m)
-    else:
-        _axpby(_at(a, R, P, r, dr, i0, i1, i2, j0), ca, X, cb, Y, m)
+    if two and (al >> ky) & 1:                  # the destination is Y: the terms swapped
+        kx, ky, ca, cb = ky, kx, cb, ca
+    X, Y = _pick(kx, x, y, z, w), _pick(ky, x, y, z, w)
+    _lin((0 if two else 2) + ((al >> kx) & 1), d, ca, X, cb, Y, m)
     return True
 
 
@@ -359,15 +343,19 @@ def _blocks(a, ia, r, lo, hi):
             elif op == WHERE:
                 _where(d, _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0),
                        _at(a, R, P, r, zr, i0, i1, i2, j0), m)
-            elif not (sc != 0 and _affine(a, R, P, r, sc, op, dr, xr, yr, zr, wr, i0, i1, i2, j0, m)):
+            else:
                 x, y = _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0)
                 z = _at(a, R, P, r, zr, i0, i1, i2, j0) if op >= FMA else x
                 w = _at(a, R, P, r, wr, i0, i1, i2, j0) if op >= FMA2 else x
-                inplace = False                  # written in place: LLVM's alias check fails and the loop runs
-                if dr < 0:                       # scalar; through the scratch register both vectorize
-                    at = _off(P, r, dr, i0, i1, i2, j0)
-                    for c in (xr, yr, zr if op >= FMA else xr, wr if op >= FMA2 else xr):
-                        inplace = inplace or (c < 0 and _off(P, r, c, i0, i1, i2, j0) == at)
+                al = 0                           # bit k: source k is the destination's block (written in place:
+                if dr < 0:                       # LLVM's alias check fails and the loop runs scalar; through the
+                    at = _off(P, r, dr, i0, i1, i2, j0)           # scratch register both vectorize)
+                    for k, c in enumerate((xr, yr, zr if op >= FMA else xr, wr if op >= FMA2 else xr)):
+                        al |= (1 << k) if c < 0 and _off(P, r, c, i0, i1, i2, j0) == at else 0
+                if sc != 0 and (op >= FMA or BIN + B_ADD <= op <= BIN + B_DIV) and \
+                        _affine(op, sc, fptr(R, 0), xr, yr, zr, wr, al, d, x, y, z, w, m):
+                    continue
+                inplace = al != 0
                 s = fptr(R, NREG * BLOCK) if inplace else d
                 if op >= FMA:
                     _fma(op, s, x, y, z, w, m)
