@@ -44,6 +44,7 @@ RSIZE = BLOCK * (NREG + 1)   # and one scratch register (in-place destinations, 
 
 
 _z, _one = np.float32(0.0), np.float32(1.0)
+_BIG = np.float32(3.0e38)
 
 
 @njit(**FM)
@@ -230,10 +231,12 @@ def _affine(op, sc, R, xr, yr, zr, wr, al, d, x, y, z, w, m):
         cb = R[(yr if kx == 0 else xr) * BLOCK]
         ca = one if kx == 0 or op == add else -one
         cb = -cb if kx == 0 and op == sub else cb
-    elif op == BIN + B_DIV:                     # x / s as x * (1 / s) (the loop's own fast-math arcp would)
-        if not _isc(sc, yr):
+    elif op == BIN + B_DIV:                     # x / s as x * (1 / s) (the loop's own fast-math arcp would),
+        if not _isc(sc, yr):                    # not where 1 / s overflows (s 0, inf, NaN or below ~3e-39)
             return False
         kx, ca = 0, one / R[yr * BLOCK]
+        if not (abs(ca) < _BIG and ca != _z):
+            return False
     elif op == BIN + B_MUL or two:
         if not (_isc(sc, xr) or _isc(sc, yr)):
             return False
