@@ -449,3 +449,23 @@ def test_layer_norm_without_weight_or_bias(which):
 def test_gelu_bad_approximate():
     with pytest.raises(btjit.TraceError, match="gelu: approximate must be 'none' or 'tanh', got 'erf'"):
         btjit.trace(lambda p: btjit.sum(btjit.gelu(p["x"], approximate="erf")), {"x": np.zeros(3)})
+
+
+def test_logaddexp_splits_its_gradient_at_ties():
+    """logaddexp is smooth: where x == y each side gets 1/2 (a logistic loss from zero weights must move)."""
+    a, b = np.array([0.3, 1.0, -2.0, 5.0]), np.array([0.3, 0.0, -2.0, -30.0])
+    prog = btjit.trace(lambda p: btjit.sum(np.logaddexp(p["a"], p["b"])), {"a": a, "b": b}, grad=True, dtype="float64")
+    assert prog.value_and_grad() == pytest.approx(np.sum(np.logaddexp(a, b)), rel=1e-14)
+    w = 1.0 / (1.0 + np.exp(b - a))
+    np.testing.assert_allclose(prog.grads["a"], w, rtol=1e-13)
+    np.testing.assert_allclose(prog.grads["b"], 1.0 - w, rtol=1e-12, atol=1e-15)
+    assert prog.grads["a"][0] == prog.grads["b"][0] == 0.5
+
+
+def test_flip_and_squeeze_take_torchs_keywords():
+    x = np.arange(12.0).reshape(1, 3, 4)
+    c = np.arange(12.0).reshape(3, 4)
+    prog = btjit.trace(lambda p: btjit.sum(p["x"].flip(dims=(2,)).squeeze(dim=0) * c), {"x": x}, grad=True,
+                       dtype="float64")
+    assert prog.value_and_grad() == np.sum(x[0, :, ::-1] * c)
+    np.testing.assert_array_equal(prog.grads["x"][0], c[:, ::-1])

@@ -104,9 +104,9 @@ def expand_dims(x, axis):
     return reshape(x, tuple(shape))
 
 
-def squeeze(x, axis=None):
+def squeeze(x, axis=None, *, dim=None):
     """numpy's squeeze (torch's with dim): drop the given axes of size 1 (all of them for None)."""
-    x = lift(x)
+    x, axis = lift(x), axis if dim is None else dim
     axes = [i for i, d in enumerate(x.shape) if d == 1] if axis is None else _norm_axes(axis, x.ndim, "squeeze")
     if any(x.shape[a] != 1 for a in axes):
         raise TraceError(f"squeeze: axis {list(axes)} of shape {x.shape} is not of size 1 — {user_src()}")
@@ -328,9 +328,11 @@ def moveaxis(x, source, destination):
 
 
 def logaddexp(x, y):
-    """numpy's logaddexp: log(exp(x) + exp(y)), computed as max + log1p(exp(-|x - y|))."""
+    """numpy's logaddexp: log(exp(x) + exp(y)), computed as m + log(exp(x - m) + exp(y - m)) with m = max(x, y)
+    held constant: its gradient is the two softmax weights (1/2 each where x == y, as torch's)."""
     x, y = lift(x), lift(y)
-    return maximum(x, y) + log1p(exp(-abs(x - y)))
+    m = stop_gradient(maximum(x, y))
+    return m + log(exp(x - m) + exp(y - m))
 
 
 def flip(x, axis=None):
@@ -420,7 +422,8 @@ METHODS.update({
     "cumsum": lambda x, axis=None, dim=None: cumsum(x, axis if dim is None else dim), "prod": _torch_dims(prod),
     # torch's (beside x.relu(), x.sigmoid(), ... on the Tracer class itself)
     "square": lambda x: x * x, "sign": sign, "pow": lambda x, p: x ** p, "clone": copy, "detach": stop_gradient,
-    "amax": _torch_dims(max), "amin": _torch_dims(amin), "flip": lambda x, *dims: flip(x, _shape_args(dims)),
+    "amax": _torch_dims(max), "amin": _torch_dims(amin),
+    "flip": lambda x, *dims, **kw: flip(x, _shape_args(dims) if dims else kw["dims"]),
     "norm": lambda x, p=2, dim=None, keepdim=False: norm(x, p, dim, keepdim),
     "gather": lambda x, dim, index: take_along_axis(x, index, dim),
     "clamp": lambda x, min=None, max=None: clip(x, min, max),  # noqa: A002
