@@ -605,3 +605,20 @@ def test_a_transpose_met_again_is_traced_once():
     assert v == pytest.approx(float((h * h).sum()), rel=1e-12)
     from btjit.testing import check_grads
     check_grads(fn, p, x)
+
+
+def test_assigning_a_param_copies_it_into_the_arena():
+    """prog.params[name] = array loads the values (the program then computes with them, and state_dict saves
+    what it computes with); an unknown name or another shape is an error naming it."""
+    rng = np.random.default_rng(0)
+    p = {"w": rng.normal(size=(5, 3)), "b": np.zeros(3)}
+    x, y = rng.normal(size=(4, 5)), np.array([0, 1, 2, 1])
+    prog = btjit.trace(lambda p, x, y: btjit.cross_entropy(x @ p["w"] + p["b"], y), p, x, y, dtype="float64",
+                       optimizer=btjit.optim.SGD(lr=0.1))
+    prog.params["w"] = np.zeros((5, 3))
+    assert prog.forward(x, y) == pytest.approx(np.log(3.0), rel=1e-14)
+    assert np.all(prog.state_dict()["param/w"] == 0.0)
+    with pytest.raises(ValueError, match=r"prog.params\['w'\].*\(2, 2\).*\(5, 3\)"):
+        prog.params["w"] = np.zeros((2, 2))
+    with pytest.raises(KeyError, match="no such param"):
+        prog.params["q"] = 1.0

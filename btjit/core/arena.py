@@ -1,6 +1,7 @@
 """A program's arena memory: the 64-byte aligned float arena at the start of an anonymous mapping that reserves
 address space for the eval programs sharing it (`arena`), and the aligned row arrays it falls back to
-(`aligned_rows`, also the scratch arena of Program.profile).
+(`aligned_rows`, also the scratch arena of Program.profile), and the named views into it that prog.params and
+prog.buffers are (`Views`: assigning an entry copies into the arena).
 """
 from __future__ import annotations
 
@@ -45,3 +46,21 @@ def _padded(n, dtype):
     itemsize = np.dtype(dtype).itemsize
     per = 64 // itemsize
     return itemsize, per, -(-n // per) * per
+
+
+class Views(dict):
+    """A program's named arena views (prog.params, prog.buffers). `views[name] = array` copies the array's values
+    into the arena, as torch's load_state_dict does (replacing the dict's entry would leave the program reading
+    the old values); an unknown name or another shape is an error naming both."""
+
+    def __init__(self, views, what):
+        super().__init__(views)
+        self._what = what
+
+    def __setitem__(self, name, value):
+        if name not in self:
+            raise KeyError(f"{self._what}[{name!r}]: no such {self._what[5:-1]} (known: {', '.join(self)})")
+        if np.shape(value) != self[name].shape:
+            raise ValueError(f"{self._what}[{name!r}] = an array of shape {np.shape(value)}: the "
+                             f"{self._what[5:-1]} has shape {self[name].shape}")
+        self[name][...] = value

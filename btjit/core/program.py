@@ -19,7 +19,7 @@ from btjit.graph.lower import Lowering, assign_rows, lower_eqns
 from btjit.graph.memory import Shared, pin, plan as make_plan, storage_roots
 from btjit.graph.ops import TABLE
 from btjit.core import executor as X
-from btjit.core.arena import aligned_rows as _aligned_rows, arena as _arena
+from btjit.core.arena import Views, aligned_rows as _aligned_rows, arena as _arena
 from btjit.core.bounds import index_bounds as _index_bounds
 from btjit.host import threads as _threads
 from btjit.kernels import amx, bf16
@@ -236,8 +236,8 @@ class Program(Runner):
             (self.ia if v.dtype == "i32" else self.a)[p.off[v.id]:p.off[v.id] + v.size] = c.ravel()
         view = lambda v, off=None, r=0: (self._IA if v.dtype == "i32" else self._A)[r,  # noqa: E731
             (p.off[v.id] if off is None else off):][:v.size].reshape(v.shape)
-        self.params = {k: view(v) for k, v in graph.params.items()}
-        self.buffers = {k: view(v) for k, v in graph.buffers.items()}
+        self.params = Views({k: view(v) for k, v in graph.params.items()}, "prog.params")
+        self.buffers = Views({k: view(v) for k, v in graph.buffers.items()}, "prog.buffers")
         self.grads = {k: view(v, p.param_off[k] + p.params_span[1]) for k, v in graph.params.items()}
         self._in_shards = [[view(v, r=r) for v in graph.inputs] for r in range(replicas)]   # batch slots
         self._in = self._in_shards[0]
