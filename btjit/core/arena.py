@@ -53,14 +53,15 @@ class Views(dict):
     into the arena, as torch's load_state_dict does (replacing the dict's entry would leave the program reading
     the old values); an unknown name or another shape is an error naming both."""
 
-    def __init__(self, views, what):
+    def __init__(self, views, noun):
         super().__init__(views)
-        self._what = what
+        self._noun = noun                       # "param" or "buffer"
 
     def __setitem__(self, name, value):
+        where = f"prog.{self._noun}s[{name!r}]"
         if name not in self:
-            raise KeyError(f"{self._what}[{name!r}]: no such {self._what[5:-1]} (known: {', '.join(self)})")
+            raise KeyError(f"{where}: no such {self._noun} (known: {', '.join(self)})")
         if np.shape(value) != self[name].shape:
-            raise ValueError(f"{self._what}[{name!r}] = an array of shape {np.shape(value)}: the "
-                             f"{self._what[5:-1]} has shape {self[name].shape}")
+            raise ValueError(f"{where} = an array of shape {np.shape(value)}: the {self._noun} has shape "
+                             f"{self[name].shape}")
         self[name][...] = value

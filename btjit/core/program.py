@@ -236,8 +236,8 @@ class Program(Runner):
             (self.ia if v.dtype == "i32" else self.a)[p.off[v.id]:p.off[v.id] + v.size] = c.ravel()
         view = lambda v, off=None, r=0: (self._IA if v.dtype == "i32" else self._A)[r,  # noqa: E731
             (p.off[v.id] if off is None else off):][:v.size].reshape(v.shape)
-        self.params = Views({k: view(v) for k, v in graph.params.items()}, "prog.params")
-        self.buffers = Views({k: view(v) for k, v in graph.buffers.items()}, "prog.buffers")
+        self.params = Views({k: view(v) for k, v in graph.params.items()}, "param")
+        self.buffers = Views({k: view(v) for k, v in graph.buffers.items()}, "buffer")
         self.grads = {k: view(v, p.param_off[k] + p.params_span[1]) for k, v in graph.params.items()}
         self._in_shards = [[view(v, r=r) for v in graph.inputs] for r in range(replicas)]   # batch slots
         self._in = self._in_shards[0]

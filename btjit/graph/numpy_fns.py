@@ -423,7 +423,7 @@ METHODS.update({
     # torch's (beside x.relu(), x.sigmoid(), ... on the Tracer class itself)
     "square": lambda x: x * x, "sign": sign, "pow": lambda x, p: x ** p, "clone": copy, "detach": stop_gradient,
     "amax": _torch_dims(max), "amin": _torch_dims(amin),
-    "flip": lambda x, *dims, **kw: flip(x, _shape_args(dims) if dims else kw["dims"]),
+    "flip": lambda x, *dims, **kw: flip(x, _shape_args(dims) if dims else kw.get("dims")),
     "norm": lambda x, p=2, dim=None, keepdim=False: norm(x, p, dim, keepdim),
     "gather": lambda x, dim, index: take_along_axis(x, index, dim),
     "clamp": lambda x, min=None, max=None: clip(x, min, max),  # noqa: A002
