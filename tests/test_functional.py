@@ -469,3 +469,38 @@ def test_flip_and_squeeze_take_torchs_keywords():
                        dtype="float64")
     assert prog.value_and_grad() == np.sum(x[0, :, ::-1] * c)
     np.testing.assert_array_equal(prog.grads["x"][0], c[:, ::-1])
+
+
+KINKS = np.array([-6.0, -3.0, -1.0, -0.5, 0.0, 0.5, 0.7, 1.0, 3.0, 6.0])       # every function's bounds below, exactly
+TIES = {
+    "np.maximum": (lambda x: np.maximum(x, 0.5), lambda x: torch.maximum(x, torch.tensor(0.5, dtype=x.dtype))),
+    "btjit.minimum": (lambda x: btjit.minimum(-1.0, x), lambda x: torch.minimum(torch.tensor(-1.0, dtype=x.dtype), x)),
+    "maximum_pair": (lambda x: np.maximum(x, x[::-1] * 1.0), lambda x: torch.maximum(x, x.flip(0))),
+    "clip": (lambda x: np.clip(x, -0.5, 0.7), lambda x: torch.clamp(x, -0.5, 0.7)),
+    "clamp_min": (lambda x: x.clamp_min(0.0), lambda x: x.clamp_min(0.0)),
+    "clamp_max": (lambda x: x.clamp_max(1.0), lambda x: x.clamp_max(1.0)),
+    "hardtanh": (btjit.hardtanh, F.hardtanh),
+    "relu6": (btjit.relu6, F.relu6),
+    "hardsigmoid": (btjit.hardsigmoid, F.hardsigmoid),
+    "hardswish": (btjit.hardswish, F.hardswish),
+    "relu": (btjit.relu, F.relu),
+    "x.relu": (lambda x: x.relu(), lambda x: x.relu()),
+    "leaky_relu": (lambda x: btjit.leaky_relu(x, 0.1), lambda x: F.leaky_relu(x, 0.1)),
+    "elu": (btjit.elu, F.elu),
+    "logsigmoid": (btjit.logsigmoid, F.logsigmoid),
+    "bce_logits": (lambda x: btjit.binary_cross_entropy_with_logits(x, np.full(10, 0.3), reduction="none"),
+                   lambda x: F.binary_cross_entropy_with_logits(x, torch.full((10,), 0.3, dtype=x.dtype),
+                                                                reduction="none")),
+    "abs": (np.abs, torch.abs),
+}
+
+
+@pytest.mark.parametrize("name", list(TIES))
+def test_gradients_at_kinks_and_ties_are_torchs(name):
+    """At a tie, maximum / minimum give each input half (torch's rule); clamp passes the gradient at its bounds,
+    hardtanh, relu6 and the hard activations do not, relu gives 0 at 0: each as torch."""
+    bt, th = TIES[name]
+    got, got_g = _btjit(bt, KINKS, "float64", np.ones(10))
+    want, want_g = _torch(th, KINKS, "float64", np.ones(10))
+    np.testing.assert_allclose(got, want, rtol=1e-14, atol=1e-15)
+    np.testing.assert_allclose(got_g, want_g, rtol=1e-7, atol=1e-15)    # torch's hard* kernels round 1/6 to float32

@@ -242,6 +242,7 @@ def test_decay_matrices_is_nanogpts_rule():
     ([{"params": ["w", "nope"]}, {"params": "b|e|g"}], "group 0 lists 'nope', which is not a parameter"),
     ([{"params": "w("}], r"group 0: params regex 'w\(' is invalid"),
     ([{"params": 3}], "group 0: params must be a predicate on"),
+    ([{"params": "bias"}, {"params": ".*"}], r"group 0: params regex 'bias' matches no parameter"),
 ])
 def test_group_errors_name_the_param(groups, msg):
     with pytest.raises(O.OptimizerError, match=msg):
@@ -263,6 +264,18 @@ def test_bad_optimizer_arguments_are_named():
         O.Adam(betas=(1.5, 0.9))
     with pytest.raises(TypeError, match="optimizer must be a btjit.optim.Optimizer"):
         btjit.trace(loss, params0(), *batches(1)[0], optimizer="adam")
+
+
+def test_update_reading_an_unknown_hyper_parameter_names_it():
+    class Mine(O.Optimizer):
+        def __init__(self, lr=0.1):
+            super().__init__(lr=lr)
+
+        def update(self, param, grad, state, hp, step):
+            return param - hp["lr"] * hp["beta"] * grad, state
+    for kind in (KeyError, O.OptimizerError):
+        with pytest.raises(kind, match=r"Mine.update reads hp\['beta'\].*\(it has lr\).*super\(\).__init__\(beta="):
+            btjit.trace(loss, params0(), *batches(1)[0], optimizer=Mine())
 
 
 @pytest.mark.parametrize("make", [lambda: O.AdamW(lr=1e-2, weight_decay=0.1), lambda: O.SGD(lr=0.1, momentum=0.9),

@@ -181,7 +181,7 @@ def softplus(x, beta=1.0, threshold=20.0):
     """torch.nn.functional.softplus: log(1 + exp(beta x)) / beta, and x itself where beta x > threshold."""
     x = lift(x)
     z = x if beta == 1.0 else x * float(beta)
-    sp = log1p(exp(minimum(z, float(threshold))))         # exp never overflows; log1p keeps tiny values exact
+    sp = log1p(exp(minimum(z, float(threshold), ties="first")))         # exp never overflows; log1p keeps tiny values exact
     return where(z > float(threshold), x, sp if beta == 1.0 else sp * (1.0 / beta))
 
 
@@ -236,7 +236,7 @@ def _reduced(fn, per, reduction, keep=None):
     if keep is None:
         return total * (1.0 / per.size if per.size else np.nan)
     count = sum(keep)
-    return where(count > 0.0, total / maximum(count, 1.0), np.nan)
+    return where(count > 0.0, total / maximum(count, 1.0, ties="first"), np.nan)
 
 
 # ----------------------------------------------------------------------------- activations and losses as torch
@@ -247,11 +247,18 @@ def leaky_relu(x, negative_slope=0.01):
 
 def elu(x, alpha=1.0):
     x = lift(x)
-    return where(x > 0.0, x, (exp(minimum(x, 0.0)) - 1.0) * float(alpha))    # exp of the kept branch only
+    return where(x > 0.0, x, (exp(minimum(x, 0.0, ties="first")) - 1.0) * float(alpha))    # exp of the kept branch only
+
+
+def hardtanh(x, min_val=-1.0, max_val=1.0):
+    """x clamped to [min_val, max_val]; its gradient passes strictly inside (torch's rule: 0 at the bounds, where
+    clamp's passes)."""
+    x = maximum(x, float(min_val), ties="second")
+    return minimum(x, float(max_val), ties="second")
 
 
 def relu6(x):
-    return minimum(maximum(lift(x), 0.0), 6.0)
+    return hardtanh(x, 0.0, 6.0)
 
 
 def _pair(fn, x, t):
@@ -282,7 +289,7 @@ def smooth_l1_loss(input, target, reduction="mean", beta=1.0):  # noqa: A002
 def binary_cross_entropy(input, target, reduction="mean"):  # noqa: A002
     """torch's: -(t log p + (1 - t) log(1 - p)), each log clamped at -100 as torch clamps it."""
     p, t = _pair("binary_cross_entropy", input, target)
-    per = -(t * maximum(log(p), -100.0) + (1.0 - t) * maximum(log(1.0 - p), -100.0))
+    per = -(t * maximum(log(p), -100.0, ties="first") + (1.0 - t) * maximum(log(1.0 - p), -100.0, ties="first"))
     return _reduced("binary_cross_entropy", per, reduction)
 
 
@@ -292,6 +299,6 @@ def binary_cross_entropy_with_logits(input, target, reduction="mean", pos_weight
     x, t = _pair("binary_cross_entropy_with_logits", input, target)
     # softplus(-x), its two kinks at 0 taken from one side (|x|' = 1, max(0, -x)' = 0) so they cancel: the
     # gradient at x = 0 is sigmoid(0) - t, as torch's
-    soft = log1p(exp(-where(x >= 0.0, x, -x))) + maximum(0.0, -x)
+    soft = log1p(exp(-where(x >= 0.0, x, -x))) + maximum(0.0, -x, ties="first")
     per = (1.0 - t) * x + (soft if pos_weight is None else (1.0 + (lift(pos_weight) - 1.0) * t) * soft)
     return _reduced("binary_cross_entropy_with_logits", per, reduction)

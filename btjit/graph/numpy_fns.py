@@ -26,8 +26,8 @@ def clip(x, lo=None, hi=None):
     if lo is None and hi is None:
         raise TraceError(f"clip: give at least one of the bounds — {user_src()}")
     x = lift(x)
-    x = x if lo is None else maximum(x, lo)
-    return x if hi is None else minimum(x, hi)
+    x = x if lo is None else maximum(x, lo, ties="first")
+    return x if hi is None else minimum(x, hi, ties="first")
 
 
 def var(x, axis=None, ddof=0, keepdims=False, *, dim=None, keepdim=None, unbiased=None, correction=None):
@@ -433,6 +433,6 @@ METHODS.update({
     "masked_fill": lambda x, mask, value: where(mask, value, x), "chunk": chunk, "split": torch_split,
     "softmax": lambda x, dim=-1: softmax(x, dim), "log_softmax": lambda x, dim=-1: log_softmax(x, dim),
     "movedim": moveaxis, "tril": lambda x, diagonal=0: tri(x, diagonal), "numel": lambda x: x.node.size,
-    "expand_as": lambda x, other: broadcast_to(x, other.shape), "clamp_min": lambda x, m: maximum(x, m),
-    "clamp_max": lambda x, m: minimum(x, m), "type_as": lambda x, other: x.astype(other.dtype),
+    "expand_as": lambda x, other: broadcast_to(x, other.shape), "clamp_min": lambda x, m: clip(x, m),
+    "clamp_max": lambda x, m: clip(x, None, m), "type_as": lambda x, other: x.astype(other.dtype),
     "triu": lambda x, diagonal=0: tri(x, diagonal, lower=False)})

@@ -5,17 +5,12 @@ one row forward and one backward.
 """
 from __future__ import annotations
 
-from btjit.graph.functional import _pair, _reduced, elu, relu6, softplus
+from btjit.graph.functional import _pair, _reduced, elu, hardtanh, relu6, softplus
 from btjit.graph.numpy_fns import clip, norm
 from btjit.graph.trace import (TraceError, abs, exp, lift, log, log1p, maximum, minimum, reshape, sigmoid, sum, tanh,
                                user_src, where)
 
 _SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
-
-
-def hardtanh(x, min_val=-1.0, max_val=1.0):
-    """x clamped to [min_val, max_val]."""
-    return clip(x, float(min_val), float(max_val))
 
 
 def hardsigmoid(x):
@@ -32,7 +27,7 @@ def hardswish(x):
 def logsigmoid(x):
     """log(sigmoid(x)) = min(x, 0) - log1p(exp(-|x|)), finite for every x (at 0 the gradient is 1/2)."""
     x = lift(x)
-    return minimum(0.0, x) - log1p(exp(-where(x >= 0.0, x, -x)))
+    return minimum(0.0, x, ties="first") - log1p(exp(-where(x >= 0.0, x, -x)))
 
 
 def mish(x):
@@ -49,7 +44,7 @@ def selu(x):
 def celu(x, alpha=1.0):
     """max(0, x) + min(0, alpha (exp(x / alpha) - 1))."""
     x = lift(x)
-    return where(x > 0.0, x, (exp(minimum(x, 0.0) * (1.0 / alpha)) - 1.0) * float(alpha))
+    return where(x > 0.0, x, (exp(minimum(x, 0.0, ties="first") * (1.0 / alpha)) - 1.0) * float(alpha))
 
 
 def softsign(x):
@@ -90,7 +85,7 @@ def _pnorm(x, p, dim):
 def normalize(x, p=2.0, dim=1, eps=1e-12):
     """x / max(||x||_p, eps) along dim (torch.nn.functional.normalize)."""
     x = lift(x)
-    return x / maximum(_pnorm(x, p, dim), float(eps))
+    return x / maximum(_pnorm(x, p, dim), float(eps), ties="first")
 
 
 def cosine_similarity(x1, x2, dim=1, eps=1e-8):

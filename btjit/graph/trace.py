@@ -23,12 +23,12 @@ UFUNCS: dict = {}
 METHODS: dict = {}
 
 
-def _binop(op, x, y):
+def _binop(op, x, y, **attrs):
     x = lift(x, y if isinstance(y, Tracer) else None)
     y = lift(y, x)
     if op in ("eq", "ne", "gt", "ge", "lt", "le") and (x.node.dtype == "i32") != (y.node.dtype == "i32"):
         x, y = (emit("to_float", (v,)) if v.node.dtype == "i32" else v for v in (x, y))    # labels vs argmax
-    return emit(op, (x, y))
+    return emit(op, (x, y), **attrs)
 
 
 class _Size(int):
@@ -215,8 +215,24 @@ def log1p(x): return emit("log1p", (lift(x),))
 def sin(x): return emit("sin", (lift(x),))
 def cos(x): return emit("cos", (lift(x),))
 def abs(x): return emit("abs", (lift(x),))  # noqa: A001
-def maximum(x, y): return _binop("maximum", x, y)
-def minimum(x, y): return _binop("minimum", x, y)
+def maximum(x, y, ties="split"):
+    """numpy's / torch's maximum. Its gradient at a tie x == y: half to each input (torch's and jax's rule), all
+    of it to x with ties="first" (clamp's rule: the gradient passes where x >= a bound) or to y with ties="second"
+    (hardtanh's: where x > the bound)."""
+    return _binop("maximum", x, y, **_ties(ties))
+
+
+def minimum(x, y, ties="split"):
+    """numpy's / torch's minimum; ties as in maximum."""
+    return _binop("minimum", x, y, **_ties(ties))
+
+
+def _ties(ties):
+    if ties not in ("split", "first", "second"):
+        raise TraceError(f"maximum / minimum: ties must be 'split', 'first' or 'second', got {ties!r} — {user_src()}")
+    return {} if ties == "split" else {"ties": ties}
+
+
 def equal(x, y): return _binop("eq", x, y)
 def copy(x): return emit("copy", (lift(x),))
 def stop_gradient(x):

@@ -350,7 +350,7 @@ def _blocks(a, ia, r, lo, hi):
                 x, y = _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0)
                 z = _at(a, R, P, r, zr, i0, i1, i2, j0) if op >= FMA else x
                 w = _at(a, R, P, r, wr, i0, i1, i2, j0) if op >= FMA2 else x
-                al = 0                           # bit k: source k is the destination's block (written in place:
+                al = np.int64(0)                 # bit k: source k is the destination's block (written in place:
                 if dr < 0:                       # LLVM's alias check fails and the loop runs scalar; through the
                     at = _off(P, r, dr, i0, i1, i2, j0)           # scratch register both vectorize)
                     for k, c in enumerate((xr, yr, zr if op >= FMA else xr, wr if op >= FMA2 else xr)):

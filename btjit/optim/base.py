@@ -24,6 +24,24 @@ class OptimizerError(ValueError):
     """A bad optimizer definition, hyper-parameter or param group; str(e) names the problem."""
 
 
+class UnknownHyperParameter(OptimizerError, KeyError):
+    """`update` read hp[k] for a k the optimizer was not given (a KeyError too, as a dict's)."""
+    __str__ = Exception.__str__
+
+
+class HyperParams(dict):
+    """The `hp` an update reads: a dict whose missing key is an error naming the optimizer and its keys."""
+
+    def __init__(self, who, values):
+        super().__init__(values)
+        self.who = who
+
+    def __missing__(self, k):
+        raise UnknownHyperParameter(f"{self.who}.update reads hp[{k!r}], which is not a hyper-parameter of this "
+                                    f"optimizer (it has {', '.join(sorted(self))}): pass it to "
+                                    f"super().__init__({k}=...)")
+
+
 class Optimizer:
     """Base of every optimizer. A subclass calls `super().__init__(lr=lr, beta=beta, ..., groups=groups)`
     with its hyper-parameters as numbers, and defines `init` (default: no state) and `update`.
@@ -150,6 +168,9 @@ def resolve_groups(opt: Optimizer, params: dict) -> list:
                     raise OptimizerError(f"parameter {name!r} is in two param groups ({found[name]} and {i}); "
                                          f"every parameter must be in exactly one")
                 found[name] = i
+        if isinstance(sel, str) and i not in found.values():
+            raise OptimizerError(f"group {i}: params regex {sel!r} matches no parameter (it must match a whole "
+                                 f"name; parameters: {', '.join(shapes)})")
     none = [n for n in shapes if n not in found]
     if none:
         raise OptimizerError(f"parameter {none[0]!r} (shape {shapes[none[0]]}) is in no param group"

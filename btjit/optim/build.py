@@ -18,7 +18,7 @@ from btjit.graph.fuse_ew import ALIAS, BINARY, UNARY
 from btjit.graph.lower import lower_eqns
 from btjit.graph.memory import _al, storage_roots
 
-from btjit.optim.base import Optimizer, OptimizerError, flat_hp, resolve_groups
+from btjit.optim.base import HyperParams, Optimizer, OptimizerError, flat_hp, resolve_groups
 from btjit.optim.builtin import one_pass
 
 GLOBAL = ("lr", "clip_norm", "clip_scale", "clip_value", "step")
@@ -125,6 +125,7 @@ class Update:
                 hp = {k: tuple(one[f"{k}[{i}]"] for i in range(len(v))) if isinstance(v, tuple) else one[k]
                       for k, v in group_hp.items() if k not in ("lr", "lr_scale")}
                 hp["lr"] = hyper(self.slots["lr"]) * hyper(slots["lr_scale"])
+                hp = HyperParams(who, hp)
                 res = None if clip_value else one_pass(
                     opt, p, grad, state, hp, t, hyper(self.slots["clip_scale"]),
                     {f for f, on in (("scale", clip_norm), ("skip", skip_nonfinite)) if on})

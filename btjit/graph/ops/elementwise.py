@@ -28,12 +28,22 @@ _binary("mul", EW.B_MUL, np.multiply, lambda g, x, o, a: [g[0] * x[1], g[0] * x[
         ints=True)
 _binary("div", EW.B_DIV, np.divide, lambda g, x, o, a: [g[0] / x[1], -g[0] * o[0] / x[1]],
         [Case((F(3, 4), F(4, dom="pos"))), Case((F(2, 1, 3), F(4, 1, dom="pos"))), Case((F(), F(3, 2, dom="pos")))])
-_binary("maximum", EW.B_MAX, np.maximum,
-        lambda g, x, o, a: [g[0] * T.emit("ge", (x[0], x[1])), g[0] * T.emit("lt", (x[0], x[1]))],
+def _minmax_vjp(wins, strict):
+    """maximum's / minimum's VJP: x's share of g is 1 where x wins strictly; at a tie, 1/2 each (torch's rule:
+    (ge + gt) / 2), or all of it to x (ties "first", clamp's rule) or to y ("second", hardtanh's)."""
+    def vjp(g, x, o, a):
+        if a.get("ties"):
+            m = T.emit(wins if a["ties"] == "first" else strict, (x[0], x[1]))
+        else:
+            m = (T.emit(wins, (x[0], x[1])) + T.emit(strict, (x[0], x[1]))) * 0.5
+        gx = g[0] * m
+        return [gx, g[0] - gx]
+    return vjp
+
+
+_binary("maximum", EW.B_MAX, np.maximum, _minmax_vjp("ge", "gt"),
         [Case((F(3, 4), F(3, 4))), Case((F(3, 4), F(4)))], ints=True)
-_binary("minimum", EW.B_MIN, np.minimum,
-        lambda g, x, o, a: [g[0] * T.emit("le", (x[0], x[1])), g[0] * T.emit("gt", (x[0], x[1]))],
-        [Case((F(3, 4), F(3, 4)))], ints=True)
+_binary("minimum", EW.B_MIN, np.minimum, _minmax_vjp("le", "lt"), [Case((F(3, 4), F(3, 4)))], ints=True)
 _binary("pow2", EW.B_POW, np.power,
         lambda g, x, o, a: [g[0] * x[1] * x[0] ** (x[1] - 1.0), g[0] * o[0] * T.log(x[0])],
         [Case((F(3, 4, dom="pos"), F(3, 4))), Case((F(3, 4, dom="pos"), F()))])
