@@ -45,7 +45,25 @@ W = {"w": np.ones((3, 4))}
 
 
 # ----------------------------------------------------------------------------- tracing
-@pytest.mark.parametrize("form", ["if", "while", "float", "int", "range", "index", "asarray"])
+def test_a_missing_name_in_the_programs_dicts_lists_the_known_ones():
+    fn = lambda p, x: btjit.sum((x @ p["w"]) * p["h"])       # noqa: E731
+    x = np.ones((2, 3))
+    with pytest.raises(KeyError, match=r"p\['W'\]: no such param or buffer \(known: w, h\)"):
+        btjit.trace(lambda p, x: btjit.sum(x @ p["W"]), W, x, buffers={"h": np.ones(4)}, dtype="float64")
+    prog = btjit.trace(fn, W, x, buffers={"h": np.ones(4)}, optimizer=btjit.optim.SGD(lr=0.1, momentum=0.9),
+                       dtype="float64")
+    for where, d, known in [("prog.params", prog.params, "w"), ("prog.grads", prog.grads, "w"),
+                            ("prog.buffers", prog.buffers, "h"),
+                            ("prog.opt_state", prog.opt_state, "momentum_buffer"),
+                            ("prog.opt_state['momentum_buffer']", prog.opt_state["momentum_buffer"], "w")]:
+        with pytest.raises(KeyError, match=rf"{re.escape(where)}\['W'\]: no such .* \(known: {known}\)$"):
+            d["W"]
+        assert isinstance(d, dict) and list(d) == [known] and d.get("W") is None
+    prog.step(x)
+    assert prog.opt_state["momentum_buffer"]["w"].shape == (3, 4) and prog.grads["w"].shape == (3, 4)
+
+
+@pytest.mark.parametrize("form", ["if", "while", "float", "int", "range", "index", "asarray", "item"])
 def test_concrete_value_of_a_traced_value(form):
     def fn(p):
         s = btjit.sum(p["w"])
@@ -65,6 +83,8 @@ def test_concrete_value_of_a_traced_value(form):
             return p["w"][s].sum()  # HERE
         elif form == "asarray":
             return btjit.sum(np.asarray(p["w"]))  # HERE
+        elif form == "item":
+            return s * s.item()  # HERE
         return s
     src, start = inspect.getsourcelines(fn)
     line = next(start + i for i, l in enumerate(src) if "# HERE" in l and f'form == "{form}"' in src[i - 1])

@@ -295,3 +295,108 @@ def test_one_pass_kernel_split_over_threads_is_bitwise_one_threads(make):
     np.testing.assert_array_equal(progs[0].params["w"], progs[1].params["w"])
     for s in progs[0].opt_state:
         np.testing.assert_array_equal(progs[0].opt_state[s]["w"], progs[1].opt_state[s]["w"])
+
+
+def _prog(opt, **kw):
+    return btjit.trace(loss, params0(), *batches(1)[0], optimizer=opt, dtype="float64", **kw)
+
+
+@pytest.mark.parametrize("make,key", [(lambda: O.SGD(lr=0.1), "momentum"), (lambda: O.SGD(lr=0.1), "weight_decay"),
+                                      (lambda: O.Adam(lr=0.1), "weight_decay"),
+                                      (lambda: O.RMSprop(lr=0.1), "momentum"),
+                                      (lambda: O.Adagrad(lr=0.1), "weight_decay")])
+def test_a_hyper_parameter_traced_at_0_refuses_a_nonzero_value(make, key):
+    prog = _prog(make())
+    with pytest.raises(ValueError, match=rf"prog.hp\['{key}'\] = 0.5: the program was traced with {key} = 0 .*"
+                                         rf"its term is not in the step.*nonzero {key} \(e.g. {key}=1e-12\)"):
+        prog.hp[key] = 0.5
+    with pytest.raises(ValueError, match=f"traced with {key} = 0"):
+        prog.hp.groups[0][key] = 0.5
+    prog.hp[key] = 0.0                          # 0 stays allowed
+    prog.hp.groups[0][key] = 0
+    assert prog.hp[key] == 0.0
+
+
+@pytest.mark.parametrize("key", ["clip_norm", "clip_value"])
+def test_clipping_not_traced_refuses_a_value_and_traced_stays_changeable(key):
+    with pytest.raises(ValueError, match=rf"traced without {key}, so the step does no such clipping.*pass {key}= "
+                                         rf"to btjit.trace"):
+        _prog(O.SGD(lr=0.1)).hp[key] = 1e-3
+    prog = _prog(O.SGD(lr=0.1), **{key: 10.0})
+    prog.hp[key] = 1e-3
+    assert prog.hp[key] == 1e-3
+
+
+@pytest.mark.parametrize("clip", [{}, {"clip_value": 1e9}], ids=["one_pass", "traced"])
+@pytest.mark.parametrize("make,key,value", [(lambda **k: O.AdamW(**{"lr": 0.01, "weight_decay": 0.0, **k}),
+                                             "weight_decay", 0.5),
+                                            (lambda **k: O.SGD(lr=0.05, momentum=0.9, **k), "dampening", 0.5),
+                                            (lambda **k: O.SGD(**{"lr": 0.05, "weight_decay": 0.01, **k}),
+                                             "weight_decay", 0.5)],
+                         ids=["adamw_wd", "sgd_dampening", "sgd_wd"])
+def test_hyper_parameters_whose_terms_are_traced_stay_changeable(make, key, value, clip):
+    """AdamW's decoupled decay and SGD's dampening are traced at 0 too: set before the first step, the program
+    equals one traced with the value (and differs from one left as traced)."""
+    a, want, unchanged = _prog(make(), **clip), _prog(make(**{key: value}), **clip), _prog(make(), **clip)
+    a.hp[key] = value
+    for bt in batches(4):
+        for prog in (a, want, unchanged):
+            prog.step(*bt)
+    for k in SHAPES:
+        np.testing.assert_allclose(a.params[k], want.params[k], rtol=1e-13, atol=1e-15, err_msg=k)
+    assert np.abs(a.params["w"] - unchanged.params["w"]).max() > 1e-4
+
+
+def test_hp_groups_are_indexed_as_declared_with_empty_groups():
+    groups = [{"params": lambda n, s: False, "weight_decay": 0.0}, {"params": ["w", "e"], "weight_decay": 0.1},
+              {"params": ["b", "g"], "lr_scale": 2.0}]
+    prog = _prog(O.SGD(lr=0.1, weight_decay=0.01, groups=groups))
+    ref = _prog(O.SGD(lr=0.1, weight_decay=0.01, groups=groups[1:]))
+    assert len(prog.hp.groups) == 3
+    assert prog.hp.groups[1]["weight_decay"] == 0.1 and prog.hp.groups[1]["lr_scale"] == 1.0
+    assert prog.hp.groups[2]["weight_decay"] == 0.01 and prog.hp.groups[2]["lr_scale"] == 2.0
+    with pytest.raises(KeyError, match=r"hp.groups\[0\]\['weight_decay'\]: param group 0 matches no parameter"):
+        prog.hp.groups[0]["weight_decay"] = 0.5
+    with pytest.raises(KeyError, match="param group 0 matches no parameter"):
+        prog.hp.groups[0]["weight_decay"]
+    with pytest.raises(IndexError, match=r"hp.groups\[3\]: this program has 3 param groups \(indices 0 to 2\)"):
+        prog.hp.groups[3]
+    prog.hp.groups[1]["weight_decay"] = ref.hp.groups[0]["weight_decay"] = 0.3
+    prog.hp["lr_scale"] = ref.hp["lr_scale"] = 0.5
+    for bt in batches(3):
+        prog.step(*bt)
+        ref.step(*bt)
+    for k in SHAPES:
+        np.testing.assert_array_equal(prog.params[k], ref.params[k], err_msg=k)
+    sd = prog.state_dict()
+    prog.load_state_dict(sd)
+    assert prog.hp.groups[1]["weight_decay"] == 0.3
+
+
+def test_decay_matrices_without_1d_params_keeps_an_empty_second_group():
+    p = {"w": np.random.default_rng(0).standard_normal((3, 4))}
+    x = np.ones((2, 3))
+    prog = btjit.trace(lambda p, x: btjit.sum((x @ p["w"]) ** 2), p, x, dtype="float64",
+                       optimizer=O.AdamW(lr=0.1, weight_decay=0.1, groups=O.decay_matrices()))
+    prog.step(x)
+    assert prog.hp["weight_decay"] == 0.1 and prog.hp.groups[0]["weight_decay"] == 0.1
+    assert "weight_decay" in prog.hp and len(prog.hp.groups) == 2
+    with pytest.raises(KeyError, match="param group 1 matches no parameter"):
+        prog.hp.groups[1]["weight_decay"] = 0.0
+
+
+@pytest.mark.parametrize("make,msg", [
+    (lambda: O.Adam(lr=0.1, betas=0.9), r"Adam: betas must be a pair of numbers \(beta1, beta2\), got 0.9"),
+    (lambda: O.Lion(betas=(0.9,)), r"Lion: betas must be a pair of numbers"),
+    (lambda: O.Adam(lr=-0.1), "Adam: Invalid learning rate: -0.1"),
+    (lambda: O.SGD(lr=-1), "SGD: Invalid learning rate: -1"),
+    (lambda: O.Lion(lr=-1e-4), "Lion: Invalid learning rate: -0.0001"),
+    (lambda: O.AdamW(eps=-1e-8), "AdamW: Invalid epsilon value: -1e-08"),
+    (lambda: O.RMSprop(weight_decay=-0.1), "RMSprop: Invalid weight_decay value: -0.1"),
+    (lambda: O.Adagrad(lr_decay=-0.1), "Adagrad: Invalid lr_decay value: -0.1"),
+    (lambda: O.SGD(lr=0.1, groups=[{"params": ".*", "weight_decay": -1.0}]),
+     "SGD: Invalid weight_decay value: -1.0 in group 0"),
+])
+def test_bad_builtin_arguments_are_optimizer_errors_as_torchs(make, msg):
+    with pytest.raises(O.OptimizerError, match=msg):
+        make()

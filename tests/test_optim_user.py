@@ -105,7 +105,7 @@ class Lookahead(btjit.optim.Optimizer):
 
     def update(self, p, g, state, hp, step):
         new_p = p - hp["lr"] * (g + state["mom"])
-        return new_p, {"prev": p, "mom": btjit.sum(new_p * 0.0) + 0.5 * state["mom"] + g + 0.0 * p}
+        return new_p, {"prev": p, "mom": new_p * 0.0 + 0.5 * state["mom"] + g + 0.0 * p}
 
 
 def test_an_update_reading_old_values_after_new_ones_is_copied_at_the_end():
@@ -174,3 +174,48 @@ def test_a_tuple_hyper_parameter_is_slots_and_matches_torch():
 def test_tuple_hyper_parameter_errors(kw, needle):
     with pytest.raises(btjit.optim.OptimizerError, match=needle):
         TupleAdam(**kw)
+
+
+class Probe(btjit.optim.Optimizer):
+    """An update given as a function of (p, g, hp): a reduction over the group's flat vector would see the
+    arena's alignment padding (51 elements padded to 64), so it is refused."""
+
+    def __init__(self, rule, lr=0.1):
+        super().__init__(lr=lr)
+        self.rule = rule
+
+    def update(self, p, g, state, hp, step):
+        return self.rule(p, g, hp), {}
+
+
+@pytest.mark.parametrize("rule,what", [
+    (lambda p, g, hp: p - hp["lr"] * g / (g * g).mean(), r"a reduction \(sum\)"),
+    (lambda p, g, hp: p - hp["lr"] * p.min() * g, r"a reduction \(max\)"),
+    (lambda p, g, hp: p - hp["lr"] * g / np.sqrt(btjit.sum(g * g)), r"a reduction \(sum\)"),
+    (lambda p, g, hp: p - hp["lr"] * g.var() * g, r"a reduction \(sum\)"),
+    (lambda p, g, hp: (p - hp["lr"] * g).sum(), r"a reduction \(sum\)"),
+    (lambda p, g, hp: p - hp["lr"] * g.reshape(-1, 1)[:, 0], r"a reshape \(reshape\)"),
+    (lambda p, g, hp: (p - hp["lr"] * g * np.ones((2, 1)))[0], r"mul with a value of shape \(2, 1\)"),
+    (lambda p, g, hp: p - hp["lr"] * g * np.arange(3.0)[0], None),
+])
+def test_a_non_elementwise_op_in_an_update_is_an_error_naming_the_line(rule, what):
+    bs = quad_batches(2)
+    if what is None:                             # elementwise with a constant: fine
+        prog = btjit.trace(loss, params0(), *bs[0], optimizer=Probe(rule), dtype="float64")
+        prog.step(*bs[0])
+        np.testing.assert_array_equal(prog.params["w"], params0()["w"])
+        return
+    line = f"test_optim_user.py:{rule.__code__.co_firstlineno}"
+    with pytest.raises(btjit.optim.OptimizerError, match=rf"Probe.update: {what} at {line}: update rules are "
+                                                         r"elementwise over each group's flat vector .*LARS/LAMB"):
+        btjit.trace(loss, params0(), *bs[0], optimizer=Probe(rule), dtype="float64")
+
+
+def test_a_returned_value_of_another_shape_names_the_groups_real_size():
+    with pytest.raises(btjit.optim.OptimizerError, match=r"Probe.update: the new param has shape \(3,\); the "
+                                                         r"group's values are one flat vector of its 51 elements"):
+        btjit.trace(loss, params0(), *quad_batches(1)[0], optimizer=Probe(lambda p, g, hp: np.ones(3)))
+    prog = btjit.trace(loss, params0(), *quad_batches(1)[0], optimizer=Probe(lambda p, g, hp: hp["lr"] * 1.0),
+                       dtype="float64")
+    prog.step(*quad_batches(1)[0])              # a 0-d new param is broadcast (as numpy would)
+    assert (prog.params["w"] == 0.1).all() and (prog.params["g"] == 0.1).all()

@@ -48,14 +48,31 @@ def _padded(n, dtype):
     return itemsize, per, -(-n // per) * per
 
 
-class Views(dict):
+class Named(dict):
+    """A dict whose missing key is a KeyError naming it and the known keys: `where` is how the user wrote the dict
+    (prog.grads, p), `noun` what its entries are (param, buffer, state)."""
+
+    def __init__(self, entries, noun, where=None):
+        super().__init__(entries)
+        self._noun, self._where = noun, where or f"prog.{noun}s"
+
+    def __missing__(self, name):
+        known = ", ".join(map(str, self)) or "none"
+        raise UnknownName(f"{self._where}[{name!r}]: no such {self._noun} (known: {known})")
+
+
+class UnknownName(KeyError):
+    """A missing key of a Named dict (a KeyError whose str is its message, not the message's repr)."""
+    __str__ = Exception.__str__
+
+
+class Views(Named):
     """A program's named arena views (prog.params, prog.buffers). `views[name] = array` copies the array's values
     into the arena, as torch's load_state_dict does (replacing the dict's entry would leave the program reading
     the old values); an unknown name or another shape is an error naming both."""
 
     def __init__(self, views, noun):
-        super().__init__(views)
-        self._noun = noun                       # "param" or "buffer"
+        super().__init__(views, noun)           # noun: "param" or "buffer"
 
     def __setitem__(self, name, value):
         where = f"prog.{self._noun}s[{name!r}]"

@@ -19,7 +19,7 @@ from btjit.graph.lower import Lowering, assign_rows, lower_eqns
 from btjit.graph.memory import Shared, pin, plan as make_plan, storage_roots
 from btjit.graph.ops import TABLE
 from btjit.core import executor as X
-from btjit.core.arena import Views, aligned_rows as _aligned_rows, arena as _arena
+from btjit.core.arena import Named, Views, aligned_rows as _aligned_rows, arena as _arena
 from btjit.core.bounds import index_bounds as _index_bounds
 from btjit.host import threads as _threads
 from btjit.kernels import amx, bf16
@@ -125,7 +125,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         g.inputs.append(g.new_var(shard, "i32" if x.dtype.kind in "iu" else fd))
         g.input_names.append(name)
     with T.building(g):
-        ptr = {k: T.Tracer(v, g) for k, v in {**g.params, **g.buffers}.items()}
+        ptr = Named({k: T.Tracer(v, g) for k, v in {**g.params, **g.buffers}.items()}, "param or buffer", "p")
         res = fn(ptr, *[T.Tracer(v, g) for v in g.inputs])
     g.memo.clear()                  # the passes below rewrite the graph: nothing is reused past here
     out, aux = (res if isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict) else (res, {}))
@@ -199,6 +199,7 @@ class Program(Runner):
         shared = share and Shared(share.plan.param_off, share.plan.buffer_off, share._A.size)
         self.plan = p = make_plan(graph, pinned, n_state, update.n_hyper if update else 0, shared)
         self._hyper, self._group_hyper = update.slot_offsets(p) if update else ({}, [])
+        self._hp_untraced = sorted(update.untraced) if update else []      # prog.hp refuses a nonzero value
         self._bounds = _index_bounds(graph)
         self._flag = p.int_state + 1
         L = Lowering(p, const_base=p.float_size, threads=max(1, n_threads // replicas),
@@ -238,7 +239,7 @@ class Program(Runner):
             (p.off[v.id] if off is None else off):][:v.size].reshape(v.shape)
         self.params = Views({k: view(v) for k, v in graph.params.items()}, "param")
         self.buffers = Views({k: view(v) for k, v in graph.buffers.items()}, "buffer")
-        self.grads = {k: view(v, p.param_off[k] + p.params_span[1]) for k, v in graph.params.items()}
+        self.grads = Named({k: view(v, p.param_off[k] + p.params_span[1]) for k, v in graph.params.items()}, "grad")
         self._in_shards = [[view(v, r=r) for v in graph.inputs] for r in range(replicas)]   # batch slots
         self._in = self._in_shards[0]
         self.inputs = dict(zip(graph.input_names, self._in))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from btjit.core.arena import Named
+
 
 def allowed(hi, ok) -> str:
     return f"in [0, {hi})" + (f" or {ok} (the ignore_index)" if ok is not None else "")
@@ -151,9 +153,9 @@ class Runner:
         """{state name: {param name: its state}}: views into the arena (state j of a param lies (2 + j) params
         spans after it)."""
         base = self.a.__array_interface__["data"][0]
-        out = {}
+        out = Named({}, "optimizer state", "prog.opt_state")
         for j, (name, _) in enumerate(self._state):
-            views = out[name[len("opt/"):]] = {}
+            views = out[name[len("opt/"):]] = Named({}, "param", f"prog.opt_state[{name[len('opt/'):]!r}]")
             for k, v in self.params.items():
                 o = (v.__array_interface__["data"][0] - base) // v.itemsize + (2 + j) * self._span
                 views[k] = self.a[o:o + v.size].reshape(v.shape)
@@ -199,14 +201,21 @@ class Runner:
         return int(sum(v.size for v in self.params.values()))
 
 
+class HyperParameterError(ValueError):
+    """A hyper-parameter that prog.hp cannot set (its terms are not in the traced step); str(e) says why."""
+
+
 class HyperParams:
     """prog.hp: the global slots (lr, clip_norm, clip_value) and each group's (the optimizer's hyper-parameters,
     lr_scale). hp[name] reads a global slot, or a group slot equal in every group; hp[name] = v writes it
-    (in every group); hp.groups[i] is group i's {name: value} view."""
+    (in every group); hp.groups[i] is the view of the user's group i ({name: value}). A hyper-parameter whose
+    terms were not traced (0 in every group, or clipping not asked for) reads 0 and takes only 0."""
 
     def __init__(self, prog):
         self._a, self._g = prog.a, prog._hyper
-        self.groups = [_Slots(prog.a, s) for s in prog._group_hyper]
+        untraced = frozenset(getattr(prog, "_hp_untraced", ()))
+        self.groups = _Groups(_Slots(prog.a, s, i, untraced) for i, s in enumerate(prog._group_hyper))
+        self._untraced = untraced
 
     def _slots(self, name):
         if name in self._g and name not in ("clip_scale", "step"):
@@ -217,8 +226,9 @@ class HyperParams:
         return got
 
     def keys(self):
+        first = next((s._s for s in self.groups if s._s), {})
         return [k for k in self._g if k not in ("clip_scale", "step")] + \
-            [k for k in (self.groups[0]._s if self.groups else ()) if k not in self._g and not k.startswith("1-")]
+            [k for k in first if k not in self._g and not k.startswith("1-")]
 
     def __getitem__(self, name):
         parts = _parts(name, self.keys())
@@ -234,6 +244,7 @@ class HyperParams:
         if _set_parts(self, name, value, self.keys()):
             return
         self._slots(name)                          # a KeyError naming what there is
+        _check_traced(name, value, self._untraced)
         if name in self._g:
             self._a[self._g[name]] = value
         for s in self.groups:
@@ -247,22 +258,62 @@ class HyperParams:
         return "{" + ", ".join(f"{k!r}: {self._a[self._slots(k)[0]]:g}" for k in self.keys()) + "}"
 
 
+class _Groups(list):
+    """hp.groups: indexed as the user declared the param groups; an index past them is an IndexError naming how
+    many there are."""
+
+    def __getitem__(self, i):
+        try:
+            return super().__getitem__(i)
+        except IndexError:
+            raise IndexError(f"hp.groups[{i}]: this program has {len(self)} param group"
+                             f"{'' if len(self) == 1 else 's'} (indices 0 to {len(self) - 1})") from None
+
+
+def _check_traced(name, value, untraced):
+    """An error if `name`'s terms are not in the step (it was 0 when traced, or clipping was not asked for) and
+    value is not 0: the step would ignore it."""
+    if name not in untraced or not np.any(np.asarray(value, np.float64)):
+        return
+    if name in ("clip_norm", "clip_value"):
+        raise HyperParameterError(f"prog.hp[{name!r}] = {value!r}: the program was traced without {name}, so the "
+                                  f"step does no such clipping and the value would be ignored; pass {name}= to "
+                                  f"btjit.trace (it can then be changed here)")
+    raise HyperParameterError(f"prog.hp[{name!r}] = {value!r}: the program was traced with {name} = 0 (in every "
+                              f"param group), so its term is not in the step and the value would be ignored; "
+                              f"trace the optimizer with a nonzero {name} (e.g. {name}=1e-12) to change it later")
+
+
 class _Slots:
-    def __init__(self, a, slots):
-        self._a, self._s = a, slots
+    def __init__(self, a, slots, index=0, untraced=frozenset()):
+        self._a, self._s, self._i, self._untraced = a, slots, index, untraced
+
+    def _empty(self, name):
+        raise KeyError(f"hp.groups[{self._i}][{name!r}]: param group {self._i} matches no parameter, so it has no "
+                       f"hyper-parameters (its selector selects none of the program's params)")
 
     def __getitem__(self, name):
+        if not self._s:
+            self._empty(name)
         parts = _parts(name, self._s)
         if parts:
             return tuple(self[k] for k in parts)
+        if name not in self._s or name.startswith("1-"):
+            self._unknown(name)
         return float(self._a[self._s[name]])
 
+    def _unknown(self, name):
+        raise KeyError(f"no hyper-parameter {name!r} in this param group (it has: "
+                       f"{', '.join(k for k in self._s if not k.startswith('1-'))})")
+
     def __setitem__(self, name, value):
+        if not self._s:
+            self._empty(name)
         if _set_parts(self, name, value, self._s):
             return
         if name not in self._s or name.startswith("1-"):
-            raise KeyError(f"no hyper-parameter {name!r} in this param group (it has: "
-                           f"{', '.join(k for k in self._s if not k.startswith('1-'))})")
+            self._unknown(name)
+        _check_traced(name, value, self._untraced)
         self._a[self._s[name]] = value
         if "1-" + name in self._s:                 # 1 - value in float64 (btjit/optim/build.py: _Hyper)
             self._a[self._s["1-" + name]] = 1.0 - float(value)

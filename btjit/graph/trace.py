@@ -119,6 +119,8 @@ class Tracer:
     __float__ = lambda s: s._no_concrete("float() (or a math.* function such as math.sqrt: use np.sqrt)")
     __int__ = lambda s: s._no_concrete("int()")
     __index__ = lambda s: s._no_concrete("int()")
+    item = lambda s, *a: s._no_concrete(".item()")
+    tolist = lambda s: s._no_concrete(".tolist()")
 
     def __array__(self, *a, **k):
         raise TraceError(f"a traced value cannot be converted to a numpy array (np.asarray or an unsupported "

@@ -12,6 +12,7 @@ the tracing; this file holds no graph code.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 
 import numpy as np
@@ -72,8 +73,21 @@ class Optimizer:
         return dict(self.hp)
 
     def nonzero(self, name) -> bool:
-        """Whether hyper-parameter `name` is non-zero for some group: the terms it scales are traced at all."""
-        return bool(self.hp.get(name)) or any(g.get(name) for g in self.groups or ())
+        """Whether hyper-parameter `name` is non-zero for some group: the terms it scales are traced at all.
+        While a program is traced, a False answer is recorded: prog.hp then refuses a non-zero value for it."""
+        on = bool(self.hp.get(name)) or any(g.get(name) for g in self.groups or ())
+        if not on and getattr(self, "_zeros_asked", None) is not None:
+            self._zeros_asked.add(name)
+        return on
+
+    @contextlib.contextmanager
+    def recording_zeros(self, into: set):
+        """Inside: every hyper-parameter nonzero() answers False for is added to `into` (its terms are not traced)."""
+        before, self._zeros_asked = getattr(self, "_zeros_asked", None), into
+        try:
+            yield into
+        finally:
+            self._zeros_asked = before
 
     def __repr__(self):
         hp = ", ".join(f"{k}={fmt(v)}" for k, v in self.hp.items())
@@ -147,10 +161,11 @@ def _matcher(i, sel):
                          f"got {sel!r}")
 
 
-def resolve_groups(opt: Optimizer, params: dict) -> list:
+def resolve_groups(opt: Optimizer, params: dict, keep_empty=False) -> list:
     """[(names, hp)] per group, in group order: names in the params' order, hp the group's hyper-parameters
     (the optimizer's, overridden by the group's keys, with lr_scale). An error names a param that is in no
-    group or in two, and a listed name that is not a param."""
+    group or in two, and a listed name that is not a param. A group matching no param is left out unless
+    keep_empty (then its names are [], so entry i is the user's group i)."""
     shapes = {k: tuple(np.shape(v)) for k, v in params.items()}
     specs = opt.groups or [{"params": lambda n, s: True}]
     found = {}
@@ -181,7 +196,7 @@ def resolve_groups(opt: Optimizer, params: dict) -> list:
         names = [n for n in shapes if found[n] == i]
         hp = {**opt.hp, **{k: hp_value("", k, v) for k, v in g.items() if k != "params"}}
         hp.setdefault("lr_scale", 1.0)
-        if names:
+        if names or keep_empty:
             out.append((names, hp))
     return out
 

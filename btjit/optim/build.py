@@ -34,12 +34,18 @@ class Update:
             if v is not None and not (isinstance(v, (int, float, np.floating)) and v > 0):
                 raise ValueError(f"{k} must be a positive number or None, got {v!r}")
         who = type(opt).__name__
-        self.opt, self.groups = opt, resolve_groups(opt, params)
+        declared = resolve_groups(opt, params, keep_empty=True)
+        self.opt, self.groups = opt, [gr for gr in declared if gr[0]]
+        self.declared = [i for i, (names, _) in enumerate(declared) if names]   # group j is the user's declared[j]
+        self.n_declared = len(declared)
         self.order = [n for names, _ in self.groups for n in names]
         self.state_names, self.init = None, {}
+        # the hyper-parameters whose terms are not in the step (nonzero() said False, clipping not asked for)
+        self.untraced = {k for k, v in (("clip_norm", clip_norm), ("clip_value", clip_value)) if not v}
         for name in self.order:
             p = np.asarray(params[name])
-            st = opt.init(name, p)
+            with opt.recording_zeros(self.untraced):
+                st = opt.init(name, p)
             if not isinstance(st, dict) or not all(isinstance(k, str) for k in st):
                 raise OptimizerError(f"{who}.init({name!r}, param) must return a dict of state name -> array, "
                                      f"got {type(st).__name__}")
@@ -73,9 +79,12 @@ class Update:
         return len(self.values)
 
     def slot_offsets(self, plan):
-        """({global name: arena offset}, [{name: arena offset} per group]) of the hyper-parameter slots."""
-        return ({k: plan.hyper_off + i for k, i in self.slots.items()},
-                [{k: plan.hyper_off + i for k, i in s.items()} for s in self.group_slots])
+        """({global name: arena offset}, [{name: arena offset} per group]) of the hyper-parameter slots; a group
+        declared but matching no param has {} (so entry i is the user's group i)."""
+        groups = [{}] * self.n_declared
+        for i, s in zip(self.declared, self.group_slots):
+            groups[i] = {k: plan.hyper_off + o for k, o in s.items()}
+        return {k: plan.hyper_off + i for k, i in self.slots.items()}, groups
 
     def write_initial(self, a, plan):
         """The hyper-parameters' and the state's initial values into the arena a."""
@@ -94,6 +103,10 @@ class Update:
         return clip + lower_eqns(g.eqns[g.n_backward:], L)[0]
 
     def trace_into(self, g, skip_nonfinite=False):
+        with self.opt.recording_zeros(self.untraced):
+            self._trace_into(g, skip_nonfinite)
+
+    def _trace_into(self, g, skip_nonfinite):
         fd, opt, clip_norm, clip_value = g.float_dtype, self.opt, self.clip_norm, self.clip_value
         who = type(opt).__name__
         writes = []
@@ -117,6 +130,7 @@ class Update:
             writes.append((T.where(ok, t, step) if skip_nonfinite else t, step))
             for (names, group_hp), slots in zip(self.groups, self.group_slots):
                 n = sum(_al(g.params[k].size) for k in names)
+                size = sum(g.params[k].size for k in names)
                 first = names[0]
                 p, grad = region(("slice", 0, first), (n,)), region(("slice", 1, first), (n,))
                 state = {k: region(("slice", 2 + j, first), (n,)) for j, k in enumerate(self.state_names)}
@@ -136,7 +150,9 @@ class Update:
                     if clip_value:
                         cv = hyper(self.slots["clip_value"])
                         grad = T.minimum(T.maximum(grad, -cv), cv)
+                    first_eqn = len(g.eqns)
                     res = opt.update(p, grad, dict(state), hp, t)
+                    _check_elementwise(g.eqns[first_eqn:], n, who)
                 if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict)):
                     raise OptimizerError(f"{who}.update must return (new_param, {{state name: new value}})")
                 new_p, new_s = res
@@ -147,7 +163,7 @@ class Update:
                                                                        for k in self.state_names)]:
                     new = T.lift(new) if not isinstance(new, T.Tracer) else new
                     if new.shape != (n,):
-                        new = _as_slice(new, n, who, what)
+                        new = _as_slice(new, n, size, who, what)
                     if skip_nonfinite and not fused:
                         new = T.where(ok, new, old)
                     writes.append((new, old))
@@ -171,11 +187,36 @@ class _Hyper(T.Tracer):
         return super().__rsub__(o)
 
 
-def _as_slice(new, n, who, what):
+def _as_slice(new, n, size, who, what):
     if new.shape == ():
         return T.broadcast_to(new, (n,))
-    raise OptimizerError(f"{who}.update: {what} has shape {new.shape}; the group's values are flat vectors of "
-                         f"shape ({n},): use elementwise ops only")
+    raise OptimizerError(f"{who}.update: {what} has shape {new.shape}; the group's values are one flat vector of "
+                         f"its {size} elements: use elementwise ops only")
+
+
+# the ops an update may trace: elementwise over the group's flat vector (which the arena pads for alignment:
+# a reduction, reshape or slice of it would see the padding)
+UPDATE_OPS = ELEMENTWISE | set(ALIAS) | {"pow", "to_float", "rand", "gelu", "reshape"}
+NAMED = {"sum": "a reduction", "max": "a reduction", "matmul": "a matrix product", "reshape": "a reshape",
+         "slice": "a slice", "transpose": "a transpose", "concatenate": "a concatenation", "take": "an indexing"}
+
+
+def _check_elementwise(eqns, n, who):
+    """An OptimizerError naming the user's line of the first of eqns (traced by opt.update over a group's flat
+    vector of n elements, padding included) that is not elementwise over it."""
+    ok_in = lambda v: v.shape == (n,) or v.size == 1           # noqa: E731
+    for e in eqns:
+        if e.op in UPDATE_OPS and all(o.shape in ((), (n,)) for o in e.outs) and all(map(ok_in, e.ins)) and \
+                (e.op != "reshape" or e.ins[0].shape == e.outs[0].shape):
+            continue
+        odd = next((v.shape for v in e.ins + e.outs if not ok_in(v)), None)
+        what = (f"{NAMED[e.op]} ({e.op})" if e.op in NAMED else
+                f"{e.op} with a value of shape {odd}" if e.op in UPDATE_OPS and odd is not None else
+                f"an op that is not elementwise ({e.op})")
+        raise OptimizerError(f"{who}.update: {what} at {e.src or 'an unknown line'}: update rules are "
+                             f"elementwise over each group's flat vector (its params concatenated, with alignment "
+                             f"padding), so reductions (sum, mean, max, min, norm, var ...), reshapes, slices and "
+                             f"products are not supported, nor per-param statistics such as LARS/LAMB trust ratios")
 
 
 def assign_in_place(g, pinned: dict) -> None:

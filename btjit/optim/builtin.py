@@ -24,6 +24,26 @@ def _check(who, **ranges):
             raise OptimizerError(f"{who}: {k} must be in [{lo}, {hi}], got {v}")
 
 
+def _betas(who, betas):
+    """torch's betas=(beta1, beta2), each in [0, 1]; anything else an error saying so."""
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise OptimizerError(f"{who}: betas must be a pair of numbers (beta1, beta2), got {betas!r}")
+    _check(who, beta1=(betas[0], 0.0, 1.0), beta2=(betas[1], 0.0, 1.0))
+    return betas
+
+
+INVALID = {"lr": "learning rate", "eps": "epsilon value", "weight_decay": "weight_decay value",
+           "lr_decay": "lr_decay value"}
+
+
+def _nonnegative(opt):
+    """torch's checks: lr, eps, weight_decay and lr_decay (the optimizer's and each group's) must be >= 0."""
+    for where, hp in [("", opt.hp), *((f" in group {i}", g) for i, g in enumerate(opt.groups or ()))]:
+        for k, what in INVALID.items():
+            if isinstance(hp.get(k), (int, float)) and hp[k] < 0:
+                raise OptimizerError(f"{type(opt).__name__}: Invalid {what}: {hp[k]}{where} ({k} must be >= 0)")
+
+
 def _decay(opt, grad, param, hp, coupled=True):
     """The gradient torch's update reads: -grad if the optimizer maximizes, plus the coupled L2 decay
     weight_decay * param (if coupled and some group decays)."""
@@ -36,6 +56,7 @@ class _Torch(Optimizer):
 
     def __init__(self, maximize=False, **hp):
         super().__init__(**hp)
+        _nonnegative(self)
         self.maximize = bool(maximize)
 
 
@@ -59,8 +80,7 @@ class SGD(_Torch):
         if not self.nonzero("momentum"):
             return p - hp["lr"] * g, {}
         buf = hp["momentum"] * s["momentum_buffer"] + (1.0 - hp["dampening"]) * g
-        if self.nonzero("dampening"):
-            buf = T.where(step == 1.0, g, buf)       # torch starts the buffer at the first gradient
+        buf = T.where(step == 1.0, g, buf)           # torch starts the buffer at the first gradient
         d = g + hp["momentum"] * buf if self.nesterov else buf
         return p - hp["lr"] * d, {"momentum_buffer": buf}
 
@@ -72,7 +92,7 @@ class Adam(_Torch):
 
     def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, groups=None,
                  maximize=False):
-        _check(type(self).__name__, beta1=(betas[0], 0.0, 1.0), beta2=(betas[1], 0.0, 1.0))
+        _betas(type(self).__name__, betas)
         super().__init__(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay, groups=groups,
                          maximize=maximize)
         self.amsgrad = bool(amsgrad)
@@ -84,7 +104,7 @@ class Adam(_Torch):
     def update(self, p, g, s, hp, step):
         lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
         g = _decay(self, g, p, hp, coupled=not self.decoupled)
-        if self.decoupled and self.nonzero("weight_decay"):
+        if self.decoupled:                   # traced at weight_decay 0 too: prog.hp can set it later
             p = p * (1.0 - lr * hp["weight_decay"])
         m = s["exp_avg"] + (1.0 - b1) * (g - s["exp_avg"])          # torch's lerp (weight < 0.5)
         v = b2 * s["exp_avg_sq"] + (1.0 - b2) * (g * g)
@@ -190,8 +210,9 @@ class Lion(Optimizer):
     """Lion (Chen et al. 2023): p = p * (1 - lr * wd) - lr * sign(b1 * m + (1 - b1) * g); m = b2 * m + (1 - b2) * g."""
 
     def __init__(self, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, groups=None):
-        _check("Lion", beta1=(betas[0], 0.0, 1.0), beta2=(betas[1], 0.0, 1.0))
+        _betas("Lion", betas)
         super().__init__(lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, groups=groups)
+        _nonnegative(self)
 
     def init(self, name, param):
         return {"exp_avg": _zeros(param)}
@@ -211,8 +232,11 @@ def one_pass(opt, p, g, s, hp, step, scale, flags):
     cls = next((c for c in (SGD, Adam, Adadelta) if type(opt).update is c.update and type(opt).init is c.init), None)
     if cls is None or getattr(opt, "maximize", False) or getattr(opt, "amsgrad", False):
         return None
-    flags = set(flags) | {f for f, k in (("wd", "weight_decay"), ("momentum", "momentum"),
-                                         ("dampening", "dampening")) if k in hp and opt.nonzero(k)}
+    flags = set(flags)
+    if cls is Adam and opt.decoupled or "weight_decay" in hp and opt.nonzero("weight_decay"):
+        flags.add("wd")                  # (AdamW's decay is traced at weight_decay 0 too, as its update's)
+    if "momentum" in hp and opt.nonzero("momentum"):
+        flags |= {"momentum", "dampening"}        # the buffer starts at the first gradient whatever dampening
     if cls is SGD:
         flags |= {"nesterov"} if opt.nesterov else set()
         scalars = (step, hp["lr"], scale, hp["weight_decay"], hp["momentum"], 1.0 - hp["dampening"])
