@@ -3,7 +3,7 @@
 from btjit import optim
 from btjit.host import threads
 from btjit.graph.functional import (binary_cross_entropy, binary_cross_entropy_with_logits, cross_entropy, elu,
-                                    embedding, gelu, group_norm, instance_norm, l1_loss, layer_norm, leaky_relu,
+                                    embedding, gelu, group_norm, hardtanh, instance_norm, l1_loss, layer_norm, leaky_relu,
                                     log_softmax, logsumexp, mse_loss, nll_loss, one_hot, relu6, silu, smooth_l1_loss,
                                     softmax, softplus)
 from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, concatenate, copy, equal, erf, exp, log, log1p,
@@ -16,7 +16,7 @@ from btjit.graph.rng import (causal_attention, dropout, dropout2d, rand_like, ra
 from btjit.graph.conv_fns import (adaptive_avg_pool1d, adaptive_avg_pool2d, adaptive_max_pool1d, adaptive_max_pool2d,
                                   avg_pool1d, avg_pool2d, conv1d, conv2d, conv_transpose1d, conv_transpose2d, flatten,
                                   interpolate, max_pool1d, max_pool2d, pad, pixel_shuffle)
-from btjit.graph.torch_fns import (celu, cosine_similarity, glu, hardsigmoid, hardswish, hardtanh, huber_loss, kl_div,
+from btjit.graph.torch_fns import (celu, cosine_similarity, glu, hardsigmoid, hardswish, huber_loss, kl_div,
                                    logsigmoid, mish, normalize, prelu, selu, softsign)
 from btjit.core.program import Program, trace
 from btjit.scalar.front import trace_scalar

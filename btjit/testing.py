@@ -39,3 +39,20 @@ def check_grads(fn, params, *batch, eps=1e-6, rtol=1e-6, atol=1e-9, directions=2
                                      f"(rel err {err:.2e})")
             worst = max(worst, err if abs(fd - an) > atol + noise else 0.0)
     return worst
+
+
+def split_kernels(prog) -> dict:
+    """{kernel name: parts} of the program's rows split over the threads (btjit.kernels.common.part_of)."""
+    from btjit.kernels.common import SPLIT
+    from btjit.kernels.library import LIBRARY
+    return {LIBRARY.entry_of(int(r[0]))[0]: int(r[SPLIT]) for r in prog.tape if r[SPLIT] > 1}
+
+
+def run_parts(kernel, a, ia, row, n):
+    """Call the @njit tape kernel on row (a 1-D int64 array) split into n parts, one after another, as the
+    executor's threads would run them."""
+    from btjit.kernels.common import PART, SPLIT
+    for j in range(n):
+        r = row.copy()
+        r[PART], r[SPLIT] = j, n if n > 1 else 0
+        kernel(a, ia, r)

@@ -108,7 +108,7 @@ def _program(B, T, C, NH, dtype, seed=0, threads=1):
     qkv = rng.normal(size=(B, T, 3 * C)).astype(dtype)
     w = rng.normal(size=(B, T, C)).astype(dtype)
     prog = btjit.trace(lambda p: btjit.sum(btjit.causal_attention(p["qkv"], NH) * w), {"qkv": qkv}, dtype=dtype,
-                       grad=True, threads=threads)     # one thread: the kernels without their _par twins
+                       grad=True, threads=threads)     # one thread: no row split
     return prog, qkv.astype(np.float64), w
 
 
@@ -174,15 +174,17 @@ def test_gpt_kernels_match_small_t_kernels(monkeypatch, block_size, kind):
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("B", [1, 2, 5])
 def test_two_thread_kept_kernels_match_the_serial_ones(dtype, B):
-    """With 2 threads (no replicas) the kept pair runs its _par kernels over blocks of sequences (one block
-    when B is 1): the same values and gradients as on one thread, bit for bit."""
+    """With 2 threads (no replicas) the kept pair's rows are split over blocks of sequences (one block when B is
+    1): the same values and gradients as on one thread, bit for bit."""
     from btjit.kernels.library import LIBRARY
+    from btjit.testing import split_kernels
     progs = []
     for threads in (1, 2):
         progs.append(_program(B, 24, 32, 2, dtype, threads=threads))
     (serial, _, _), (par, _, _) = progs
     names = {LIBRARY.entry_of(int(r[0]))[0] for r in par.tape}
     kept = {"k_attn_fwd_kept", "k_attn_bwd_kept"}
-    assert {n for n in names if "attn" in n} == ({n + "_par" for n in kept} if B > 1 else kept)
+    assert {n for n in names if "attn" in n} == kept
+    assert {n for n in split_kernels(par) if "attn" in n} == (kept if B > 1 else set())
     assert par.value_and_grad() == serial.value_and_grad()
     np.testing.assert_array_equal(par.grads["qkv"], serial.grads["qkv"])

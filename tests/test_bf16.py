@@ -9,6 +9,7 @@ from numba import njit
 
 import btjit
 from btjit.graph.lower import make_row
+from btjit.testing import run_parts
 from btjit.kernels import amx
 from btjit.kernels import bf16 as B
 
@@ -34,7 +35,7 @@ def test_rounding_is_to_nearest_even_and_keeps_nan_and_inf():
     assert np.isnan(np.uint32(got[7] << 16).view(np.float32))            # a NaN stays a NaN
 
 
-def _product(kernel, M, N, K, ta, tb, nb=1, bias=False, res=False, relu=False, nparts=None, bsplit=0):
+def _product(kernel, M, N, K, ta, tb, nb=1, bias=False, res=False, relu=False, nparts=1, by=0):
     A = RNG.standard_normal((nb, K, M) if ta else (nb, M, K)).astype(np.float32)
     Bm = RNG.standard_normal((nb, N, K) if tb else (nb, K, N)).astype(np.float32)
     bv, R = RNG.standard_normal(N).astype(np.float32), RNG.standard_normal((nb, M, N)).astype(np.float32)
@@ -47,9 +48,8 @@ def _product(kernel, M, N, K, ta, tb, nb=1, bias=False, res=False, relu=False, n
     a[oA:oB], a[oB:oC], a[ob:orr], a[orr:orr + R.size] = A.ravel(), Bm.ravel(), bv, R.ravel()
     args = dict(oA=oA, oB=oB, oC=oC, nbatch=nb, M=M, N=N, K=K, sA=A[0].size, sB=Bm[0].size, sC=M * N, ta=ta, tb=tb,
                 obias=ob if bias else 0, ores=orr if res else 0, relu=int(relu))
-    name = "k_matmul_bf16" if nparts is None else "k_matmul_bf16_par"
-    r = np.array(make_row(name, **args, **({} if nparts is None else {"nparts": nparts, "bsplit": bsplit})), np.int64)
-    kernel(a, np.zeros(8, np.int32), r)
+    r = np.array(make_row("k_matmul_bf16", **args, by=by), np.int64)
+    run_parts(kernel, a, np.zeros(8, np.int32), r, nparts)
     Ab, Bb = bf(A).astype(np.float64), bf(Bm).astype(np.float64)
     Ab, Bb = (Ab.transpose(0, 2, 1) if ta else Ab), (Bb.transpose(0, 2, 1) if tb else Bb)
     want = Ab @ Bb + (bv if bias else 0) + (R if res else 0)
@@ -63,7 +63,7 @@ def _product(kernel, M, N, K, ta, tb, nb=1, bias=False, res=False, relu=False, n
 SHAPES = [(8, 16, 1), (9, 17, 3), (37, 50, 301), (64, 130, 256), (21, 200, 530), (100, 400, 40)]
 
 
-KERNELS = {"vectors": (B.k_matmul_bf16, B.k_matmul_bf16_par), "tiles": (amx.k_matmul_amx, amx.k_matmul_amx_par)}
+KERNELS = {"vectors": B.k_matmul_bf16, "tiles": amx.k_matmul_amx}
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -73,17 +73,17 @@ def test_products_equal_float64_products_of_the_rounded_operands(kernel, M, N, K
     """Both kernels (the AMX tiles emulated where the CPU has none): odd K, K over a packed block (256), N over
     a group of panels (192) and not a multiple of 16 (the last panel moved back), M not a multiple of 8 and over
     and under a block of 32 rows (one row tile or two), K padded to whole tiles, batches, bias, residual, relu."""
-    err, one = _product(KERNELS[kernel][0], M, N, K, ta, tb, nb=2, bias=True, res=True, relu=True)
+    err, one = _product(KERNELS[kernel], M, N, K, ta, tb, nb=2, bias=True, res=True, relu=True)
     assert err < 2e-7, err
-    err, _ = _product(KERNELS[kernel][0], M, N, K, ta, tb)
+    err, _ = _product(KERNELS[kernel], M, N, K, ta, tb)
     assert err < 2e-7, err
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("M,nparts", [(16, 2), (37, 3), (70, 3), (100, 2)])
 def test_the_thread_split_is_bitwise_one_thread(kernel, M, nparts):
-    """By blocks of rows, and by whole products of a batch (bsplit), for both kernels."""
-    serial, par = KERNELS[kernel]
+    """By blocks of rows, and by whole products of a batch (by 2), for both kernels."""
+    serial = par = KERNELS[kernel]
     RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
     _, one = _product(serial, M, 70, 90, 0, 0, bias=True)
     RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
@@ -93,7 +93,7 @@ def test_the_thread_split_is_bitwise_one_thread(kernel, M, nparts):
         RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
         _, one = _product(serial, M, 70, 90, ta, tb, nb=5)
         RNG.bit_generator.state = np.random.default_rng(7).bit_generator.state
-        _, split = _product(par, M, 70, 90, ta, tb, nb=5, nparts=nparts, bsplit=1)
+        _, split = _product(par, M, 70, 90, ta, tb, nb=5, nparts=nparts, by=2)
         assert np.array_equal(one, split)
 
 

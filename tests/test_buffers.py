@@ -246,8 +246,9 @@ def test_the_c_host_updates_buffers_as_python(tmp_path):
 
 
 def test_a_data_parallel_programs_eval_runs_on_one_replicas_kernels():
-    """replicas=2 on two threads: the eval program runs on one replica's thread (its kernels, no _par twin to
-    compile); without replicas it splits its products over both, and either way evaluates as one thread does."""
+    """replicas=2 on two threads: the eval program runs on one replica's thread (no row split); without replicas
+    it splits its products over both, and either way evaluates as one thread does."""
+    from btjit.testing import split_kernels
     rng = np.random.default_rng(1)
     x = rng.standard_normal((512, 256)).astype(np.float32)
     w = {"w": (rng.standard_normal((256, 256)) * 0.05).astype(np.float32)}
@@ -258,5 +259,5 @@ def test_a_data_parallel_programs_eval_runs_on_one_replicas_kernels():
     split = btjit.trace(fn, w, x, optimizer=opt, threads=2)
     assert dp.eval(x) == one and split.eval(x) == one
     ev_dp, ev_split = (next(iter(p._evals.values())) for p in (dp, split))
-    assert ev_dp.threads == 1 and not any(e.endswith("_par_f32") for e in ev_dp.kernels.entries)
-    assert ev_split.threads == 2 and any(e.endswith("_par_f32") for e in ev_split.kernels.entries)
+    assert ev_dp.threads == 1 and not split_kernels(ev_dp)
+    assert ev_split.threads == 2 and split_kernels(ev_split)

@@ -191,7 +191,7 @@ def test_a_worker_that_dies_loses_only_its_group(tmp_path):
 def test_the_whole_library_is_float32_only_where_its_kernels_are():
     from btjit.kernels import library
     entries = library.all_entries()
-    assert ("k_matmul_amx", "f32", None) in entries and ("k_matmul_bf16_par", "f32", None) in entries
+    assert ("k_matmul_amx", "f32", None) in entries and ("k_matmul_bf16", "f32", None) in entries
     assert not [e for e in entries if e[0] in library.F32_ONLY and e[1] == "f64"]
     assert ("k_matmul_micro", "f64", None) in entries
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import btjit
-from btjit.testing import check_grads
+from btjit.testing import check_grads, split_kernels
 
 torch = pytest.importorskip("torch")
 TF = torch.nn.functional
@@ -283,10 +283,10 @@ def test_implicit_gemm_graph_and_threads():
         ops = [e.op for e in prog.graph.eqns]
         assert "im2col" not in ops and "col2im" not in ops and ops.count("conv_gemm") == 2, ops
         runs.append((prog.value_and_grad(x), {k: prog.grads[k].copy() for k in p},
-                     {btjit.core.program.LIBRARY.entry_of(op)[0] for op in prog.tape[:, 0]}))
+                     split_kernels(prog)))
     (l1, g1, k1), (l2, g2, k2) = runs
     assert l1 == l2 and all(np.array_equal(g1[k], g2[k]) for k in g1)
-    assert "k_conv" in k1 and "k_conv_par" in k2
+    assert not k1 and "k_conv" in k2
     bf = btjit.trace(loss, p, x, grad=True, precision="bf16")
     assert "im2col" in [e.op for e in bf.graph.eqns]
 
@@ -300,8 +300,8 @@ def test_max_pool_ties_go_to_the_first_maximum_as_torch(dtype, tol):
 
 
 def test_pooling_and_transposes_split_over_threads_bitwise():
-    """Pooling and batched transposes of >= 64K elements run on the threads (k_pool2d_par, k_transpose_par),
-    bitwise equal to one thread."""
+    """Pooling and batched transposes of >= 64K elements run on the threads (their rows split), bitwise equal to
+    one thread."""
     rng = np.random.default_rng(4)
     p = {"x": rng.normal(size=(16, 16, 36, 34)).astype(np.float32)}
     r = rng.normal(size=(16, 16, 17, 18)).astype(np.float32)
@@ -313,9 +313,9 @@ def test_pooling_and_transposes_split_over_threads_bitwise():
     for threads in (1, 2):
         prog = btjit.trace(loss, p, grad=True, threads=threads)
         out.append((prog.value_and_grad(), prog.grads["x"].copy(),
-                    {btjit.core.program.LIBRARY.entry_of(op)[0] for op in prog.tape[:, 0]}))
+                    split_kernels(prog)))
     assert out[0][0] == out[1][0] and np.array_equal(out[0][1], out[1][1])
-    assert {"k_pool2d_par", "k_transpose_par"} <= out[1][2] and "k_pool2d_par" not in out[0][2]
+    assert {"k_pool2d", "k_transpose"} <= set(out[1][2]) and not out[0][2]
 
 
 def test_output_gradient_and_padding_take_one_pass_each_on_the_threads():
@@ -335,9 +335,9 @@ def test_output_gradient_and_padding_take_one_pass_each_on_the_threads():
         ops = [e.op for e in prog.graph.eqns]
         assert ops.count("conv_dy") == 1 and "relu_grad" not in ops and ops.count("slice_scatter") == 2, ops
         out.append((prog.value_and_grad(x), {k: prog.grads[k].copy() for k in p},
-                    {btjit.core.program.LIBRARY.entry_of(op)[0] for op in prog.tape[:, 0]}))
+                    split_kernels(prog)))
     assert out[0][0] == out[1][0] and all(np.array_equal(out[0][1][k], out[1][1][k]) for k in p)
-    assert {"k_conv_dy", "k_pad"} <= out[0][2] and {"k_conv_dy_par", "k_pad_par"} <= out[1][2]
+    assert not out[0][2] and {"k_conv_dy", "k_pad"} <= set(out[1][2])
     ts = {k: torch.tensor(v, requires_grad=True) for k, v in p.items()}
     (torch.relu(TF.conv2d(torch.tensor(x) * ts["s"], ts["w"], ts["b"], padding=1)) * torch.tensor(r)).sum().backward()
     for k in p:

@@ -125,6 +125,19 @@ def test_exports_of_the_kept_and_flash_attention(tmp_path):
     _exports_run_bitwise(tmp_path, cases)
 
 
+def test_a_program_split_over_threads_exports_and_runs_its_parts_in_turn(tmp_path):
+    """Traced on two threads, a GPT's products, attention and update rows are split; the export runs each row's
+    parts one after another on one thread: the same losses bit for bit."""
+    from btjit.testing import split_kernels
+    cfg = gpt.GPTConfig(vocab_size=11, n_layer=1, n_head=2, n_embd=64, block_size=16)
+    rng = np.random.default_rng(3)
+    data = [tuple(rng.integers(0, 11, (32, 16)).astype(np.int32) for _ in "xy") for _ in range(3)]
+    prog = btjit.trace(gpt.loss_fn(cfg), gpt.init_params(cfg, np.random.default_rng(1)), *data[0],
+                       optimizer=btjit.optim.AdamW(lr=1e-2), threads=2, replicas=1)
+    assert len(split_kernels(prog)) >= 2, split_kernels(prog)
+    _exports_run_bitwise(tmp_path, [("split", prog, data, "k_matmul")])
+
+
 def scalar_fn(lowering, dtype):
     return btjit.trace_scalar(lambda a, b, c: (btjit.tanh(a * b + b ** 3) / 2 + btjit.where(a > c, a * c, b)
                                                + btjit.exp(-c * c) - btjit.relu(a - b)),

@@ -10,6 +10,7 @@ from numba import njit
 
 from btjit.kernels.common import FM, cvt, fexp, ftanh, transpose
 from btjit.kernels.linalg import k_matmul
+from btjit.testing import run_parts
 from btjit.kernels import attn_lanes, attn_loops as KA
 from btjit.kernels import nn as K
 
@@ -272,21 +273,21 @@ def test_matmul_micro_kernels_read_b_in_blocks_of_rows(M, N, Kd, ta, kc, extras)
     """kc < K: B read in blocks of kc rows, C accumulated over the blocks, equal to the product at once (to float32
     rounding) with its bias, residual and relu applied once, and B's column sums over all of K; on one thread
     and on the threads by rows and by columns (bitwise one thread's)."""
-    from btjit.kernels.linalg import k_matmul_micro, k_matmul_micro_par
+    from btjit.kernels.linalg import k_matmul_micro
     dt = np.float32
     rng = np.random.default_rng(Kd)
     A, B, b, R = rnd(rng, (M, Kd), dt), rnd(rng, (Kd, N), dt), rnd(rng, (N,), dt), rnd(rng, (M, N), dt)
     want = np.maximum(A @ B + b + R, 0) if extras else A @ B
     got = []
-    for kernel, nparts in ((k_matmul_micro, None), (k_matmul_micro_par, min(2, M // 8)), (k_matmul_micro_par, -2)):
+    for by, nparts in ((0, 1), (0, min(2, M // 8)), (1, 2)):       # one thread; by rows; by columns
         ar = Arena(dt)
         oA, oB = ar.put("A", A.T.copy() if ta else A), ar.put("B", B)
         ob, ores = (ar.put("bias", b), ar.put("R", R)) if extras else (0, 0)
         oC = ar.put("C", rnd(rng, (M, N), dt))
         osum = ar.put("sum", size=N) if ta else 0
         a = ar.build()
-        args = [oA, oB, oC, 1, M, N, Kd, 0, 0, 0, ta, 0, ob, osum, ores, int(extras), kc]
-        kernel(a, np.zeros(4, np.int32), row(*args, *([nparts] if nparts else [])))
+        args = [oA, oB, oC, 1, M, N, Kd, 0, 0, 0, ta, 0, ob, osum, ores, int(extras), kc, by]
+        run_parts(k_matmul_micro, a, np.zeros(4, np.int32), row(*args), nparts)
         got.append(ar.get("C", (M, N)).copy())
         check(got[-1], want, dt)
         if ta:
@@ -300,21 +301,21 @@ def test_matmul_micro_kernels_read_b_in_blocks_of_rows(M, N, Kd, ta, kc, extras)
 @pytest.mark.parametrize("ta,tb,shared,M", [(0, 0, False, 27), (1, 0, False, 27), (0, 1, False, 27), (0, 1, True, 27),
                                             (0, 1, True, 70)])
 def test_batched_products_split_as_whole_products_equal_one_thread(nb, nparts, ta, tb, shared, M):
-    """bsplit 1: nparts blocks of whole products of a batch, bitwise k_matmul_micro's, for every layout and a
-    B shared by the batch (from COPY_MIN_ROWS rows a B^T copy, made once per block by its first product)."""
-    from btjit.kernels.linalg import COPY_MIN_ROWS, k_matmul_micro, k_matmul_micro_par
+    """by 2: nparts blocks of whole products of a batch, bitwise one thread's, for every layout and a B shared by
+    the batch (from COPY_MIN_ROWS rows a B^T copy, made once per block by its first product)."""
+    from btjit.kernels.linalg import COPY_MIN_ROWS, k_matmul_micro
     assert 27 < COPY_MIN_ROWS <= 70
     dt, N, Kd = np.float32, 40, 64
     rng = np.random.default_rng(nb)
     A = rnd(rng, (nb, Kd, M) if ta else (nb, M, Kd), dt)
     B = rnd(rng, (1 if shared else nb, N, Kd) if tb else (nb, Kd, N), dt)
     got = []
-    for kernel, extra in ((k_matmul_micro, []), (k_matmul_micro_par, [nparts, 1])):
+    for by, parts in ((0, 1), (2, nparts)):
         ar = Arena(dt)
         oA, oB, oC = ar.put("A", A), ar.put("B", B), ar.put("C", rnd(rng, (nb, M, N), dt))
         a = ar.build()
-        args = [oA, oB, oC, nb, M, N, Kd, M * Kd, 0 if shared else N * Kd, M * N, ta, tb, 0, 0, 0, 0, Kd]
-        kernel(a, np.zeros(4, np.int32), row(*args, *extra))
+        args = [oA, oB, oC, nb, M, N, Kd, M * Kd, 0 if shared else N * Kd, M * N, ta, tb, 0, 0, 0, 0, Kd, by]
+        run_parts(k_matmul_micro, a, np.zeros(4, np.int32), row(*args), parts)
         got.append(ar.get("C", (nb, M, N)).copy())
         ar.only_wrote("C")
     At = A.transpose(0, 2, 1) if ta else A

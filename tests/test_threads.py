@@ -6,7 +6,8 @@ import pytest
 
 import btjit
 from btjit.host import threads as TH
-from btjit.kernels.common import ROWS
+from btjit.kernels.common import ROWS, SPLIT
+from btjit.testing import split_kernels
 
 
 def _mlp(p, x, y):
@@ -54,22 +55,21 @@ def test_large_gemms_split_bitwise_equal_to_one_thread():
     assert l1 == l2
     for k in p1.params:
         np.testing.assert_array_equal(p1.params[k], p2.params[k])
-    names = {btjit.core.program.LIBRARY.entry_of(op)[0] for op in p2.tape[:, 0]}
-    assert "k_matmul_micro_par" in names
+    assert "k_matmul_micro" in split_kernels(p2)
 
 
 @pytest.mark.parametrize("batch,d_in,d_h,d_out", [(64, 520, 1000, 27), (200, 64, 2100, 130)])
 def test_gemms_with_a_large_b_split_by_columns_bitwise_equal_to_one_thread(batch, d_in, d_h, d_out):
-    """A B of >= 256K floats (E5's 1024 x 1024 layer): the threads take the forward product's columns (nparts < 0,
-    the bias and relu fused), N not a multiple of 16 x threads; the same three steps as one thread, bit for bit."""
+    """A B of >= 256K floats (E5's 1024 x 1024 layer): the threads take the forward product's columns (by 1, the
+    bias and relu fused), N not a multiple of 16 x threads; the same three steps as one thread, bit for bit."""
     p1, l1 = _train(1, batch, d_in, d_h, d_out)
     p2, l2 = _train(2, batch, d_in, d_h, d_out)
     assert l1 == l2
     for k in p1.params:
         np.testing.assert_array_equal(p1.params[k], p2.params[k])
-    rows = [r for r in p2.tape if btjit.core.program.LIBRARY.entry_of(r[0])[0] == "k_matmul_micro_par"]
-    nparts = 1 + ROWS["k_matmul_micro_par"].args.index("nparts")
-    assert any(r[nparts] < 0 for r in rows)
+    rows = [r for r in p2.tape if btjit.core.program.LIBRARY.entry_of(r[0])[0] == "k_matmul_micro"]
+    by = 1 + ROWS["k_matmul_micro"].args.index("by")
+    assert any(r[by] == 1 and r[SPLIT] == 2 for r in rows)
 
 
 def test_small_program_stays_on_one_thread():
@@ -108,7 +108,7 @@ def test_gemm_variants_against_numpy(M, N, K, ta, tb, threads):
 
 @pytest.mark.parametrize("shape", [(70, 1000), (3, 5, 9001)])
 def test_large_elementwise_chains_split_bitwise_equal_to_one_thread(shape):
-    """A fused chain over >= 64K elements runs as runs of blocks on the threads (k_ew_program_par): a broadcast
+    """A fused chain over >= 64K elements runs as runs of blocks on the threads (its row split): a broadcast
     row, a scalar (a register filled once per run, also where a run starts at a row's short last block),
     dropout's random numbers (functions of the element's index) and a strided operand; every thread count
     gives the one-thread result bit for bit, and that is numpy's (up to float32 rounding)."""
@@ -123,7 +123,7 @@ def test_large_elementwise_chains_split_bitwise_equal_to_one_thread(shape):
     outs = []
     for threads in (1, 2):
         prog = btjit.trace(fn, p, x, threads=threads, seed=3)
-        assert ("k_ew_program_par" in " ".join(prog.kernels.entries)) == (threads > 1)
+        assert ("k_ew_program" in split_kernels(prog)) == (threads > 1)
         prog.forward(x)
         outs.append({k: v.copy() for k, v in prog.outputs.items()})
     for k in outs[0]:
@@ -137,7 +137,7 @@ def test_large_elementwise_chains_split_bitwise_equal_to_one_thread(shape):
 
 def test_large_binary_rows_split_over_threads_bitwise():
     """A lone elementwise product of >= 64K elements (one row, or rows with a broadcast row) runs on the
-    threads (k_binary_rows_par), bitwise equal to one thread."""
+    threads (its row split), bitwise equal to one thread."""
     rng = np.random.default_rng(2)
     p = {"x": rng.normal(size=(300, 260)).astype(np.float32), "v": rng.normal(size=(260,)).astype(np.float32)}
 
@@ -146,7 +146,6 @@ def test_large_binary_rows_split_over_threads_bitwise():
     out = []
     for threads in (1, 2):
         prog = btjit.trace(loss, p, grad=True, threads=threads, fuse_elementwise=False)
-        out.append((prog.value_and_grad(), {k: prog.grads[k].copy() for k in p},
-                    {btjit.core.program.LIBRARY.entry_of(op)[0] for op in prog.tape[:, 0]}))
+        out.append((prog.value_and_grad(), {k: prog.grads[k].copy() for k in p}, split_kernels(prog)))
     assert out[0][0] == out[1][0] and all(np.array_equal(out[0][1][k], out[1][1][k]) for k in p)
-    assert "k_binary_rows_par" in out[1][2] and "k_binary_rows_par" not in out[0][2]
+    assert "k_binary_rows" in out[1][2] and not out[0][2]

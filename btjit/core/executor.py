@@ -7,9 +7,12 @@ len(ia), &tape[i, 0])`; a nonzero return (a failed index check) stops the tape.
 plan) run the forward and backward rows on the thread pool, one replica per thread, then replica 0 averages
 the grads and the loss and runs the update rows alone -- all in one native call.
 """
+import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
+
+from btjit.kernels.common import PART, SPLIT
 
 
 @intrinsic
@@ -28,10 +31,30 @@ def _ccall(typingctx, addr, a, ia, tape, i):
 
 @njit(cache=True, boundscheck=False)
 def run(a, ia, tape, table, start, stop):
-    """Rows [start, stop) of `tape` on the arenas a (float) and ia (int32); table[opcode] = entry address."""
+    """Rows [start, stop) of `tape` on the arenas a (float) and ia (int32); table[opcode] = entry address. A row
+    split in parts (tape[i, SPLIT] > 1) runs them on the thread pool."""
     for i in range(start, stop):
-        if _ccall(table[tape[i, 0]], a, ia, tape, i) != 0:
+        if tape[i, SPLIT] > 1:
+            if run_parts(a, ia, tape, table, i) != 0:
+                return
+        elif _ccall(table[tape[i, 0]], a, ia, tape, i) != 0:
             return
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def run_parts(a, ia, tape, table, i):
+    """Row i in its n = tape[i, SPLIT] parts on the thread pool: the entry called once per part j on a copy of the
+    row with PART = j. The one parallel loop of every threaded kernel: a kernel computes part j of n as one thread
+    computes those elements (btjit.kernels.common.part_of), so a split row gives one thread's bits."""
+    n = tape[i, SPLIT]
+    rows = np.empty((n, tape.shape[1]), np.int64)
+    for j in range(n):
+        rows[j, :] = tape[i, :]
+        rows[j, PART] = j
+    fail = np.zeros(n, np.int32)
+    for j in prange(n):
+        fail[j] = _ccall(table[rows[j, 0]], a, ia, rows, j)
+    return fail.max()
 
 
 PAR_AVERAGE = 65536     # grads from which the replicas' average is split over the threads (a launch ~2-4 us)

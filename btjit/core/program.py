@@ -23,6 +23,7 @@ from btjit.core.arena import Named, Views, aligned_rows as _aligned_rows, arena 
 from btjit.core.bounds import index_bounds as _index_bounds
 from btjit.host import threads as _threads
 from btjit.kernels import amx, bf16
+from btjit.kernels.common import SPLIT
 from btjit.kernels.library import LIBRARY
 from btjit.optim.build import Update, assign_in_place
 from btjit.export.runner import Runner
@@ -177,7 +178,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
     n_threads = _threads.resolve(threads)
     prog = Program(g, params, update, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas,
                    n_threads, seed, buffers, _share, precision, _defer_kernels)
-    # eval: a data-parallel step's on one replica's threads (its kernels: no _par twins to compile for it)
+    # eval: a data-parallel step's on one replica's threads
     eval_threads = threads if replicas == 1 else max(1, n_threads // replicas)
     prog._retrace = lambda share, *b, defer=False: trace(
         fn, share.params, *b, dtype=dtype, buffers=share.buffers, fuse_elementwise=fuse_elementwise,
@@ -222,7 +223,7 @@ class Program(Runner):
         self.n_fwd, self.n_bwd = len(fwd), len(fwd) + len(bwd)
         rows = fwd + bwd + upd + asg
         self.tape = np.array(rows, np.int64).reshape(len(rows), -1)
-        split = any(LIBRARY.entry_of(op)[0].endswith("_par") for op in self.tape[:, 0])
+        split = bool((self.tape[:, SPLIT] > 1).any())
         self.threads = max(replicas * replica_threads, L.threads) if split else replicas   # what the step uses
         bf = next((e for e in (LIBRARY.entry_of(op)[0] for op in self.tape[:, 0]) if e.startswith(bf16.KERNELS)), None)
         self.precision = amx.describe(bf) if bf else "fp32"

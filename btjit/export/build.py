@@ -16,8 +16,8 @@ The export dir holds:
 (btjit/export_scalar.py) has the same files but the tape and arenas, plus a CPython call module.
 
 A tape whose kernels call BLAS (the large-matrix GEMM) links the OpenBLAS the install already has (scipy's),
-found here and recorded in the manifest. An export is one thread, like BurTorch's: threaded kernels become
-their one-thread twins (the same results), and programs with data-parallel replicas are refused. Building needs a C compiler (`cc`, or $CC).
+found here and recorded in the manifest. An export is one thread, like BurTorch's: a row split into parts for
+the threads runs them one after another (the same results), and programs with data-parallel replicas are refused. Building needs a C compiler (`cc`, or $CC).
 """
 from __future__ import annotations
 
@@ -267,26 +267,6 @@ def _base_manifest(kind, dtype, symbols, blas, cpu) -> dict:
 
 
 # ----------------------------------------------------------------------------- tensor programs
-def _one_thread(tape, fd):
-    """The tape with every threaded kernel (`k_x_par`) replaced by its one-thread twin `k_x`, whose row is a
-    prefix of the threaded one's and whose result is bit for bit the same (the threaded kernels split the same
-    work into blocks): an export runs on one thread."""
-    from btjit.kernels.common import ROWS
-    from btjit.kernels.library import LIBRARY
-    tape = tape.copy()
-    for op in set(int(o) for o in tape[:, 0]):
-        name, shape = LIBRARY.entry_of(op)
-        if not name.endswith("_par"):
-            continue
-        twin = name[:-len("_par")]
-        if twin not in ROWS or ROWS[name].args[:len(ROWS[twin].args)] != ROWS[twin].args:
-            raise ExportError(f"this program runs the threaded kernel {name}, which has no one-thread twin; trace "
-                              "it with threads=1 to export it")
-        tape[tape[:, 0] == op, 0] = LIBRARY.opcode(twin, shape)
-    LIBRARY.ensure(fd, tape[:, 0])
-    return tape
-
-
 def export_program(prog, path, extra_files=None) -> Path:
     """Write `prog` (a btjit.Program) to the dir `path`; see the module docstring."""
     from btjit.kernels.library import LIBRARY
@@ -294,7 +274,7 @@ def export_program(prog, path, extra_files=None) -> Path:
         raise ExportError(f"this program runs {prog.replicas} replicas; an export is one thread: trace it with "
                           "replicas=1 to export it")
     fd = prog.graph.float_dtype
-    tape = _one_thread(prog.tape, fd)
+    tape = prog.tape.copy()                      # renumbered below: the program keeps its own
     ops = sorted(set(int(o) for o in tape[:, 0]))
     entries = [LIBRARY.entry_of(o) for o in ops]
     objects, symbols = zip(*(_code(LIBRARY.loaded[(n, fd, s)]) for n, s in entries))

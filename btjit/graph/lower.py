@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.kernels import elementwise as EW
-from btjit.kernels.common import ROW, ROWS
+from btjit.kernels.common import ROW, ROWS, SPLIT
 from btjit.kernels.library import LIBRARY
 
 from btjit.graph.ops import TABLE
@@ -20,8 +20,9 @@ class RowError(ValueError):
     pass
 
 
-def make_row(kernel, shape=None, **args) -> list:
-    """The tape row of `kernel` (a generated kernel's variant for shape = (T, hs)) with its arguments by name."""
+def make_row(kernel, shape=None, split=1, **args) -> list:
+    """The tape row of `kernel` (a generated kernel's variant for shape = (T, hs)) with its arguments by name;
+    split > 1: run in that many parts on the thread pool (btjit.kernels.common.part_of)."""
     decl = ROWS.get(kernel)
     if decl is None:
         raise RowError(f"no kernel {kernel!r} in the library")
@@ -32,7 +33,9 @@ def make_row(kernel, shape=None, **args) -> list:
                                      extra and f"unknown argument {', '.join(extra)}") if s)
         raise RowError(f"row of {kernel}: {what} (its row is [op, {', '.join(decl.args)}])")
     r = [LIBRARY.opcode(kernel, shape)] + [int(args[n]) for n in decl.args]
-    return r + [0] * (ROW - len(r))
+    r += [0] * (ROW - len(r))
+    r[SPLIT] = split if split > 1 else 0
+    return r
 
 
 class Lowering:

@@ -19,12 +19,9 @@ def par_parts(L, size, units) -> int:
     return min(L.threads, MAX_THREADS, units) if size >= PAR_EW_ELEMENTS else 1
 
 
-def par_row(L, kernel, parts, same_entry=False, **args) -> list:
-    """The row of `kernel`, or with parts > 1 of its `_par` twin split into that many parts. same_entry: the twin
-    at any part count, 1 included -- for a kernel whose sums are vectorized (reassociated) as each entry was
-    compiled, so the serial entry's bits may differ from the twin's; one entry keeps them the same at any
-    thread count."""
-    return [L.row(kernel + "_par", **args, nparts=parts) if parts > 1 or same_entry else L.row(kernel, **args)]
+def par_row(L, kernel, parts, **args) -> list:
+    """The row of `kernel`, split into `parts` parts on the thread pool if parts > 1."""
+    return [L.row(kernel, **args, split=parts)]
 
 
 class ShapeError(Exception):

@@ -5,7 +5,7 @@ $BTJIT_NUM_THREADS, `--threads`, `[train] threads`. OpenBLAS's own threads stay 
 numba's pool cost 30x on 2 cores and 7x on a loaded machine (measured), so all parallelism is numba's.
 Numba's threading layer is chosen here, before its pool starts: OpenMP, then its workqueue, then TBB (numba's
 own order puts TBB first, which an installed MKL brings in). Measured on 2 cores (znver5), a 2048 x 768 x 768
-k_matmul_micro_par split in two: OpenMP 1.91x one part's time, workqueue 1.66x, TBB 1.13x (its second thread
+k_matmul_micro row split in two: OpenMP 1.91x one part's time, workqueue 1.66x, TBB 1.13x (its second thread
 rarely took its part). $NUMBA_THREADING_LAYER / $NUMBA_THREADING_LAYER_PRIORITY still decide where set.
 """
 from __future__ import annotations

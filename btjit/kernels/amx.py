@@ -19,7 +19,7 @@ import ctypes
 import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
-from numba import carray, njit, prange, types
+from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -27,7 +27,7 @@ from btjit.kernels import bf16
 from btjit.kernels.bf16 import KB, NC, OBP, TMP, finish, halves, splat, vload
 from btjit.kernels.bf16 import WS as BF16_WS
 from btjit.kernels.bf16 import _pack, _pack_bt, _pack_rows, part
-from btjit.kernels.common import FM, FM_FLAGS, FM_PAR, row, stack_buf
+from btjit.kernels.common import FM, FM_FLAGS, part_of, row, stack_buf
 
 TR = 16                     # rows of a tile (and pairs per tile row: 64 bytes)
 MB = 2 * TR                 # rows of C per micro-kernel call
@@ -318,21 +318,13 @@ def _amx_rows(a, ia, r, lo, m, b0, b1):
     _tiles_off()
 
 
-@row("oA oB oC nbatch M N K sA sB sC ta tb obias ores relu")
+@row("oA oB oC nbatch M N K sA sB sC ta tb obias ores relu by")
 @njit(**FM)
 def k_matmul_amx(a, ia, r):
     """k_matmul_bf16 on the matrix units (AMX): C_i (M,N) = op(A_i) @ op(B_i) (+ bias) (+ R_i) (relu), A and B
     rounded to bf16, float32 sums; arguments as k_matmul_bf16's. N >= 16. The process must hold the tile state
-    (request_tiles)."""
-    _amx_rows(a, ia, r, np.int64(0), r[5], np.int64(0), r[4])
+    (request_tiles). A split row: parts of whole MB-row blocks (by 0) or whole products (by 2)."""
+    j, n = part_of(r)
+    lo, m, b0, b1 = part(j, n, r[5], r[4], r[16], np.int64(MB))
+    _amx_rows(a, ia, r, lo, m, b0, b1)
 
-
-@row("oA oB oC nbatch M N K sA sB sC ta tb obias ores relu nparts bsplit")
-@njit(**FM_PAR)
-def k_matmul_amx_par(a, ia, r):
-    """k_matmul_amx with C's rows cut into nparts blocks of whole MB-row blocks on the thread pool, or with bsplit
-    1 the batch into nparts blocks of whole products; bitwise equal to one thread."""
-    nbatch = r[4]; M = r[5]; nparts = r[16]; bsplit = r[17]
-    for j in prange(nparts):
-        lo, m, b0, b1 = part(np.int64(j), nparts, M, nbatch, bsplit, np.int64(MB))
-        _amx_rows(a, ia, r, lo, m, b0, b1)

@@ -11,7 +11,7 @@
 # Layouts (as attention.py): qkv (B*T, 3C), q cols [0,C), k [C,2C), v [2C,3C), head h at h*hs..h*hs+hs-1 of
 # each; y, dy (B*T, C); P (B, NH, T, Tp), Tp = T rounded up to 16: row t of a head holds its probabilities at
 # keys j <= t, zeros from t+1 to Tp. W (fwd scratch): per slot, scale K^T of one head (hs x Tp); S (bwd
-# scratch): per slot, V^T of one head (hs x Tp), then dS of one head (T x Tp). The _par kernels run blocks of
+# scratch): per slot, V^T of one head (hs x Tp), then dS of one head (T x Tp). A split row runs blocks of
 # sequences on the thread pool, one slot each (slots(B) = min(B, MAX_THREADS)).
 #
 # Dropout on the probabilities (odrop != 0: a[odrop] = p, a[oinv] = 1 / (1 - p)): P keeps the probabilities;
@@ -20,10 +20,10 @@
 # `site`, as btjit.dropout of the (B, NH, T, T) probabilities would), writes D for dV = D^T dO (S's third
 # part, T x Tp) and scales dP = dO V^T by the mask before dS; D = rowsum(P * dP) is unchanged.
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from btjit.kernels.attention import _tr, _up
-from btjit.kernels.common import FM, FM_PAR, MAX_THREADS, cvt, row
+from btjit.kernels.common import FM, MAX_THREADS, cvt, part_of, row
 from btjit.kernels.linalg import MR, gemm_micro
 from btjit.kernels.rng import first, key, uniform_at
 from btjit.kernels.tiles import dscore_row, softmax_norm_row
@@ -35,7 +35,7 @@ def padded(T) -> int:
 
 
 def slots(B) -> int:
-    """Scratch slots: one per block of sequences the _par kernels run at once (the serial ones use the first)."""
+    """Scratch slots: one per block of sequences a split row runs at once (one thread uses the first)."""
     return min(B, MAX_THREADS)
 
 
@@ -69,7 +69,7 @@ def drop_row(a, osrc, odst, ograd, n, nv, e0, p, s, k0, k1, c2, c3):
 
 
 def blocks(B, threads) -> int:
-    """Blocks of sequences of the _par kernels: one per thread, at most slots(B)."""
+    """Blocks of sequences of a split row: one per thread, at most slots(B)."""
     return min(threads, slots(B))
 
 
@@ -109,24 +109,11 @@ def k_attn_fwd_kept(a, ia, r):
     oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
     scale = a[r[9]]
     okey = r[10]; site = r[11]; odrop = r[12]; oinv = r[13]
-    for b in range(B):
+    j, n = part_of(r)                       # split: the sequences in n blocks, block j on scratch slot j
+    oW += j * (C // NH + MR) * _up(T)
+    for b in range(j * B // n, (j + 1) * B // n):
         for h in range(NH):
             _fwd_head(a, oqkv, oy, oP, oW, b, h, B, T, C, NH, scale, ia, okey, site, odrop, oinv)
-
-
-@row("oqkv oy oP oW B T C NH oscale okey site odrop oinv nb")
-@njit(**FM_PAR)
-def k_attn_fwd_kept_par(a, ia, r):
-    """k_attn_fwd_kept with the sequences in nb blocks on the thread pool, block j on scratch slot j."""
-    oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
-    scale = a[r[9]]
-    okey = r[10]; site = r[11]; odrop = r[12]; oinv = r[13]
-    nb = r[14]
-    per = (C // NH + MR) * _up(T)
-    for j in prange(nb):
-        for b in range(j * B // nb, (j + 1) * B // nb):
-            for h in range(NH):
-                _fwd_head(a, oqkv, oy, oP, oW + j * per, b, h, B, T, C, NH, scale, ia, okey, site, odrop, oinv)
 
 
 @njit(**FM)
@@ -170,22 +157,9 @@ def k_attn_bwd_kept(a, ia, r):
     oqkv = r[1]; oP = r[2]; ody = r[3]; odqkv = r[4]; oS = r[5]; B = r[6]; T = r[7]; C = r[8]; NH = r[9]
     scale = a[r[10]]
     okey = r[11]; site = r[12]; odrop = r[13]; oinv = r[14]
-    for b in range(B):
+    j, n = part_of(r)                       # split: the sequences in n blocks, block j on scratch slot j
+    oS += j * (C // NH * _up(T) + (2 if odrop else 1) * T * _up(T))
+    for b in range(j * B // n, (j + 1) * B // n):
         for h in range(NH):
             _bwd_head(a, oqkv, oP, ody, odqkv, oS, b, h, B, T, C, NH, scale, ia, okey, site, odrop, oinv)
 
-
-@row("oqkv oP ody odqkv oS B T C NH oscale okey site odrop oinv nb")
-@njit(**FM_PAR)
-def k_attn_bwd_kept_par(a, ia, r):
-    """k_attn_bwd_kept with the sequences in nb blocks on the thread pool, block j on scratch slot j."""
-    oqkv = r[1]; oP = r[2]; ody = r[3]; odqkv = r[4]; oS = r[5]; B = r[6]; T = r[7]; C = r[8]; NH = r[9]
-    scale = a[r[10]]
-    okey = r[11]; site = r[12]; odrop = r[13]; oinv = r[14]
-    nb = r[15]
-    per = C // NH * _up(T) + (2 if odrop else 1) * T * _up(T)
-    for j in prange(nb):
-        for b in range(j * B // nb, (j + 1) * B // nb):
-            for h in range(NH):
-                _bwd_head(a, oqkv, oP, ody, odqkv, oS + j * per, b, h, B, T, C, NH, scale, ia, okey, site, odrop,
-                          oinv)

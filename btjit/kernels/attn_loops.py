@@ -6,10 +6,10 @@
 # in attention.flash).
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from btjit.kernels import attn_lanes
-from btjit.kernels.common import FM, FM_PAR, cvt, fexp, row, transpose
+from btjit.kernels.common import FM, cvt, fexp, part_of, row, transpose
 
 
 # ---------------------------------------------------------------- causal multi-head self-attention
@@ -181,7 +181,7 @@ BL_MIN_B = 16    # from this batch up the sequence-vectorized kernels win (measu
 #   X  = its qkv transposed, X[t*3C + c, l]    at W[b0*T*3C:]          (W: the forward's scratch output)
 #   PL = its probabilities,  PL[(h*T + t)*T + s, l] (s <= t only) at P[b0*NH*T*T:]
 # so P's layout in this mode is private to the pair k_attn_fwd_bl / k_attn_bwd_bl. Blocks: nb of them,
-# Lb = ceil(B / nb) sequences each (the last may be shorter); the _par variants run one block per thread.
+# Lb = ceil(B / nb) sequences each (the last may be shorter); a split row runs one block per part.
 @njit(**FM)
 def bl_span(B, nb, i):
     """First sequence and lane count of block i of nb (Lb = ceil(B / nb) each; the last may be shorter)."""
@@ -219,7 +219,7 @@ def k_attn_bl_move(a, ia, r):
 
 @njit(**FM)
 def _attn_bl_fwd_block(a, r, i):
-    """Block i of a k_attn_fwd_bl(_par) row: sequences b0 .. b0+L-1."""
+    """Block i of a k_attn_fwd_bl row: sequences b0 .. b0+L-1."""
     oqkv = r[1]; oy = r[2]; oP = r[3]; oW = r[4]; B = r[5]; T = r[6]; C = r[7]; NH = r[8]
     scale = a[r[9]]
     b0, L = bl_span(B, r[10], i)
@@ -294,7 +294,7 @@ def _attn_bl_fwd_block(a, r, i):
 
 @njit(**FM)
 def _attn_bl_bwd_block(a, r, i):
-    """Block i of a k_attn_bwd_bl(_par) row: sequences b0 .. b0+L-1."""
+    """Block i of a k_attn_bwd_bl row: sequences b0 .. b0+L-1."""
     oP = r[1]; oW = r[2]; ody = r[3]; odqkv = r[4]; oS = r[5]; B = r[6]; T = r[7]; C = r[8]; NH = r[9]
     scale = a[r[10]]
     b0, L = bl_span(B, r[11], i)
@@ -373,34 +373,20 @@ def _attn_bl_bwd_block(a, r, i):
 @njit(**FM)
 def k_attn_fwd_bl(a, ia, r):
     """Causal self-attention forward vectorized across sequences (layouts above the helpers).
-    W: attn_scratch_size(B, T, C, ...) floats."""
-    for i in range(r[10]):
+    W: attn_scratch_size(B, T, C, ...) floats. A split row: part j of n runs blocks j*nb//n .. (j+1)*nb//n."""
+    j, n = part_of(r)
+    for i in range(j * r[10] // n, (j + 1) * r[10] // n):
         _attn_bl_fwd_block(a, r, i)
-
-
-@row("oqkv oy oP oW B T C NH oscale nb")
-@njit(**FM_PAR)
-def k_attn_fwd_bl_par(a, ia, r):
-    """k_attn_fwd_bl with one block per thread-pool task (same row)."""
-    for i in prange(r[10]):
-        _attn_bl_fwd_block(a, r, np.int64(i))     # int64 as the serial entry's: one compile of the block
 
 
 @row("oP oW ody odqkv oS B T C NH oscale nb")
 @njit(**FM)
 def k_attn_bwd_bl(a, ia, r):
     """Backward of k_attn_fwd_bl from its saved X (in W) and PL (in P); writes dqkv (overwrite).
-    S: attn_bwd_scratch_size(B, T, C, ...) floats."""
-    for i in range(r[11]):
+    S: attn_bwd_scratch_size(B, T, C, ...) floats. Split as k_attn_fwd_bl."""
+    j, n = part_of(r)
+    for i in range(j * r[11] // n, (j + 1) * r[11] // n):
         _attn_bl_bwd_block(a, r, i)
-
-
-@row("oP oW ody odqkv oS B T C NH oscale nb")
-@njit(**FM_PAR)
-def k_attn_bwd_bl_par(a, ia, r):
-    """k_attn_bwd_bl with one block per thread-pool task (same row)."""
-    for i in prange(r[11]):
-        _attn_bl_bwd_block(a, r, np.int64(i))
 
 
 def attn_blocks(B, threads):

@@ -9,15 +9,15 @@
 # block of MR rows A's block likewise (A[r, k], A[r, k+1]), once for all the group's panels, and the register
 # micro-kernel runs MR x panel accumulators over the pairs (a later K block adds to C).
 # Every entry of C is the same sequence of operations whichever thread computes its rows, so the split over
-# the threads (k_matmul_bf16_par) is bitwise equal to one thread.
+# the threads (a split row) is bitwise equal to one thread.
 import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
-from numba import carray, njit, prange, types
+from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from btjit.kernels.common import FM, FM_FLAGS, FM_PAR, f32_as_i32, row, stack_buf
+from btjit.kernels.common import FM, FM_FLAGS, f32_as_i32, part_of, row, stack_buf
 from btjit.kernels.linalg import MR      # rows of C per micro-kernel call, as the float32 micro-kernels'
 
 KB = 256            # k-steps per packed block
@@ -26,7 +26,7 @@ OBP = MR * KB // 2  # where B's pairs start in the stack workspace (A's pairs, M
 TMP = OBP + KB // 2 * NC    # a B^T panel's pairs row-major, before they are transposed into B's place
 WS = TMP + KB // 2 * 48
 N_MIN = 16          # a panel is 16 columns at least: narrower products stay float32 (graph/ops/matmul.py)
-KERNELS = ("k_matmul_bf16", "k_matmul_amx")    # the entries bf16 products run on (and their _par twins)
+KERNELS = ("k_matmul_bf16", "k_matmul_amx")    # the entries bf16 products run on
 
 
 def has_dpbf16() -> bool:
@@ -347,34 +347,25 @@ def _bf16_rows(a, ia, r, lo, m, b0, b1):
             cs = ce
 
 
-@row("oA oB oC nbatch M N K sA sB sC ta tb obias ores relu")
+@row("oA oB oC nbatch M N K sA sB sC ta tb obias ores relu by")
 @njit(**FM)
 def k_matmul_bf16(a, ia, r):
     """Batched float32 matmul with bf16-rounded operands, float32 sums: C_i (M,N) = op(A_i) @ op(B_i)
     (+ bias) (+ R_i) (relu) for i < nbatch, overwriting C_i; arguments as k_matmul_micro's (ta, tb any; no
-    column sums). N >= N_MIN."""
-    _bf16_rows(a, ia, r, np.int64(0), r[5], np.int64(0), r[4])   # not literals: one compile with the _par twin's
+    column sums; a split row by 0 rows or 2 whole products). N >= N_MIN."""
+    j, n = part_of(r)
+    lo, m, b0, b1 = part(j, n, r[5], r[4], r[16], np.int64(MR))
+    _bf16_rows(a, ia, r, lo, m, b0, b1)
 
 
 @njit(**FM)
-def part(j, nparts, M, nbatch, bsplit, blk):
+def part(j, nparts, M, nbatch, by, blk):
     """(first row, rows, first product, end product) of part j of nparts of a split bf16 product row: with
-    bsplit 1 whole products, else blocks of whole blk-row blocks of every product."""
-    if bsplit == 1:
+    by 2 whole products, else blocks of whole blk-row blocks of every product."""
+    if by == 2:
         return np.int64(0), M, j * nbatch // nparts, (j + 1) * nbatch // nparts
     nblk = (M + blk - 1) // blk
     lo = j * nblk // nparts * blk
     hi = M if j == nparts - 1 else (j + 1) * nblk // nparts * blk
     return lo, hi - lo, np.int64(0), nbatch
 
-
-@row("oA oB oC nbatch M N K sA sB sC ta tb obias ores relu nparts bsplit")
-@njit(**FM_PAR)
-def k_matmul_bf16_par(a, ia, r):
-    """k_matmul_bf16 with C's rows cut into nparts blocks of whole MR-row blocks on the thread pool, or with
-    bsplit 1 the batch into nparts blocks of whole products; every entry is computed as on one thread (bitwise
-    equal)."""
-    nbatch = r[4]; M = r[5]; nparts = r[16]; bsplit = r[17]
-    for j in prange(nparts):
-        lo, m, b0, b1 = part(np.int64(j), nparts, M, nbatch, bsplit, np.int64(MR))
-        _bf16_rows(a, ia, r, lo, m, b0, b1)

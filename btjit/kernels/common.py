@@ -14,14 +14,23 @@ from numba.extending import intrinsic, overload
 
 FM_FLAGS = ("nsz", "arcp", "contract", "afn", "reassoc")   # fast-math set: no nnan/ninf, NaNs propagate
 FM = dict(fastmath=set(FM_FLAGS), error_model='numpy', boundscheck=False)
-MAX_THREADS = 8   # threads the parallel kernels' scratch (e.g. 8 int32 BLAS slots each) is sized for
-FM_PAR = dict(FM, parallel=True)   # only for large, race-free work: ~2-4 us per launch (NUMBA_NOTES §7)
+MAX_THREADS = 8   # parts a split row's scratch (e.g. 8 int32 BLAS slots each) is sized for
 
 f32 = np.float32
 
 
 # ---------------------------------------------------------------- the one declaration of each kernel's row
-ROW = 32   # int64s per tape row: the opcode, then the kernel's arguments, zero-padded
+ROW = 32   # int64s per tape row: the opcode, then the kernel's arguments, zero-padded; the last two say the split:
+PART, SPLIT = ROW - 2, ROW - 1      # a row whose r[SPLIT] = n > 1 is run in n parts on the thread pool, its entry
+#                                     called once per part with r[PART] = j (btjit/core/executor.py: run_parts)
+
+
+@njit(inline="always")
+def part_of(r):
+    """(j, n): the part of its row this call computes, of n (1: the whole row). A kernel that can split its work
+    computes part j of n exactly as the same elements on one thread (bitwise), whatever n."""
+    n = r[SPLIT]
+    return (r[PART], n) if n > 1 else (np.int64(0), np.int64(1))
 
 
 class RowDecl(NamedTuple):
@@ -35,9 +44,9 @@ ROWS: dict = {}            # kernel name -> RowDecl (btjit.graph.lower builds ro
 def inlined(kernel):
     """The @njit kernel as a function numba inlines into its caller, the library entry (numba IR inlining):
     its body is then optimized and compiled to machine code once, in the entry, not first on its own as well
-    (measured: a third to a half of an entry's compile). Parallel kernels stay calls (prange needs them)."""
+    (measured: a third to a half of an entry's compile)."""
     opts = {k: v for k, v in kernel.targetoptions.items() if k != "nopython"}
-    return kernel if opts.get("parallel") else njit(**dict(opts, inline="always"))(kernel.py_func)
+    return njit(**dict(opts, inline="always"))(kernel.py_func)
 
 
 def row(args: str, stop: str | None = None):
@@ -51,7 +60,7 @@ def row(args: str, stop: str | None = None):
 
 def declare(name, args: str, stop=None):
     names = tuple(args.split())
-    assert len(names) < ROW and (stop is None or stop in names), (name, names)
+    assert len(names) < PART and (stop is None or stop in names), (name, names)
     ROWS[name] = RowDecl(names, stop)
 
 

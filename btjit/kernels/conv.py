@@ -19,10 +19,10 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import intrinsic
 
-from btjit.kernels.common import FM, FM_PAR, cvt, row
+from btjit.kernels.common import FM, cvt, part_of, row
 
 POOL_MAX = 0
 POOL_AVG = 1
@@ -88,16 +88,8 @@ def patches(a, back, ox, ocol, N, G, Cg, H, W, OH, OW, kh, kw, sh, sw, ph, pw, d
 def k_pool2d(a, ia, r):
     """back 0: y[p, oh, ow] = max (mode 0) or mean (mode 1, divisor kh*kw) of x[p] over the window at
     (oh*sh - ph, ow*sw - pw) of kh x kw; back 1: dx from x and dy (at oy)."""
-    pool_planes(a, r, np.int64(0), r[6])     # not a literal: one compile with the _par twin's
-
-
-@row("back mode ox oy odx NC H W OH OW kh kw sh sw ph pw nparts")
-@njit(**FM_PAR)
-def k_pool2d_par(a, ia, r):
-    """k_pool2d with its NC planes split into nparts on the thread pool (each plane as on one thread)."""
-    NC = r[6]; nparts = r[17]
-    for j in prange(nparts):
-        pool_planes(a, r, j * NC // nparts, (j + 1) * NC // nparts)
+    j, n = part_of(r)                        # split: the NC planes in n parts
+    pool_planes(a, r, j * r[6] // n, (j + 1) * r[6] // n)
 
 
 @njit(**FM)

@@ -2,12 +2,11 @@
 # form (btjit/kernels/micro.py) reads each patch straight from the image -- a row of the product is an output
 # pixel (forward) or a tap of the window (the weight gradient), its steps run over the window or the pixels --
 # so no patch matrix is written or summed back. One entry serves every shape, stride, dilation and layout
-# (NCHW or NHWC input, output by pixel rows or (N, O, OH*OW)); k_conv_par splits it over the threads. k_conv_dy
+# (NCHW or NHWC input, output by pixel rows or (N, O, OH*OW)); a split row shares it over the threads. k_conv_dy
 # makes the output gradient into the pixel rows the two backward products read.
-import numpy as np
-from numba import carray, njit, prange
+from numba import carray, njit
 
-from btjit.kernels.common import FM, FM_PAR, cvt, row, stack_buf, transpose
+from btjit.kernels.common import FM, cvt, part_of, row, stack_buf, transpose
 from btjit.kernels.micro import MR, micro
 
 _g48, _g32 = micro((16, 16, 16), gathered=True), micro((16, 16), gathered=True)
@@ -122,17 +121,8 @@ def k_conv(a, ia, r):
     only reach them. relu 1 (mode 0): relu of y stored (a convolution with its activation).
     mode 1: dW (Kpad, O) at oc = the patches^T @ dy (N*OH*OW, O) at ob, Kpad = K rounded up to MR (rows from K
     are a copy of row K-1's). Overwrites its output."""
-    conv_part(a, r, np.int64(0), np.int64(1))   # not literals: one compile with the _par twin's
-
-
-@row("mode ox ob oc obias N C H W O kh kw sh sw dh dw OH OW nhwc flip tout pt vh relu nparts")
-@njit(**FM_PAR)
-def k_conv_par(a, ia, r):
-    """k_conv with its pixel blocks (mode 0) or tap blocks (mode 1) split into nparts on the thread pool: every
-    entry is the same sequence of multiply-adds as on one thread (bitwise equal)."""
-    nparts = r[25]
-    for j in prange(nparts):
-        conv_part(a, r, np.int64(j), nparts)
+    j, n = part_of(r)                       # split: the pixel blocks (mode 0) or tap blocks (mode 1) in n parts
+    conv_part(a, r, j, n)
 
 
 @njit(**FM)
@@ -159,13 +149,6 @@ def k_conv_dy(a, ia, r):
     """A convolution's output gradient dy (N, O, P) at og as the pixel rows its two backward products read, in one
     pass per image: gt (N*P, O) at ogt (relu 1: relu's gradient, masked by the convolution's output y at oy);
     bias 1: each image's column sums of gt, (N, O) at odb (the bias gradient's terms)."""
-    dy_part(a, r, np.int64(0), r[5])       # not a literal: one compile with the _par twin's
+    j, n = part_of(r)                      # split: the images in n parts
+    dy_part(a, r, j * r[5] // n, (j + 1) * r[5] // n)
 
-
-@row("og oy ogt odb N O P relu bias nparts")
-@njit(**FM_PAR)
-def k_conv_dy_par(a, ia, r):
-    """k_conv_dy with its images split into nparts on the thread pool (each image as on one thread)."""
-    N, nparts = r[5], r[10]
-    for j in prange(nparts):
-        dy_part(a, r, j * N // nparts, (j + 1) * N // nparts)

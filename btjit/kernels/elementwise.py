@@ -17,9 +17,9 @@ What the rows mean (each kernel's row is its @row declaration; see notes/CONVENT
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
-from btjit.kernels.common import FM, FM_PAR, cvt, ferf, fexp, ftanh, row
+from btjit.kernels.common import FM, cvt, ferf, fexp, ftanh, part_of, row
 
 # unary sub-ops
 (U_COPY, U_NEG, U_EXP, U_LOG, U_TANH, U_RELU, U_SIGMOID, U_SQRT, U_POW, U_ABS, U_ERF, U_LOG1P, U_SIGN, U_SIN,
@@ -180,24 +180,17 @@ ROWS_SUBS = (B_ADD, B_SUB, B_MUL, B_RELU_GRAD, B_TANH_GRAD)
 @row("sub oout o1 o2 rows cols sx sy")
 @njit(**FM)
 def k_binary_rows(a, ia, r):
-    binary_rows(a, r[1], r[2], r[3], r[4], r[5], r[6], r[6], r[7], r[8])
-
-
-@row("sub oout o1 o2 rows cols sx sy nparts")
-@njit(**FM_PAR)
-def k_binary_rows_par(a, ia, r):
-    """k_binary_rows split into nparts on the thread pool: by rows, or with fewer rows than parts by columns
-    (blocks of 16)."""
-    sub, oout, o1, o2, rows, cols, sx, sy, nparts = r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9]
-    by_rows = rows >= nparts
+    """A split row's part: its rows, or with fewer rows than parts its columns (blocks of 16)."""
+    sub, oout, o1, o2, rows, cols, sx, sy = r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]
+    j, n = part_of(r)
+    by_rows = rows >= n
     units = rows if by_rows else (cols + 15) // 16
-    for j in prange(nparts):
-        lo, hi = j * units // nparts, (j + 1) * units // nparts
-        if by_rows:
-            binary_rows(a, sub, oout + lo * cols, o1 + lo * sx, o2 + lo * sy, hi - lo, cols, cols, sx, sy)
-        else:
-            c0, c1 = lo * 16, min(cols, hi * 16)
-            binary_rows(a, sub, oout + c0, o1 + c0, o2 + c0, rows, c1 - c0, cols, sx, sy)
+    lo, hi = j * units // n, (j + 1) * units // n
+    if by_rows:
+        binary_rows(a, sub, oout + lo * cols, o1 + lo * sx, o2 + lo * sy, hi - lo, cols, cols, sx, sy)
+    else:
+        c0, c1 = lo * 16, min(cols, hi * 16)
+        binary_rows(a, sub, oout + c0, o1 + c0, o2 + c0, rows, c1 - c0, cols, sx, sy)
 
 
 @njit(**FM)

@@ -17,15 +17,14 @@ RAND (register or output dst = the random numbers of site x, kind y, btjit/kerne
 drawn in the block, from the key block at ia[okey:] and the element's C-order index in the iteration space
 of esize elements, ebase + its position in the row's loops), LOADC (register dst = scalar operand x, filled at
 the first block of a run only: its register is kept; a product, quotient, sum or difference whose factor or addend
-is such a scalar runs as a*x + b*y or a*x + b with a and b read once, see _affine). k_ew_program_par runs the
-blocks in nparts runs on the threads, each with its own registers.
+is such a scalar runs as a*x + b*y or a*x + b with a and b read once, see _affine).
 """
 import math
 
 import numpy as np
-from numba import carray, njit, prange
+from numba import carray, njit
 
-from btjit.kernels.common import FM, FM_PAR, ferf, fexp, fptr, ftanh, row, stack_buf
+from btjit.kernels.common import FM, ferf, fexp, fptr, ftanh, part_of, row, stack_buf
 from btjit.kernels.rng import fill, first, key
 from btjit.kernels.elementwise import (B_ADD, B_DIV, B_EQ, B_GE, B_GT, B_LE, B_LT, B_MAX, B_MIN, B_MUL, B_NE, B_POW,
                           B_RELU_GRAD, B_SIGMOID_GRAD, B_SUB, B_TANH_GRAD, U_ABS, U_COPY, U_ERF, U_EXP, U_LOG,
@@ -278,20 +277,12 @@ def _at(a, R, P, r, code, i0, i1, i2, j0):
 @njit(**FM)
 def k_ew_program(a, ia, r):
     """Run the fused elementwise program at ia[r[1]:] (layout in the module docstring) over its iteration
-    space; operand k lives at a[r[2 + k]:] with the program's strides."""
-    _blocks(a, ia, r, 0, n_blocks(ia, r))
-
-
-@row("oprog " + " ".join(f"o{k}" for k in range(MAX_OPERANDS)) + " okey ebase esize nparts")
-@njit(**FM_PAR)
-def k_ew_program_par(a, ia, r):
-    """k_ew_program with the iteration space's blocks cut into nparts runs of blocks on the thread pool. Each
-    element is computed by the same instructions as on one thread (the random numbers are functions of the
-    element's index), so the result is bitwise k_ew_program's."""
-    nparts = r[MAX_OPERANDS + 5]
+    space; operand k lives at a[r[2 + k]:] with the program's strides. A split row's part j of n runs blocks
+    j*nb//n .. (j+1)*nb//n of the nb, on its own registers: each element is computed by the same instructions as
+    on one thread (the random numbers are functions of the element's index), so the result is the same bits."""
+    j, n = part_of(r)
     nb = n_blocks(ia, r)
-    for j in prange(nparts):
-        _blocks(a, ia, r, j * nb // nparts, (j + 1) * nb // nparts)
+    _blocks(a, ia, r, j * nb // n, (j + 1) * nb // n)
 
 
 @njit(inline="always", **FM)

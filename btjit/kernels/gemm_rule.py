@@ -126,7 +126,7 @@ def measure() -> tuple:
         total = [0.0, 0.0]
         for ta, M, K in ((0, 512, 256), (1, 256, 512)):          # a forward product, a dW = X^T dY
             a, *_, f = _product(M, size // K, K, ta, 0)
-            calls = [_call(micro, a, _row("k_matmul_micro", **f, osum=0, ores=0, relu=0, kc=f["K"])),
+            calls = [_call(micro, a, _row("k_matmul_micro", **f, osum=0, ores=0, relu=0, kc=f["K"], by=0)),
                      _call(blas, a, _row("k_matmul", **f, beta=0, osc=0, oconst=16, nparts=1))]
             best = _race(calls, REPS + (size == SIZES[0]))        # the first call of all warms up
             times[f"{size}:{ta}"] = [round(t * 1e6, 1) for t in best]
@@ -152,7 +152,7 @@ def measure_nt() -> tuple:
         n_, m_, k_, lda, ldb, ldc, one, zero, tr, no = (ctypes.addressof(x) for x in keep)
         p = a.ctypes.data
         args = (tr, no, n_, m_, k_, one, p + 4 * oB, lda, p + 4 * oA, ldb, zero, p + 4 * oC, ldc)
-        best = _race([_call(micro, a, _row("k_matmul_micro", **f, osum=0, ores=0, relu=0, kc=f["K"])),
+        best = _race([_call(micro, a, _row("k_matmul_micro", **f, osum=0, ores=0, relu=0, kc=f["K"], by=0)),
                       lambda args=args, keep=keep: sgemm(*args)], 4 * REPS)   # keep: the arguments' storage
         times[f"{M}x{N}x{K}"] = [round(t * 1e6, 2) for t in best]
         total = [total[0] + best[0], total[1] + best[1]]
@@ -204,7 +204,7 @@ def measure_bf16() -> dict:
     for M, N, K, ta, tb in (BF16_CHECK,) + BF16_PROBES:
         a, *_, f = _product(M, N, K, ta, tb)
         outs = [a.copy(), a.copy()]
-        calls = [_call(fn, b, _row(n, **f, ores=0, relu=0)) for fn, b, n in zip(fns, outs, names)]
+        calls = [_call(fn, b, _row(n, **f, ores=0, relu=0, by=0)) for fn, b, n in zip(fns, outs, names)]
         for call in calls:
             call()
         c0, c1 = (b[f["oC"]:f["oC"] + M * N] for b in outs)

@@ -1,16 +1,15 @@
 """Layout kernels: batched matrix transposes and zero-padded copies (graph/ops/layout.py's transpose and
-slice_scatter, where they apply); the _par twins split them over the threads, each piece computed as on one
-thread.
+slice_scatter, where they apply); a split row (common.part_of) computes its part of the matrices / planes as
+one thread does.
   k_transpose  out[b] = in[b]^T for b < nb: (nb, rows, cols) -> (nb, cols, rows)
   k_pad        out (e0, e1, e2, e3) = zeros with in (d0, d1, d2, d3) at [s0:s0+d0, s1:s1+d1, s2:s2+d2,
                s3:s3+d3]: a padding (a slice_scatter with unit steps), each row of out written once
   k_copy       a strided 4-D copy (slices, concatenations, strided views made contiguous): k_strided's copy
                alone, which compiles in a tenth of k_strided's time (its binary ops' loops are not in it)
 """
-import numpy as np
-from numba import njit, prange
+from numba import njit
 
-from btjit.kernels.common import FM, FM_PAR, cvt, row, transpose
+from btjit.kernels.common import FM, cvt, part_of, row, transpose
 
 
 @row("oout oin nb rows cols")
@@ -19,18 +18,9 @@ def k_transpose(a, ia, r):
     """out[b] = in[b]^T for b < nb, by common.transpose's 16 x 16 register tiles (the strided copy's element
     loops were 2-3x slower on a 512 x 128 weight)."""
     oout, oin, nb, rows, cols = r[1], r[2], r[3], r[4], r[5]
-    for b in range(nb):
+    j, n = part_of(r)
+    for b in range(j * nb // n, (j + 1) * nb // n):
         transpose(a, oin + b * rows * cols, a, oout + b * rows * cols, rows, cols)
-
-
-@row("oout oin nb rows cols nparts")
-@njit(**FM_PAR)
-def k_transpose_par(a, ia, r):
-    """k_transpose with its nb matrices split into nparts on the thread pool."""
-    oout, oin, nb, rows, cols, nparts = r[1], r[2], r[3], r[4], r[5], r[6]
-    for j in prange(nparts):
-        for b in range(j * nb // nparts, (j + 1) * nb // nparts):
-            transpose(a, oin + b * rows * cols, a, oout + b * rows * cols, rows, cols)
 
 
 @njit(**FM)
@@ -62,16 +52,9 @@ def pad_part(a, r, u0, u1):
 @njit(**FM)
 def k_pad(a, ia, r):
     """out (e0, e1, e2, e3) at oout = zeros, with in (d0, d1, d2, d3) at oin placed from (s0, s1, s2, s3)."""
-    pad_part(a, r, np.int64(0), r[3] * r[4])   # not a literal: one compile with the _par twin's
-
-
-@row("oout oin e0 e1 e2 e3 d0 d1 d2 d3 s0 s1 s2 s3 nparts")
-@njit(**FM_PAR)
-def k_pad_par(a, ia, r):
-    """k_pad with the output's e0 * e1 planes split into nparts on the thread pool."""
-    nu, nparts = r[3] * r[4], r[15]
-    for j in prange(nparts):
-        pad_part(a, r, j * nu // nparts, (j + 1) * nu // nparts)
+    j, n = part_of(r)
+    nu = r[3] * r[4]
+    pad_part(a, r, j * nu // n, (j + 1) * nu // n)
 
 
 @row("oo o1 n0 n1 n2 n3 so0 so1 so2 so3 p0 p1 p2 p3")

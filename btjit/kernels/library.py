@@ -294,13 +294,10 @@ def _parse(s):
 
 
 # rough compile costs (seconds on one machine; the rest ~0.3 s): only the order the workers take groups in
-HEAVY = {"k_attn_bl_move": 1, "k_attn_bwd_bl_par": 7, "k_attn_fwd_bl_par": 6, "k_ew_program": 5, "k_attn_bwd_flash": 6,
-         "k_attn_bwd_kept_par": 5, "k_attn_fwd_kept_par": 5, "k_attn_fwd_flash": 4, "k_attn_bwd_bl": 4,
-         "k_attn_fwd_bl": 4, "k_matmul": 4, "k_matmul_par": 4, "k_matmul_micro": 3, "k_attn_bwd_kept": 3,
-         "k_attn_fwd_kept": 3, "k_strided": 3, "k_binary": 3, "k_attn_bwd": 3, "k_reduce": 2, "k_unary": 2,
-         "k_ce_fwd": 0.7, "k_layernorm_bwd": 0.5, "k_matmul_bf16": 3, "k_matmul_bf16_par": 3,
-         "k_matmul_amx": 3, "k_matmul_amx_par": 3, "k_matmul_micro_par": 8,
-         "k_conv_par": 5, "k_conv": 3}
+HEAVY = {"k_attn_bl_move": 1, "k_ew_program": 5, "k_attn_bwd_flash": 6, "k_attn_fwd_flash": 4, "k_attn_bwd_bl": 4,
+         "k_attn_fwd_bl": 4, "k_matmul": 4, "k_matmul_micro": 3, "k_attn_bwd_kept": 3, "k_attn_fwd_kept": 3,
+         "k_strided": 3, "k_binary": 3, "k_attn_bwd": 3, "k_reduce": 2, "k_unary": 2, "k_ce_fwd": 0.7,
+         "k_layernorm_bwd": 0.5, "k_matmul_bf16": 3, "k_matmul_amx": 3, "k_conv": 3}
 
 
 def groups(entries, n=1) -> list:

@@ -4,9 +4,9 @@
 # x 48 columns of C in registers over a loop on K. They run at 50-58 G multiply-adds/s on 512-row products (sgemm: 32-52)
 # and avoid sgemm's per-call work on 8-row ones (E6 batch 1: 0.1-0.4 us each).
 import numpy as np
-from numba import carray, njit, prange
+from numba import carray, njit
 
-from btjit.kernels.common import FM, FM_PAR, gemm, row, stack_buf, tile8, transpose
+from btjit.kernels.common import FM, gemm, part_of, row, stack_buf, tile8, transpose
 from btjit.kernels.micro import MR, micro as _micro
 
 WT_MAX = 16384       # floats of the B (or block of B's rows) a B^T product copies transposed onto the stack (64 KB)
@@ -91,14 +91,15 @@ def k_matmul(a, ia, r):
              (a fused `x @ W + b`); 0 = no bias.
       nparts: each product is computed as nparts column (N >= M) or row blocks of C, one GEMM each --
               on one thread too, where OpenBLAS 0.3.30 handles some shapes much faster in halves (see
-              ops.split_gemm); k_matmul_par runs the blocks on the thread pool.
+              ops.split_gemm); a split row (as many parts) runs them on the thread pool.
     """
     nparts = r[17]
-    for j in range(nparts):
-        _matmul_part(a, ia, r, j, nparts)
+    j, n = part_of(r)                       # a split row: part j of n computes blocks j, j + n, ... (n = nparts)
+    for p in range(j, nparts, n):
+        _matmul_part(a, ia, r, p, nparts)
 
 
-@row("oA oB oC nbatch M N K sA sB sC ta tb obias osum ores relu kc")
+@row("oA oB oC nbatch M N K sA sB sC ta tb obias osum ores relu kc by")
 @njit(**FM)
 def k_matmul_micro(a, ia, r):
     """Batched float32 matmul by the micro-kernels below (ops.micro_gemm says which products):
@@ -112,38 +113,23 @@ def k_matmul_micro(a, ia, r):
     16 of its rows at a time, K <= WT_MAX/16), below on gemm_micro_nt. osum > 0
     (nbatch 1, tb 0): also a[osum:osum+N] = the column sums of B (ops' matmul_colsum: dW = X^T dY and db
     together).
+    A split row's part j of n (bitwise equal to one thread: every entry of C is the same sequence of multiply-adds;
+    each part transposes its own stack copy of B where one is used): by 0, blocks of whole MR-row blocks of C
+    (n <= M / MR); by 1, its columns in blocks of multiples of 16 (each >= 16; tb 0): each thread then reads only its
+    part of a large B, where row blocks would each read all of it; by 2, whole products (no B read by two threads).
     """
-    _micro_rows(a, r, np.int64(0), r[5], np.int64(0), r[4])   # not literals: the _par twin's compile serves both
-
-
-@row("oA oB oC nbatch M N K sA sB sC ta tb obias osum ores relu kc nparts bsplit")
-@njit(**FM_PAR)
-def k_matmul_micro_par(a, ia, r):
-    """k_matmul_micro with C's rows cut into nparts blocks (multiples of MR rows; nparts <= M / MR) computed on the
-    thread pool, or with nparts < 0 its columns into -nparts blocks (multiples of 16, each >= 16; tb 0): each
-    thread then reads only its part of a large B, where row blocks would each read all of it; or with bsplit 1
-    the batch into nparts blocks of whole products (no B read by two threads). Every entry of C is the same
-    sequence of multiply-adds as on one thread, so the result is bitwise equal to k_matmul_micro's; each block
-    transposes its own stack copy of B where one is used."""
-    M = r[5]; N = r[6]; nparts = r[18]
-    if r[19] == 1:
-        nbatch = r[4]
-        for j in prange(nparts):
-            b = np.int64(j)
-            _micro_rows(a, r, np.int64(0), M, b * nbatch // nparts, (b + 1) * nbatch // nparts)
-        return
-    if nparts < 0:
+    j, n = part_of(r)
+    nbatch = r[4]; M = r[5]; N = r[6]; by = r[18]
+    if by == 2:
+        _micro_rows(a, r, np.int64(0), M, j * nbatch // n, (j + 1) * nbatch // n)
+    elif by == 1:
         ncol = N // 16
-        for j in prange(-nparts):
-            lo = j * ncol // -nparts * 16
-            hi = N if j == -nparts - 1 else (j + 1) * ncol // -nparts * 16
-            _micro_cols(a, r, lo, hi - lo)
-        return
-    nblk = M // MR
-    for j in prange(nparts):               # nparts <= M // MR (the lowering's): every block has >= MR rows
-        lo = j * nblk // nparts * MR
-        hi = M if j == nparts - 1 else (j + 1) * nblk // nparts * MR
-        _micro_rows(a, r, lo, hi - lo, np.int64(0), r[4])
+        lo = j * ncol // n * 16
+        _micro_cols(a, r, lo, (N if j == n - 1 else (j + 1) * ncol // n * 16) - lo)
+    else:
+        nblk = M // MR
+        lo = j * nblk // n * MR
+        _micro_rows(a, r, lo, (M if j == n - 1 else (j + 1) * nblk // n * MR) - lo, np.int64(0), nbatch)
 
 
 @njit(**FM)
@@ -186,17 +172,6 @@ def _micro_rows(a, r, lo, m, b0, b1):
                 n0 = min(n, N - nc)
                 transpose(a, ob + n0 * K, wt, 0, nc, K)
                 gemm_micro(a, wt, oa, K, one, zero, nc, oc + n0, N, m, nc, K, zero, zero, zero, zero)
-
-
-@row("oA oB oC nbatch M N K sA sB sC ta tb beta osc oconst obias nparts")
-@njit(**FM_PAR)
-def k_matmul_par(a, ia, r):
-    """k_matmul with the nparts blocks of every product on the thread pool, each a single-threaded GEMM: all
-    parallelism goes through numba's one thread pool (OpenBLAS threads spinning beside it on the same
-    cores cost 30x, measured). Same row as k_matmul."""
-    nparts = r[17]
-    for j in prange(nparts):
-        _matmul_part(a, ia, r, np.int64(j), nparts)   # int64 as k_matmul's: one compile of the part
 
 
 @njit(**FM)

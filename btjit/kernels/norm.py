@@ -2,16 +2,15 @@
 # x is viewed as (P, C, Q): the channel axis C in the middle, every axis before it merged into P and every axis
 # after it into Q ((N, C): Q = 1; (N, C, L): P = N, Q = L; (B, T, C) with the channels last: P = B*T, Q = 1).
 # Also the sums both normalizations take (total, sq_dev: nn.py's LayerNorm uses them too).
-# Statistics run over P and Q, per channel. Q = 1 has its own loops (vectorized along C); outputs overwrite. The
-# _par twins split the channels over the threads; the lowering runs a large batch norm on the _par twin at any
-# thread count, one thread included, so its sums are compiled once (bitwise the same whatever the threads).
+# Statistics run over P and Q, per channel. Q = 1 has its own loops (vectorized along C); outputs overwrite. A
+# split row shares the channels over the threads (each channel's sums as on one thread: the same bits).
 import math
 
 import numpy as np
 
-from numba import njit, prange
+from numba import njit
 
-from btjit.kernels.common import FM, FM_PAR, cvt, row
+from btjit.kernels.common import FM, cvt, part_of, row
 
 
 @njit(inline="always", **FM)
@@ -101,16 +100,8 @@ def k_batchnorm_fwd(a, ia, r):
 
       x, y: (P, C, Q); w, b, mean, var, rstd: (C,) (mean, var for the running statistics, rstd for the backward).
     """
-    bn_fwd(a, r, np.int64(0), r[9])        # not a literal: one compile with the _par twin's
-
-
-@row("ox ow ob oy omean ovar orstd P C Q oeps nparts")
-@njit(**FM_PAR)
-def k_batchnorm_fwd_par(a, ia, r):
-    """k_batchnorm_fwd with the channels split into nparts (1 or more) on the thread pool."""
-    C, nparts = r[9], r[12]
-    for j in prange(nparts):
-        bn_fwd(a, r, j * C // nparts, (j + 1) * C // nparts)
+    j, n = part_of(r)                      # split: the channels in n parts
+    bn_fwd(a, r, j * r[9] // n, (j + 1) * r[9] // n)
 
 
 @njit(**FM)
@@ -183,13 +174,6 @@ def k_batchnorm_bwd(a, ia, r):
 
       x, dy, dx: (P, C, Q); w, mean, rstd, dw, db: (C,).
     """
-    bn_bwd(a, r, np.int64(0), r[10])
+    j, n = part_of(r)
+    bn_bwd(a, r, j * r[10] // n, (j + 1) * r[10] // n)
 
-
-@row("ox ow omean orstd ody odx odw odb P C Q nparts")
-@njit(**FM_PAR)
-def k_batchnorm_bwd_par(a, ia, r):
-    """k_batchnorm_bwd with the channels split into nparts (1 or more) on the thread pool."""
-    C, nparts = r[10], r[12]
-    for j in prange(nparts):
-        bn_bwd(a, r, j * C // nparts, (j + 1) * C // nparts)

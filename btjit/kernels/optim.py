@@ -7,9 +7,9 @@ elementwise passes per param group).
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
-from btjit.kernels.common import FM, FM_PAR, cvt, row
+from btjit.kernels.common import FM, cvt, part_of, row
 
 
 @row("og n omax oscale")
@@ -29,7 +29,6 @@ def k_clip_scale(a, ia, r):
     else:
         sc = mx / (norm + 1e-6)
         a[r[4]] = sc if sc < 1.0 else 1.0
-
 
 
 # ------------------------------------------------------------------- the built-ins' update, one pass each
@@ -81,18 +80,9 @@ def _sgd(a, r, lo, hi):
 @njit(**FM)
 def k_opt_sgd(a, ia, r):
     """torch.optim.SGD over n elements in one pass."""
-    n = r[4]
-    _sgd(a, r, 0, n)
-
-
-@row("op_ og ob n olr oscale owd omom o1damp ot flags nparts")
-@njit(**FM_PAR)
-def k_opt_sgd_par(a, ia, r):
-    """k_opt_sgd in nparts runs on the threads (each element computed as on one thread)."""
-    n, nparts = r[4], r[12]
-    for j in prange(nparts):
-        lo, hi = _parts(n, nparts, j)
-        _sgd(a, r, lo, hi)
+    j, k = part_of(r)                      # split: in k runs of whole 16-element blocks
+    lo, hi = _parts(r[4], k, j)
+    _sgd(a, r, lo, hi)
 
 
 @njit(inline="always", **FM)
@@ -123,18 +113,9 @@ def _adam(a, r, lo, hi):
 @njit(**FM)
 def k_opt_adam(a, ia, r):
     """torch.optim.Adam / AdamW over n elements in one pass."""
-    n = r[5]
-    _adam(a, r, 0, n)
-
-
-@row("op_ og om ov n olr oscale owd ob1 o1b1 ob2 o1b2 oeps ot flags nparts")
-@njit(**FM_PAR)
-def k_opt_adam_par(a, ia, r):
-    """k_opt_adam in nparts runs on the threads (each element computed as on one thread)."""
-    n, nparts = r[5], r[16]
-    for j in prange(nparts):
-        lo, hi = _parts(n, nparts, j)
-        _adam(a, r, lo, hi)
+    j, k = part_of(r)                      # split: in k runs of whole 16-element blocks
+    lo, hi = _parts(r[5], k, j)
+    _adam(a, r, lo, hi)
 
 
 @njit(inline="always", **FM)
@@ -148,7 +129,7 @@ def _adadelta(a, r, lo, hi):
     p, g, sq, acc = a[op_ + lo:op_ + hi], a[og + lo:og + hi], a[osq + lo:osq + hi], a[oacc + lo:oacc + hi]
     for i in range(hi - lo):    # rho*s + (1-rho)*x as s + (1-rho)*(x - s): with two products, which one a
         gi = g[i] * sc + wd * p[i] if flags & WD else g[i] * sc     # multiply-add takes may differ between
-        si = sq[i] + c * (gi * gi - sq[i])                          # compiles (k_opt_adadelta_par's did)
+        si = sq[i] + c * (gi * gi - sq[i])                          # compiles
         di = math.sqrt((acc[i] + eps) / (si + eps)) * gi
         sq[i] = si
         acc[i] = acc[i] + c * (di * di - acc[i])
@@ -159,15 +140,7 @@ def _adadelta(a, r, lo, hi):
 @njit(**FM)
 def k_opt_adadelta(a, ia, r):
     """torch.optim.Adadelta over n elements in one pass."""
-    n = r[5]
-    _adadelta(a, r, 0, n)
+    j, k = part_of(r)                      # split: in k runs of whole 16-element blocks
+    lo, hi = _parts(r[5], k, j)
+    _adadelta(a, r, lo, hi)
 
-
-@row("op_ og osq oacc n olr oscale owd o1rho oeps flags nparts")
-@njit(**FM_PAR)
-def k_opt_adadelta_par(a, ia, r):
-    """k_opt_adadelta in nparts runs on the threads (each element computed as on one thread)."""
-    n, nparts = r[5], r[12]
-    for j in prange(nparts):
-        lo, hi = _parts(n, nparts, j)
-        _adadelta(a, r, lo, hi)

@@ -3,7 +3,8 @@
  * Compiled together with the export's generated program.c (its kernel table and metadata, btjit_program.h)
  * and the kernels' object code (numba's cached machine code, unchanged). It holds:
  *   - btjit_run: the executor -- rows [start, stop) of a kernel tape, each an indirect call of
- *     btjit_table[row[0]](a, na, ia, nia, row); a nonzero return (a failed index check) stops the tape;
+ *     btjit_table[row[0]](a, na, ia, nia, row) (a row split for the threads: once per part j, with
+ *     row[cols - 2] = j); a nonzero return (a failed index check) stops the tape;
  *   - btjit_open / btjit_step / ...: a C host's way in (files of the export dir, checked);
  *   - numba_attempt_nocopy_reshape (from numba's _helperlib.c, BSD-2-Clause), which kernels call, and
  *     kernel_failed(), which the generated stand-ins of the Python C API and numba helpers call.
@@ -27,8 +28,15 @@ int btjit_run(void *a, int64_t na, int32_t *ia, int64_t nia, int64_t *tape, int6
 {
     for (int64_t i = start; i < stop; i++) {
         int64_t *row = tape + i * cols;
-        if (btjit_table[row[0]](a, na, ia, nia, row) != 0)
-            return 1;
+        int64_t parts = row[cols - 1] > 1 ? row[cols - 1] : 1;   /* a row split for the threads: its parts in turn */
+        int64_t part[cols];
+        if (parts > 1)
+            memcpy(part, row, sizeof part);
+        for (int64_t j = 0; j < parts; j++) {
+            part[cols - 2] = j;
+            if (btjit_table[row[0]](a, na, ia, nia, parts > 1 ? part : row) != 0)
+                return 1;
+        }
         if (kernel_error) {
             kernel_error = 0;
             return 2;

@@ -8,7 +8,7 @@ import numpy as np
 
 from btjit.graph import state, trace as T
 
-from btjit.graph.optable import PAR_EW_ELEMENTS, Case, F, ShapeError, _float, op, par_parts, par_row
+from btjit.graph.optable import Case, F, ShapeError, _float, op, par_parts, par_row
 
 
 def _pcq(shape, axis):
@@ -59,8 +59,7 @@ def _lower_bn(e, L):
     x, w, b = e.ins
     P, C, Q = _pcq(x.shape, e.attrs["axis"])
     y, mean, var, rstd = (L.off(v) for v in e.outs)
-    big = x.size >= PAR_EW_ELEMENTS     # the _par entry at any thread count: its per-channel sums the same bits
-    return par_row(L, "k_batchnorm_fwd", par_parts(L, x.size, C), big, ox=L.off(x), ow=L.off(w), ob=L.off(b), oy=y,
+    return par_row(L, "k_batchnorm_fwd", par_parts(L, x.size, C), ox=L.off(x), ow=L.off(w), ob=L.off(b), oy=y,
                    omean=mean, ovar=var, orstd=rstd, P=P, C=C, Q=Q, oeps=L.const(e.attrs["eps"]))
 
 
@@ -68,7 +67,7 @@ def _lower_bn_grad(e, L):
     x, w, mean, rstd, dy = e.ins
     P, C, Q = _pcq(x.shape, e.attrs["axis"])
     dx, dw, db = (L.off(v) for v in e.outs)
-    return par_row(L, "k_batchnorm_bwd", par_parts(L, x.size, C), x.size >= PAR_EW_ELEMENTS, ox=L.off(x),
+    return par_row(L, "k_batchnorm_bwd", par_parts(L, x.size, C), ox=L.off(x),
                    ow=L.off(w), omean=L.off(mean), orstd=L.off(rstd), ody=L.off(dy), odx=dx, odw=dw, odb=db, P=P,
                    C=C, Q=Q)
 

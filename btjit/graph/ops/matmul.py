@@ -92,7 +92,7 @@ def batch_split(nbatch, threads) -> bool:
 
 
 def par_gemm(macs, threads) -> bool:
-    """Whether a product of `macs` multiply-adds in all runs split over the thread pool (k_matmul_par)."""
+    """Whether a product of `macs` multiply-adds in all runs split over the thread pool (a split row)."""
     return min(threads, MAX_THREADS) > 1 and macs >= PAR_GEMM_MACS
 
 
@@ -122,14 +122,15 @@ def _lower_matmul(e, L, beta=0, bias=0, osum=0, res=None, relu=False):
             margs = dict(args, obias=bias, relu=int(relu), ores=L.off(res) + oc - L.off(C) if res is not None else 0,
                          **({} if bf else {"osum": osum, "kc": kc_rows(m, N, K, tb)}))
             if par and batch_split(nb, threads):                              # each thread whole products
-                return L.row(kernel + "_par", **margs, nparts=threads, bsplit=1)
+                return L.row(kernel, **margs, by=2, split=threads)
             if par and not bf and not ta and not tb and K * N >= COL_SPLIT_B and N >= 16 * threads:
-                return L.row(kernel + "_par", **margs, nparts=-threads, bsplit=0)   # each thread its columns
+                return L.row(kernel, **margs, by=1, split=threads)            # each thread its columns
             if par and m >= 2 * linalg.MR:
-                return L.row(kernel + "_par", **margs, nparts=min(threads, m // linalg.MR), bsplit=0)
-            return L.row(kernel, **margs)
-        kernel, parts = ("k_matmul_par", threads) if par else ("k_matmul", split_gemm(nb, m, N, K))
-        return L.row(kernel, **args, beta=beta, osc=L.scratch, oconst=L.one_zero, obias=bias, nparts=parts)
+                return L.row(kernel, **margs, by=0, split=min(threads, m // linalg.MR))
+            return L.row(kernel, **margs, by=0)
+        parts = threads if par else split_gemm(nb, m, N, K)     # with threads, one GEMM per part on the pool
+        return L.row("k_matmul", **args, beta=beta, osc=L.scratch, oconst=L.one_zero, obias=bias, nparts=parts,
+                     split=threads if par else 1)
     if len(B.shape) == 2 and not ta:      # fold A's batch dims into M: one GEMM
         rows = [row(L.off(A), L.off(B), L.off(C), 1, nb_total * M, 0, 0, 0)]
         if not micro(nb_total * M):

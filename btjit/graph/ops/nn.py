@@ -272,14 +272,13 @@ def _attn_lower(e, L):
     impl = _attn_kind(qkv.shape, nh, p)
     if impl == "kept":
         nb = attn_kept.blocks(B, L.threads)
-        par = dict(nb=nb) if nb > 1 else {}
         drop = dict(okey=L.off(e.ins[-1]), site=e.attrs["site"], odrop=L.const(p), oinv=L.const(1.0 / (1.0 - p))) \
             if p else dict(okey=0, site=0, odrop=0, oinv=0)
         if grad:
-            return [L.row("k_attn_bwd_kept" + "_par" * (nb > 1), oqkv=L.off(qkv), oP=L.off(P), ody=L.off(gy),
-                          odqkv=L.off(dqkv), oS=L.off(S), **dims, **drop, **par)]
-        return [L.row("k_attn_fwd_kept" + "_par" * (nb > 1), oqkv=L.off(qkv), oy=L.off(y), oP=L.off(P), oW=L.off(W),
-                      **dims, **drop, **par)]
+            return [L.row("k_attn_bwd_kept", oqkv=L.off(qkv), oP=L.off(P), ody=L.off(gy), odqkv=L.off(dqkv),
+                          oS=L.off(S), **dims, **drop, split=nb)]
+        return [L.row("k_attn_fwd_kept", oqkv=L.off(qkv), oy=L.off(y), oP=L.off(P), oW=L.off(W), **dims, **drop,
+                      split=nb)]
     if impl == "flash":
         if grad:
             return [L.row("k_attn_bwd_flash", oqkv=L.off(qkv), oL=L.off(P), oW=L.off(W), ody=L.off(gy),
@@ -304,8 +303,8 @@ def _attn_lower(e, L):
         return [L.row("k_attn_bl_move", osrc=L.off(gy), odst=oS, B=B, n=T_ * C, nb=nb, out=0),
                 L.row("k_attn_bwd_lanes", shape=(T_, hs), oW=L.off(W), oP=L.off(P), oS=oS, oD=oD, **dims, nb=nb),
                 L.row("k_attn_bl_move", osrc=oD, odst=L.off(dqkv), B=B, n=3 * T_ * C, nb=nb, out=1)]
-    par = "_par" if L.threads > 1 else ""        # else the loops, their blocks on the thread pool
-    return [L.row(f"k_attn_{kind}_bl{par}", **offs, **dims, nb=attn_blocks(B, L.threads))]
+    nb = attn_blocks(B, L.threads)              # with threads: one block per part on the thread pool
+    return [L.row(f"k_attn_{kind}_bl", **offs, **dims, nb=nb, split=nb if L.threads > 1 else 1)]
 
 
 op("causal_attention", infer=_attn_rule, ref=_attn_ref, lower=_attn_lower,
@@ -352,10 +351,8 @@ def _lower_ew(e, L):
         args = dict(oprog=L.off(e.ins[0]), okey=L.off(keys[0]) if keys else 0, ebase=len(rows) * size,
                     esize=int(np.prod(shape)), **{f"o{k}": offs[k] if k < len(offs) else 0 for k in range(MAX_OPERANDS)})
         threads = min(L.threads, MAX_THREADS)
-        if threads > 1 and size >= PAR_EW_ELEMENTS:     # split into runs of blocks: bitwise equal to one thread
-            rows.append(L.row("k_ew_program_par", **args, nparts=threads))
-        else:
-            rows.append(L.row("k_ew_program", **args))
+        split = threads if size >= PAR_EW_ELEMENTS else 1   # runs of blocks: bitwise equal to one thread
+        rows.append(L.row("k_ew_program", **args, split=split))
     return rows
 
 

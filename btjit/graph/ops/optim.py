@@ -3,7 +3,7 @@ group's flat slice, emitted by btjit/optim/build.py in place of the traced equat
 (the same arithmetic: those equations are its reference). Inputs: the param, the gradient, the state (in
 the optimizer's state order), then the scalars SCALARS[kind] names; outputs: the new param and state, always
 computed in place (optim/build.py pins them to their regions). Lowered to k_opt_sgd / k_opt_adam / k_opt_adadelta
-(btjit/kernels/optim.py; the _par twins split the slice over the threads from PAR_EW_ELEMENTS elements)."""
+(btjit/kernels/optim.py; a row split over the threads from PAR_EW_ELEMENTS elements)."""
 from __future__ import annotations
 
 import numpy as np
