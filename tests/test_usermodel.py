@@ -133,7 +133,7 @@ def test_own_keys_cfg_arguments_and_a_text_model(tmp_path):
     ("notrace.py", EXAMPLE.replace("    lg = logits(p, x)\n", "    lg = logits(p, x) @ p['wx']\n"),
      ["notrace.py: tracing loss(p, x, y): matmul: shapes (8, 8, 12)", "notrace.py:27"]),
     ("raises.py", EXAMPLE.replace("    lg = logits(p, x)\n", "    lg = logits(p, x) + p['nope']\n"),
-     ["raises.py:27: tracing loss(p, x, y) raised KeyError: 'nope'"]),
+     ["raises.py:27: tracing loss(p, x, y) raised UnknownName: p['nope']: no such param or buffer"]),
     ("init.py", EXAMPLE.replace("cfg.hidden\n", "cfg.hiden\n"),
      ["init.py:9: init_params(cfg, rng) raised AttributeError: cfg has no key 'hiden'", "hidden, vocab_size"]),
     ("ints.py", EXAMPLE.replace('"b": np.zeros(H, np.float32)', '"b": np.zeros(H, np.int64)'),

@@ -19,7 +19,8 @@ from btjit.graph.lower import Lowering, assign_rows, lower_eqns
 from btjit.graph.memory import Shared, pin, plan as make_plan, storage_roots
 from btjit.graph.ops import TABLE
 from btjit.core import executor as X
-from btjit.core.arena import Named, Views, aligned_rows as _aligned_rows, arena as _arena
+from btjit.core.arena import Views, aligned_rows as _aligned_rows, arena as _arena
+from btjit.export.runner import Named
 from btjit.core.bounds import index_bounds as _index_bounds
 from btjit.host import threads as _threads
 from btjit.kernels import amx, bf16

@@ -8,7 +8,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from btjit.core.arena import Named
+
+
+class Named(dict):
+    """A dict whose missing key is a KeyError naming it and the known keys: `where` is how the user wrote the dict
+    (prog.grads, p), `noun` what its entries are (param, buffer, state)."""
+
+    def __init__(self, entries, noun, where=None):
+        super().__init__(entries)
+        self._noun, self._where = noun, where or f"prog.{noun}s"
+
+    def __missing__(self, name):
+        known = ", ".join(map(str, self)) or "none"
+        raise UnknownName(f"{self._where}[{name!r}]: no such {self._noun} (known: {known})")
+
+
+class UnknownName(KeyError):
+    """A missing key of a Named dict (a KeyError whose str is its message, not the message's repr)."""
+    __str__ = Exception.__str__
 
 
 def allowed(hi, ok) -> str:
