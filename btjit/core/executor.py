@@ -46,15 +46,19 @@ def run_parts(a, ia, tape, table, i):
     """Row i in its n = tape[i, SPLIT] parts on the thread pool: the entry called once per part j on a copy of the
     row with PART = j. The one parallel loop of every threaded kernel: a kernel computes part j of n as one thread
     computes those elements (btjit.kernels.common.part_of), so a split row gives one thread's bits."""
-    n = tape[i, SPLIT]
-    rows = np.empty((n, tape.shape[1]), np.int64)
+    n, w = tape[i, SPLIT], tape.shape[1]
+    rows = np.empty((n, w), np.int64)       # element loops, np.empty: numba makes array expressions, np.zeros and
+    fail = np.empty(n, np.int32)            # reductions parallel regions of their own (~5 us a launch)
     for j in range(n):
-        rows[j, :] = tape[i, :]
+        for k in range(w):
+            rows[j, k] = tape[i, k]
         rows[j, PART] = j
-    fail = np.zeros(n, np.int32)
     for j in prange(n):
         fail[j] = _ccall(table[rows[j, 0]], a, ia, rows, j)
-    return fail.max()
+    bad = np.int32(0)
+    for j in range(n):
+        bad = fail[j] if fail[j] != 0 else bad
+    return bad
 
 
 PAR_AVERAGE = 65536     # grads from which the replicas' average is split over the threads (a launch ~2-4 us)
