@@ -3,9 +3,9 @@
 from btjit import optim
 from btjit.host import threads
 from btjit.graph.functional import (binary_cross_entropy, binary_cross_entropy_with_logits, cross_entropy, elu,
-                                    embedding, gelu, group_norm, hardtanh, instance_norm, l1_loss, layer_norm, leaky_relu,
-                                    log_softmax, logsumexp, mse_loss, nll_loss, one_hot, relu6, silu, smooth_l1_loss,
-                                    softmax, softplus)
+                                    embedding, gelu, group_norm, hardtanh, instance_norm, l1_loss, layer_norm,
+                                    leaky_relu, log_softmax, logsumexp, mse_loss, nll_loss, one_hot, relu6, silu,
+                                    smooth_l1_loss, softmax, softplus)
 from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, concatenate, copy, equal, erf, exp, log, log1p,
                                matmul, max, maximum, mean, minimum, relu, reshape, sigmoid, sin, cos, split, sqrt,
                                stop_gradient, sum, swapaxes, tanh, transpose, where)

@@ -17,7 +17,8 @@ The export dir holds:
 
 A tape whose kernels call BLAS (the large-matrix GEMM) links the OpenBLAS the install already has (scipy's),
 found here and recorded in the manifest. An export is one thread, like BurTorch's: a row split into parts for
-the threads runs them one after another (the same results), and programs with data-parallel replicas are refused. Building needs a C compiler (`cc`, or $CC).
+the threads runs them one after another (the same results), and programs with data-parallel replicas are refused.
+Building needs a C compiler (`cc`, or $CC).
 """
 from __future__ import annotations
 

@@ -181,7 +181,7 @@ def softplus(x, beta=1.0, threshold=20.0):
     """torch.nn.functional.softplus: log(1 + exp(beta x)) / beta, and x itself where beta x > threshold."""
     x = lift(x)
     z = x if beta == 1.0 else x * float(beta)
-    sp = log1p(exp(minimum(z, float(threshold), ties="first")))         # exp never overflows; log1p keeps tiny values exact
+    sp = log1p(exp(minimum(z, float(threshold), ties="first")))   # exp never overflows; log1p: tiny values exact
     return where(z > float(threshold), x, sp if beta == 1.0 else sp * (1.0 / beta))
 
 
