@@ -149,3 +149,19 @@ def test_large_binary_rows_split_over_threads_bitwise():
         out.append((prog.value_and_grad(), {k: prog.grads[k].copy() for k in p}, split_kernels(prog)))
     assert out[0][0] == out[1][0] and all(np.array_equal(out[0][1][k], out[1][1][k]) for k in p)
     assert "k_binary_rows" in out[1][2] and not out[0][2]
+
+
+@pytest.mark.parametrize("dtype,M,K,N", [("float64", 64, 333, 13), ("float32", 4, 512, 200), ("float64", 4, 512, 200)])
+def test_blas_products_between_the_split_sizes_give_one_threads_bits(dtype, M, K, N):
+    """200K-1M multiply-adds: a BLAS product (float64, or float32 on fewer than 8 rows) is cut into the same blocks on
+    one thread as on two (the shape decides them, not the threads), so its gradient has one thread's bits."""
+    rng = np.random.default_rng(0)
+    p = {"W": rng.normal(0, 0.05, (K, N)).astype(dtype)}
+    x = rng.normal(size=(M, K)).astype(dtype)
+    out = []
+    for threads in (1, 2):
+        prog = btjit.trace(lambda q, x: btjit.sum(btjit.tanh(x @ q["W"])), p, x, grad=True, dtype=dtype,
+                           threads=threads, replicas=1)
+        out.append((prog.value_and_grad(x), prog.grads["W"].copy(), split_kernels(prog)))
+    assert out[1][2].get("k_matmul") == 2 and not out[0][2]
+    assert out[0][0] == out[1][0] and np.array_equal(out[0][1], out[1][1])

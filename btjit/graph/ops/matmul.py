@@ -128,9 +128,11 @@ def _lower_matmul(e, L, beta=0, bias=0, osum=0, res=None, relu=False):
             if par and m >= 2 * linalg.MR:
                 return L.row(kernel, **margs, by=0, split=min(threads, m // linalg.MR))
             return L.row(kernel, **margs, by=0)
-        parts = threads if par else split_gemm(nb, m, N, K)     # with threads, one GEMM per part on the pool
+        # its blocks: decided by the shape, never by the threads (BLAS sums blocks of other shapes in another order:
+        # a thread count must not change the bits); with threads, one block per part on the pool
+        parts = max(split_gemm(nb, m, N, K), 2 if M * N * K * nb_total >= PAR_GEMM_MACS else 1)
         return L.row("k_matmul", **args, beta=beta, osc=L.scratch, oconst=L.one_zero, obias=bias, nparts=parts,
-                     split=threads if par else 1)
+                     split=min(threads, parts) if par else 1)
     if len(B.shape) == 2 and not ta:      # fold A's batch dims into M: one GEMM
         rows = [row(L.off(A), L.off(B), L.off(C), 1, nb_total * M, 0, 0, 0)]
         if not micro(nb_total * M):
