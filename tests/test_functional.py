@@ -504,3 +504,8 @@ def test_gradients_at_kinks_and_ties_are_torchs(name):
     want, want_g = _torch(th, KINKS, "float64", np.ones(10))
     np.testing.assert_allclose(got, want, rtol=1e-14, atol=1e-15)
     np.testing.assert_allclose(got_g, want_g, rtol=1e-7, atol=1e-15)    # torch's hard* kernels round 1/6 to float32
+
+
+def test_maximum_names_a_bad_ties_rule():
+    with pytest.raises(btjit.TraceError, match="ties must be 'split', 'first' or 'second', got 'left'"):
+        btjit.trace(lambda p: btjit.sum(btjit.maximum(p["x"], 0.0, ties="left")), {"x": np.zeros(3)})
