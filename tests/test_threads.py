@@ -165,3 +165,21 @@ def test_blas_products_between_the_split_sizes_give_one_threads_bits(dtype, M, K
         out.append((prog.value_and_grad(x), prog.grads["W"].copy(), split_kernels(prog)))
     assert out[1][2].get("k_matmul") == 2 and not out[0][2]
     assert out[0][0] == out[1][0] and np.array_equal(out[0][1], out[1][1])
+
+
+def test_folded_embeddings_split_their_columns_bitwise():
+    """makemore's embedding -> concat -> matmul, folded into take_sum (forward and gradient): with >= 64K
+    multiply-adds its columns are split over the threads, one thread's bits."""
+    from btjit.models import mlp
+    cfg = mlp.MLPConfig(vocab_size=27, context=16, n_emb=64, n_hidden=1000)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 27, (48, 16)).astype(np.int32)
+    y = rng.integers(0, 27, 48).astype(np.int32)
+    out = []
+    for threads in (1, 2):
+        prog = btjit.trace(mlp.loss_fn(cfg), mlp.init_params(cfg, 0), x, y, optimizer=btjit.optim.SGD(lr=0.1),
+                           threads=threads, replicas=1)
+        losses = [prog.step(x, y) for _ in range(3)]
+        out.append((losses, {k: v.copy() for k, v in prog.params.items()}, split_kernels(prog)))
+    assert {"k_take_sum", "k_take_sum_grad"} <= set(out[1][2]) and not out[0][2]
+    assert out[0][0] == out[1][0] and all(np.array_equal(out[0][1][k], out[1][1][k]) for k in out[0][1])

@@ -6,7 +6,7 @@ import math
 import numpy as np
 from numba import njit
 
-from btjit.kernels.common import FM, cvt, fexp, fexp_in_range, row
+from btjit.kernels.common import FM, cvt, fexp, fexp_in_range, part_of, row
 from btjit.kernels.norm import sq_dev, total
 
 
@@ -258,20 +258,30 @@ def k_take_sum(a, ia, r):
     """out[b, :] = sum_p table[p, idx[b, p], :]: a gather from P stacked tables summed over p (the folded
     embedding -> concat -> matmul of graph/fuse.py).
 
-    table: (P, V, N); idx: int32 (B, P); out: (B, N)
+    table: (P, V, N); idx: int32 (B, P); out: (B, N). A split row's part: its block of columns.
     """
     ot = r[1]; oidx = r[2]; oout = r[3]; B = r[4]; P = r[5]; V = r[6]; N = r[7]
+    c0, c1 = _columns(r, N)
     for b in range(B):
-        dst = a[oout + b * N:oout + b * N + N]
+        dst = a[oout + b * N + c0:oout + b * N + c1]
         j = ia[oidx + b * P]
-        src = a[ot + j * N:ot + j * N + N]
-        for c in range(N):
+        src = a[ot + j * N + c0:ot + j * N + c1]
+        for c in range(c1 - c0):
             dst[c] = src[c]
         for p in range(1, P):
             j = ia[oidx + b * P + p]
-            src = a[ot + (p * V + j) * N:ot + (p * V + j) * N + N]
-            for c in range(N):
+            src = a[ot + (p * V + j) * N + c0:ot + (p * V + j) * N + c1]
+            for c in range(c1 - c0):
                 dst[c] += src[c]
+
+
+@njit(**FM)
+def _columns(r, N):
+    """The columns (blocks of 16) of the N a split row's part computes: every column's sums in the same order as
+    on one thread."""
+    j, n = part_of(r)
+    nc = (N + 15) // 16
+    return min(N, j * nc // n * 16), min(N, (j + 1) * nc // n * 16)
 
 
 @row("og oidx odt B P V N")
@@ -279,17 +289,19 @@ def k_take_sum(a, ia, r):
 def k_take_sum_grad(a, ia, r):
     """dtable = 0; dtable[p, idx[b, p], :] += g[b, :]  (the backward of k_take_sum).
 
-    g: (B, N); idx: int32 (B, P); dtable: (P, V, N)
+    g: (B, N); idx: int32 (B, P); dtable: (P, V, N). A split row's part: its block of columns.
     """
     og = r[1]; oidx = r[2]; odt = r[3]; B = r[4]; P = r[5]; V = r[6]; N = r[7]
     zero = cvt(a, 0.0)
-    dt = a[odt:odt + P * V * N]
-    for k in range(P * V * N):
-        dt[k] = zero
+    c0, c1 = _columns(r, N)
+    for k in range(P * V):
+        dt = a[odt + k * N + c0:odt + k * N + c1]
+        for c in range(c1 - c0):
+            dt[c] = zero
     for b in range(B):
-        src = a[og + b * N:og + b * N + N]
+        src = a[og + b * N + c0:og + b * N + c1]
         for p in range(P):
             j = ia[oidx + b * P + p]
-            dst = a[odt + (p * V + j) * N:odt + (p * V + j) * N + N]
-            for c in range(N):
+            dst = a[odt + (p * V + j) * N + c0:odt + (p * V + j) * N + c1]
+            for c in range(c1 - c0):
                 dst[c] += src[c]

@@ -258,8 +258,9 @@ def _take_sum_lower(kernel):
         B, P = e.ins[1].shape
         P_, V, N = (e.ins[0] if kernel == "k_take_sum" else e.outs[0]).shape
         table, out = ("ot", "oout") if kernel == "k_take_sum" else ("og", "odt")
-        return L.index_check(e, e.ins[1], V) + [L.row(kernel, **{table: L.off(e.ins[0]), out: L.off(e.outs[0])}, oidx=L.off(e.ins[1]), B=B, P=P,
-                      V=V, N=N)]
+        return L.index_check(e, e.ins[1], V) + par_row(       # split: blocks of 16 columns on the threads
+            L, kernel, par_parts(L, B * P * N, (N + 15) // 16), **{table: L.off(e.ins[0]), out: L.off(e.outs[0])},
+            oidx=L.off(e.ins[1]), B=B, P=P, V=V, N=N)
     return lower
 
 
