@@ -21,7 +21,8 @@ __all__ += ["conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "max_poo
             "avg_pool2d", "adaptive_avg_pool2d", "interpolate", "flatten", "pad", "pixel_shuffle",
             "adaptive_max_pool2d", "adaptive_avg_pool1d", "adaptive_max_pool1d"]
 __all__ += ["sin", "cos", "hardtanh", "hardsigmoid", "hardswish", "logsigmoid", "mish", "selu", "celu", "softsign",
-            "prelu", "glu", "normalize", "cosine_similarity", "kl_div", "huber_loss"]
+            "prelu", "glu", "normalize", "cosine_similarity", "kl_div", "huber_loss", "rsqrt", "cat",
+            "repeat_interleave", "unbind"]
 
 
 def __getattr__(name):

@@ -16,8 +16,9 @@ from btjit.graph.rng import (causal_attention, dropout, dropout2d, rand_like, ra
 from btjit.graph.conv_fns import (adaptive_avg_pool1d, adaptive_avg_pool2d, adaptive_max_pool1d, adaptive_max_pool2d,
                                   avg_pool1d, avg_pool2d, conv1d, conv2d, conv_transpose1d, conv_transpose2d, flatten,
                                   interpolate, max_pool1d, max_pool2d, pad, pixel_shuffle)
-from btjit.graph.torch_fns import (celu, cosine_similarity, glu, hardsigmoid, hardswish, huber_loss, kl_div,
-                                   logsigmoid, mish, normalize, prelu, selu, softsign)
+from btjit.graph.torch_fns import (cat, celu, cosine_similarity, glu, hardsigmoid, hardswish, huber_loss, kl_div,
+                                   logsigmoid, mish, normalize, prelu, repeat_interleave, rsqrt, selu, softsign,
+                                   unbind)
 from btjit.core.program import Program, trace
 from btjit.scalar.front import trace_scalar
 from btjit.host.threads import replicas_for, set_num_threads

@@ -19,6 +19,13 @@ def _np_x(shape=X, seed=0, scale=1.5):
     return np.random.default_rng(seed).normal(size=shape) * scale
 
 
+def _set_col(h):
+    """h[:, 0] = a column (an int index drops the axis: the value broadcasts to h[:, 0]'s shape), h[..., -1] too."""
+    h[:, 0] = h[:, 1] * 3.0
+    h[..., -1] = h[..., 2] - h[:, 0]
+    return h
+
+
 # id -> (btjit fn of x, torch fn of x, x shape, x scale)
 CASES = {
     "gelu": (lambda x: btjit.gelu(x), lambda x: F.gelu(x), X, 2.0),
@@ -56,6 +63,25 @@ CASES = {
     "selu": (btjit.selu, F.selu, X, 2.0),
     "celu": (lambda x: btjit.celu(x, 0.5), lambda x: F.celu(x, 0.5), X, 2.0),
     "softsign": (btjit.softsign, F.softsign, X, 2.0),
+    "rsqrt": (lambda x: btjit.rsqrt(x * x + 0.5) + (x * x + 0.2).rsqrt(), lambda x: torch.rsqrt(x * x + 0.5) +
+              (x * x + 0.2).rsqrt(), X, 1.0),
+    "repeat_interleave": (lambda x: x.repeat_interleave(2, dim=1) * btjit.repeat_interleave(x, 2, 1),
+                          lambda x: x.repeat_interleave(2, dim=1) * torch.repeat_interleave(x, 2, 1), X, 1.0),
+    "unbind": (lambda x: x.unbind(1)[2] * btjit.unbind(x, -1)[0] + x.unbind(0)[1].sum(),
+               lambda x: x.unbind(1)[2] * torch.unbind(x, -1)[0] + x.unbind(0)[1].sum(), X, 1.0),
+    "torch_methods": (lambda x: x.neg().add(x.exp(), alpha=2.0).sub(x.exp().reciprocal()).mul(x).div(3.0)
+                      + x.log1p().where(x > 0, x * 0.5) + x.maximum(x * 0.3) * x.dim(),
+                      lambda x: x.neg().add(x.exp(), alpha=2.0).sub(x.exp().reciprocal()).mul(x).div(3.0)
+                      + x.clamp_min(0.0).log1p().where(x > 0, x * 0.5) + x.maximum(x * 0.3) * x.dim(), X, 1.0),
+    "x.logsumexp": (lambda x: x.logsumexp(-1) + x.logsumexp(0, keepdim=True).sum(),
+                    lambda x: x.logsumexp(-1) + x.logsumexp(0, keepdim=True).sum(), X, 2.0),
+    "dim_keywords": (lambda x: btjit.softmax(x, dim=0) + btjit.log_softmax(x, dim=1) +
+                     btjit.cat([x, x * 2], dim=1)[:, 3:9] + btjit.stack([x, x * x], dim=1).sum(1),
+                     lambda x: F.softmax(x, dim=0) + F.log_softmax(x, dim=1) + torch.cat([x, x * 2], dim=1)[:, 3:9]
+                     + torch.stack([x, x * x], dim=1).sum(1), X, 1.5),
+    "transpose_2d": (lambda x: x.transpose(0, 1) @ x + x.transpose(-2, -1).sum(),
+                     lambda x: x.transpose(0, 1) @ x + x.transpose(-2, -1).sum(), X, 1.0),
+    "setitem_int": (lambda x: _set_col(x * 2), lambda x: _set_col(x * 2), X, 1.0),
     "prelu": (lambda x: btjit.prelu(x, np.linspace(-0.3, 0.5, 6)),
               lambda x: F.prelu(x, torch.linspace(-0.3, 0.5, 6, dtype=x.dtype)), X, 1.5),
     "prelu_one": (lambda x: btjit.prelu(x, np.array([0.25])), lambda x: F.prelu(x, torch.tensor([0.25], dtype=x.dtype)),
@@ -492,6 +518,7 @@ TIES = {
                    lambda x: F.binary_cross_entropy_with_logits(x, torch.full((10,), 0.3, dtype=x.dtype),
                                                                 reduction="none")),
     "abs": (np.abs, torch.abs),
+    "pow0": (lambda x: x ** 0.0 * 2.0 + x, lambda x: x ** 0.0 * 2.0 + x),
 }
 
 
@@ -509,3 +536,11 @@ def test_gradients_at_kinks_and_ties_are_torchs(name):
 def test_maximum_names_a_bad_ties_rule():
     with pytest.raises(btjit.TraceError, match="ties must be 'split', 'first' or 'second', got 'left'"):
         btjit.trace(lambda p: btjit.sum(btjit.maximum(p["x"], 0.0, ties="left")), {"x": np.zeros(3)})
+
+
+def test_torchs_repeat_and_a_missing_method_are_named():
+    with pytest.raises(btjit.TraceError, match=r"repeat: axis 3 out of range for a 2-d value .*np.tile"):
+        btjit.trace(lambda p: btjit.sum(p["x"].repeat(1, 3)), {"x": np.zeros((2, 2))})
+    with pytest.raises(AttributeError, match=r"no attribute 'topk': not one of the numpy or torch methods .*"
+                                             r"test_functional.py:\d+"):
+        btjit.trace(lambda p: btjit.sum(p["x"].topk(1)), {"x": np.zeros((2, 2))})

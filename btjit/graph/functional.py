@@ -16,14 +16,14 @@ from btjit.graph.trace import (TraceError, Tracer, _norm_axes, abs, arange, curr
 from btjit.graph.indexing import take
 
 
-def softmax(x, axis=-1):
+def softmax(x, axis=-1, *, dim=None):
     """Softmax over `axis` (torch's dim); the fused op runs on the last axis, another axis is swapped there
     and back."""
-    return _on_axis("softmax", lift(x), axis)
+    return _on_axis("softmax", lift(x), axis if dim is None else dim)
 
 
-def log_softmax(x, axis=-1):
-    return _on_axis("log_softmax", lift(x), axis)
+def log_softmax(x, axis=-1, *, dim=None):
+    return _on_axis("log_softmax", lift(x), axis if dim is None else dim)
 
 
 def _on_axis(op, x, axis):

@@ -124,8 +124,12 @@ def setitem(x, idx, value):
     x = lift(x)
     if isinstance(idx, Tracer) or isinstance(idx, (np.ndarray, list)):
         raise TraceError(f"setitem: only ints and slices can index an assignment — {user_src()}")
-    starts, stops, steps, _ = _region(x, idx)
-    return emit("slice_set", (x, lift(value, x)), starts=tuple(starts), stops=tuple(stops), steps=tuple(steps))
+    starts, stops, steps, shape = _region(x, idx)
+    value = lift(value, x)
+    region = tuple(len(range(*s)) for s in zip(starts, stops, steps))
+    if value.ndim and tuple(shape) != region:      # x[:, 0] = v: v broadcasts to x[:, 0]'s shape, as numpy's
+        value = reshape(broadcast_to(value, shape), region)
+    return emit("slice_set", (x, value), starts=tuple(starts), stops=tuple(stops), steps=tuple(steps))
 
 
 def _region(x, idx):

@@ -50,8 +50,9 @@ def std(x, axis=None, ddof=0, keepdims=False, **torch_kw):
     return sqrt(var(x, axis, ddof, keepdims, **torch_kw))
 
 
-def stack(xs, axis=0):
+def stack(xs, axis=0, *, dim=None):
     """numpy/torch stack: the inputs (one shape) along a new axis."""
+    axis = axis if dim is None else dim
     xs = [lift(x) for x in xs]
     if not xs:
         raise TraceError(f"stack: no inputs — {user_src()}")
@@ -184,6 +185,9 @@ def repeat(x, repeats, axis=None):
     x = lift(x)
     if axis is None:
         x, axis = reshape(x, (x.size,)), 0
+    if not -x.ndim <= axis < x.ndim:
+        raise TraceError(f"repeat: axis {axis} out of range for a {x.ndim}-d value (numpy's x.repeat(n, axis); "
+                         f"torch's x.repeat(*sizes) is np.tile(x, sizes)) — {user_src()}")
     ax = axis % x.ndim
     r = int(repeats)
     head, tail = x.shape[:ax + 1], x.shape[ax + 1:]

@@ -5,10 +5,10 @@ one row forward and one backward.
 """
 from __future__ import annotations
 
-from btjit.graph.functional import _pair, _reduced, elu, relu6, softplus
-from btjit.graph.numpy_fns import norm
-from btjit.graph.trace import (TraceError, abs, exp, lift, log, log1p, maximum, minimum, reshape, sigmoid, sum, tanh,
-                               user_src, where)
+from btjit.graph.functional import _pair, _reduced, elu, logsumexp, relu6, softplus
+from btjit.graph.numpy_fns import moveaxis, norm, outer, repeat
+from btjit.graph.trace import (METHODS, TraceError, abs, concatenate, exp, lift, log, log1p, maximum, minimum, reshape,
+                               sigmoid, sqrt, sum, tanh, user_src, where)
 
 _SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
 
@@ -116,3 +116,35 @@ def huber_loss(input, target, reduction="mean", delta=1.0):  # noqa: A002
     x, t = _pair("huber_loss", input, target)
     d = abs(x - t)
     return _reduced("huber_loss", where(d < float(delta), d * d * 0.5, (d - 0.5 * delta) * float(delta)), reduction)
+
+
+# ----------------------------------------------------------------------------- torch's tensor functions and methods
+def rsqrt(x):
+    """torch.rsqrt: 1 / sqrt(x) (llama's RMSNorm)."""
+    return 1.0 / sqrt(lift(x))
+
+
+def cat(tensors, dim=0):
+    """torch.cat: concatenate along dim."""
+    return concatenate(tensors, dim)
+
+
+def repeat_interleave(x, repeats, dim=None):
+    """torch's x.repeat_interleave(n, dim): each entry n times along dim (flattened first without a dim)."""
+    return repeat(x, repeats, dim)
+
+
+def unbind(x, dim=0):
+    """torch's x.unbind(dim): the slices along dim, a tuple."""
+    x = lift(x)
+    x = moveaxis(x, dim, 0) if dim % x.ndim else x
+    return tuple(x[i] for i in range(x.shape[0]))
+
+
+METHODS.update({
+    "rsqrt": rsqrt, "repeat_interleave": repeat_interleave, "unbind": unbind, "outer": outer, "log1p": log1p,
+    "logsumexp": lambda x, dim, keepdim=False: logsumexp(x, dim, keepdim), "reciprocal": lambda x: 1.0 / x,
+    "neg": lambda x: -x, "add": lambda x, y, alpha=1.0: x + y * alpha if alpha != 1.0 else x + y,
+    "sub": lambda x, y, alpha=1.0: x - y * alpha if alpha != 1.0 else x - y, "mul": lambda x, y: x * y,
+    "div": lambda x, y: x / y, "where": lambda x, cond, y: where(cond, x, y), "maximum": maximum,
+    "minimum": minimum, "dim": lambda x: x.ndim, "ndimension": lambda x: x.ndim})

@@ -96,6 +96,8 @@ class Tracer:
         if not isinstance(p, (int, float, np.number)):
             raise TraceError(f"pow: exponent must be a number or a traced value — {user_src()}")
         p = float(p)
+        if p == 0.0:                    # 1 everywhere (0 ** 0, nan ** 0 too), gradient 0 (p * x ** -1 is NaN at 0)
+            return broadcast_to(lift(1.0, self), self.shape)
         if p == 1.0:
             return self
         if p == 2.0:
@@ -146,7 +148,10 @@ class Tracer:
         """The methods btjit/graph/numpy_fns.py registers (METHODS: x.var(0), x.min(1), x.view(B, T, C), ...)."""
         fn = METHODS.get(name)
         if fn is None:
-            raise AttributeError(f"traced values have no attribute {name!r}")
+            if name.startswith("__"):
+                raise AttributeError(name)
+            raise AttributeError(f"traced values have no attribute {name!r}: not one of the numpy or torch methods "
+                                 f"btjit has (docs/guide.md) — {user_src()}")
         return lambda *a, **k: fn(self, *a, **k)
 
     # -- methods
@@ -164,6 +169,8 @@ class Tracer:
         return reshape(self, shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
 
     def transpose(self, *axes):
+        if len(axes) == 2 and all(isinstance(a, (int, np.integer)) for a in axes):
+            return swapaxes(self, *axes)    # torch's x.transpose(0, 1): two axes swapped (numpy's would be a no-op)
         return transpose(self, axes[0] if len(axes) == 1 and not isinstance(axes[0], int) else (axes or None))
 
     def swapaxes(self, a1, a2):
@@ -339,7 +346,8 @@ def matmul(x, y):
     return out
 
 
-def concatenate(xs, axis=0):
+def concatenate(xs, axis=0, *, dim=None):
+    axis = axis if dim is None else dim                  # torch.cat's keyword
     xs = [lift(x) for x in xs]
     if not xs:
         raise TraceError(f"concatenate: no inputs — {user_src()}")
