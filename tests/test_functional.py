@@ -544,3 +544,20 @@ def test_torchs_repeat_and_a_missing_method_are_named():
     with pytest.raises(AttributeError, match=r"no attribute 'topk': not one of the numpy or torch methods .*"
                                              r"test_functional.py:\d+"):
         btjit.trace(lambda p: btjit.sum(p["x"].topk(1)), {"x": np.zeros((2, 2))})
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sdpa_grouped_query_attention_against_torch(causal):
+    """enable_gqa: 4 query heads over 2 key / value heads (llama's grouped-query attention), values and grads."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=s) for s in ((2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16)))
+    w = rng.normal(size=(2, 4, 8, 16))
+    prog = btjit.trace(lambda p: btjit.sum(btjit.scaled_dot_product_attention(
+        p["q"], p["k"], p["v"], is_causal=causal, enable_gqa=True) * w), {"q": q, "k": k, "v": v}, grad=True,
+        dtype="float64")
+    ts = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+    want = (F.scaled_dot_product_attention(*ts, is_causal=causal, enable_gqa=True) * torch.tensor(w)).sum()
+    want.backward()
+    assert prog.value_and_grad() == pytest.approx(want.item(), rel=1e-13)
+    for n, t in zip("qkv", ts):
+        np.testing.assert_allclose(prog.grads[n], t.grad.numpy(), rtol=1e-11, atol=1e-13, err_msg=n)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.graph import functional as F, trace as T
+from btjit.graph.numpy_fns import repeat
 from btjit.kernels import rng as K
 from btjit.kernels.attention import KEPT_MIN_HS, KEPT_MIN_T
 
@@ -62,14 +63,21 @@ def causal_attention(qkv, n_head, dropout=0.0):
     return T.reshape(T.transpose(_attention_ops(q, k, v, p, causal=True), (0, 2, 1, 3)), (B, T_, C))
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
     """torch.nn.functional.scaled_dot_product_attention: softmax(q k^T * scale [+ mask]) v over the last two axes
     of q (..., L, E), k (..., S, E), v (..., S, Ev); scale 1 / sqrt(E) by default; is_causal: query i sees keys
     j <= i; attn_mask: a boolean array (True = attend) or a float one added to the scores; dropout_p on the
     probabilities while training (none in eval mode). Causal self-attention of (B, H, T, hs) q, k, v, as nanoGPT
-    calls it, runs the fused attention kernels (btjit.causal_attention on q | k | v)."""
+    calls it, runs the fused attention kernels (btjit.causal_attention on q | k | v). enable_gqa: k and v may have
+    fewer heads (axis -3) than q, a divisor of them: each is repeated (repeat_interleave) to q's, as torch's."""
     q, k, v = T.lift(query), T.lift(key), T.lift(value)
     p = _probability(dropout_p, "scaled_dot_product_attention")
+    if enable_gqa and q.ndim >= 3 and k.ndim == q.ndim and k.shape[-3] != q.shape[-3]:
+        if q.shape[-3] % k.shape[-3] or v.shape[-3] != k.shape[-3]:
+            raise T.TraceError(f"scaled_dot_product_attention: enable_gqa needs k's and v's heads (axis -3) to divide "
+                               f"q's, got {q.shape}, {k.shape}, {v.shape} — {T.user_src()}")
+        k, v = (repeat(t, q.shape[-3] // k.shape[-3], t.ndim - 3) for t in (k, v))
     if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim or k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2]:
         raise T.TraceError(f"scaled_dot_product_attention: q (..., L, E), k (..., S, E), v (..., S, Ev), got "
                            f"{q.shape}, {k.shape}, {v.shape} — {T.user_src()}")
