@@ -128,6 +128,11 @@ def setitem(x, idx, value):
     value = lift(value, x)
     region = tuple(len(range(*s)) for s in zip(starts, stops, steps))
     if value.ndim and tuple(shape) != region:      # x[:, 0] = v: v broadcasts to x[:, 0]'s shape, as numpy's
+        try:
+            np.broadcast_shapes(value.shape, tuple(shape))
+        except ValueError:
+            raise TraceError(f"slice_set: a value of shape {value.shape} cannot be assigned to a region of shape "
+                             f"{region} (x[...] of shape {tuple(shape)}) — {user_src()}") from None
         value = reshape(broadcast_to(value, shape), region)
     return emit("slice_set", (x, value), starts=tuple(starts), stops=tuple(stops), steps=tuple(steps))
 

@@ -169,7 +169,8 @@ class Tracer:
         return reshape(self, shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
 
     def transpose(self, *axes):
-        if len(axes) == 2 and all(isinstance(a, (int, np.integer)) for a in axes):
+        if len(axes) == 2 and all(isinstance(a, (int, np.integer)) for a in axes) and \
+                all(-self.ndim <= a < self.ndim for a in axes) and axes[0] % self.ndim != axes[1] % self.ndim:
             return swapaxes(self, *axes)    # torch's x.transpose(0, 1): two axes swapped (numpy's would be a no-op)
         return transpose(self, axes[0] if len(axes) == 1 and not isinstance(axes[0], int) else (axes or None))
 
