@@ -1,0 +1,76 @@
+"""Gradients at ties and kinks (maximum / minimum, clamp, the hard activations) and torch idioms as ports write
+them (grouped-query attention, torch's repeat, a missing method), each against torch."""
+import numpy as np
+import pytest
+
+import btjit
+from test_functional import _btjit, _torch
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+KINKS = np.array([-6.0, -3.0, -1.0, -0.5, 0.0, 0.5, 0.7, 1.0, 3.0, 6.0])       # every function's bounds below, exactly
+TIES = {
+    "np.maximum": (lambda x: np.maximum(x, 0.5), lambda x: torch.maximum(x, torch.tensor(0.5, dtype=x.dtype))),
+    "btjit.minimum": (lambda x: btjit.minimum(-1.0, x), lambda x: torch.minimum(torch.tensor(-1.0, dtype=x.dtype), x)),
+    "maximum_pair": (lambda x: np.maximum(x, x[::-1] * 1.0), lambda x: torch.maximum(x, x.flip(0))),
+    "clip": (lambda x: np.clip(x, -0.5, 0.7), lambda x: torch.clamp(x, -0.5, 0.7)),
+    "clamp_min": (lambda x: x.clamp_min(0.0), lambda x: x.clamp_min(0.0)),
+    "clamp_max": (lambda x: x.clamp_max(1.0), lambda x: x.clamp_max(1.0)),
+    "hardtanh": (btjit.hardtanh, F.hardtanh),
+    "relu6": (btjit.relu6, F.relu6),
+    "hardsigmoid": (btjit.hardsigmoid, F.hardsigmoid),
+    "hardswish": (btjit.hardswish, F.hardswish),
+    "relu": (btjit.relu, F.relu),
+    "x.relu": (lambda x: x.relu(), lambda x: x.relu()),
+    "leaky_relu": (lambda x: btjit.leaky_relu(x, 0.1), lambda x: F.leaky_relu(x, 0.1)),
+    "elu": (btjit.elu, F.elu),
+    "logsigmoid": (btjit.logsigmoid, F.logsigmoid),
+    "bce_logits": (lambda x: btjit.binary_cross_entropy_with_logits(x, np.full(10, 0.3), reduction="none"),
+                   lambda x: F.binary_cross_entropy_with_logits(x, torch.full((10,), 0.3, dtype=x.dtype),
+                                                                reduction="none")),
+    "abs": (np.abs, torch.abs),
+    "pow0": (lambda x: x ** 0.0 * 2.0 + x, lambda x: x ** 0.0 * 2.0 + x),
+}
+
+
+@pytest.mark.parametrize("name", list(TIES))
+def test_gradients_at_kinks_and_ties_are_torchs(name):
+    """At a tie, maximum / minimum give each input half (torch's rule); clamp passes the gradient at its bounds,
+    hardtanh, relu6 and the hard activations do not, relu gives 0 at 0: each as torch."""
+    bt, th = TIES[name]
+    got, got_g = _btjit(bt, KINKS, "float64", np.ones(10))
+    want, want_g = _torch(th, KINKS, "float64", np.ones(10))
+    np.testing.assert_allclose(got, want, rtol=1e-14, atol=1e-15)
+    np.testing.assert_allclose(got_g, want_g, rtol=1e-7, atol=1e-15)    # torch's hard* kernels round 1/6 to float32
+
+
+def test_maximum_names_a_bad_ties_rule():
+    with pytest.raises(btjit.TraceError, match="ties must be 'split', 'first' or 'second', got 'left'"):
+        btjit.trace(lambda p: btjit.sum(btjit.maximum(p["x"], 0.0, ties="left")), {"x": np.zeros(3)})
+
+
+def test_torchs_repeat_and_a_missing_method_are_named():
+    with pytest.raises(btjit.TraceError, match=r"repeat: axis 3 out of range for a 2-d value .*np.tile"):
+        btjit.trace(lambda p: btjit.sum(p["x"].repeat(1, 3)), {"x": np.zeros((2, 2))})
+    with pytest.raises(AttributeError, match=r"no attribute 'topk': not one of the numpy or torch methods .*"
+                                             r"test_ties_and_torch_idioms.py:\d+"):
+        btjit.trace(lambda p: btjit.sum(p["x"].topk(1)), {"x": np.zeros((2, 2))})
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sdpa_grouped_query_attention_against_torch(causal):
+    """enable_gqa: 4 query heads over 2 key / value heads (llama's grouped-query attention), values and grads."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=s) for s in ((2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16)))
+    w = rng.normal(size=(2, 4, 8, 16))
+    prog = btjit.trace(lambda p: btjit.sum(btjit.scaled_dot_product_attention(
+        p["q"], p["k"], p["v"], is_causal=causal, enable_gqa=True) * w), {"q": q, "k": k, "v": v}, grad=True,
+        dtype="float64")
+    ts = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+    want = (F.scaled_dot_product_attention(*ts, is_causal=causal, enable_gqa=True) * torch.tensor(w)).sum()
+    want.backward()
+    assert prog.value_and_grad() == pytest.approx(want.item(), rel=1e-13)
+    for n, t in zip("qkv", ts):
+        np.testing.assert_allclose(prog.grads[n], t.grad.numpy(), rtol=1e-11, atol=1e-13, err_msg=n)
