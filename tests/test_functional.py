@@ -69,7 +69,7 @@ CASES = {
                           lambda x: x.repeat_interleave(2, dim=1) * torch.repeat_interleave(x, 2, 1), X, 1.0),
     "unbind": (lambda x: x.unbind(1)[2] * btjit.unbind(x, -1)[0] + x.unbind(0)[1].sum(),
                lambda x: x.unbind(1)[2] * torch.unbind(x, -1)[0] + x.unbind(0)[1].sum(), X, 1.0),
-    "torch_methods": (lambda x: x.neg().add(x.exp(), alpha=2.0).sub(x.exp().reciprocal()).mul(x).div(3.0)
+    "torch_arith_methods": (lambda x: x.neg().add(x.exp(), alpha=2.0).sub(x.exp().reciprocal()).mul(x).div(3.0)
                       + x.log1p().where(x > 0, x * 0.5) + x.maximum(x * 0.3) * x.dim(),
                       lambda x: x.neg().add(x.exp(), alpha=2.0).sub(x.exp().reciprocal()).mul(x).div(3.0)
                       + x.clamp_min(0.0).log1p().where(x > 0, x * 0.5) + x.maximum(x * 0.3) * x.dim(), X, 1.0),
