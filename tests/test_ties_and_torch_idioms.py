@@ -31,6 +31,10 @@ TIES = {
                    lambda x: F.binary_cross_entropy_with_logits(x, torch.full((10,), 0.3, dtype=x.dtype),
                                                                 reduction="none")),
     "abs": (np.abs, torch.abs),
+    "max_dim": (lambda x: btjit.stack([x, btjit.stop_gradient(x)], 1).max(dim=1).values * 2.0 +
+                btjit.stack([x, x * 0.0 + 1.0], 1).min(dim=1)[0],
+                lambda x: torch.stack([x, x.detach()], 1).max(dim=1).values * 2.0 +
+                torch.stack([x, x * 0.0 + 1.0], 1).min(dim=1)[0]),
     "pow0": (lambda x: x ** 0.0 * 2.0 + x, lambda x: x ** 0.0 * 2.0 + x),
 }
 

@@ -367,9 +367,14 @@ class Extremum(Tracer):
 def max_dim(x, axis, keepdims=False, sign=1.0, torch=False):
     """x.max / x.min (sign -1): numpy's values, or with torch's dim= / keepdim= (values, indices)."""
     xs = lift(x) if sign == 1.0 else -lift(x)
+    if torch:           # the value at the index: its gradient goes to that element alone, as torch's (amax splits)
+        ax = axis % xs.ndim
+        ik, n = argmax(xs, ax, True), xs.shape[ax]
+        pos = np.arange(n, dtype=np.float64).reshape([n if i == ax else 1 for i in range(xs.ndim)])
+        v = sum(where(equal(ik, pos), xs, 0.0), ax, True)
+        v = v if sign == 1.0 else -v
+        return ValuesIndices((v, ik) if keepdims else (squeeze(v, ax), squeeze(ik, ax)))
     v = max(xs, axis, keepdims) if sign == 1.0 else -max(xs, axis, keepdims)
-    if torch:
-        return ValuesIndices((v, argmax(xs, axis, keepdims)))
     return Extremum(v, (xs, axis, keepdims)) if isinstance(axis, (int, np.integer)) else v
 
 
