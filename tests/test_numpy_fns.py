@@ -68,6 +68,10 @@ NUMPY = {
     "einsum outer": (lambda x: np.einsum("i,j->ij", x[0, 0], x[1, 1]), X3),
     "einsum all": (lambda x: np.einsum("ijk,ijk->", x, x) * np.ones(2), X3),
     "einsum sums first": (lambda x: np.einsum("ij,jk->i", x[0], x[1].T), X3),
+    "einsum ellipsis": (lambda x: np.einsum("...ij,...kj->...ik", x, x * 0.5), X3),
+    "einsum ellipsis one side": (lambda x: np.einsum("...j,jk->...k", x, x[1].T), X3),
+    "einsum implicit": (lambda x: np.einsum("ij,kj", x[0], x[1]) + np.einsum("ji", x[0]).sum(), X3),
+    "einsum ellipsis sum": (lambda x: np.einsum("...j->...", x), X3),
 }
 
 
@@ -152,7 +156,8 @@ def test_torch_method_against_torch(name):
     (lambda x: x[x > 0], r"getitem: a traced float index \(a mask like x\[x > 0\]\?\) .* use btjit.where"),
     (lambda x: x[np.array([True, False, True])], r"getitem: a boolean mask of shape \(3,\) for a value of shape"),
     (lambda x: x[0, [1, 2]], r"getitem: an integer index array can stand with slices only"),
-    (lambda x: np.einsum("...j,...j->...", x, x), r"einsum: '...j,...j->...': one or two operands"),
+    (lambda x: np.einsum("i,i,i->", x[0, 0], x[1, 1], x[0, 1]), r"einsum: 'i,i,i->': one or two operands"),
+    (lambda x: np.einsum("...j,...j->...", x, x[:, :1]), r"einsum: '...j,...j->...': a letter of two sizes"),
     (lambda x: np.einsum("ii->i", x[0, :, :3]), r"no letter twice in one term"),
     (lambda x: x.split([1, 1], dim=1), r"split: sizes \[1, 1\] must add up to 3"),
 ])

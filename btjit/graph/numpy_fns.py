@@ -225,15 +225,16 @@ def torch_split(x, split_size_or_sections, dim=0):
 
 
 def einsum(subscripts, *operands):
-    """numpy's einsum for one or two operands written with explicit letters ("bhqd,bhkd->bhqk", "ij->j"; no
-    "...", no letter twice in one operand): a letter only one operand has and the output lacks is summed first;
-    two operands are then one batched matmul (letters in both and the output: batch; in both only: contracted)."""
-    ins, _, out = subscripts.replace(" ", "").partition("->")
+    """numpy's einsum for one or two operands ("bhqd,bhkd->bhqk", "ij->j", "...ij,...jk->...ik", or "ij,jk" with
+    numpy's implicit output; no letter twice in one operand): a letter only one operand has and the output lacks is
+    summed first; two operands are then one batched matmul (letters in both and the output: batch; in both only:
+    contracted)."""
+    operands = [lift(x) for x in operands]
+    ins, _, out = _einsum_letters(subscripts.replace(" ", ""), operands).partition("->")
     terms = ins.split(",")
-    if "->" not in subscripts or "." in subscripts or len(terms) != len(operands) or len(terms) > 2 or \
+    if "." in ins + out or len(terms) != len(operands) or len(terms) > 2 or \
             any(len(set(t)) != len(t) for t in terms + [out]):
-        raise TraceError(f"einsum: {subscripts!r}: one or two operands, explicit '->' output, no '...' and no letter "
-                         f"twice in one term — {user_src()}")
+        raise TraceError(f"einsum: {subscripts!r}: one or two operands, no letter twice in one term — {user_src()}")
     xs = []
     for t, x in zip(terms, operands):
         x = lift(x)
@@ -243,6 +244,9 @@ def einsum(subscripts, *operands):
         gone = [i for i, c in enumerate(t) if c not in others]
         xs.append((sum(x, tuple(gone)) if gone else x, "".join(c for c in t if c in others)))
     size = {c: d for x, t in xs for c, d in zip(t, x.shape)}
+    if any(size[c] != d for x, t in xs for c, d in zip(t, x.shape)):
+        raise TraceError(f"einsum: {subscripts!r}: a letter of two sizes in operands of shapes "
+                         f"{', '.join(str(x.shape) for x in operands)} — {user_src()}")
     if len(xs) == 1:
         (x, t), = xs
         return transpose(x, tuple(t.index(c) for c in out))
@@ -255,6 +259,25 @@ def einsum(subscripts, *operands):
     b = reshape(transpose(b, tuple(tb.index(c) for c in batch + con + fb)), (n(batch), n(con), n(fb)))
     y = reshape(matmul(a, b), tuple(size[c] for c in batch + fa + fb))
     return transpose(y, tuple((batch + fa + fb).index(c) for c in out))
+
+
+def _einsum_letters(s, operands):
+    """s with each "..." written as letters of its own (the dims it covers, aligned at the right) and numpy's
+    implicit output made explicit (the ellipsis' letters, then the letters used once, in alphabetical order)."""
+    ins, arrow, out = s.partition("->")
+    terms = ins.split(",")
+    ell = ""
+    if "..." in s and len(terms) == len(operands):
+        free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in s]
+        nd = builtins.max([x.ndim - (len(t) - 3) for t, x in zip(terms, operands) if "..." in t] + [0])
+        ell = "".join(free[:nd])
+        terms = [t.replace("...", ell[nd - (x.ndim - (len(t) - 3)):]) if "..." in t else t
+                 for t, x in zip(terms, operands)]
+        out = out.replace("...", ell)
+    if not arrow:
+        used = "".join(terms)
+        out = ell + "".join(sorted(c for c in set(used) if used.count(c) == 1 and c not in ell))
+    return ",".join(terms) + "->" + out
 
 
 def argmax(x, axis=None, keepdims=False):
