@@ -147,7 +147,8 @@ def test_torch_method_against_torch(name):
 @pytest.mark.parametrize("bad,needle", [
     (lambda x: x.no_such_method(), "traced values have no attribute 'no_such_method'"),
     (lambda x: x.squeeze(1), r"squeeze: axis \[1\] of shape \(2, 3, 4\) is not of size 1"),
-    (lambda x: np.linalg.norm(x, ord=1), "norm: only the 2-norm is supported, got ord=1"),
+    (lambda x: np.linalg.norm(x, ord=3), "norm: ord must be None, 2, 'fro', 1 or inf, got ord=3"),
+    (lambda x: np.linalg.norm(x[0], ord=1), "norm: ord=1 of a 2-d value is numpy's matrix norm"),
     (lambda x: np.pad(x, 1, mode="symmetric"), "pad: mode must be one of"),
     (lambda x: np.dot(x, x), r"dot: operands of at most 2 dims, got \(2, 3, 4\)"),
     (lambda x: x[[0, 1], :, [1, 2]], r"getitem: several integer index arrays must index the leading axes"),

@@ -78,3 +78,14 @@ def test_sdpa_grouped_query_attention_against_torch(causal):
     assert prog.value_and_grad() == pytest.approx(want.item(), rel=1e-13)
     for n, t in zip("qkv", ts):
         np.testing.assert_allclose(prog.grads[n], t.grad.numpy(), rtol=1e-11, atol=1e-13, err_msg=n)
+
+
+@pytest.mark.parametrize("p", [1, 2, float("inf")])
+def test_torchs_norm_of_any_order(p):
+    """x.norm(p, dim) and x.norm(p) (every element), p 1, 2, inf: values and gradients as torch's."""
+    x = np.random.default_rng(0).normal(size=(4, 6))
+    w = np.random.default_rng(1).normal(size=4)
+    got = _btjit(lambda t: btjit.sum(t.norm(p=p, dim=1) * w) + t.norm(p=p), x, "float64", np.ones(()))
+    want = _torch(lambda t: (t.norm(p=p, dim=1) * torch.tensor(w)).sum() + t.norm(p=p), x, "float64", np.ones(()))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-13)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-12, atol=1e-14)
