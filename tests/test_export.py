@@ -199,6 +199,9 @@ def test_the_runtime_is_a_program(tmp_path):
         with pytest.raises(ValueError, match=r"expected int array of shape \(3, 4\), got int32 \(2, 4\)"):
             p.step(x[:2], y)
     assert rt.step(x, y) == prog.step(x, y)                          # the failed checks changed nothing
+    for p in (prog, rt):                  # traced without clipping: a clip_norm would be ignored, so it is refused
+        with pytest.raises(ValueError, match="traced without clip_norm"):
+            p.hp["clip_norm"] = 1.0
 
 
 def test_programs_that_cannot_be_exported_say_why(tmp_path):

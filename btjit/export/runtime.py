@@ -184,6 +184,7 @@ class Exported(Runner):
         self.optimizer = m["optimizer"]
         self.has_optimizer, self.has_grad = m["optimizer"] is not None, m["loss"] is not None
         self._group_hyper = m.get("group_hyper", [])
+        self._hp_untraced = m.get("hp_untraced", [])       # prog.hp refuses a nonzero value for these, as in-process
         self._int_state, self._state, self._span = m["int_state"], [tuple(s) for s in m["state"]], m["span"]
 
     def _exec(self, stop, split=None):
