@@ -59,10 +59,7 @@ class Views(Named):
         super().__init__(views, noun)           # noun: "param" or "buffer"
 
     def __setitem__(self, name, value):
-        where = f"prog.{self._noun}s[{name!r}]"
-        if name not in self:
-            raise KeyError(f"{where}: no such {self._noun} (known: {', '.join(self)})")
-        if np.shape(value) != self[name].shape:
-            raise ValueError(f"{where} = an array of shape {np.shape(value)}: the {self._noun} has shape "
-                             f"{self[name].shape}")
+        if np.shape(value) != self[name].shape:      # self[name]: an unknown name is Named's error
+            raise ValueError(f"prog.{self._noun}s[{name!r}] = an array of shape {np.shape(value)}: the {self._noun} "
+                             f"has shape {self[name].shape}")
         self[name][...] = value

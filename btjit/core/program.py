@@ -20,14 +20,13 @@ from btjit.graph.memory import Shared, pin, plan as make_plan, storage_roots
 from btjit.graph.ops import TABLE
 from btjit.core import executor as X
 from btjit.core.arena import Views, aligned_rows as _aligned_rows, arena as _arena
-from btjit.export.runner import Named
 from btjit.core.bounds import index_bounds as _index_bounds
 from btjit.host import threads as _threads
 from btjit.kernels import amx, bf16
 from btjit.kernels.common import SPLIT
 from btjit.kernels.library import LIBRARY
 from btjit.optim.build import Update, assign_in_place
-from btjit.export.runner import Runner
+from btjit.export.runner import Named, Runner
 
 _threads.set_num_threads(_threads.default_threads())   # every core the process may run on (btjit/host/threads.py)
 

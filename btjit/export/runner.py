@@ -230,7 +230,7 @@ class HyperParams:
 
     def __init__(self, prog):
         self._a, self._g = prog.a, prog._hyper
-        untraced = frozenset(getattr(prog, "_hp_untraced", ()))
+        untraced = frozenset(prog._hp_untraced)
         self.groups = _Groups(_Slots(prog.a, s, i, untraced) for i, s in enumerate(prog._group_hyper))
         self._untraced = untraced
 

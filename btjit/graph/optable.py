@@ -19,11 +19,6 @@ def par_parts(L, size, units) -> int:
     return min(L.threads, MAX_THREADS, units) if size >= PAR_EW_ELEMENTS else 1
 
 
-def par_row(L, kernel, parts, **args) -> list:
-    """The row of `kernel`, split into `parts` parts on the thread pool if parts > 1."""
-    return [L.row(kernel, **args, split=parts)]
-
-
 class ShapeError(Exception):
     pass
 
@@ -180,9 +175,9 @@ def lower_elementwise(sub, eqn, L):
         if all(whole) or (whole[0] and _row_broadcast(y, out.shape)) or (whole[1] and _row_broadcast(x, out.shape)):
             cols = n if all(whole) else min(x.size, y.size)
             rows = n // cols
-            return par_row(L, "k_binary_rows", par_parts(L, n, rows if rows >= L.threads else (cols + 15) // 16),
+            return [L.row("k_binary_rows", split=par_parts(L, n, rows if rows >= L.threads else (cols + 15) // 16),
                            sub=sub, oout=L.off(out), o1=L.off(x), o2=L.off(y), rows=rows, cols=cols,
-                           sx=cols if whole[0] else 0, sy=cols if whole[1] else 0)
+                           sx=cols if whole[0] else 0, sy=cols if whole[1] else 0)]
     if len(eqn.ins) == 2 and all(v.size in (n, 1) for v in eqn.ins):
         x, y = eqn.ins
         mode = 0 if x.size == n and y.size == n else (1 if x.size == n else 2)

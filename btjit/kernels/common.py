@@ -33,6 +33,15 @@ def part_of(r):
     return (r[PART], n) if n > 1 else (np.int64(0), np.int64(1))
 
 
+@njit(inline="always")
+def part_range(r, n):
+    """[lo, hi) of range(n) that this call of a split row computes (all of it for a whole row): its part of n, cut
+    at multiples of 16 elements (whole vectors)."""
+    j, k = part_of(r)
+    lo = j * (n // 16) // k * 16
+    return lo, (j + 1) * (n // 16) // k * 16 if j + 1 < k else n
+
+
 class RowDecl(NamedTuple):
     args: tuple            # the names of r[1], r[2], ... in order
     stop: str | None       # an argument naming an ia slot: the tape stops after the row if it is nonzero

@@ -6,7 +6,7 @@ import math
 import numpy as np
 from numba import njit
 
-from btjit.kernels.common import FM, cvt, fexp, fexp_in_range, part_of, row
+from btjit.kernels.common import FM, cvt, fexp, fexp_in_range, part_range, row
 from btjit.kernels.norm import sq_dev, total
 
 
@@ -261,7 +261,7 @@ def k_take_sum(a, ia, r):
     table: (P, V, N); idx: int32 (B, P); out: (B, N). A split row's part: its block of columns.
     """
     ot = r[1]; oidx = r[2]; oout = r[3]; B = r[4]; P = r[5]; V = r[6]; N = r[7]
-    c0, c1 = _columns(r, N)
+    c0, c1 = part_range(r, N)
     for b in range(B):
         dst = a[oout + b * N + c0:oout + b * N + c1]
         j = ia[oidx + b * P]
@@ -275,15 +275,6 @@ def k_take_sum(a, ia, r):
                 dst[c] += src[c]
 
 
-@njit(**FM)
-def _columns(r, N):
-    """The columns (blocks of 16) of the N a split row's part computes: every column's sums in the same order as
-    on one thread."""
-    j, n = part_of(r)
-    nc = (N + 15) // 16
-    return min(N, j * nc // n * 16), min(N, (j + 1) * nc // n * 16)
-
-
 @row("og oidx odt B P V N")
 @njit(**FM)
 def k_take_sum_grad(a, ia, r):
@@ -293,7 +284,7 @@ def k_take_sum_grad(a, ia, r):
     """
     og = r[1]; oidx = r[2]; odt = r[3]; B = r[4]; P = r[5]; V = r[6]; N = r[7]
     zero = cvt(a, 0.0)
-    c0, c1 = _columns(r, N)
+    c0, c1 = part_range(r, N)
     for k in range(P * V):
         dt = a[odt + k * N + c0:odt + k * N + c1]
         for c in range(c1 - c0):

@@ -9,7 +9,7 @@ import math
 import numpy as np
 from numba import njit
 
-from btjit.kernels.common import FM, cvt, part_of, row
+from btjit.kernels.common import FM, cvt, part_range, row
 
 
 @row("og n omax oscale")
@@ -38,13 +38,6 @@ def k_clip_scale(a, ia, r):
 # olr lr * lr_scale, oscale the clip-by-norm factor (NaN: a non-finite gradient; with SKIP the step then leaves
 # every value as it was). The flags say which terms exist.
 SCALE, SKIP, WD, DECOUPLED, MOMENTUM, DAMPENING, NESTEROV = 1, 2, 4, 8, 16, 32, 64
-
-
-@njit(inline="always", **FM)
-def _parts(n, nparts, j):
-    """Run j of nparts over range(n), cut at multiples of 16 elements."""
-    lo = (j * (n // 16) // nparts) * 16
-    return lo, ((j + 1) * (n // 16) // nparts) * 16 if j + 1 < nparts else n
 
 
 @njit(inline="always", **FM)
@@ -80,8 +73,7 @@ def _sgd(a, r, lo, hi):
 @njit(**FM)
 def k_opt_sgd(a, ia, r):
     """torch.optim.SGD over n elements in one pass."""
-    j, k = part_of(r)                      # split: in k runs of whole 16-element blocks
-    lo, hi = _parts(r[4], k, j)
+    lo, hi = part_range(r, r[4])          # a split row: its run of whole 16-element blocks
     _sgd(a, r, lo, hi)
 
 
@@ -113,8 +105,7 @@ def _adam(a, r, lo, hi):
 @njit(**FM)
 def k_opt_adam(a, ia, r):
     """torch.optim.Adam / AdamW over n elements in one pass."""
-    j, k = part_of(r)                      # split: in k runs of whole 16-element blocks
-    lo, hi = _parts(r[5], k, j)
+    lo, hi = part_range(r, r[5])          # a split row: its run of whole 16-element blocks
     _adam(a, r, lo, hi)
 
 
@@ -140,7 +131,6 @@ def _adadelta(a, r, lo, hi):
 @njit(**FM)
 def k_opt_adadelta(a, ia, r):
     """torch.optim.Adadelta over n elements in one pass."""
-    j, k = part_of(r)                      # split: in k runs of whole 16-element blocks
-    lo, hi = _parts(r[5], k, j)
+    lo, hi = part_range(r, r[5])          # a split row: its run of whole 16-element blocks
     _adadelta(a, r, lo, hi)
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from btjit.graph import state, trace as T
 
-from btjit.graph.optable import Case, F, ShapeError, _float, op, par_parts, par_row
+from btjit.graph.optable import Case, F, ShapeError, _float, op, par_parts
 
 
 def _pcq(shape, axis):
@@ -59,17 +59,17 @@ def _lower_bn(e, L):
     x, w, b = e.ins
     P, C, Q = _pcq(x.shape, e.attrs["axis"])
     y, mean, var, rstd = (L.off(v) for v in e.outs)
-    return par_row(L, "k_batchnorm_fwd", par_parts(L, x.size, C), ox=L.off(x), ow=L.off(w), ob=L.off(b), oy=y,
-                   omean=mean, ovar=var, orstd=rstd, P=P, C=C, Q=Q, oeps=L.const(e.attrs["eps"]))
+    return [L.row("k_batchnorm_fwd", split=par_parts(L, x.size, C), ox=L.off(x), ow=L.off(w), ob=L.off(b), oy=y,
+                   omean=mean, ovar=var, orstd=rstd, P=P, C=C, Q=Q, oeps=L.const(e.attrs["eps"]))]
 
 
 def _lower_bn_grad(e, L):
     x, w, mean, rstd, dy = e.ins
     P, C, Q = _pcq(x.shape, e.attrs["axis"])
     dx, dw, db = (L.off(v) for v in e.outs)
-    return par_row(L, "k_batchnorm_bwd", par_parts(L, x.size, C), ox=L.off(x),
+    return [L.row("k_batchnorm_bwd", split=par_parts(L, x.size, C), ox=L.off(x),
                    ow=L.off(w), omean=L.off(mean), orstd=L.off(rstd), ody=L.off(dy), odx=dx, odw=dw, odb=db, P=P,
-                   C=C, Q=Q)
+                   C=C, Q=Q)]
 
 
 def _bn_vjp(gs, xs, outs, a):

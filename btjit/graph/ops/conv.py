@@ -20,7 +20,7 @@ from btjit.kernels.common import MAX_THREADS
 from btjit.kernels.micro import MR
 
 from btjit.graph.ops.matmul import par_gemm
-from btjit.graph.optable import Case, F, ShapeError, _float, op, par_parts, par_row
+from btjit.graph.optable import Case, F, ShapeError, _float, op, par_parts
 
 _GEOM = ("kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "oh", "ow")
 
@@ -224,10 +224,10 @@ def _conv_gemm_lower(mode):
         blocks = -(-N * a["oh"] * a["ow"] // MR) if mode == 0 else _kpad(C * a["kh"] * a["kw"]) // MR
         parts = min(L.threads, MAX_THREADS, blocks) if par_gemm(N * a["oh"] * a["ow"] * C * a["kh"] * a["kw"] * O,
                                                                L.threads) else 1
-        return par_row(L, "k_conv", parts, mode=mode, ox=L.off(X), ob=L.off(B), oc=L.off(e.outs[0]),
+        return [L.row("k_conv", split=parts, mode=mode, ox=L.off(X), ob=L.off(B), oc=L.off(e.outs[0]),
                        obias=L.off(e.ins[2]) if len(e.ins) == 3 else 0, N=N, C=C, H=H, W=W, O=O, OH=a["oh"],
                        OW=a["ow"], **{k: a[k] for k in ("kh", "kw", "sh", "sw", "dh", "dw", "nhwc", "flip", "tout")},
-                       pt=a.get("pt", 0), vh=a.get("vh", 0), relu=int(a.get("relu", 0)) if mode == 0 else 0)
+                       pt=a.get("pt", 0), vh=a.get("vh", 0), relu=int(a.get("relu", 0)) if mode == 0 else 0)]
     return lower
 
 
@@ -264,9 +264,9 @@ def _conv_dy_ref(xs, a):
 def _conv_dy_lower(e, L):
     g, a = e.ins[0], e.attrs
     N, O, OH, OW = g.shape
-    return par_row(L, "k_conv_dy", par_parts(L, g.size, N), og=L.off(g), oy=L.off(e.ins[1]) if a["relu"] else 0,
+    return [L.row("k_conv_dy", split=par_parts(L, g.size, N), og=L.off(g), oy=L.off(e.ins[1]) if a["relu"] else 0,
                    ogt=L.off(e.outs[0]), odb=L.off(e.outs[1]) if a["bias"] else 0, N=N, O=O, P=OH * OW,
-                   relu=a["relu"], bias=a["bias"])
+                   relu=a["relu"], bias=a["bias"])]
 
 
 op("conv_dy", infer=_conv_dy_rule, ref=_conv_dy_ref, lower=_conv_dy_lower, internal=True, nondiff=True,
@@ -318,8 +318,8 @@ def _pool_lower(back):
         offs = dict(ox=L.off(x), oy=L.off(e.ins[1]), odx=L.off(e.outs[0])) if back else \
             dict(ox=L.off(x), oy=L.off(e.outs[0]), odx=0)
         NC = x.size // (x.shape[-1] * x.shape[-2])
-        return par_row(L, "k_pool2d", par_parts(L, x.size, NC), back=back, mode=a["mode"], **offs, NC=NC,
-                       H=x.shape[-2], W=x.shape[-1], OH=a["oh"], OW=a["ow"], **{k: a[k] for k in _GEOM[:6]})
+        return [L.row("k_pool2d", split=par_parts(L, x.size, NC), back=back, mode=a["mode"], **offs, NC=NC,
+                       H=x.shape[-2], W=x.shape[-1], OH=a["oh"], OW=a["ow"], **{k: a[k] for k in _GEOM[:6]})]
     return lower
 
 

@@ -8,7 +8,7 @@ from btjit.graph import trace as T
 from btjit.kernels import elementwise as EW
 
 from btjit.graph.optable import (Case, F, ShapeError, _bcast_shape, bstrides, copy_rows, cstrides, op, par_parts,
-                                 par_row, strided_rows)
+                                 strided_rows)
 
 
 # ----------------------------------------------------------------------------- layout ops
@@ -52,8 +52,8 @@ def _lower_transpose(e, L):
     x, perm, n = e.ins[0], tuple(e.attrs["perm"]), len(e.ins[0].shape)
     if n >= 2 and perm == tuple(range(n - 2)) + (n - 1, n - 2) and x.dtype != "i32" and min(x.shape[-2:]) >= 16:
         nb = x.size // (x.shape[-1] * x.shape[-2])      # a batch of matrices: register tiles
-        return par_row(L, "k_transpose", par_parts(L, x.size, nb), oout=L.off(e.outs[0]), oin=L.off(x), nb=nb,
-                       rows=x.shape[-2], cols=x.shape[-1])
+        return [L.row("k_transpose", split=par_parts(L, x.size, nb), oout=L.off(e.outs[0]), oin=L.off(x), nb=nb,
+                       rows=x.shape[-2], cols=x.shape[-1])]
     st = cstrides(e.ins[0].shape)
     return copy_rows(L, e, L.off(e.outs[0]), cstrides(e.outs[0].shape), L.off(e.ins[0]),
                      tuple(st[p] for p in e.attrs["perm"]))
@@ -95,8 +95,8 @@ def _lower_slice_scatter(e, L):
     if all(k == 1 for k in a["steps"]) and 0 < len(y.shape) <= 4:      # a zero padding: k_pad, one pass
         lead = (1,) * (4 - len(y.shape))
         e_, d_, s_ = lead + tuple(y.shape), lead + tuple(x.shape), (0,) * (4 - len(y.shape)) + tuple(a["starts"])
-        return par_row(L, "k_pad", par_parts(L, y.size, e_[0] * e_[1]), oout=L.off(y), oin=L.off(x),
-                       **{f"{c}{i}": v[i] for c, v in (("e", e_), ("d", d_), ("s", s_)) for i in range(4)})
+        return [L.row("k_pad", split=par_parts(L, y.size, e_[0] * e_[1]), oout=L.off(y), oin=L.off(x),
+                       **{f"{c}{i}": v[i] for c, v in (("e", e_), ("d", d_), ("s", s_)) for i in range(4)})]
     off, st = _slice_view(y.shape, a)
     return [L.row("k_fill", oout=L.off(y), n=y.size, oc=L.const(0.0))] + strided_rows(
         L, EW.B_COPY, e.ins[0].shape, (L.off(e.outs[0]) + off, st), [(L.off(e.ins[0]), cstrides(e.ins[0].shape))])
@@ -258,9 +258,10 @@ def _take_sum_lower(kernel):
         B, P = e.ins[1].shape
         P_, V, N = (e.ins[0] if kernel == "k_take_sum" else e.outs[0]).shape
         table, out = ("ot", "oout") if kernel == "k_take_sum" else ("og", "odt")
-        return L.index_check(e, e.ins[1], V) + par_row(       # split: blocks of 16 columns on the threads
-            L, kernel, par_parts(L, B * P * N, (N + 15) // 16), **{table: L.off(e.ins[0]), out: L.off(e.outs[0])},
-            oidx=L.off(e.ins[1]), B=B, P=P, V=V, N=N)
+        split = par_parts(L, B * P * N, (N + 15) // 16)        # blocks of 16 columns on the threads
+        return L.index_check(e, e.ins[1], V) + [L.row(kernel, split=split, **{table: L.off(e.ins[0]),
+                                                                             out: L.off(e.outs[0])},
+                                                      oidx=L.off(e.ins[1]), B=B, P=P, V=V, N=N)]
     return lower
 
 

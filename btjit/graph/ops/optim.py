@@ -10,7 +10,7 @@ import numpy as np
 
 from btjit.kernels import optim as K
 
-from btjit.graph.optable import ShapeError, op, par_parts, par_row
+from btjit.graph.optable import ShapeError, op, par_parts
 
 FIELD = {"t": "ot", "lr": "olr", "scale": "oscale", "weight_decay": "owd", "momentum": "omom",
          "1-dampening": "o1damp", "beta1": "ob1", "1-beta1": "o1b1", "beta2": "ob2", "1-beta2": "o1b2", "eps": "oeps",
@@ -76,8 +76,8 @@ def lower(e, L):
     flags = sum(FLAGS[f] for f in a["flags"])
     n = e.ins[0].size
     state = dict(zip(STATE_FIELDS[a["kind"]], offs[2:2 + ns] or [0]))
-    return par_row(L, f"k_opt_{a['kind']}", par_parts(L, n, n), op_=offs[0], og=offs[1], n=n, flags=flags, **state,
-                   **sc)
+    return [L.row(f"k_opt_{a['kind']}", split=par_parts(L, n, n), op_=offs[0], og=offs[1], n=n, flags=flags, **state,
+                   **sc)]
 
 
 op("opt_update", infer=_rule, ref=ref, lower=lower, internal=True, nondiff=True)
