@@ -409,13 +409,3 @@ def clear_cache() -> int:
 
 
 LIBRARY = Library()
-
-
-def main(argv):
-    """Worker: compile (or load) each entry, printing its name and seconds."""
-    import btjit.kernels.linalg  # noqa: F401 -- registers the BLAS symbols before any cache load
-    for s in (ln.strip() for ln in sys.stdin) if argv == ["-"] else argv:
-        e = _parse(s)
-        t0 = time.perf_counter()
-        hit = not LIBRARY.load(*e)
-        print(f"{entry_name(*e):<40s} {time.perf_counter() - t0:6.2f} s{'  (cached)' if hit else ''}", flush=True)
