@@ -236,8 +236,14 @@ def test_a_small_cnn_matches_finite_differences():
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda x, w: btjit.conv2d(x, w[:, :2]), "conv2d: x has 3 channels and w 4 x 2"),
-    (lambda x, w: btjit.conv2d(x, w, groups=2), "groups=2"),
+    (lambda x, w: btjit.conv2d(x, w[:, :2]), "conv2d: x has 3 channels but w has 2 input channels: w must be (4, 3,"),
+    (lambda x, w: btjit.conv2d(x, w, groups=2), "groups=2 must be a positive int dividing both the input's 3 channels"),
+    (lambda x, w: btjit.conv2d(x, w, stride=0), "window 3 (stride 0,"),
+    (lambda x, w: btjit.conv2d(x, w, padding=1, padding_mode="mirror"), "padding_mode must be"),
+    (lambda x, w: btjit.conv1d(x[:, :, 0], w[:, :2, 0]), "conv1d: x has 3 channels but w has 2 input channels: "
+                                                         "w must be (4, 3, k) for 3 channels and groups=1 "
+                                                         "(input shapes (2, 3, 8) and (4, 2, 3))"),
+    (lambda x, w: btjit.conv2d(x, w, padding=-1), "padding -1+-1) gives no output"),
     (lambda x, w: btjit.conv2d(x, w, stride=2, padding="same"), "padding='same' needs stride 1"),
     (lambda x, w: btjit.conv2d(x, w, padding="full"), "padding must be"),
     (lambda x, w: btjit.conv2d(x[0, 0], w), "needs x (N, C, H, W)"),
@@ -251,11 +257,13 @@ def test_a_small_cnn_matches_finite_differences():
     (lambda x, w: btjit.conv_transpose2d(x, w[:3], stride=2, output_padding=2),
      "output_padding (2, 2) must be smaller"),
     (lambda x, w: btjit.conv_transpose2d(x, w[:3], padding=5), "give an output of"),
-    (lambda x, w: btjit.interpolate(x, scale_factor=1.5), "must be whole multiples"),
+    (lambda x, w: btjit.interpolate(x, scale_factor=0), "scale_factor 0 must be positive"),
     (lambda x, w: btjit.pad(x, (1, 2, 3)), "must hold (before, after) pairs"),
     (lambda x, w: btjit.pad(x, (8, 8), "reflect"), "reflect padding of (8, 8) on an axis of size 8"),
     (lambda x, w: btjit.pixel_shuffle(x, 2), "needs (N, C*2*2, H, W)"),
-    (lambda x, w: btjit.interpolate(x, scale_factor=2, mode="bilinear"), "mode 'nearest'"),
+    (lambda x, w: btjit.interpolate(x, scale_factor=2, mode="bicubic"), "a mode of 'nearest' (1/2-d)"),
+    (lambda x, w: btjit.interpolate(x, scale_factor=2, mode="linear"), "(got mode='linear')"),
+    (lambda x, w: btjit.interpolate(x, scale_factor=2, align_corners=True), "align_corners only goes with"),
 ])
 def test_bad_arguments_name_the_function_and_the_line(call, message):
     def loss(p):
