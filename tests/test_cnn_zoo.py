@@ -429,3 +429,52 @@ def test_tiny_unet(up, shape):
 def test_tiny_unet_float32_reflect_padding():
     run_against_torch(TinyUNet("bilinear", "reflect"), unet_loss("bilinear", "reflect"), (3, 9, 8), classes=3, B=2,
                       dtype="float32", pixels=True)
+
+
+# --- torch's spellings, and bad shapes: errors naming the problem and the user's line -----------------------
+def test_torch_keywords_as_written():
+    """F.relu(x, inplace=True) (the value returned), F.conv2d(x, w, bias=b), x.mean([2, 3]), avg_pool2d over
+    x.size()[2:] (a global average), batch_norm's running statistics by keyword."""
+    rng = np.random.default_rng(0)
+    p = {"w": rng.normal(size=(4, 3, 3, 3)), "b": rng.normal(size=4), "g": np.ones(4), "h": np.zeros(4)}
+    x = rng.normal(size=(2, 3, 6, 5))
+
+    def fn(p, x):
+        x = btjit.relu(btjit.conv2d(x, p["w"], bias=p["b"], padding=1), inplace=True)
+        x = btjit.batch_norm(x, running_mean=p["rm"], running_var=p["rv"], weight=p["g"], bias=p["h"])
+        return btjit.sum(btjit.avg_pool2d(x, x.size()[2:]).flatten(1) * x.mean([2, 3]))
+    prog = btjit.trace(fn, p, x, grad=True, dtype="float64", buffers={"rm": np.zeros(4), "rv": np.ones(4)})
+    t = {k: torch.tensor(v, requires_grad=True) for k, v in p.items()}
+    y = F.batch_norm(F.relu(F.conv2d(torch.tensor(x), t["w"], bias=t["b"], padding=1), inplace=True), None, None,
+                     t["g"], t["h"], training=True)
+    want = (F.avg_pool2d(y, y.size()[2:]).flatten(1) * y.mean([2, 3])).sum()
+    want.backward()
+    _close(prog.value_and_grad(x), want.item(), 1e-10, "loss")
+    for k in p:
+        _close(prog.grads[k], t[k].grad.numpy(), 1e-10, k)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda p, x: btjit.conv2d(x, np.zeros((8, 4, 3, 3))),           # RGB images into a 4-channel conv
+     "conv2d: x has 3 channels but w has 4 input channels: w must be (8, 3, kh, kw)"),
+    (lambda p, x: btjit.conv2d(x, np.zeros((8, 3, 7, 7)), padding=1),   # the kernel larger than the padded input
+     "window 7 (stride 1, dilation 1, padding 1+1) gives no output on a size-4 axis"),
+    (lambda p, x: btjit.conv2d(x, np.zeros((8, 1, 3, 3)), groups=2),   # groups not dividing the channels
+     "groups=2 must be a positive int dividing both the input's 3 channels and w's 8 output channels"),
+    (lambda p, x: btjit.conv2d(x, np.zeros((6, 1, 3, 3)), groups=3, padding="same")[:, :5] @ np.zeros((5, 4)),
+     "matmul: shapes (2, 5, 5, 4) and (5, 4) do not align"),
+    (lambda p, x: btjit.conv1d(x[:, :, 0], np.zeros((4, 2, 3))),
+     "conv1d: x has 3 channels but w has 2 input channels: w must be (4, 3, k) for 3 channels and groups=1 "
+     "(input shapes (2, 3, 4) and (4, 2, 3))"),
+    (lambda p, x: btjit.max_pool2d(x, 3, stride=2, padding=2), "at most half the kernel size"),
+    (lambda p, x: btjit.batch_norm(x, p["rm"], p["rv"], p["g"], p["h"]),     # torch's positional order
+     "batch_norm: running_mean must be a buffer"),
+    (lambda p, x: btjit.conv2d(x, np.zeros((4, 3, 1, 1)), p["h"][:4], bias=p["h"][:4]), "given twice"),
+])
+def test_bad_shapes_name_the_problem_and_the_line(call, message):
+    def fn(p, x):
+        return btjit.sum(call(p, x))
+    p = {"g": np.ones(3), "h": np.zeros(3)}
+    with pytest.raises(btjit.TraceError) as e:
+        btjit.trace(fn, p, np.zeros((2, 3, 5, 4)), grad=False, buffers={"rm": np.zeros(3), "rv": np.ones(3)})
+    assert message in str(e.value) and "test_cnn_zoo.py:" in str(e.value), str(e.value)

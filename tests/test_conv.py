@@ -368,3 +368,39 @@ def test_relu_after_a_convolution_runs_inside_it():
     prog.value_and_grad()
     for n, t in zip("xwb", ts):
         np.testing.assert_allclose(prog.grads[n], t.grad.numpy(), rtol=1e-10, atol=1e-10, err_msg=n)
+
+
+INTERP = [  # x, kwargs of torch.nn.functional.interpolate
+    ((2, 3, 5, 6), dict(scale_factor=2, mode="bilinear", align_corners=False)),     # a U-Net's nn.Upsample
+    ((2, 3, 5, 6), dict(scale_factor=2, mode="bilinear", align_corners=True)),
+    ((1, 2, 5, 6), dict(size=(7, 4), mode="bilinear")),                             # down on W
+    ((1, 2, 5, 6), dict(scale_factor=(1.7, 0.6), mode="bilinear")),
+    ((1, 2, 5, 6), dict(scale_factor=1.5, mode="bilinear", recompute_scale_factor=True)),
+    ((1, 2, 5, 6), dict(size=(7, 4))),                                              # nearest, not whole factors
+    ((1, 2, 5, 6), dict(scale_factor=1.5)),
+    ((1, 2, 5, 6), dict(size=(9, 13), mode="nearest-exact")),
+    ((2, 3, 7), dict(scale_factor=2.5, mode="linear", align_corners=True)),
+    ((2, 3, 7), dict(size=4, mode="linear")),
+    ((2, 3, 7), dict(size=1, mode="linear", align_corners=True)),
+]
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-5)])
+@pytest.mark.parametrize("i", range(len(INTERP)))
+def test_interpolate_matches_torch(i, dtype, tol):
+    xs, kw = INTERP[i]
+    _against_torch(lambda a: btjit.interpolate(a, **kw), lambda a: TF.interpolate(a, **kw),
+                   [np.random.default_rng(i).normal(size=xs)], dtype, tol)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+@pytest.mark.parametrize("xs,ws,kw", [((2, 3, 6, 7), (4, 3, 3, 3), dict(padding=1)),
+                                      ((2, 3, 6, 7), (4, 3, 4, 3), dict(padding="same")),
+                                      ((2, 3, 9), (4, 3, 3), dict(padding=2, dilation=2))])
+def test_padding_mode_as_nn_conv(mode, xs, ws, kw):
+    """nn.Conv2d / Conv1d's padding_mode (their _conv_forward), torch's keyword bias= beside b."""
+    rng = np.random.default_rng(2)
+    f, m = (btjit.conv1d, torch.nn.Conv1d) if len(xs) == 3 else (btjit.conv2d, torch.nn.Conv2d)
+    m = m(3, 4, ws[2:], padding_mode=mode, **kw).double()
+    _against_torch(lambda a, w, b: f(a, w, bias=b, padding_mode=mode, **kw), m._conv_forward,
+                   [rng.normal(size=xs), rng.normal(size=ws), rng.normal(size=ws[0])], "float64", 1e-10)

@@ -39,17 +39,25 @@ def _implicit(groups, out_channels, pixels) -> bool:
     return groups == 1 and out_channels % MR == 0 and pixels >= MR and T.current_graph().precision == "fp32"
 
 
+def _bias(fn, b, bias):
+    """b, or torch's keyword bias= (F.conv2d(x, w, bias=b))."""
+    if b is not None and bias is not None:
+        raise T.TraceError(f"{fn}: b and bias are one argument (bias is torch's name), given twice — {T.user_src()}")
+    return b if bias is None else bias
+
+
 def _unbatched(f, x, *args):
     """f of x with a batch axis of 1 added (torch's unbatched (C, H, W) input), the axis removed after."""
     y = f(T.reshape(x, (1,) + x.shape), *args)
     return T.reshape(y, y.shape[1:])
 
 
-def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros", *, bias=None):
     """torch.nn.functional.conv2d: x (N, C, H, W) or (C, H, W), w (O, C/groups, kh, kw), b (O,) or None;
     padding an int, a pair, "same" (stride 1; the odd extra pixel after, as torch) or "valid"; padding_mode
-    nn.Conv2d's: "zeros", "reflect", "replicate" or "circular" (x padded so by btjit.pad first)."""
-    return _conv2d(x, w, b, stride, padding, dilation, groups, "conv2d", padding_mode)
+    nn.Conv2d's: "zeros", "reflect", "replicate" or "circular" (x padded so by btjit.pad first). `bias=` is
+    torch's name for b."""
+    return _conv2d(x, w, _bias("conv2d", b, bias), stride, padding, dilation, groups, "conv2d", padding_mode)
 
 
 def _conv2d(x, w, b, stride, padding, dilation, groups, _fn, padding_mode="zeros", _shown=None):
@@ -124,12 +132,13 @@ def _channels_inner(C, sh, sw) -> bool:
     return (sh, sw) == (1, 1) and C % MR == 0
 
 
-def conv_transpose2d(x, w, b=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+def conv_transpose2d(x, w, b=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1, *, bias=None):
     """torch.nn.functional.conv_transpose2d: x (N, C, H, W) or (C, H, W), w (C, O/groups, kh, kw), b (O,) or None;
     the output (N, O, (H-1)*stride - 2*padding + dilation*(kh-1) + output_padding + 1, ...). Each input pixel's
     products with the window (one GEMM, per group) are summed into the output by col2im, the adjoint of the
     patches a convolution reads (its gradient is that convolution's patch matrix)."""
-    return _conv_transpose2d(x, w, b, stride, padding, output_padding, groups, dilation, "conv_transpose2d")
+    return _conv_transpose2d(x, w, _bias("conv_transpose2d", b, bias), stride, padding, output_padding, groups,
+                             dilation, "conv_transpose2d")
 
 
 def _conv_transpose2d(x, w, b, stride, padding, output_padding, groups, dilation, _fn):
@@ -167,9 +176,9 @@ def _conv_transpose2d(x, w, b, stride, padding, output_padding, groups, dilation
     return y
 
 
-def conv_transpose1d(x, w, b=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+def conv_transpose1d(x, w, b=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1, *, bias=None):
     """torch.nn.functional.conv_transpose1d: x (N, C, L) or (C, L), w (C, O/groups, k)."""
-    x, w = T.lift(x), T.lift(w)
+    x, w, b = T.lift(x), T.lift(w), _bias("conv_transpose1d", b, bias)
     if x.ndim not in (2, 3) or w.ndim != 3:
         _fail("conv_transpose1d", "needs x (N, C, L) and w (C, O/groups, k)", x, w)
     fn = "conv_transpose1d"
@@ -180,10 +189,10 @@ def conv_transpose1d(x, w, b=None, stride=1, padding=0, output_padding=0, groups
     return T.reshape(y, y.shape[:-2] + (y.shape[-1],))
 
 
-def conv1d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+def conv1d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros", *, bias=None):
     """torch.nn.functional.conv1d: x (N, C, L) or (C, L), w (O, C/groups, k); padding an int, "same" or "valid";
     padding_mode as conv2d's."""
-    x, w = T.lift(x), T.lift(w)
+    x, w, b = T.lift(x), T.lift(w), _bias("conv1d", b, bias)
     if x.ndim not in (2, 3) or w.ndim != 3:
         _fail("conv1d", "needs x (N, C, L) and w (O, C/groups, k)", x, w)
     one = lambda v, what: (1,) + _tuple("conv1d", v, 1, what)  # noqa: E731
