@@ -236,8 +236,14 @@ def test_a_small_cnn_matches_finite_differences():
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda x, w: btjit.conv2d(x, w[:, :2]), "conv2d: x has 3 channels and w 4 x 2"),
-    (lambda x, w: btjit.conv2d(x, w, groups=2), "groups=2"),
+    (lambda x, w: btjit.conv2d(x, w[:, :2]), "conv2d: x has 3 channels but w has 2 input channels: w must be (4, 3,"),
+    (lambda x, w: btjit.conv2d(x, w, groups=2), "groups=2 must be a positive int dividing both the input's 3 channels"),
+    (lambda x, w: btjit.conv2d(x, w, stride=0), "window 3 (stride 0,"),
+    (lambda x, w: btjit.conv2d(x, w, padding=1, padding_mode="mirror"), "padding_mode must be"),
+    (lambda x, w: btjit.conv1d(x[:, :, 0], w[:, :2, 0]), "conv1d: x has 3 channels but w has 2 input channels: "
+                                                         "w must be (4, 3, k) for 3 channels and groups=1 "
+                                                         "(input shapes (2, 3, 8) and (4, 2, 3))"),
+    (lambda x, w: btjit.conv2d(x, w, padding=-1), "padding -1+-1) gives no output"),
     (lambda x, w: btjit.conv2d(x, w, stride=2, padding="same"), "padding='same' needs stride 1"),
     (lambda x, w: btjit.conv2d(x, w, padding="full"), "padding must be"),
     (lambda x, w: btjit.conv2d(x[0, 0], w), "needs x (N, C, H, W)"),
@@ -251,11 +257,13 @@ def test_a_small_cnn_matches_finite_differences():
     (lambda x, w: btjit.conv_transpose2d(x, w[:3], stride=2, output_padding=2),
      "output_padding (2, 2) must be smaller"),
     (lambda x, w: btjit.conv_transpose2d(x, w[:3], padding=5), "give an output of"),
-    (lambda x, w: btjit.interpolate(x, scale_factor=1.5), "must be whole multiples"),
+    (lambda x, w: btjit.interpolate(x, scale_factor=0), "scale_factor 0 must be positive"),
     (lambda x, w: btjit.pad(x, (1, 2, 3)), "must hold (before, after) pairs"),
     (lambda x, w: btjit.pad(x, (8, 8), "reflect"), "reflect padding of (8, 8) on an axis of size 8"),
     (lambda x, w: btjit.pixel_shuffle(x, 2), "needs (N, C*2*2, H, W)"),
-    (lambda x, w: btjit.interpolate(x, scale_factor=2, mode="bilinear"), "mode 'nearest'"),
+    (lambda x, w: btjit.interpolate(x, scale_factor=2, mode="bicubic"), "a mode of 'nearest' (1/2-d)"),
+    (lambda x, w: btjit.interpolate(x, scale_factor=2, mode="linear"), "(got mode='linear')"),
+    (lambda x, w: btjit.interpolate(x, scale_factor=2, align_corners=True), "align_corners only goes with"),
 ])
 def test_bad_arguments_name_the_function_and_the_line(call, message):
     def loss(p):
@@ -360,3 +368,39 @@ def test_relu_after_a_convolution_runs_inside_it():
     prog.value_and_grad()
     for n, t in zip("xwb", ts):
         np.testing.assert_allclose(prog.grads[n], t.grad.numpy(), rtol=1e-10, atol=1e-10, err_msg=n)
+
+
+INTERP = [  # x, kwargs of torch.nn.functional.interpolate
+    ((2, 3, 5, 6), dict(scale_factor=2, mode="bilinear", align_corners=False)),     # a U-Net's nn.Upsample
+    ((2, 3, 5, 6), dict(scale_factor=2, mode="bilinear", align_corners=True)),
+    ((1, 2, 5, 6), dict(size=(7, 4), mode="bilinear")),                             # down on W
+    ((1, 2, 5, 6), dict(scale_factor=(1.7, 0.6), mode="bilinear")),
+    ((1, 2, 5, 6), dict(scale_factor=1.5, mode="bilinear", recompute_scale_factor=True)),
+    ((1, 2, 5, 6), dict(size=(7, 4))),                                              # nearest, not whole factors
+    ((1, 2, 5, 6), dict(scale_factor=1.5)),
+    ((1, 2, 5, 6), dict(size=(9, 13), mode="nearest-exact")),
+    ((2, 3, 7), dict(scale_factor=2.5, mode="linear", align_corners=True)),
+    ((2, 3, 7), dict(size=4, mode="linear")),
+    ((2, 3, 7), dict(size=1, mode="linear", align_corners=True)),
+]
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-5)])
+@pytest.mark.parametrize("i", range(len(INTERP)))
+def test_interpolate_matches_torch(i, dtype, tol):
+    xs, kw = INTERP[i]
+    _against_torch(lambda a: btjit.interpolate(a, **kw), lambda a: TF.interpolate(a, **kw),
+                   [np.random.default_rng(i).normal(size=xs)], dtype, tol)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+@pytest.mark.parametrize("xs,ws,kw", [((2, 3, 6, 7), (4, 3, 3, 3), dict(padding=1)),
+                                      ((2, 3, 6, 7), (4, 3, 4, 3), dict(padding="same")),
+                                      ((2, 3, 9), (4, 3, 3), dict(padding=2, dilation=2))])
+def test_padding_mode_as_nn_conv(mode, xs, ws, kw):
+    """nn.Conv2d / Conv1d's padding_mode (their _conv_forward), torch's keyword bias= beside b."""
+    rng = np.random.default_rng(2)
+    f, m = (btjit.conv1d, torch.nn.Conv1d) if len(xs) == 3 else (btjit.conv2d, torch.nn.Conv2d)
+    m = m(3, 4, ws[2:], padding_mode=mode, **kw).double()
+    _against_torch(lambda a, w, b: f(a, w, bias=b, padding_mode=mode, **kw), m._conv_forward,
+                   [rng.normal(size=xs), rng.normal(size=ws), rng.normal(size=ws[0])], "float64", 1e-10)

@@ -27,8 +27,8 @@ def _tuple(fn, v, n, what):
 
 
 def _out(fn, size, k, s, lo, hi, d, xs):
-    o = (size + lo + hi - d * (k - 1) - 1) // s + 1
-    if o < 1 or s < 1 or d < 1 or k < 1:
+    o = (size + lo + hi - d * (k - 1) - 1) // max(s, 1) + 1
+    if o < 1 or s < 1 or d < 1 or k < 1 or min(lo, hi) < 0:
         _fail(fn, f"window {k} (stride {s}, dilation {d}, padding {lo}+{hi}) gives no output on a size-{size} "
                   f"axis", *xs)
     return o
@@ -39,30 +39,47 @@ def _implicit(groups, out_channels, pixels) -> bool:
     return groups == 1 and out_channels % MR == 0 and pixels >= MR and T.current_graph().precision == "fp32"
 
 
+def _bias(fn, b, bias):
+    """b, or torch's keyword bias= (F.conv2d(x, w, bias=b))."""
+    if b is not None and bias is not None:
+        raise T.TraceError(f"{fn}: b and bias are one argument (bias is torch's name), given twice — {T.user_src()}")
+    return b if bias is None else bias
+
+
 def _unbatched(f, x, *args):
     """f of x with a batch axis of 1 added (torch's unbatched (C, H, W) input), the axis removed after."""
     y = f(T.reshape(x, (1,) + x.shape), *args)
     return T.reshape(y, y.shape[1:])
 
 
-def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros", *, bias=None):
     """torch.nn.functional.conv2d: x (N, C, H, W) or (C, H, W), w (O, C/groups, kh, kw), b (O,) or None;
-    padding an int, a pair, "same" (stride 1; the odd extra pixel after, as torch) or "valid"."""
-    return _conv2d(x, w, b, stride, padding, dilation, groups, "conv2d")
+    padding an int, a pair, "same" (stride 1; the odd extra pixel after, as torch) or "valid"; padding_mode
+    nn.Conv2d's: "zeros", "reflect", "replicate" or "circular" (x padded so by btjit.pad first). `bias=` is
+    torch's name for b."""
+    return _conv2d(x, w, _bias("conv2d", b, bias), stride, padding, dilation, groups, "conv2d", padding_mode)
 
 
-def _conv2d(x, w, b, stride, padding, dilation, groups, _fn):
+def _conv2d(x, w, b, stride, padding, dilation, groups, _fn, padding_mode="zeros", _shown=None):
     x, w = T.lift(x), T.lift(w)
     if x.ndim == 3:
-        return _unbatched(_conv2d, x, w, b, stride, padding, dilation, groups, _fn)
+        return _unbatched(_conv2d, x, w, b, stride, padding, dilation, groups, _fn, padding_mode, _shown)
+    shown = _shown or (x, w)             # the shapes the user passed (conv1d's (N, C, L), (O, C/groups, k))
+    kdims = "k" if _fn == "conv1d" else "kh, kw"
     if x.ndim != 4 or w.ndim != 4:
-        _fail(_fn, "needs x (N, C, H, W) and w (O, C/groups, kh, kw)", x, w)
+        _fail(_fn, f"needs x (N, C, H, W) and w (O, C/groups, {kdims})", *shown)
     N, C, H, W = x.shape
     O, Cg, kh, kw = w.shape
-    G = int(groups)
-    if G < 1 or C % G or O % G or Cg != C // G:
-        _fail(_fn, f"x has {C} channels and w {O} x {Cg}: with groups={G} w must be ({O}, {C // G if G else '?'}, "
-                   f"kh, kw) and {O} divisible by {G}", x, w)
+    G = groups
+    if not isinstance(G, (int, np.integer)) or G < 1 or C % G or O % G:
+        _fail(_fn, f"groups={G!r} must be a positive int dividing both the input's {C} channels and w's {O} "
+                   f"output channels", *shown)
+    if Cg != C // G:
+        _fail(_fn, f"x has {C} channels but w has {Cg} input channels{' per group' if G > 1 else ''}: w must be "
+                   f"({O}, {C // G}, {kdims}) for {C} channels and groups={G}", *shown)
+    if padding_mode not in ("zeros",) + tuple(TORCH_PAD)[1:]:
+        raise T.TraceError(f"{_fn}: padding_mode must be 'zeros', 'reflect', 'replicate' or 'circular', got "
+                           f"{padding_mode!r} — {T.user_src()}")
     sh, sw = _tuple(_fn, stride, 2, "stride")
     dh, dw = _tuple(_fn, dilation, 2, "dilation")
     if isinstance(padding, str):
@@ -70,19 +87,23 @@ def _conv2d(x, w, b, stride, padding, dilation, groups, _fn):
             raise T.TraceError(f"{_fn}: padding must be an int, a pair, 'same' or 'valid', got {padding!r} — "
                                f"{T.user_src()}")
         if padding == "same" and (sh, sw) != (1, 1):
-            _fail(_fn, "padding='same' needs stride 1 (as torch)", x, w)
+            _fail(_fn, "padding='same' needs stride 1 (as torch)", *shown)
         th, tw = (dh * (kh - 1), dw * (kw - 1)) if padding == "same" else (0, 0)
         (ph, ph2), (pw, pw2) = (th // 2, th - th // 2), (tw // 2, tw - tw // 2)
     else:
         ph, pw = _tuple(_fn, padding, 2, "padding")
         ph2, pw2 = ph, pw
-    oh = _out(_fn, H, kh, sh, ph, ph2, dh, (x, w))
-    ow = _out(_fn, W, kw, sw, pw, pw2, dw, (x, w))
+    oh = _out(_fn, H, kh, sh, ph, ph2, dh, shown)
+    ow = _out(_fn, W, kw, sw, pw, pw2, dw, shown)
+    if padding_mode != "zeros" and (ph or ph2 or pw or pw2):   # nn.Conv2d's: F.pad in that mode, then no padding
+        x = pad(x, (pw, pw2, ph, ph2), padding_mode)
+        N, C, H, W = x.shape
+        ph = ph2 = pw = pw2 = 0
     K, Og, P = Cg * kh * kw, O // G, oh * ow
     if b is not None:
         b = T.lift(b)
         if tuple(b.shape) != (O,):
-            _fail(_fn, f"the bias must have shape ({O},)", x, w, b)
+            _fail(_fn, f"the bias must have shape ({O},)", *shown, b)
     if _implicit(G, O, N * P):
         if ph or ph2 or pw or pw2:      # an implicit GEMM over the padded image (conv_gemm: no patch matrix)
             x = T.emit("slice_scatter", (x,), shape=(N, C, H + ph + ph2, W + pw + pw2), starts=(0, 0, ph, pw),
@@ -111,12 +132,13 @@ def _channels_inner(C, sh, sw) -> bool:
     return (sh, sw) == (1, 1) and C % MR == 0
 
 
-def conv_transpose2d(x, w, b=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+def conv_transpose2d(x, w, b=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1, *, bias=None):
     """torch.nn.functional.conv_transpose2d: x (N, C, H, W) or (C, H, W), w (C, O/groups, kh, kw), b (O,) or None;
     the output (N, O, (H-1)*stride - 2*padding + dilation*(kh-1) + output_padding + 1, ...). Each input pixel's
     products with the window (one GEMM, per group) are summed into the output by col2im, the adjoint of the
     patches a convolution reads (its gradient is that convolution's patch matrix)."""
-    return _conv_transpose2d(x, w, b, stride, padding, output_padding, groups, dilation, "conv_transpose2d")
+    return _conv_transpose2d(x, w, _bias("conv_transpose2d", b, bias), stride, padding, output_padding, groups,
+                             dilation, "conv_transpose2d")
 
 
 def _conv_transpose2d(x, w, b, stride, padding, output_padding, groups, dilation, _fn):
@@ -154,9 +176,9 @@ def _conv_transpose2d(x, w, b, stride, padding, output_padding, groups, dilation
     return y
 
 
-def conv_transpose1d(x, w, b=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+def conv_transpose1d(x, w, b=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1, *, bias=None):
     """torch.nn.functional.conv_transpose1d: x (N, C, L) or (C, L), w (C, O/groups, k)."""
-    x, w = T.lift(x), T.lift(w)
+    x, w, b = T.lift(x), T.lift(w), _bias("conv_transpose1d", b, bias)
     if x.ndim not in (2, 3) or w.ndim != 3:
         _fail("conv_transpose1d", "needs x (N, C, L) and w (C, O/groups, k)", x, w)
     fn = "conv_transpose1d"
@@ -167,15 +189,16 @@ def conv_transpose1d(x, w, b=None, stride=1, padding=0, output_padding=0, groups
     return T.reshape(y, y.shape[:-2] + (y.shape[-1],))
 
 
-def conv1d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
-    """torch.nn.functional.conv1d: x (N, C, L) or (C, L), w (O, C/groups, k); padding an int, "same" or "valid"."""
-    x, w = T.lift(x), T.lift(w)
+def conv1d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros", *, bias=None):
+    """torch.nn.functional.conv1d: x (N, C, L) or (C, L), w (O, C/groups, k); padding an int, "same" or "valid";
+    padding_mode as conv2d's."""
+    x, w, b = T.lift(x), T.lift(w), _bias("conv1d", b, bias)
     if x.ndim not in (2, 3) or w.ndim != 3:
         _fail("conv1d", "needs x (N, C, L) and w (O, C/groups, k)", x, w)
     one = lambda v, what: (1,) + _tuple("conv1d", v, 1, what)  # noqa: E731
-    pad = padding if isinstance(padding, str) else (0,) + _tuple("conv1d", padding, 1, "padding")
+    pads = padding if isinstance(padding, str) else (0,) + _tuple("conv1d", padding, 1, "padding")
     y = _conv2d(T.reshape(x, x.shape[:-1] + (1, x.shape[-1])), T.reshape(w, w.shape[:2] + (1, w.shape[2])), b,
-                one(stride, "stride"), pad, one(dilation, "dilation"), groups, "conv1d")
+                one(stride, "stride"), pads, one(dilation, "dilation"), groups, "conv1d", padding_mode, (x, w))
     return T.reshape(y, y.shape[:-2] + (y.shape[-1],))
 
 
@@ -303,24 +326,49 @@ def _adaptive(fn, mode, x, output_size, nd):
     return x
 
 
-def interpolate(x, size=None, scale_factor=None, mode="nearest"):
-    """torch.nn.functional.interpolate in mode "nearest" by whole factors (an autoencoder's or a U-Net's
-    upsampling): each pixel repeated; x (N, C, L) or (N, C, H, W); `size` or `scale_factor` (an int or one per
-    spatial axis)."""
+def interpolate(x, size=None, scale_factor=None, mode="nearest", align_corners=None, recompute_scale_factor=None):
+    """torch.nn.functional.interpolate of x (N, C, L) or (N, C, H, W) to `size` or by `scale_factor` (an int or
+    float, or one per spatial axis), in mode "nearest" (torch's source pixel floor(i * in / out); whole factors
+    repeat each pixel), "nearest-exact", "linear" (1-d) or "bilinear" (2-d), with torch's align_corners. Each
+    axis is a gather of the source pixels (and, linear, a weighted sum of two), so its gradient sums back."""
     x = T.lift(x)
     nd = x.ndim - 2
-    if mode != "nearest" or nd not in (1, 2) or (size is None) == (scale_factor is None):
-        _fail("interpolate", f"mode 'nearest' on (N, C, L) or (N, C, H, W) with one of size and scale_factor "
+    modes = {"nearest": (1, 2), "nearest-exact": (1, 2), "linear": (1,), "bilinear": (2,)}
+    if nd not in modes.get(mode, ()) or (size is None) == (scale_factor is None):
+        _fail("interpolate", f"needs (N, C, L) or (N, C, H, W), one of size and scale_factor, and a mode of "
+                             f"{', '.join(f'{k!r} ({chr(47).join(map(str, v))}-d)' for k, v in modes.items())} "
                              f"(got mode={mode!r})", x)
+    if align_corners is not None and mode.startswith("nearest"):
+        _fail("interpolate", f"align_corners only goes with the linear modes (as torch), got mode={mode!r}", x)
     if size is not None:
-        want = _tuple("interpolate", size, nd, "size")
+        want, sf = _tuple("interpolate", size, nd, "size"), (None,) * nd
     else:
         sf = (scale_factor,) * nd if isinstance(scale_factor, (int, float, np.number)) else tuple(scale_factor)
-        want = tuple(int(round(n * f)) for n, f in zip(x.shape[2:], sf))
-    if len(want) != nd or any(w < n or w % n for w, n in zip(want, x.shape[2:])):
-        _fail("interpolate", f"output size {want} must be whole multiples of the input's {x.shape[2:]}", x)
-    for k, (w, n) in enumerate(zip(want, x.shape[2:])):
-        x = repeat(x, w // n, axis=2 + k) if w != n else x
+        if len(sf) != nd or not all(f > 0 for f in sf):
+            _fail("interpolate", f"scale_factor {scale_factor!r} must be positive, one or one per spatial axis", x)
+        want = tuple(int(np.floor(n * float(f))) for n, f in zip(x.shape[2:], sf))
+        sf = (None,) * nd if recompute_scale_factor else sf
+    if min(want) < 1:
+        _fail("interpolate", f"gives an output of size {want}", x)
+    for k, (o, n, f) in enumerate(zip(want, x.shape[2:], sf)):
+        ax = (slice(None),) * (2 + k)
+        if mode == "nearest" and o % n == 0:
+            x = repeat(x, o // n, axis=2 + k) if o != n else x
+            continue
+        scale = n / o if f is None else 1.0 / float(f)   # torch's area_pixel_compute_scale
+        dst = np.arange(o, dtype=np.float64)
+        if mode.startswith("nearest"):
+            src = np.floor((dst + (0.5 if mode == "nearest-exact" else 0.0)) * scale)
+            x = x[ax + (np.minimum(src.astype(np.int64), n - 1),)]
+            continue
+        if align_corners:
+            src = dst * ((n - 1) / (o - 1) if o > 1 else 0.0)
+        else:
+            src = np.maximum((dst + 0.5) * scale - 0.5, 0.0)
+        i0 = np.minimum(src.astype(np.int64), n - 1)
+        i1 = np.minimum(i0 + 1, n - 1)
+        lam = (src - i0).reshape((o,) + (1,) * (nd - 1 - k))
+        x = x[ax + (i0,)] * (1.0 - lam) + x[ax + (i1,)] * lam
     return x
 
 

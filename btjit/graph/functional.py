@@ -171,7 +171,7 @@ def gelu(x, approximate="none"):
     return x * (0.5 + 0.5 * erf(x * 0.7071067811865476))
 
 
-def silu(x):
+def silu(x, inplace=False):
     """SiLU (swish): x * sigmoid(x), torch.nn.functional.silu."""
     x = lift(x)
     return x * sigmoid(x)
@@ -240,24 +240,24 @@ def _reduced(fn, per, reduction, keep=None):
 
 
 # ----------------------------------------------------------------------------- activations and losses as torch
-def leaky_relu(x, negative_slope=0.01):
+def leaky_relu(x, negative_slope=0.01, inplace=False):
     x = lift(x)
     return where(x > 0.0, x, x * float(negative_slope))
 
 
-def elu(x, alpha=1.0):
+def elu(x, alpha=1.0, inplace=False):
     x = lift(x)
     return where(x > 0.0, x, (exp(minimum(x, 0.0, ties="first")) - 1.0) * float(alpha))    # exp of the kept branch only
 
 
-def hardtanh(x, min_val=-1.0, max_val=1.0):
+def hardtanh(x, min_val=-1.0, max_val=1.0, inplace=False):
     """x clamped to [min_val, max_val]; its gradient passes strictly inside (torch's rule: 0 at the bounds, where
     clamp's passes)."""
     x = maximum(x, float(min_val), ties="second")
     return minimum(x, float(max_val), ties="second")
 
 
-def relu6(x):
+def relu6(x, inplace=False):
     return hardtanh(x, 0.0, 6.0)
 
 

@@ -31,14 +31,14 @@ def randn_like(x):
     return _random(x, K.U_NORMAL)
 
 
-def dropout(x, p=0.5, training=None):
+def dropout(x, p=0.5, training=None, inplace=False):
     """torch's dropout: while training, zero each element with probability p and scale the others by
     1 / (1 - p); the identity in eval mode (or training=False) and when p == 0 (nothing is emitted). The
     backward uses the same mask, drawn again from the generator's counter."""
     return _dropout(x, _probability(p, "dropout"), training)
 
 
-def dropout2d(x, p=0.5, training=None):
+def dropout2d(x, p=0.5, training=None, inplace=False):
     """torch's dropout2d / dropout1d: while training, zero whole channels -- x[n, c] of (N, C, ...) -- with
     probability p and scale the others by 1 / (1 - p); the identity in eval mode."""
     x = T.lift(x)

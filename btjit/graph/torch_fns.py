@@ -13,12 +13,12 @@ from btjit.graph.trace import (METHODS, TraceError, abs, concatenate, exp, lift,
 _SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
 
 
-def hardsigmoid(x):
+def hardsigmoid(x, inplace=False):
     """relu6(x + 3) / 6."""
     return relu6(lift(x) + 3.0) * (1.0 / 6.0)
 
 
-def hardswish(x):
+def hardswish(x, inplace=False):
     """x * relu6(x + 3) / 6 (MobileNetV3's)."""
     x = lift(x)
     return x * hardsigmoid(x)
@@ -30,18 +30,18 @@ def logsigmoid(x):
     return minimum(0.0, x, ties="first") - log1p(exp(-where(x >= 0.0, x, -x)))
 
 
-def mish(x):
+def mish(x, inplace=False):
     """x * tanh(softplus(x))."""
     x = lift(x)
     return x * tanh(softplus(x))
 
 
-def selu(x):
+def selu(x, inplace=False):
     """scale * elu(x, alpha) with torch's (self-normalizing) constants."""
     return elu(x, _SELU_ALPHA) * _SELU_SCALE
 
 
-def celu(x, alpha=1.0):
+def celu(x, alpha=1.0, inplace=False):
     """max(0, x) + min(0, alpha (exp(x / alpha) - 1))."""
     x = lift(x)
     return where(x > 0.0, x, (exp(minimum(x, 0.0, ties="first") * (1.0 / alpha)) - 1.0) * float(alpha))

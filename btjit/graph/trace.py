@@ -217,7 +217,7 @@ class Tracer:
 def exp(x): return emit("exp", (lift(x),))
 def log(x): return emit("log", (lift(x),))
 def tanh(x): return emit("tanh", (lift(x),))
-def relu(x): return emit("relu", (lift(x),))
+def relu(x, inplace=False): return emit("relu", (lift(x),))
 def sigmoid(x): return emit("sigmoid", (lift(x),))
 def sqrt(x): return emit("sqrt", (lift(x),))
 def erf(x): return emit("erf", (lift(x),))

@@ -110,6 +110,15 @@ def batch_norm(x, weight, bias, running_mean, running_var, training=None, moment
     if len(stats) == 1:
         raise T.TraceError(f"batch_norm: give both running_mean and running_var, or neither — {T.user_src()}")
     training = state.is_training() if training is None else bool(training)
+    if training and stats:
+        kinds = T.current_graph().state_vars()
+        for v, what in zip(stats, ("running_mean", "running_var")):
+            if not (isinstance(v, T.Tracer) and kinds.get(v.node.id, ("",))[0] == "buffer"):
+                raise T.TraceError(
+                    f"batch_norm: {what} must be a buffer (p[name] of a name in btjit.trace(..., buffers=)) or None; "
+                    f"btjit's order is batch_norm(x, weight, bias, running_mean, running_var), torch.nn.functional"
+                    f".batch_norm's (input, running_mean, running_var, weight, bias): pass them by keyword — "
+                    f"{T.user_src()}")
     if training or not stats:
         n = x.size // C
         if n < 2 and training:
