@@ -78,6 +78,10 @@ def test_sdpa_grouped_query_attention_against_torch(causal):
     assert prog.value_and_grad() == pytest.approx(want.item(), rel=1e-13)
     for n, t in zip("qkv", ts):
         np.testing.assert_allclose(prog.grads[n], t.grad.numpy(), rtol=1e-11, atol=1e-13, err_msg=n)
+    with pytest.raises(btjit.TraceError, match=r"scaled_dot_product_attention: the leading axes .* do not "
+                                               r"broadcast \(k and v with fewer heads than q: enable_gqa=True\)"):
+        btjit.trace(lambda p: btjit.sum(btjit.scaled_dot_product_attention(p["q"], p["k"], p["v"])),
+                    {"q": q, "k": k, "v": v})
 
 
 @pytest.mark.parametrize("p", [1, 2, float("inf")])

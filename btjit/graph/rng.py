@@ -81,6 +81,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim or k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2]:
         raise T.TraceError(f"scaled_dot_product_attention: q (..., L, E), k (..., S, E), v (..., S, Ev), got "
                            f"{q.shape}, {k.shape}, {v.shape} — {T.user_src()}")
+    try:
+        np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except ValueError:
+        gqa = "" if enable_gqa else " (k and v with fewer heads than q: enable_gqa=True)"
+        raise T.TraceError(f"scaled_dot_product_attention: the leading axes of q {q.shape}, k {k.shape} and v "
+                           f"{v.shape} do not broadcast{gqa} — {T.user_src()}") from None
     if is_causal and attn_mask is None and scale is None and q.ndim == 4 and q.shape == k.shape == v.shape:
         B, H, T_, hs = q.shape
         qkv = T.concatenate([T.reshape(T.transpose(t, (0, 2, 1, 3)), (B, T_, H * hs)) for t in (q, k, v)], 2)
