@@ -101,7 +101,7 @@ def round(x, decimals=0):  # noqa: A001 -- numpy's and torch's name
         return _round_op("round", x)
     f = float(10.0 ** abs(d))
     x = lift(x)
-    return _round_op("round", x * f) * (1.0 / f) if d > 0 else _round_op("round", x * (1.0 / f)) * f
+    return _round_op("round", x * f) / f if d > 0 else _round_op("round", x / f) * f      # as numpy
 
 
 def _round_op(op, x):
