@@ -88,9 +88,19 @@ def _method(fn):
 
 
 # ----------------------------------------------------------------------------- rounding and remainders
-def floor(x): return _round_op("floor", x)
-def ceil(x): return _round_op("ceil", x)
-def trunc(x): return _round_op("trunc", x)
+def floor(x):
+    """The largest whole number <= x (zero gradient, as torch's)."""
+    return _round_op("floor", x)
+
+
+def ceil(x):
+    """The smallest whole number >= x (zero gradient)."""
+    return _round_op("ceil", x)
+
+
+def trunc(x):
+    """x rounded toward 0 (zero gradient)."""
+    return _round_op("trunc", x)
 
 
 def round(x, decimals=0):  # noqa: A001 -- numpy's and torch's name
