@@ -23,6 +23,8 @@ __all__ += ["conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "max_poo
 __all__ += ["sin", "cos", "hardtanh", "hardsigmoid", "hardswish", "logsigmoid", "mish", "selu", "celu", "softsign",
             "prelu", "glu", "normalize", "cosine_similarity", "kl_div", "huber_loss", "rsqrt", "cat",
             "repeat_interleave", "unbind"]
+__all__ += ["topk", "sort", "argsort", "floor", "ceil", "round", "trunc", "remainder", "fmod", "floor_divide",
+            "cumsum", "cumprod", "diff"]
 
 
 def __getattr__(name):

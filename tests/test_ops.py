@@ -43,6 +43,7 @@ def _fn(name, case, consts, spec, weights):
             args.append(p[k] if kind == "p" else T.lift(consts[k]) if kind == "c" else ints[k])
         out = T.emit(name, args, **case.attrs)
         out = out[0] if isinstance(out, tuple) else out
+        out = out.astype(float) if out.node.dtype == "i32" else out       # positions (argsort): compared as floats
         return btjit.sum(out * weights), {"y": out}
     return fn
 

@@ -11,12 +11,35 @@ from btjit.graph.trace import (METHODS, TraceError, Tracer, broadcast_to, curren
                                swapaxes, user_src)
 
 
+class Positions(Tracer):
+    """Positions along an axis (argsort's, topk's indices) as floats of the program's dtype, argmax's convention (no
+    gradient; `(ix == y)` compares with integer labels), that index as the int32 array they were made from: x[ix],
+    take, take_along_axis / x.gather(dim, ix) use it. x[...] = v on them drops it (a float array then)."""
+    __slots__ = ("ints",)
+
+    def __init__(self, ints):
+        f = emit("to_float", (ints,))
+        super().__init__(f.node, f.graph)
+        self.ints = ints
+
+    def __setitem__(self, idx, value):
+        super().__setitem__(idx, value)
+        self.ints = None
+
+
+def _ints(i):
+    """An index with Positions replaced by their int32 array."""
+    if isinstance(i, tuple):
+        return tuple(map(_ints, i))
+    return i.ints if isinstance(i, Positions) and i.ints is not None else i
+
+
 def _advanced(i) -> bool:
     return isinstance(i, (Tracer, list, range)) or isinstance(i, np.ndarray) and i.dtype.kind in "iu"
 
 
 def getitem(x, idx):
-    x = lift(x)
+    x, idx = lift(x), _ints(idx)
     if isinstance(idx, np.ndarray) and idx.dtype == bool:        # a constant mask: the indices where it is true
         if idx.shape != x.shape[:idx.ndim]:
             raise TraceError(f"getitem: a boolean mask of shape {idx.shape} for a value of shape {x.shape} — "
@@ -171,7 +194,7 @@ def _region(x, idx):
 
 def take(table, idx):
     """table[idx] along axis 0 with an integer index array (embedding lookup)."""
-    table = lift(table)
+    table, idx = lift(table), _ints(idx)
     if not isinstance(idx, Tracer):
         idx = np.asarray(idx)
         if idx.dtype.kind not in "iu":

@@ -13,6 +13,9 @@ What the rows mean (each kernel's row is its @row declaration; see notes/CONVENT
             this one ~2 s)
   k_sum_rows out (cols) = the sum of the rows of in (rows x cols): the leading-axes reduction (a broadcast's
             gradient), small for the same reason
+  k_rounding out = floor / ceil / round (half to even) / trunc of in1, or fmod / remainder (torch's and numpy's:
+            the sign of in2) of in1 by in2, modes as k_binary's: an entry of its own, compiled only by programs
+            that round
 """
 import math
 
@@ -27,6 +30,8 @@ from btjit.kernels.common import FM, cvt, ferf, fexp, ftanh, part_of, row
 # binary sub-ops (also used by k_strided); COPY = unary copy of in1
 (B_ADD, B_SUB, B_MUL, B_DIV, B_MAX, B_MIN, B_POW, B_EQ, B_GT, B_GE, B_LT, B_LE, B_NE,
  B_TANH_GRAD, B_RELU_GRAD, B_SIGMOID_GRAD, B_COPY) = range(17)
+# k_rounding's sub-ops
+R_FLOOR, R_CEIL, R_ROUND, R_TRUNC, R_FMOD, R_REMAINDER = range(6)
 S_SELECT = 32
 S_TO_FLOAT = 33   # k_int_strided: out (in a) = float(in1)
 
@@ -244,6 +249,35 @@ def k_binary(a, ia, r):
     n, mode = r[5], r[6]
     _binary_loop(r[1], a[r[2]:r[2] + n], a[r[3]:r[3] + (1 if mode == 2 else n)],
                  a[r[4]:r[4] + (1 if mode == 1 else n)], mode)
+
+
+@njit(inline="always", **FM)
+def _rounding(sub, x, y):
+    if sub == R_FLOOR:
+        return np.floor(x)
+    elif sub == R_CEIL:
+        return np.ceil(x)
+    elif sub == R_ROUND:
+        return np.rint(x)                  # half to even, as numpy's and torch's round
+    elif sub == R_TRUNC:
+        return np.trunc(x)
+    m = np.fmod(x, y)                      # exact
+    if sub == R_REMAINDER and m != _z and (m < _z) != (y < _z):
+        m += y                             # torch's remainder, numpy's mod: the sign of y
+    return m
+
+
+@row("sub oout o1 o2 n mode")
+@njit(**FM)
+def k_rounding(a, ia, r):
+    """out[i] = f(in1[i], in2[i]) for i < n (unary subs read in1 only); mode 0: both length n; 1: in2 one value;
+    2: in1 one value."""
+    sub, oout, o1, o2, n, mode = r[1], r[2], r[3], r[4], r[5], r[6]
+    out = a[oout:oout + n]
+    sx, sy = (0 if mode == 2 else 1), (0 if mode == 1 else 1)
+    x, y = a[o1:o1 + (n if sx else 1)], a[o2:o2 + (n if sy else 1)]
+    for i in range(n):
+        out[i] = _rounding(sub, x[i * sx], y[i * sy])
 
 
 @row("sub oo o1 o2 o3 n0 n1 n2 n3 so0 so1 so2 so3 p0 p1 p2 p3 q0 q1 q2 q3 t0 t1 t2 t3")

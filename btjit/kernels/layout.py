@@ -6,6 +6,8 @@ one thread does.
                s3:s3+d3]: a padding (a slice_scatter with unit steps), each row of out written once
   k_copy       a strided 4-D copy (slices, concatenations, strided views made contiguous): k_strided's copy
                alone, which compiles in a tenth of k_strided's time (its binary ops' loops are not in it)
+  k_argsort    the positions of the first K elements of each row of in (M, N) in sorted order, ascending or
+               descending (desc), into the int arena: sort, argsort and topk (graph/ops/layout.py's argsort)
 """
 from numba import njit
 
@@ -76,3 +78,56 @@ def k_copy(a, ia, r):
                 else:
                     for i3 in range(n3):
                         a[bo + i3 * so3] = a[b1 + i3 * p3]
+
+
+@njit(inline="always", **FM)
+def _before(x, i, j, desc):
+    """Whether x[i] comes before x[j]: the smaller (the larger if desc) first, NaN as the largest value, the lower
+    position first among equal values (a total order: the sort is stable)."""
+    xi, xj = x[i], x[j]
+    ni, nj = xi != xi, xj != xj
+    if ni or nj:
+        return i < j if ni and nj else ni == desc
+    if xi == xj:
+        return i < j
+    return (xi > xj) == desc
+
+
+@njit(inline="always", **FM)
+def _sift(x, h, k, end, desc):
+    """Restore the heap h[:end] below slot k: each parent comes after its children (the root is the last)."""
+    while True:
+        c = 2 * k + 1
+        if c >= end:
+            return
+        if c + 1 < end and _before(x, h[c], h[c + 1], desc):
+            c += 1
+        if _before(x, h[c], h[k], desc):
+            return
+        h[k], h[c] = h[c], h[k]
+        k = c
+
+
+@row("ox oout M N K desc")
+@njit(**FM)
+def k_argsort(a, ia, r):
+    """ia[oout + m K + t] = the position in row m of in (M, N) at oout that comes t-th in sorted order (t < K <= N),
+    ascending or descending (desc != 0); see _before for ties and NaN. A heap of the K first seen so far (its root
+    the last of them): O(N log K), no scratch; then the heap sorted in place."""
+    ox, oout, M, N, K, desc = r[1], r[2], r[3], r[4], r[5], r[6]
+    j, n = part_of(r)
+    d = desc != 0
+    for m in range(j * M // n, (j + 1) * M // n):
+        x = a[ox + m * N:ox + (m + 1) * N]
+        h = ia[oout + m * K:oout + (m + 1) * K]
+        for t in range(K):
+            h[t] = t
+        for t in range(K // 2 - 1, -1, -1):
+            _sift(x, h, t, K, d)
+        for i in range(K, N):
+            if _before(x, i, h[0], d):
+                h[0] = i
+                _sift(x, h, 0, K, d)
+        for end in range(K - 1, 0, -1):
+            h[0], h[end] = h[end], h[0]
+            _sift(x, h, 0, end, d)

@@ -9,8 +9,8 @@ from btjit.graph import trace as T
 from btjit.kernels import elementwise as EW
 from btjit.kernels.reduce import R_MAX, R_SUM
 
-from btjit.graph.optable import (TABLE, Case, F, _bcast_shape, _float, _int_rule, bstrides, cstrides, elementwise_rule,
-    lower_elementwise, op, same_as_input, strided_rows)
+from btjit.graph.optable import (TABLE, Case, F, ShapeError, _bcast_shape, _float, _int_rule, bstrides, cstrides,
+                                 elementwise_rule, lower_elementwise, op, same_as_input, strided_rows)
 
 
 # ----------------------------------------------------------------------------- elementwise ops
@@ -88,6 +88,42 @@ _unary("cos", EW.U_COS, lambda x, a: np.cos(x), lambda g, x, o, a: [-g[0] * T.em
 _unary("pow", EW.U_POW, lambda x, a: np.power(x, a["p"]), lambda g, x, o, a: [g[0] * a["p"] * x[0] ** (a["p"] - 1)],
        dom="pos")
 TABLE["pow"].cases = [Case((F(3, 5, dom="pos"),), {"p": 3.0}), Case((F(4, dom="pos"),), {"p": -1.5})]
+
+
+# ----------------------------------------------------------------------------- rounding (k_rounding)
+def _rounding_rule(types, attrs, fd):
+    out = elementwise_rule(types, attrs, fd)
+    n = int(np.prod(out[0][0], dtype=np.int64))
+    if any(int(np.prod(s, dtype=np.int64)) not in (n, 1) for s, _ in types):
+        raise ShapeError("each operand must have the output's shape or be one value (broadcast it first)")
+    return out
+
+
+def _lower_rounding(sub):
+    def lower(e, L):
+        out, (x, y) = e.outs[0], (e.ins * 2)[:2]
+        mode = 0 if x.size == y.size == out.size else (1 if x.size == out.size else 2)
+        return [L.row("k_rounding", sub=sub, oout=L.off(out), o1=L.off(x), o2=L.off(y), n=out.size, mode=mode)]
+    return lower
+
+
+for _n, _s, _f in [("floor", EW.R_FLOOR, np.floor), ("ceil", EW.R_CEIL, np.ceil), ("round", EW.R_ROUND, np.round),
+                   ("trunc", EW.R_TRUNC, np.trunc)]:          # zero gradient, as torch's
+    op(_n, infer=_rounding_rule, ref=lambda xs, a, f=_f: (f(xs[0]),), lower=_lower_rounding(_s), nondiff=True,
+       cases=[Case((F(3, 5),)), Case((F(),))])
+
+
+def _mod_vjp(rounded):
+    """torch's: d/dx = 1, d/dy = -floor(x / y) (remainder) or -trunc(x / y) (fmod)."""
+    return lambda g, x, o, a: [g[0], -g[0] * T.emit(rounded, (x[0] / x[1],))]
+
+
+_mcases = [Case((F(3, 4, dom="away"), F(3, 4, dom="away"))), Case((F(3, 4, dom="away"), F(dom="away"))),
+           Case((F(dom="away"), F(3, 4, dom="away")))]
+op("remainder", infer=_rounding_rule, ref=lambda xs, a: (np.mod(*xs),), lower=_lower_rounding(EW.R_REMAINDER),
+   vjp=_mod_vjp("floor"), cases=_mcases)
+op("fmod", infer=_rounding_rule, ref=lambda xs, a: (np.fmod(*xs),), lower=_lower_rounding(EW.R_FMOD),
+   vjp=_mod_vjp("trunc"), cases=_mcases)
 
 
 def _gelu_ref(x, a):

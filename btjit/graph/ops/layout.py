@@ -275,3 +275,34 @@ op("take_sum_grad", infer=lambda t, a, fd: [((t[1][0][1], a["rows"], t[0][0][1])
    cases=[Case((F(6, 4), ("i", (6, 3), 5)), {"rows": 5})])
 
 
+
+
+# ----------------------------------------------------------------------------- sorting
+def _argsort_rule(types, attrs, fd):
+    (s, d), = types
+    if d == "i32" or not s:
+        raise ShapeError("argsort needs a float array of at least 1 dim (sorted along its last axis)")
+    if not 1 <= attrs["k"] <= s[-1]:
+        raise ShapeError(f"k={attrs['k']} must be in [1, {s[-1]}] (the size of the last axis)")
+    return [(tuple(s[:-1]) + (attrs["k"],), "i32")]
+
+
+def _argsort_ref(xs, a):
+    x = xs[0]
+    key = np.where(np.isnan(x), np.inf, x)       # NaN as the largest (the cases hold no NaN, no inf)
+    order = np.argsort(-key if a.get("descending") else key, axis=-1, kind="stable")
+    return (order[..., :a["k"]].astype(np.int32),)
+
+
+def _lower_argsort(e, L):
+    x, N = e.ins[0], e.ins[0].shape[-1]
+    M = x.size // N if N else 0
+    return [L.row("k_argsort", split=par_parts(L, x.size, M), ox=L.off(x), oout=L.off(e.outs[0]), M=M, N=N,
+                  K=e.attrs["k"], desc=int(bool(e.attrs.get("descending"))))]
+
+
+# argsort(x, k, descending): the positions of the first k of each last-axis row of x in sorted order, stable (the
+# lower position first among equal values), an int32 array (..., k); sort / argsort / topk (graph/sort_fns.py)
+# gather their values by it (take), so the gradient goes back to the positions taken
+op("argsort", infer=_argsort_rule, ref=_argsort_ref, lower=_lower_argsort, nondiff=True,
+   cases=[Case((F(3, 7),), {"k": 7}), Case((F(2, 3, 9),), {"k": 2, "descending": True}), Case((F(5),), {"k": 1})])
