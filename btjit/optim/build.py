@@ -186,6 +186,30 @@ class _Hyper(T.Tracer):
             return self.one_minus
         return super().__rsub__(o)
 
+    def __pow__(self, e):
+        """hp ** step in a float32 program: exp(step * log1p(-(1 - hp))) from the exact 1 - hp slot (a float32
+        beta2 = 0.99900001 ** step is 1.3e-5 * step off, relatively); `1 - hp ** step` then cancels nothing."""
+        if not isinstance(e, T.Tracer) or self.node.dtype != "f32":
+            return super().__pow__(e)
+        return _Power(e * T.log1p(-self.one_minus))
+
+
+class _Power(T.Tracer):
+    """exp(y) (a hyper-parameter to a traced power) whose `1 - ` is -expm1(y), Kahan's way from u = exp(y):
+    (1 - u) * y / log(u), accurate to a few ulps where 1 - u alone keeps only the digits of u's rounding."""
+    __slots__ = ("y",)
+
+    def __init__(self, y):
+        u = T.exp(y)
+        super().__init__(u.node, u.graph)
+        self.y = y
+
+    def __rsub__(self, o):
+        if not (isinstance(o, (int, float)) and o == 1):
+            return super().__rsub__(o)
+        u = T.Tracer(self.node, self.graph)
+        return T.where(u == 1.0, -self.y, T.where(u == 0.0, 1.0, (1.0 - u) * self.y / T.log(u)))
+
 
 def _as_slice(new, n, size, who, what):
     if new.shape == ():
