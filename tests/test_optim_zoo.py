@@ -244,15 +244,19 @@ def test_masks_combine_as_numpys_bools(rule, want):
 def test_hp_to_the_step_and_one_minus_it_are_accurate_in_float32():
     """float32(0.999) ** t is 1.3e-5 * t off relatively, and 1 - it kept only its rounding's digits (RAdam's rho_t
     and Adam's bias correction were 1e-5 off torch's); built from the exact 1 - beta slot they are an ulp or two."""
-    rules = [(lambda p, g, hp, step: (1 - hp["beta"] ** step) + 0 * p, lambda t: 1 - 0.999 ** t),
-             (lambda p, g, hp, step: hp["beta"] ** (step * 100.0) + 0 * p, lambda t: 0.999 ** (100 * t))]
-    for rule, want in rules:
+    rules = [(lambda p, g, hp, step: 1 - hp["beta"] ** step, lambda t, b: 1 - np.float64(b) ** t, 3e-7),
+             (lambda p, g, hp, step: hp["beta"] ** (step * 100.0), lambda t, b: np.float64(b) ** (100 * t),
+              2e-6)]                                # exp(y) of a y up to 20: y's rounding
+    for (rule, want, rtol), beta in [(r, b) for r in rules for b in (0.999, 0.5, 0.0, 1.0, 1.5, -0.5)]:
         x = [a.astype(np.float32) for a in batches(1)[0]]
         prog = btjit.trace(loss, {k: v.astype(np.float32) for k, v in params0().items()}, *x, dtype="float32",
-                           optimizer=Rule(rule))
-        for t in range(1, 4):
+                           optimizer=Rule(rule, beta=beta))
+        for t in (1, 2, 3, 201):                    # 0.5 ** 201 underflows, 1.5 ** 201 overflows
+            prog.step_count = t - 1
             prog.step(*x)
-            np.testing.assert_allclose(prog.params["w"], want(t), rtol=3e-7)
+            with np.errstate(all="ignore"):
+                np.testing.assert_allclose(prog.params["w"], np.float32(want(t, beta)), rtol=rtol,
+                                           err_msg=f"{beta} {t}")
     adam = run(O.Adam(lr=0.01, groups=GROUPS), np.float32)       # the one-pass kernel's corrections too
     want, _ = torch_run("Adam", {}, 0.01, GROUPS, np.float32)
     for k in SHAPES:                                             # elementwise (was 1.2e-4)

@@ -187,28 +187,32 @@ class _Hyper(T.Tracer):
         return super().__rsub__(o)
 
     def __pow__(self, e):
-        """hp ** step in a float32 program: exp(step * log1p(-(1 - hp))) from the exact 1 - hp slot (a float32
-        beta2 = 0.99900001 ** step is 1.3e-5 * step off, relatively); `1 - hp ** step` then cancels nothing."""
+        """hp ** step in a float32 program, for hp in [0.875, 1] (betas): exp(step * log1p(-(1 - hp))) from the
+        exact 1 - hp slot (a float32 beta2 = 0.99900001 ** step is 1.3e-5 * step off, relatively); `1 - hp ** step`
+        then cancels nothing. Other bases (0.5 ** step, exact in float32, or (-1) ** step) take pow's own."""
         if not isinstance(e, T.Tracer) or self.node.dtype != "f32":
             return super().__pow__(e)
-        return _Power(e * T.log1p(-self.one_minus))
+        near = T.logical("and", self.one_minus >= 0.0, self.one_minus <= 0.125)
+        return _Power(near, e * T.log1p(-self.one_minus), super().__pow__(e))
 
 
 class _Power(T.Tracer):
-    """exp(y) (a hyper-parameter to a traced power) whose `1 - ` is -expm1(y), Kahan's way from u = exp(y):
-    (1 - u) * y / log(u), accurate to a few ulps where 1 - u alone keeps only the digits of u's rounding."""
-    __slots__ = ("y",)
+    """where(near, exp(y), plain): a hyper-parameter to a traced power, whose `1 - ` is, where near, -expm1(y)
+    Kahan's way from u = exp(y): (1 - u) * y / log(u), accurate to a few ulps where 1 - u alone keeps only the
+    digits of u's rounding."""
+    __slots__ = ("y", "near")
 
-    def __init__(self, y):
-        u = T.exp(y)
+    def __init__(self, near, y, plain):
+        u = T.where(near, T.exp(y), plain)
         super().__init__(u.node, u.graph)
-        self.y = y
+        self.y, self.near = y, near
 
     def __rsub__(self, o):
         if not (isinstance(o, (int, float)) and o == 1):
             return super().__rsub__(o)
-        u = T.Tracer(self.node, self.graph)
-        return T.where(u == 1.0, -self.y, T.where(u == 0.0, 1.0, (1.0 - u) * self.y / T.log(u)))
+        u, y = T.Tracer(self.node, self.graph), self.y
+        kahan = T.where(u == 1.0, -y, T.where(u > 0.5, (1.0 - u) * y / T.log(u), 1.0 - u))
+        return T.where(self.near, kahan, 1.0 - u)
 
 
 def _as_slice(new, n, size, who, what):
