@@ -275,3 +275,20 @@ def test_untraceable_idioms_name_the_line_and_what_to_write(rule, what, instead)
     with pytest.raises(btjit.TraceError, match=rf"{what}.*{instead}.*test_optim_zoo.py:"
                                                rf"{rule.__code__.co_firstlineno}"):
         one_step(rule)
+
+
+class TorchStateNAdam(Z.NAdam):
+    def init(self, name, p):                   # torch's: mu_product one number per param
+        return {"exp_avg": np.zeros_like(p), "exp_avg_sq": np.zeros_like(p), "mu_product": 1.0}
+
+
+def test_a_state_of_one_number_per_param_starts_every_element():
+    prog = run(TorchStateNAdam(lr=0.01, groups=GROUPS), np.float64)
+    want = run(Z.NAdam(lr=0.01, groups=GROUPS), np.float64)
+    for k in SHAPES:
+        np.testing.assert_array_equal(prog.params[k], want.params[k], err_msg=k)
+        assert prog.opt_state["mu_product"][k].shape == SHAPES[k]
+    bad = type("Bad", (Z.NAdam,), {"init": lambda self, name, p: {"a": np.zeros(2), "b": 0, "c": 0}})
+    with pytest.raises(O.OptimizerError, match=r"Bad.init\('w'\): state 'a' has shape \(2,\), the param \(6, 5\); "
+                                               r"state is elementwise, of the param's shape \(or one number\)"):
+        run(bad(), np.float64, steps=0)

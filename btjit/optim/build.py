@@ -56,9 +56,11 @@ class Update:
                                      f"{self.order[0]!r} {self.state_names}: every param needs the same state")
             for k, v in st.items():
                 v = np.asarray(v, np.float64)
+                if v.ndim == 0:         # one number per param (torch's NAdam mu_product, ASGD eta): each element's
+                    v = np.full(p.shape, v)
                 if v.shape != p.shape:
                     raise OptimizerError(f"{who}.init({name!r}): state {k!r} has shape {v.shape}, the param "
-                                         f"{p.shape}; state is elementwise, of the param's shape")
+                                         f"{p.shape}; state is elementwise, of the param's shape (or one number)")
                 self.init.setdefault(k, {})[name] = v
         self.state_names = self.state_names or []
         self.clip_norm, self.clip_value = clip_norm, clip_value
