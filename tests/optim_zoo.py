@@ -1,6 +1,7 @@
 """Update rules written against the public optimizer API as a user writes them (numpy functions and Python
 operators on the traced values, no btjit internals): torch.optim's NAdam, RAdam, Adamax, Rprop and ASGD, and
-signSGD / Signum, AdaBelief, Adan, SGDW, an error-feedback SGD and Lion, none of which need btjit's help.
+signSGD / Signum, AdaBelief, Adan, SGDW, an error-feedback SGD, Lion, Yogi and Lookahead (its phase counted in
+the state), none of which need btjit's help.
 tests/test_optim_zoo.py runs them against torch.optim and the numpy transcriptions below."""
 import numpy as np
 
@@ -191,6 +192,38 @@ class HandLion(Optimizer):
         return p, {"exp_avg": b2 * s["exp_avg"] + (1 - b2) * g}
 
 
+class LookaheadSGD(Optimizer):
+    """Lookahead (Zhang et al. 2019) around SGD: every k steps the slow weights move alpha of the way to the fast
+    ones and the fast restart there; the step's phase is counted in the state (btjit has no %)."""
+
+    def __init__(self, lr=0.1, k=5, alpha=0.5, groups=None):
+        super().__init__(lr=lr, k=k, alpha=alpha, groups=groups)
+
+    def init(self, name, p):
+        return {"slow": np.array(p), "phase": 0.0}
+
+    def update(self, p, g, s, hp, step):
+        fast = p - hp["lr"] * g
+        phase = np.where(s["phase"] + 1 >= hp["k"], 0, s["phase"] + 1)
+        slow = np.where(phase == 0, s["slow"] + hp["alpha"] * (fast - s["slow"]), s["slow"])
+        return np.where(phase == 0, slow, fast), {"slow": slow, "phase": phase}
+
+
+class Yogi(Optimizer):
+    """Zaheer et al. 2018: v moves by sign(v - g^2) * g^2 (additive, not Adam's multiplicative)."""
+
+    def __init__(self, lr=1e-2, betas=(0.9, 0.999), eps=1e-3, groups=None):
+        super().__init__(lr=lr, betas=betas, eps=eps, groups=groups)
+
+    init = zeros("exp_avg", "exp_avg_sq")
+
+    def update(self, p, g, s, hp, step):
+        b1, b2 = hp["betas"]
+        m = b1 * s["exp_avg"] + (1 - b1) * g
+        v = s["exp_avg_sq"] - (1 - b2) * np.sign(s["exp_avg_sq"] - g * g) * g * g
+        return p - hp["lr"] * m / (np.sqrt(v) + hp["eps"]), {"exp_avg": m, "exp_avg_sq": v}
+
+
 # numpy transcriptions of the rules torch.optim does not have: step(p, g, s, hp, t) -> p, s updated in place
 def signum(p, g, s, hp, t):
     s["momentum_buffer"] = hp["momentum"] * s["momentum_buffer"] + (1 - hp["momentum"]) * g
@@ -235,3 +268,19 @@ def lion(p, g, s, hp, t):
     s["exp_avg"] = b2 * s["exp_avg"] + (1 - b2) * g
     return p * (1 - hp["lr"] * hp["weight_decay"]) - hp["lr"] * np.sign(c)
 
+
+
+def lookahead_sgd(p, g, s, hp, t):
+    fast = p - hp["lr"] * g
+    s["phase"] = np.asarray(t % int(hp["k"]), p.dtype)
+    if s["phase"]:
+        return fast
+    s["slow"] = s["slow"] + hp["alpha"] * (fast - s["slow"])
+    return s["slow"].copy()
+
+
+def yogi(p, g, s, hp, t):
+    b1, b2 = hp["betas"]
+    s["exp_avg"] = b1 * s["exp_avg"] + (1 - b1) * g
+    s["exp_avg_sq"] = s["exp_avg_sq"] - (1 - b2) * np.sign(s["exp_avg_sq"] - g * g) * g * g
+    return p - hp["lr"] * s["exp_avg"] / (np.sqrt(s["exp_avg_sq"]) + hp["eps"])

@@ -143,6 +143,8 @@ USER_VS_NUMPY = [
     (Z.SGDW, dict(lr=0.01), Z.sgdw, GROUPS),
     (Z.ErrorFeedbackSGD, dict(lr=0.01, threshold=1.0), Z.error_feedback_sgd, NO_WD),
     (Z.HandLion, dict(lr=0.01), Z.lion, GROUPS),
+    (Z.LookaheadSGD, dict(lr=0.1, k=3), Z.lookahead_sgd, NO_WD),
+    (Z.Yogi, dict(lr=0.01), Z.yogi, NO_WD),
 ]
 
 
