@@ -294,3 +294,11 @@ def test_a_state_of_one_number_per_param_starts_every_element():
     with pytest.raises(O.OptimizerError, match=r"Bad.init\('w'\): state 'a' has shape \(2,\), the param \(6, 5\); "
                                                r"state is elementwise, of the param's shape \(or one number\)"):
         run(bad(), np.float64, steps=0)
+
+
+@pytest.mark.parametrize("name", ["step", "hyper"])
+def test_a_state_named_as_state_dicts_own_keys_is_an_error(name):
+    bad = type("Named", (Z.SGDW,), {"init": lambda self, n, p: {name: np.zeros_like(p)}})
+    with pytest.raises(O.OptimizerError, match=rf"Named.init: a state named '{name}' would be state_dict's opt/step "
+                                               r"or opt/hyper .*name it otherwise"):
+        run(bad(), np.float64, steps=0)

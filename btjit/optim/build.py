@@ -49,6 +49,10 @@ class Update:
             if not isinstance(st, dict) or not all(isinstance(k, str) for k in st):
                 raise OptimizerError(f"{who}.init({name!r}, param) must return a dict of state name -> array, "
                                      f"got {type(st).__name__}")
+            if set(st) & {"step", "hyper"}:          # state_dict's opt/step and opt/hyper (step is update's argument)
+                raise OptimizerError(f"{who}.init: a state named {sorted(set(st) & {'step', 'hyper'})[0]!r} would be "
+                                     f"state_dict's opt/step or opt/hyper (btjit's step count and hyper-parameters; "
+                                     f"update gets the step as its argument): name it otherwise")
             if self.state_names is None:
                 self.state_names = list(st)
             elif list(st) != self.state_names:
