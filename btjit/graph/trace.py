@@ -271,6 +271,8 @@ def logical(how, x, y=None):
         return _binop("eq", xs[0], 0.0)
     a, b = (_binop("ne", v, 0.0) for v in xs)
     return a * b if how == "and" else maximum(a, b) if how == "or" else _binop("ne", a, b)
+
+
 def copy(x): return emit("copy", (lift(x),))
 def stop_gradient(x):
     """x, through which no gradient flows (torch's x.detach())."""

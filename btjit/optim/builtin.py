@@ -1,9 +1,8 @@
 """The built-in optimizers, each an `Optimizer` whose update is traced like a user's, with torch.optim's
 semantics and argument names (single-tensor implementation, maximize, Adam's amsgrad, NAdam's and RAdam's
-decoupled_weight_decay included), plus Lion
-(Chen et al. 2023, as lucidrains' lion-pytorch). Hyper-parameters are arena slots; options that change the
-equations (nesterov, centered, amsgrad, maximize, whether momentum or a decay term exists at all) are fixed when
-the program is traced.
+decoupled_weight_decay included), plus Lion (Chen et al. 2023, as lucidrains' lion-pytorch). Hyper-parameters
+are arena slots; options that change the equations (nesterov, centered, amsgrad, maximize, whether momentum or a
+decay term exists at all) are fixed when the program is traced.
 """
 from __future__ import annotations
 
@@ -266,8 +265,8 @@ class RAdam(_AdamLike):
         rect = T.sqrt((rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t))
         corrected = m / (1.0 - b1 ** step)
         adaptive = T.sqrt(bc2) / (T.sqrt(v) + hp["eps"])
-        return p - T.where(rho_t > 5.0, corrected * lr * adaptive * rect, corrected * lr), {"exp_avg": m,
-                                                                                           "exp_avg_sq": v}
+        p = p - T.where(rho_t > 5.0, corrected * lr * adaptive * rect, corrected * lr)
+        return p, {"exp_avg": m, "exp_avg_sq": v}
 
 
 class Adamax(_AdamLike):
