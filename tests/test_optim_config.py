@@ -80,7 +80,7 @@ def test_decay_matrices_and_groups_round_trip():
 
 @pytest.mark.parametrize("text,msg", [
     ('[optim]\ndecay = "2d"', "optim.decay = '2d' is not one of: all, matrices"),
-    ('[optim]\nname = "adamax"', "optim.name = 'adamax' is not one of: sgd, adam"),
+    ('[optim]\nname = "adafactor"', "optim.name = 'adafactor' is not one of: sgd, adam"),
     ('[optim]\ndecay = "matrices"\n[[optim.groups]]\nparams = "w"', "use one of them"),
     ('[optim]\n[[optim.groups]]\nweight_decay = 0.1', r"optim.groups\[0\] needs params = a regex"),
     ('[optim]\n[[optim.groups]]\nparams = "w"\nweight_decay = "x"', r"optim.groups\[0\].weight_decay = 'x'"),

@@ -14,9 +14,9 @@ import numpy as np
 
 from btjit.graph.functional import log_softmax, softmax
 from btjit.graph.trace import (FUNCS, METHODS, UFUNCS, TraceError, Tracer, _binop, _norm_axes, abs, broadcast_to,
-                               concatenate, copy, emit, equal, erf, exp, lift, log, log1p, matmul, max, maximum, mean,
-                               minimum, reshape, sin, cos, split, sqrt, stop_gradient, sum, swapaxes, tanh, transpose,
-                               user_src, where)
+                               concatenate, copy, emit, equal, erf, exp, lift, log, log1p, logical, matmul, max,
+                               maximum, mean, minimum, reshape, sin, cos, split, sqrt, stop_gradient, sum, swapaxes,
+                               tanh, transpose, user_src, where)
 from btjit.graph.indexing import getitem, take
 
 
@@ -436,7 +436,12 @@ UFUNCS.update({
     "log10": lambda x: log(x) * float(1 / np.log(10)),
     "equal": equal, "greater": lambda x, y: _binop("gt", x, y), "less": lambda x, y: _binop("lt", x, y),
     "not_equal": lambda x, y: _binop("ne", x, y), "greater_equal": lambda x, y: _binop("ge", x, y),
-    "less_equal": lambda x, y: _binop("le", x, y), "sin": sin, "cos": cos, "logaddexp": logaddexp})
+    "less_equal": lambda x, y: _binop("le", x, y), "sin": sin, "cos": cos, "logaddexp": logaddexp,
+    **{f"{k}_{how}": lambda x, y=None, how=how: logical(how, x, y) for k in ("logical", "bitwise")
+       for how in ("and", "or", "xor")},
+    "logical_not": lambda x: logical("not", x), "invert": lambda x: logical("not", x),
+    "isnan": lambda x: _binop("ne", x, x), "isinf": lambda x: _binop("eq", abs(x), np.inf),
+    "isfinite": lambda x: _binop("lt", abs(x), np.inf)})
 FUNCS.update({
     "sum": sum, "mean": mean, "max": max, "amax": max, "min": amin, "amin": amin, "reshape": reshape,
     "transpose": transpose, "swapaxes": swapaxes, "concatenate": concatenate, "split": split, "where": where,

@@ -120,13 +120,26 @@ class Tracer:
     def __rpow__(self, b):
         return _binop("pow2", b, self)
 
-    # -- control flow on traced values is not traceable
-    def _no_concrete(self, what):
-        raise TraceError(f"{what} of a traced value: the value is not known while tracing (data-dependent "
-                         f"control flow); use btjit.where or compute it outside the traced function — {user_src()}")
+    # -- masks (0/1 values, as comparisons make them): numpy's bool operators, as logical ones
+    __and__ = __rand__ = lambda s, o: logical("and", s, o)
+    __or__ = __ror__ = lambda s, o: logical("or", s, o)
+    __xor__ = __rxor__ = lambda s, o: logical("xor", s, o)
+    __invert__ = lambda s: logical("not", s)
 
-    __bool__ = lambda s: s._no_concrete("bool()")
-    __float__ = lambda s: s._no_concrete("float() (or a math.* function such as math.sqrt: use np.sqrt)")
+    # -- control flow on traced values is not traceable
+    def _no_concrete(self, what, instead="use btjit.where or compute it outside the traced function"):
+        raise TraceError(f"{what} of a traced value: the value is not known while tracing (data-dependent "
+                         f"control flow); {instead} — {user_src()}")
+
+    __bool__ = lambda s: s._no_concrete(
+        "bool() (an if, while, and, or, not, or Python's max() / min())",
+        "use np.where(cond, a, b) (btjit.where), np.maximum / np.minimum, & | ~ on masks")
+    __float__ = lambda s: s._no_concrete(
+        "float() (or a math.* function such as math.sqrt)",
+        "use the value itself, numpy's functions (np.sqrt, np.exp, x ** y) and btjit.where")
+
+    __divmod__ = lambda s, o: (s // o, s % o)
+    __rdivmod__ = lambda s, o: (o // s, o % s)
     __int__ = lambda s: s._no_concrete("int()")
     __index__ = lambda s: s._no_concrete("int()")
     item = lambda s, *a: s._no_concrete(".item()")
@@ -252,6 +265,19 @@ def _ties(ties):
 
 
 def equal(x, y): return _binop("eq", x, y)
+
+
+def logical(how, x, y=None):
+    """numpy's logical_and / or / xor / not (and & | ^ ~ on masks): 1 or 0, nonzero counting as true."""
+    xs = [lift(v) for v in ((x,) if y is None else (x, y))]
+    if any(v.node.dtype == "i32" for v in xs):
+        raise TraceError(f"{how}: & | ^ ~ take masks (comparisons' 0/1 values), not integers — {user_src()}")
+    if how == "not":
+        return _binop("eq", xs[0], 0.0)
+    a, b = (_binop("ne", v, 0.0) for v in xs)
+    return a * b if how == "and" else maximum(a, b) if how == "or" else _binop("ne", a, b)
+
+
 def copy(x): return emit("copy", (lift(x),))
 def stop_gradient(x):
     """x, through which no gradient flows (torch's x.detach())."""

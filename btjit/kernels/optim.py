@@ -86,9 +86,11 @@ def _adam(a, r, lo, hi):
     if skip:
         return
     lr, wd, eps, c1, b2, c2 = a[olr], a[owd], a[oeps], a[o1b1], a[ob2], a[o1b2]
-    t = np.float64(a[ot])                 # torch's bias corrections, in float64
-    step = cvt(a, np.float64(lr) / (1.0 - np.float64(a[ob1]) ** t))
-    bc2 = cvt(a, math.sqrt(1.0 - np.float64(b2) ** t))
+    # torch's bias corrections, in float64, of beta = 1 - (1 - beta) from the exact 1 - beta slots (a float32
+    # arena's beta2 slot holds 0.99900001: 1 - beta2 ** t would be 1.3e-5 off)
+    t = np.float64(a[ot])
+    step = cvt(a, np.float64(lr) / (1.0 - (1.0 - np.float64(c1)) ** t))
+    bc2 = cvt(a, math.sqrt(1.0 - (1.0 - np.float64(c2)) ** t))
     decay = cvt(a, 1.0) - lr * wd if flags & DECOUPLED else cvt(a, 1.0)
     l2 = wd if flags & WD and not flags & DECOUPLED else cvt(a, 0.0)
     p, g, m, v = a[op_ + lo:op_ + hi], a[og + lo:og + hi], a[om + lo:om + hi], a[ov + lo:ov + hi]

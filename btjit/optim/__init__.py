@@ -8,8 +8,8 @@ The built-ins (torch.optim's semantics) and a user's subclass of `Optimizer` are
 `update` written with btjit's tensor ops, traced into the step after the backward (btjit/optim/build.py).
 """
 from btjit.optim.base import Optimizer, OptimizerError, decay_matrices, resolve_groups
-from btjit.optim.builtin import SGD, Adadelta, Adagrad, Adam, AdamW, Lion, RMSprop, sign
+from btjit.optim.builtin import SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, Lion, NAdam, RAdam, RMSprop, sign
 from btjit.optim.config import BUILTIN, from_section
 
-__all__ = ["Optimizer", "OptimizerError", "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "RMSprop", "Lion",
-           "decay_matrices", "resolve_groups", "sign", "BUILTIN", "from_section"]
+__all__ = ["Optimizer", "OptimizerError", "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam",
+           "Adamax", "Lion", "decay_matrices", "resolve_groups", "sign", "BUILTIN", "from_section"]

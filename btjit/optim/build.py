@@ -49,6 +49,10 @@ class Update:
             if not isinstance(st, dict) or not all(isinstance(k, str) for k in st):
                 raise OptimizerError(f"{who}.init({name!r}, param) must return a dict of state name -> array, "
                                      f"got {type(st).__name__}")
+            if set(st) & {"step", "hyper"}:          # state_dict's opt/step and opt/hyper (step is update's argument)
+                raise OptimizerError(f"{who}.init: a state named {sorted(set(st) & {'step', 'hyper'})[0]!r} would be "
+                                     f"state_dict's opt/step or opt/hyper (btjit's step count and hyper-parameters; "
+                                     f"update gets the step as its argument): name it otherwise")
             if self.state_names is None:
                 self.state_names = list(st)
             elif list(st) != self.state_names:
@@ -56,9 +60,11 @@ class Update:
                                      f"{self.order[0]!r} {self.state_names}: every param needs the same state")
             for k, v in st.items():
                 v = np.asarray(v, np.float64)
+                if v.ndim == 0:         # one number per param (torch's NAdam mu_product, ASGD eta): each element's
+                    v = np.full(p.shape, v)
                 if v.shape != p.shape:
                     raise OptimizerError(f"{who}.init({name!r}): state {k!r} has shape {v.shape}, the param "
-                                         f"{p.shape}; state is elementwise, of the param's shape")
+                                         f"{p.shape}; state is elementwise, of the param's shape (or one number)")
                 self.init.setdefault(k, {})[name] = v
         self.state_names = self.state_names or []
         self.clip_norm, self.clip_value = clip_norm, clip_value
@@ -186,6 +192,34 @@ class _Hyper(T.Tracer):
             return self.one_minus
         return super().__rsub__(o)
 
+    def __pow__(self, e):
+        """hp ** step in a float32 program, for hp in [0.875, 1] (betas): exp(step * log1p(-(1 - hp))) from the
+        exact 1 - hp slot (a float32 beta2 = 0.99900001 ** step is 1.3e-5 * step off, relatively); `1 - hp ** step`
+        then cancels nothing. Other bases (0.5 ** step, exact in float32, or (-1) ** step) take pow's own."""
+        if not isinstance(e, T.Tracer) or self.node.dtype != "f32":
+            return super().__pow__(e)
+        near = T.logical("and", self.one_minus >= 0.0, self.one_minus <= 0.125)
+        return _Power(near, e * T.log1p(-self.one_minus), super().__pow__(e))
+
+
+class _Power(T.Tracer):
+    """where(near, exp(y), plain): a hyper-parameter to a traced power, whose `1 - ` is, where near, -expm1(y)
+    Kahan's way from u = exp(y): (1 - u) * y / log(u), accurate to a few ulps where 1 - u alone keeps only the
+    digits of u's rounding."""
+    __slots__ = ("y", "near")
+
+    def __init__(self, near, y, plain):
+        u = T.where(near, T.exp(y), plain)
+        super().__init__(u.node, u.graph)
+        self.y, self.near = y, near
+
+    def __rsub__(self, o):
+        if not (isinstance(o, (int, float)) and o == 1):
+            return super().__rsub__(o)
+        u, y = T.Tracer(self.node, self.graph), self.y
+        kahan = T.where(u == 1.0, -y, T.where(u > 0.5, (1.0 - u) * y / T.log(u), 1.0 - u))
+        return T.where(self.near, kahan, 1.0 - u)
+
 
 def _as_slice(new, n, size, who, what):
     if new.shape == ():
@@ -196,7 +230,8 @@ def _as_slice(new, n, size, who, what):
 
 # the ops an update may trace: elementwise over the group's flat vector (which the arena pads for alignment:
 # a reduction, reshape or slice of it would see the padding)
-UPDATE_OPS = ELEMENTWISE | set(ALIAS) | {"pow", "to_float", "rand", "gelu", "reshape"}
+UPDATE_OPS = ELEMENTWISE | set(ALIAS) | {"pow", "to_float", "rand", "gelu", "reshape", "floor", "ceil", "round", "trunc",
+                                         "remainder", "fmod"}
 NAMED = {"sum": "a reduction", "max": "a reduction", "matmul": "a matrix product", "reshape": "a reshape",
          "slice": "a slice", "transpose": "a transpose", "concatenate": "a concatenation", "take": "an indexing"}
 

@@ -1,8 +1,8 @@
 """The built-in optimizers, each an `Optimizer` whose update is traced like a user's, with torch.optim's
-semantics and argument names (single-tensor implementation, maximize and Adam's amsgrad included), plus Lion
-(Chen et al. 2023, as lucidrains' lion-pytorch). Hyper-parameters are arena slots; options that change the
-equations (nesterov, centered, amsgrad, maximize, whether momentum or a decay term exists at all) are fixed when
-the program is traced.
+semantics and argument names (single-tensor implementation, maximize, Adam's amsgrad, NAdam's and RAdam's
+decoupled_weight_decay included), plus Lion (Chen et al. 2023, as lucidrains' lion-pytorch). Hyper-parameters
+are arena slots; options that change the equations (nesterov, centered, amsgrad, maximize, whether momentum or a
+decay term exists at all) are fixed when the program is traced.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _betas(who, betas):
 
 
 INVALID = {"lr": "learning rate", "eps": "epsilon value", "weight_decay": "weight_decay value",
-           "lr_decay": "lr_decay value"}
+           "lr_decay": "lr_decay value", "momentum_decay": "momentum_decay value"}
 
 
 def _nonnegative(opt):
@@ -199,6 +199,91 @@ class RMSprop(_Torch):
             new["momentum_buffer"] = buf
             return p - hp["lr"] * buf, new
         return p + (-hp["lr"]) * g / avg, new
+
+
+class _AdamLike(_Torch):
+    """torch's betas, eps and weight_decay: coupled (L2 added to the gradient), or with decoupled_weight_decay
+    p *= 1 - lr * weight_decay, traced at 0 too (AdamW's)."""
+    decoupled_weight_decay = False
+
+    def __init__(self, lr, betas, eps, weight_decay, groups, maximize, **hp):
+        _betas(type(self).__name__, betas)
+        super().__init__(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay, groups=groups,
+                         maximize=maximize, **hp)
+
+    def _decayed(self, p, g, hp):
+        g = _decay(self, g, p, hp, coupled=not self.decoupled_weight_decay)
+        return (p * (1.0 - hp["lr"] * hp["weight_decay"]) if self.decoupled_weight_decay else p), g
+
+
+class NAdam(_AdamLike):
+    """torch.optim.NAdam: momentum_decay (mu_t = beta1 * (1 - 0.5 * 0.96 ** (t * momentum_decay)); their product,
+    one number per param in torch, is the state mu_product of each element), decoupled_weight_decay, maximize."""
+
+    def __init__(self, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, momentum_decay=4e-3,
+                 decoupled_weight_decay=False, groups=None, maximize=False):
+        super().__init__(lr, betas, eps, weight_decay, groups, maximize, momentum_decay=momentum_decay)
+        self.decoupled_weight_decay = bool(decoupled_weight_decay)
+
+    def init(self, name, param):
+        return {"exp_avg": _zeros(param), "exp_avg_sq": _zeros(param), "mu_product": np.ones(np.shape(param))}
+
+    def update(self, p, g, s, hp, step):
+        lr, b1, b2, psi = hp["lr"], hp["beta1"], hp["beta2"], hp["momentum_decay"]
+        p, g = self._decayed(p, g, hp)
+        mu = b1 * (1.0 - 0.5 * 0.96 ** (step * psi))
+        mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((step + 1.0) * psi))
+        mu_product = s["mu_product"] * mu
+        m = s["exp_avg"] + (1.0 - b1) * (g - s["exp_avg"])
+        v = b2 * s["exp_avg_sq"] + (1.0 - b2) * (g * g)
+        denom = T.sqrt(v / (1.0 - b2 ** step)) + hp["eps"]
+        p = p + (-lr * (1.0 - mu) / (1.0 - mu_product)) * (g / denom)
+        p = p + (-lr * mu_next / (1.0 - mu_product * mu_next)) * (m / denom)
+        return p, {"exp_avg": m, "exp_avg_sq": v, "mu_product": mu_product}
+
+
+class RAdam(_AdamLike):
+    """torch.optim.RAdam: the adaptive step where the variance's tractability rho_t > 5, else momentum SGD;
+    decoupled_weight_decay, maximize."""
+
+    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False,
+                 groups=None, maximize=False):
+        super().__init__(lr, betas, eps, weight_decay, groups, maximize)
+        self.decoupled_weight_decay = bool(decoupled_weight_decay)
+
+    def init(self, name, param):
+        return {"exp_avg": _zeros(param), "exp_avg_sq": _zeros(param)}
+
+    def update(self, p, g, s, hp, step):
+        lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
+        p, g = self._decayed(p, g, hp)
+        m = s["exp_avg"] + (1.0 - b1) * (g - s["exp_avg"])
+        v = b2 * s["exp_avg_sq"] + (1.0 - b2) * (g * g)
+        bc2 = 1.0 - b2 ** step
+        rho_inf = 2.0 / (1.0 - b2) - 1.0
+        rho_t = rho_inf - 2.0 * step * b2 ** step / bc2
+        rect = T.sqrt((rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t))
+        corrected = m / (1.0 - b1 ** step)
+        adaptive = T.sqrt(bc2) / (T.sqrt(v) + hp["eps"])
+        p = p - T.where(rho_t > 5.0, corrected * lr * adaptive * rect, corrected * lr)
+        return p, {"exp_avg": m, "exp_avg_sq": v}
+
+
+class Adamax(_AdamLike):
+    """torch.optim.Adamax: the infinity norm exp_inf = max(beta2 * exp_inf, |g| + eps); weight_decay, maximize."""
+
+    def __init__(self, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, groups=None, maximize=False):
+        super().__init__(lr, betas, eps, weight_decay, groups, maximize)
+
+    def init(self, name, param):
+        return {"exp_avg": _zeros(param), "exp_inf": _zeros(param)}
+
+    def update(self, p, g, s, hp, step):
+        b1 = hp["beta1"]
+        p, g = self._decayed(p, g, hp)
+        m = s["exp_avg"] + (1.0 - b1) * (g - s["exp_avg"])
+        u = T.maximum(hp["beta2"] * s["exp_inf"], T.abs(g) + hp["eps"])
+        return p + (-hp["lr"] / (1.0 - b1 ** step)) * (m / u), {"exp_avg": m, "exp_inf": u}
 
 
 def sign(x):

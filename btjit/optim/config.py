@@ -9,14 +9,15 @@ import contextlib
 from pathlib import Path
 
 from btjit.optim.base import Optimizer, OptimizerError, decay_matrices
-from btjit.optim.builtin import SGD, Adadelta, Adagrad, Adam, AdamW, Lion, RMSprop
+from btjit.optim.builtin import SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, Lion, NAdam, RAdam, RMSprop
 
-BUILTIN = {c.__name__.lower(): c for c in (SGD, Adam, AdamW, Adagrad, Adadelta, RMSprop, Lion)}
+BUILTIN = {c.__name__.lower(): c for c in (SGD, Adam, AdamW, Adagrad, Adadelta, RMSprop, NAdam, RAdam, Adamax, Lion)}
 # the [optim] keys each built-in takes besides lr (the others keep the optimizer's own defaults)
 SECTION_KEYS = {"sgd": ("momentum", "weight_decay"), "adam": ("betas", "eps", "weight_decay"),
                 "adamw": ("betas", "eps", "weight_decay"), "adagrad": ("weight_decay",),
                 "adadelta": ("weight_decay",), "rmsprop": ("eps", "momentum", "weight_decay"),
-                "lion": ("weight_decay",)}
+                "nadam": ("betas", "eps", "weight_decay"), "radam": ("betas", "eps", "weight_decay"),
+                "adamax": ("betas", "eps", "weight_decay"), "lion": ("weight_decay",)}
 
 
 def optimizer_class(module) -> type:

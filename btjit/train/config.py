@@ -77,14 +77,15 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "sgd"                   # btjit.optim's: sgd adam adamw adagrad adadelta rmsprop lion (not with file)
+    name: str = "sgd"                   # btjit.optim's: sgd adam adamw adagrad adadelta rmsprop nadam radam adamax lion
+    #                                     (not with file)
     file: typing.Optional[str] = None   # your own optimizer: a Python file defining one btjit.optim.Optimizer
     #                                     subclass, called with lr= and the [optim.hp] keys (docs/guide.md)
     lr: float = 3e-4                    # peak learning rate (the schedule scales it per step)
     momentum: float = 0.0               # sgd, rmsprop
     weight_decay: float = 0.0           # decoupled (adamw, lion) or L2 (the others) weight decay
-    betas: typing.Tuple[float, float] = (0.9, 0.999)   # adam, adamw
-    eps: float = 1e-8                   # adam, adamw, rmsprop
+    betas: typing.Tuple[float, float] = (0.9, 0.999)   # adam, adamw, nadam, radam, adamax
+    eps: float = 1e-8                   # adam, adamw, nadam, radam, adamax, rmsprop
     decay: str = "all"                  # "matrices": weight decay only on params of >= 2 dims (nanoGPT's rule)
     hp: dict = field(default_factory=dict)    # [optim.hp]: more arguments of the optimizer (nesterov = true ...)
     groups: list = field(default_factory=list)   # [[optim.groups]]: params = regex or [names], and its own
@@ -141,7 +142,8 @@ CHOICES = {
     ("data", "format"): ("text", "lines", "words", "arrays"), ("train", "dtype"): ("float32", "float64"),
     ("train", "precision"): ("fp32", "bf16"),
     ("train", "on_nonfinite"): ("stop", "skip"),
-    ("optim", "name"): ("sgd", "adam", "adamw", "adagrad", "adadelta", "rmsprop", "lion"),   # btjit.optim.BUILTIN
+    ("optim", "name"): ("sgd", "adam", "adamw", "adagrad", "adadelta", "rmsprop", "nadam", "radam", "adamax",
+                        "lion"),   # btjit.optim.BUILTIN
     ("optim", "decay"): ("all", "matrices"),
     ("optim", "schedule"): ("constant", "cosine", "linear"),
     ("data", "corpus"): ("tinyshakespeare", "names", "pydoc", "digits"),  # btjit.train.data.CORPUS_NAMES; None allowed

@@ -61,8 +61,8 @@ def ref(xs, a):
         p, g = (p * (1 - s["lr"] * s["weight_decay"]), g) if "decoupled" in fl else (p, g + s["weight_decay"] * p)
     m = st[0] + s["1-beta1"] * (g - st[0])
     v = s["beta2"] * st[1] + s["1-beta2"] * g * g
-    step = s["lr"] / (1 - s["beta1"] ** s["t"])
-    denom = np.sqrt(v) / np.sqrt(1 - s["beta2"] ** s["t"]) + s["eps"]
+    step = s["lr"] / (1 - (1 - s["1-beta1"]) ** s["t"])        # the kernel's: of the exact 1 - beta slots
+    denom = np.sqrt(v) / np.sqrt(1 - (1 - s["1-beta2"]) ** s["t"]) + s["eps"]
     return (p - step * m / denom, m, v)
 
 
