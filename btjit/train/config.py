@@ -47,7 +47,8 @@ FORMAT_OF_KIND = {"gpt": "text", "nanogpt": "text", "mlp": "lines",
 
 @dataclass
 class DataConfig:
-    path: typing.Optional[str] = None   # a UTF-8 file; None = the corpus below
+    path: typing.Optional[str] = None   # a UTF-8 file (an .npz for "arrays"), relative to the config file's dir;
+    #                                     None = the corpus below
     corpus: typing.Optional[str] = None  # bundled "tinyshakespeare", "names", "digits" (images), or "pydoc" (CPython's
     #                                      pydoc topics); None = tinyshakespeare for "text", names for "lines",
     #                                      digits for "arrays"
@@ -363,7 +364,8 @@ def parse_override(item: str) -> tuple[str, str, object]:
 
 def load(path, overrides=()) -> Config:
     """Read a TOML config file, apply `--set` overrides, validate; ConfigError on any problem. A relative
-    model.file is taken relative to the config file's directory (and stored absolute)."""
+    model.file, optim.file or data.path is taken relative to the config file's directory (and stored absolute;
+    a data.path found only in the current directory, or given with --set, is the current directory's)."""
     p = Path(path)
     text = files.read_text(p, ConfigError, f"config file not found: {p}",
                            f"config path is a directory, not a file: {p}", f"{p}: not a UTF-8 text file",
@@ -382,6 +384,12 @@ def load(path, overrides=()) -> Config:
         if sec.file is not None:
             f = Path(sec.file).expanduser()
             sec.file = str(f if f.is_absolute() else (p.parent / f).resolve())
+    set_keys = {parse_override(item)[:2] for item in overrides}
+    if cfg.data.path and ("data", "path") not in set_keys:     # the file's data.path: relative to its dir, as
+        f = Path(cfg.data.path).expanduser()                   # model.file (a path only the current dir holds
+        here = p.parent / f                                    # still works); a --set one: to the current dir
+        if not f.is_absolute() and (here.exists() or not f.exists()):
+            cfg.data.path = str(here.resolve())
     return cfg
 
 
