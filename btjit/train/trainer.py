@@ -107,7 +107,16 @@ class Trainer:
 
     def _load_program_state(self, ck):
         state = {k: v for k, v in ck.state.items() if not k.startswith("dist/")}
-        ckpt_mod.check_compatible(ckpt_mod.Checkpoint(ck.path, ck.step, state, ck.meta), self.prog.state_dict())
+        try:
+            ckpt_mod.check_compatible(ckpt_mod.Checkpoint(ck.path, ck.step, state, ck.meta), self.prog.state_dict())
+        except CheckpointError as e:            # the model was checked (_find_checkpoint): the optimizer changed?
+            saved, now = ck.meta.get("config", {}).get("optim", {}), self.cfg.to_dict()["optim"]
+            diff = [k for k in ("name", "file", "decay", "groups", "hp") if saved.get(k) != now.get(k)]
+            if not diff:
+                raise
+            k = diff[0]
+            raise TrainError(f"--resume: {ck.path.name} was trained with optim.{k} = {saved.get(k)!r}, the config "
+                             f"says {now.get(k)!r}: its optimizer state does not fit ({e})") from None
         self.prog.load_state_dict(state)
 
     def _write_run_files(self, resume):
