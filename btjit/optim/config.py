@@ -49,4 +49,13 @@ def from_section(o, module=None, guard=contextlib.nullcontext) -> Optimizer:
         with guard():
             return cls(**kw)
     except TypeError as e:
+        import inspect
+        try:
+            takes = [n for n in inspect.signature(cls).parameters if n not in ("self", "groups", "kwargs")]
+        except (TypeError, ValueError):
+            takes = []
+        bad = [k for k in o.hp if takes and k not in takes]
+        if bad:
+            raise OptimizerError(f"optim.hp.{bad[0]}: {cls.__name__} takes no argument {bad[0]!r} (its arguments: "
+                                 f"{', '.join(takes)})") from None
         raise OptimizerError(f"{cls.__name__}: {e}") from None

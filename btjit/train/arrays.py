@@ -70,9 +70,14 @@ def read_arrays(path, corpus, val_fraction, seed):
     else:
         p = Path(path)
         name, d = str(p), _read_npz(p)
+    for k in (*KEYS, "x", "y"):
+        if k in d and d[k].ndim == 0:
+            raise DataError(f"{name}: {k} is a single value (shape ()); it must hold one sample per row")
     if all(k in d for k in KEYS):
         parts = [(d["x_train"], d["y_train"], "train"), (d["x_val"], d["y_val"], "val")]
     elif "x" in d and "y" in d:
+        if len(d["y"]) != len(d["x"]):
+            raise DataError(f"{name}: y has {len(d['y'])} samples but x has {len(d['x'])}")
         order = np.random.default_rng(seed).permutation(len(d["x"]))
         n = split_point(len(order), val_fraction)
         parts = [(d["x"][order[:n]], d["y"][order[:n]], "train"), (d["x"][order[n:]], d["y"][order[n:]], "val")]
@@ -162,7 +167,12 @@ class Classifier:
                 self.prog.params[name][...] = v
             for name, v in buffers.items():
                 self.prog.buffers[name][...] = v
-            lg = np.asarray(self.prog.forward(x), np.float64)[:k].reshape(k, -1)
+            out = np.asarray(self.prog.forward(x), np.float64)
+            lg = out[:k].reshape(k, -1)
+            if lg.shape[1] < ds.classes:
+                raise DataError(f"{ds.name}: its class ids go up to {ds.classes - 1}, but logits(p, x) gives "
+                                f"{lg.shape[1]} class scores per sample (shape {out.shape}): the model needs "
+                                f"cfg.vocab_size = {ds.classes} outputs")
             lse = lg.max(1) + np.log(np.exp(lg - lg.max(1, keepdims=True)).sum(1))
             nll += float((lse - lg[np.arange(k), y[:k]]).sum())
             correct += int((lg.argmax(1) == y[:k]).sum())

@@ -47,7 +47,8 @@ FORMAT_OF_KIND = {"gpt": "text", "nanogpt": "text", "mlp": "lines",
 
 @dataclass
 class DataConfig:
-    path: typing.Optional[str] = None   # a UTF-8 file; None = the corpus below
+    path: typing.Optional[str] = None   # a UTF-8 file (an .npz for "arrays"), relative to the config file's dir;
+    #                                     None = the corpus below
     corpus: typing.Optional[str] = None  # bundled "tinyshakespeare", "names", "digits" (images), or "pydoc" (CPython's
     #                                      pydoc topics); None = tinyshakespeare for "text", names for "lines",
     #                                      digits for "arrays"
@@ -327,11 +328,9 @@ def _validate_optim_tables(o: OptimConfig, bad) -> None:
 
 
 def _validate_schedule(cfg: Config, bad) -> None:
-    """The [optim] LR schedule must be possible within train.steps (btjit.train.schedule.lr_at)."""
-    o, steps = cfg.optim, cfg.train.steps
-    if o.warmup_steps >= steps:
-        bad(f"optim.warmup_steps = {o.warmup_steps} must be less than train.steps ({steps}): the warm-up "
-            f"would outlast the run")
+    """The [optim] LR schedule must be possible (btjit.train.schedule.lr_at). A warm-up longer than the run is (a
+    short run of a config, `--set train.steps=20`): the run ends within it, as nanoGPT's get_lr would."""
+    o = cfg.optim
     if o.lr_min > o.lr:
         bad(f"optim.lr_min = {o.lr_min:g} must be <= optim.lr ({o.lr:g}): the schedule decays from lr to lr_min")
     if o.schedule != "constant" and o.decay_steps and o.decay_steps <= o.warmup_steps:
@@ -365,7 +364,8 @@ def parse_override(item: str) -> tuple[str, str, object]:
 
 def load(path, overrides=()) -> Config:
     """Read a TOML config file, apply `--set` overrides, validate; ConfigError on any problem. A relative
-    model.file is taken relative to the config file's directory (and stored absolute)."""
+    model.file, optim.file or data.path is taken relative to the config file's directory (and stored absolute;
+    a data.path found only in the current directory, or given with --set, is the current directory's)."""
     p = Path(path)
     text = files.read_text(p, ConfigError, f"config file not found: {p}",
                            f"config path is a directory, not a file: {p}", f"{p}: not a UTF-8 text file",
@@ -384,6 +384,12 @@ def load(path, overrides=()) -> Config:
         if sec.file is not None:
             f = Path(sec.file).expanduser()
             sec.file = str(f if f.is_absolute() else (p.parent / f).resolve())
+    set_keys = {parse_override(item)[:2] for item in overrides}
+    if cfg.data.path and ("data", "path") not in set_keys:     # the file's data.path: relative to its dir, as
+        f = Path(cfg.data.path).expanduser()                   # model.file (a path only the current dir holds
+        here = p.parent / f                                    # still works); a --set one: to the current dir
+        if not f.is_absolute() and (here.exists() or not f.exists()):
+            cfg.data.path = str(here.resolve())
     return cfg
 
 

@@ -81,7 +81,7 @@ def _command() -> list[str]:
     """This process's command line, with `python -m btjit.cli` (or the console script's path) as `btjit`."""
     argv = list(sys.argv) or ["?"]
     name = Path(argv[0]).name
-    return ["btjit" if name in ("cli.py", "btjit") else name] + argv[1:]
+    return ["btjit" if name in ("cli.py", "btjit", "__main__.py") else name] + argv[1:]
 
 
 def _read(fd) -> dict | None:

@@ -68,6 +68,8 @@ class Trainer:
         self._build_program()
         self.accum = sched_mod.Accumulator(self.prog)
         self.step, self.last_ckpt, self.best = 0, None, None   # best: {"step", "val_loss"} of best.npz
+        self.log_losses = []            # the losses since the last progress line (checkpointed: --resume logs
+        #                                 the same means as an uninterrupted run)
         if self.resumed:
             self._restore(self.resumed)
         self.sampler = None
@@ -101,10 +103,20 @@ class Trainer:
         self._load_program_state(ck)
         self.rng = ckpt_mod.rng_from_state(ck.meta["rng_state"])
         self.step, self.last_ckpt, self.best = ck.step, ck.path, ck.meta.get("best")
+        self.log_losses = [float(v) for v in ck.meta.get("log_losses", [])]
 
     def _load_program_state(self, ck):
         state = {k: v for k, v in ck.state.items() if not k.startswith("dist/")}
-        ckpt_mod.check_compatible(ckpt_mod.Checkpoint(ck.path, ck.step, state, ck.meta), self.prog.state_dict())
+        try:
+            ckpt_mod.check_compatible(ckpt_mod.Checkpoint(ck.path, ck.step, state, ck.meta), self.prog.state_dict())
+        except CheckpointError as e:            # the model was checked (_find_checkpoint): the optimizer changed?
+            saved, now = ck.meta.get("config", {}).get("optim", {}), self.cfg.to_dict()["optim"]
+            diff = [k for k in ("name", "file", "decay", "groups", "hp") if saved.get(k) != now.get(k)]
+            if not diff:
+                raise
+            k = diff[0]
+            raise TrainError(f"--resume: {ck.path.name} was trained with optim.{k} = {saved.get(k)!r}, the config "
+                             f"says {now.get(k)!r}: its optimizer state does not fit ({e})") from None
         self.prog.load_state_dict(state)
 
     def _write_run_files(self, resume):
@@ -226,7 +238,8 @@ class Trainer:
         """The metadata of a checkpoint written now."""
         return {"rng_state": ckpt_mod.rng_state(self.rng), "config": self.cfg.to_dict(),
                 "vocab": self.ds.vocab.chars, "data": self.ds.name, "n_params": int(self.prog.n_params),
-                "best": self.best, **({"model_file": self.model_file.meta()} if self.model_file else {}),
+                "best": self.best, "log_losses": list(self.log_losses),
+                **({"model_file": self.model_file.meta()} if self.model_file else {}),
                 **({"optimizer_file": self.optim_file.meta()} if self.optim_file else {})}
 
     def track_best(self, val: float) -> None:
@@ -321,7 +334,7 @@ class Trainer:
             self.echo(f"already at step {self.step} of {t.steps}: nothing to do "
                       f"(raise train.steps to train further)")
             return Result(self.step, self.last_ckpt)
-        t_start, losses, step_time, timed, skips = time.perf_counter(), [], 0.0, 0, 0
+        t_start, losses, step_time, timed, skips = time.perf_counter(), self.log_losses, 0.0, 0, 0
         first = self.step
         while self.step < t.steps:
             batches = self._next_batches()
@@ -364,7 +377,8 @@ class Trainer:
                           f"| lr {prog.lr:.3g} | {ms:.2f} ms/step | {tps / 1000:.1f}k tok/s{extra} | eta {eta:.0f} s")
                 self.log(event="train", step=s, loss=float(np.mean(losses)), ms_per_step=round(ms, 4),
                          tokens_per_s=round(tps, 1), lr=prog.lr, **fields)
-                losses, step_time, timed = [], 0.0, 0
+                losses.clear()
+                step_time, timed = 0.0, 0
             if (t.eval_interval and s % t.eval_interval == 0) or s == t.steps:
                 val = self.evaluate()
                 self.echo(f"step {s:>{width}}: val loss {val:.4f}{self._acc()[0]}")
