@@ -2,9 +2,8 @@
 does not cover:
 
 1. pytorch/examples' word_language_model RNNModel for 'GRU', 'RNN_TANH', 'RNN_RELU' (and 'LSTM' with clipping):
-   2 layers, tied weights, the hidden state carried between batches as buffers (repackage_hidden: no gradient
-   across batches), truncated BPTT over 3 batches with main.py's clip_grad_norm_(0.25) and `p.data.add_(p.grad,
-   alpha=-lr)`; init_hidden through prog.buffers; eval with dropout > 0 equals model.eval().
+   2 layers, tied weights, the hidden state carried between batches as buffers (repackage_hidden), truncated BPTT
+   over 3 batches with main.py's clip_grad_norm_(0.25) and SGD; init_hidden via prog.buffers; eval with dropout.
 2. min-char-rnn (Karpathy's numpy RNN) with Adagrad and np.clip(dparam, -5, 5), against its own numpy update.
 3. makemore part 4's manual-backprop MLP (explicit batch norm with Bessel's 1/(n-1)) and micrograd's MLP.
 4. The lecture's gpt.py (Head / MultiHeadAttention with a tril buffer, FeedForward, LayerNorm, lm_head).
@@ -54,12 +53,8 @@ def _rnn_model_loss(kind, dropout):
             btjit.assign(p[f"h{l}"], h[l])
             if kind == "LSTM":
                 btjit.assign(p[f"c{l}"], c[l])
-        return F_nll(btjit.log_softmax(decoded.reshape(-1, NT), axis=1), y.reshape(-1))
+        return btjit.nll_loss(btjit.log_softmax(decoded.reshape(-1, NT), axis=1), y.reshape(-1))
     return loss
-
-
-def F_nll(logp, y):
-    return btjit.nll_loss(logp, y)
 
 
 class RNNModel(torch.nn.Module):
@@ -67,23 +62,17 @@ class RNNModel(torch.nn.Module):
 
     def __init__(self, rnn_type, ntoken, ninp, nhid, nlayers, dropout=0.5):
         super().__init__()
-        self.ntoken = ntoken
-        self.drop = torch.nn.Dropout(dropout)
+        self.ntoken, self.drop = ntoken, torch.nn.Dropout(dropout)
         self.encoder = torch.nn.Embedding(ntoken, ninp)
         if rnn_type in ["LSTM", "GRU"]:
             self.rnn = getattr(torch.nn, rnn_type)(ninp, nhid, nlayers, dropout=dropout)
         else:
-            nonlinearity = {"RNN_TANH": "tanh", "RNN_RELU": "relu"}[rnn_type]
-            self.rnn = torch.nn.RNN(ninp, nhid, nlayers, nonlinearity=nonlinearity, dropout=dropout)
+            self.rnn = torch.nn.RNN(ninp, nhid, nlayers, nonlinearity=rnn_type[4:].lower(), dropout=dropout)
         self.decoder = torch.nn.Linear(nhid, ntoken)
         self.decoder.weight = self.encoder.weight
-        self.init_weights()
+        torch.nn.init.uniform_(self.encoder.weight, -0.1, 0.1)                   # init_weights()
+        torch.nn.init.uniform_(self.decoder.bias, -0.1, 0.1)                     # (the example zeroes it)
         self.rnn_type, self.nhid, self.nlayers = rnn_type, nhid, nlayers
-
-    def init_weights(self):
-        initrange = 0.1
-        torch.nn.init.uniform_(self.encoder.weight, -initrange, initrange)
-        torch.nn.init.uniform_(self.decoder.bias, -initrange, initrange)      # (the example zeroes it)
 
     def forward(self, input, hidden):
         emb = self.drop(self.encoder(input))
@@ -99,7 +88,7 @@ class RNNModel(torch.nn.Module):
         return weight.new_zeros(self.nlayers, bsz, self.nhid)
 
 
-def repackage_hidden(h):
+def repackage_hidden(h):          # main.py's
     return h.detach() if isinstance(h, torch.Tensor) else tuple(repackage_hidden(v) for v in h)
 
 
@@ -404,8 +393,8 @@ def _gpt(p, idx, targets, lib, dropout, training):
 
 
 def _gpt_params(rng):
-    p = {"token_embedding_table.weight": rng.normal(size=(GV, GE)), "position_embedding_table.weight":
-         rng.normal(size=(GB, GE)), "ln_f.weight": 1 + 0.1 * rng.normal(size=GE), "ln_f.bias": 0.1 * rng.normal(size=GE),
+    p = {"token_embedding_table.weight": rng.normal(size=(GV, GE)), "ln_f.weight": 1 + 0.1 * rng.normal(size=GE),
+         "position_embedding_table.weight": rng.normal(size=(GB, GE)), "ln_f.bias": 0.1 * rng.normal(size=GE),
          "lm_head.weight": rng.normal(size=(GV, GE)) * 0.2, "lm_head.bias": rng.normal(size=GV) * 0.02}
     for i in range(GL):
         b = f"blocks.{i}."
@@ -454,3 +443,58 @@ def test_lecture_gpt_adamw_and_eval_match_torch(dropout):
     assert abs(prog.eval(x, y) - want) <= 1e-10
     if dropout:
         assert abs(prog.step(x, y) - want) > 1e-6                           # training has dropout
+
+
+# ----------------------------------------------------------------------------- micrograd's nn.py MLP and demo loop
+def test_micrograd_mlp_demo_loop_matches_torch():
+    import random
+    from btjit.micrograd import Value
+
+    class Neuron:                                     # micrograd/nn.py, as written (Module's zero_grad inlined)
+        def __init__(self, nin, nonlin=True):
+            self.w, self.b, self.nonlin = [Value(random.uniform(-1, 1)) for _ in range(nin)], Value(0), nonlin
+
+        def __call__(self, x):
+            act = sum((wi * xi for wi, xi in zip(self.w, x)), self.b)
+            return act.relu() if self.nonlin else act
+
+        def parameters(self):
+            return self.w + [self.b]
+
+    class MLP:
+        def __init__(self, nin, nouts):
+            sz = [nin] + nouts
+            self.layers = [[Neuron(sz[i], nonlin=i != len(nouts) - 1) for _ in range(sz[i + 1])]
+                           for i in range(len(nouts))]
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = [n(x) for n in layer]
+                x = x[0] if len(x) == 1 else x
+            return x
+
+        def parameters(self):
+            return [p for layer in self.layers for n in layer for p in n.parameters()]
+    random.seed(1337)
+    model, rng = MLP(2, [8, 8, 1]), np.random.default_rng(0)
+    X, yb = rng.normal(size=(6, 2)), np.array([1, -1, 1, -1, 1, -1])
+    for k in range(3):                                # demo.ipynb's loss() and update
+        tw = [torch.tensor(p.data, dtype=torch.float64, requires_grad=True) for p in model.parameters()]
+        scores = [model(list(map(Value, xrow))) for xrow in X]
+        losses = [(1 + -yi * scorei).relu() for yi, scorei in zip(yb, scores)]
+        total_loss = sum(losses) * (1.0 / len(losses)) + 1e-4 * sum((p * p for p in model.parameters()))
+        for p in model.parameters():
+            p.grad = 0
+        total_loss.backward()
+        it, h = iter(tw), torch.tensor(X)               # torch, the same params in nn.py's order
+        for layer in model.layers:
+            ws = [torch.stack([next(it) for _ in n.w] + [next(it)]) for n in layer]
+            W = torch.stack(ws)
+            h = h @ W[:, :-1].T + W[:, -1]
+            h = h.relu() if layer[0].nonlin else h
+        want = (1 - torch.tensor(yb) * h[:, 0]).relu().mean() + 1e-4 * sum(t * t for t in tw)
+        want.backward()
+        assert total_loss.data == pytest.approx(want.item(), rel=1e-12)
+        np.testing.assert_allclose([p.grad for p in model.parameters()], [t.grad.item() for t in tw], atol=1e-12)
+        for p in model.parameters():
+            p.data -= (1.0 - 0.9 * k / 100) * p.grad
