@@ -8,7 +8,7 @@ import builtins
 import numpy as np
 
 from btjit.graph.trace import (METHODS, TraceError, Tracer, broadcast_to, current_graph, emit, lift, reshape,
-                               swapaxes, user_src)
+                               swapaxes, transpose, user_src)
 
 
 class Positions(Tracer):
@@ -51,6 +51,9 @@ def getitem(x, idx):
                          f"known at run time; use btjit.where(mask, x, 0.0) — {user_src()}")
     if _advanced(idx):
         return take(x, list(idx) if isinstance(idx, range) else idx)
+    if isinstance(idx, tuple) and any(map(_advanced, idx)) and any(map(_is_int, idx)) \
+            and not any(i is None for i in idx):
+        return _ints_and_arrays(x, idx)
     if isinstance(idx, tuple) and builtins.sum(map(_advanced, idx)) > 1:
         return _take_leading(x, idx)
     if isinstance(idx, tuple) and any(_advanced(i) for i in idx):
@@ -94,13 +97,40 @@ def _expand(x, idx):
     return idx
 
 
+def _is_int(i) -> bool:
+    return isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_))
+
+
+def _ints_and_arrays(x, idx):
+    """x[ids, 0], x[:, ids, 2], x[0, :, ids] (min-char-rnn's `ps[targets[t], 0]`): numpy counts the ints among the
+    advanced indices (0-d arrays broadcast with the others), so the ints index first, as basic indexing, then the
+    arrays; where the ints and arrays are not one adjacent block numpy puts the arrays' axes first."""
+    idx = _expand(x, idx)
+    if len(idx) > x.ndim:
+        raise TraceError(f"getitem: {len(idx)} indices for a value of {x.ndim} dims — {user_src()}")
+    at = [j for j, i in enumerate(idx) if _is_int(i) or _advanced(i)]
+    y = getitem(x, tuple(i if _is_int(i) else slice(None) for i in idx))
+    rest = tuple(i for i in idx if not _is_int(i))
+    z = getitem(y, rest[0] if len(rest) == 1 else rest)
+    arrays = [j for j, i in enumerate(rest) if _advanced(i)]
+    if at == list(range(at[0], at[-1] + 1)) or len(arrays) != 1:
+        return z                                     # several arrays: on the leading axes, their axes first there
+    k, nd = arrays[0], np.ndim(rest[arrays[0]]) if not isinstance(rest[arrays[0]], Tracer) else rest[arrays[0]].ndim
+    order = list(range(k, k + nd)) + [d for d in range(z.ndim) if not k <= d < k + nd]
+    return transpose(z, tuple(order)) if order != list(range(z.ndim)) else z
+
+
 def _take_on_axis(x, idx):
     """x[:, ..., ids, ...]: one integer array among slices (numpy's result: the ids' axis where they stand)."""
     idx = _expand(x, idx)
     k = next(j for j, i in enumerate(idx) if _advanced(i))
     ids = idx[k]
     others = [i for j, i in enumerate(idx) if j != k]
-    if not all(isinstance(i, slice) for i in others) or (ids.ndim if isinstance(ids, Tracer) else np.ndim(ids)) != 1:
+    nd = ids.ndim if isinstance(ids, Tracer) else np.ndim(ids)
+    if nd == 0 and all(isinstance(i, slice) for i in others):           # x[:, i] with a 0-d i: that axis goes
+        y = _take_on_axis(x, idx[:k] + (reshape(ids, (1,)) if isinstance(ids, Tracer) else [ids],) + idx[k + 1:])
+        return reshape(y, tuple(y.shape[:k]) + tuple(y.shape[k + 1:]))
+    if not all(isinstance(i, slice) for i in others) or nd != 1:
         raise TraceError(f"getitem: an integer index array can stand with slices only (one 1-d array), got "
                          f"{tuple(type(i).__name__ for i in idx)} — {user_src()}")
     y = getitem(x, tuple(slice(None) if j == k else i for j, i in enumerate(idx)))
