@@ -63,6 +63,17 @@ def test_torchs_repeat_and_a_missing_method_are_named():
         btjit.trace(lambda p: btjit.sum(p["x"].logcumsumexp(1)), {"x": np.zeros((2, 2))})
 
 
+def test_an_index_array_in_an_assignment_says_what_to_write():
+    """makemore part 4's `dlogits[range(n), Yb] -= 1`: the error names the line and the one_hot form."""
+    def loss(p, y):
+        d = btjit.softmax(p["w"], axis=1)
+        d[range(4), y] -= 1
+        return btjit.sum(d * d)
+    with pytest.raises(btjit.TraceError, match=r"setitem: only ints and slices can index an assignment .* "
+                                               r"x = x - btjit.one_hot\(y, x.shape\[1\]\) .*idioms.py:\d+"):
+        btjit.trace(loss, {"w": np.ones((4, 3))}, np.array([0, 1, 2, 0], np.int32))
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_sdpa_grouped_query_attention_against_torch(causal):
     """enable_gqa: 4 query heads over 2 key / value heads (llama's grouped-query attention), values and grads."""

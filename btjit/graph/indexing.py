@@ -175,8 +175,10 @@ def _take_leading(x, idx):
 def setitem(x, idx, value):
     """The value of x with x[idx] = value (basic indexing: ints, slices, None, Ellipsis)."""
     x = lift(x)
-    if isinstance(idx, Tracer) or isinstance(idx, (np.ndarray, list)):
-        raise TraceError(f"setitem: only ints and slices can index an assignment — {user_src()}")
+    if _advanced(idx) or isinstance(idx, tuple) and any(map(_advanced, idx)):
+        raise TraceError(f"setitem: only ints and slices can index an assignment (x[1:3, 0] = v), not an index array; "
+                         f"write the result with btjit.where or one_hot instead: x[range(n), y] -= 1 is "
+                         f"x = x - btjit.one_hot(y, x.shape[1]) — {user_src()}")
     starts, stops, steps, shape = _region(x, idx)
     value = lift(value, x)
     region = tuple(len(range(*s)) for s in zip(starts, stops, steps))
