@@ -49,7 +49,8 @@ def extras(lg, xp):
     fl = xp.mean((xp.floor(lg * 3) / 3 - lg) ** 2) * 0.01 + xp.mean(lg % 0.7) * 1e-4
     fm = xp.mean(xp.fmod(lg, 0.9) ** 2) * 0.01 + xp.mean(xp.round(lg) * lg) * 1e-3
     fd = xp.mean(floor_div * lg) * 1e-3 + xp.mean(xp.ceil(lg) * lg) * 1e-3
-    cp = xp.mean(xp.cumprod(1 / (1 + xp.exp(-lg)), 1)) * 0.1 + xp.mean((xp.diff(lg, dim=1) if t else np.diff(lg, axis=1)) ** 2) * 0.01
+    diff = xp.diff(lg, dim=1) if t else np.diff(lg, axis=1)
+    cp = xp.mean(xp.cumprod(1 / (1 + xp.exp(-lg)), 1)) * 0.1 + xp.mean(diff ** 2) * 0.01
     m = (lg > 0) & ~(lg > 1) | xp.isnan(lg)
     mk = (xp.mean(xp.where(m, lg, 0.0 * lg) ** 2) * 0.01
           + xp.mean(xp.logical_or(lg > 0.5, xp.isfinite(lg)) * lg) * 0.01)
