@@ -71,7 +71,8 @@ class ScalarGraphError(Exception):
 # opcode of the tape interpreter; the generated-code expression uses {0},{1},{2} for the operands, ONE/ZERO/
 # HALF for dtype-correct literals, and may be a list of statements with {o} the result and {t} a temp prefix.
 (ADD, SUB, MUL, DIV, NEG, COPY, EXP, LOG, TANH, SQRT, ABS, RELU, SIGMOID, POW, MAXIMUM, MINIMUM, EQ, NE, GT,
- GE, LT, LE, TANH_GRAD, RELU_GRAD, SIGMOID_GRAD, WHERE, GELU, GELU_GRAD, ARG, ERF, LOG1P, SIGN) = range(32)
+ GE, LT, LE, TANH_GRAD, RELU_GRAD, SIGMOID_GRAD, WHERE, GELU, GELU_GRAD, ARG, ERF, LOG1P, SIGN, FLOOR, CEIL,
+ ROUND, TRUNC, FMOD, REMAINDER) = range(38)
 
 _G0 = 0.7978845608028654      # sqrt(2/pi), as in graph/ops/elementwise.py's _gelu_ref
 _G1 = 0.044715
@@ -91,6 +92,13 @@ OPS = {
     "log1p": (LOG1P, "math.log1p({0})"),
     "abs": (ABS, "abs({0})"),
     "sign": (SIGN, "ONE if {0} > ZERO else (-ONE if {0} < ZERO else {0})"),     # 0 and NaN kept
+    "floor": (FLOOR, "np.floor({0})"),                                # as the tensor kernels' k_rounding
+    "ceil": (CEIL, "np.ceil({0})"),
+    "round": (ROUND, "np.rint({0})"),                                 # half to even, as numpy's and torch's
+    "trunc": (TRUNC, "np.trunc({0})"),
+    "fmod": (FMOD, "np.fmod({0}, {1})"),                              # exact; the sign of x
+    "remainder": (REMAINDER, ["{t}m = np.fmod({0}, {1})",             # numpy's mod, torch's remainder: y's sign
+                              "{o} = {t}m + {1} if ({t}m != ZERO and ({t}m < ZERO) != ({1} < ZERO)) else {t}m"]),
     "relu": (RELU, "{0} if not ({0} <= ZERO) else ZERO"),            # max(x, 0); NaN stays NaN as np.maximum
     "sigmoid": (SIGMOID, "ONE / (ONE + math.exp(-{0}))"),
     "pow": (POW, "{0} ** {1}"),                                        # attr p becomes operand {1}
@@ -449,6 +457,18 @@ def tape_run(code, r, K):
             r[o] = abs(r[a])
         elif op == SIGN:
             r[o] = one if r[a] > z else (-one if r[a] < z else r[a])
+        elif op == FLOOR:
+            r[o] = np.floor(r[a])
+        elif op == CEIL:
+            r[o] = np.ceil(r[a])
+        elif op == ROUND:
+            r[o] = np.rint(r[a])
+        elif op == TRUNC:
+            r[o] = np.trunc(r[a])
+        elif op == FMOD or op == REMAINDER:
+            y = r[b]
+            m = np.fmod(r[a], y)
+            r[o] = m + y if (op == REMAINDER and m != z and (m < z) != (y < z)) else m
         elif op == COPY:
             r[o] = r[a]
         elif op == MAXIMUM:
