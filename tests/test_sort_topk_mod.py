@@ -93,6 +93,7 @@ CASES = {
                      [(3, 5), (3, 5)]),
     "cumsum": (lambda x: x.cumsum(dim=1), lambda x: x.cumsum(dim=1), [(3, 6)]),
     "np.cumsum_axis0": (lambda x: np.cumsum(x, axis=0), lambda x: torch.cumsum(x, 0), [(5, 2, 3)]),
+    "cumsum_long": (lambda x: np.cumsum(x, axis=0), lambda x: torch.cumsum(x, 0), [(300, 2)]),   # the scan
     "cumprod": (lambda x: x.cumprod(dim=1), lambda x: x.cumprod(dim=1), [(3, 7)]),
     "np.cumprod_axis0": (lambda x: np.cumprod(x, axis=0), lambda x: torch.cumprod(x, 0), [(5, 2, 3)]),
     "btjit.cumprod_flat": (lambda x: btjit.cumprod(x), lambda x: torch.cumprod(x.flatten(), 0), [(2, 3)]),

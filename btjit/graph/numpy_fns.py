@@ -317,12 +317,28 @@ def take_along_axis(x, indices, axis):
 
 
 def cumsum(x, axis=None):
-    """numpy's cumsum: a product with the upper triangle of ones along axis (of the flattened x for None)."""
+    """numpy's cumsum along axis (of the flattened x for None): up to 256 long, a product with the upper triangle of
+    ones (one GEMM); longer (an n x n triangle would be n^2 floats), a scan of log2(n) steps, each the values plus
+    themselves shifted by 1, 2, 4, ... with zeros shifted in."""
     x = lift(x)
     if axis is None:
         x, axis = reshape(x, (x.size,)), 0
-    n = x.shape[axis % x.ndim]
-    return swapaxes(matmul(swapaxes(x, axis, -1), np.triu(np.ones((n, n)))), axis, -1)
+    ax = axis % x.ndim
+    n = x.shape[ax]
+    if n <= 256:
+        return swapaxes(matmul(swapaxes(x, ax, -1), np.triu(np.ones((n, n)))), ax, -1)
+    return scan(x, ax, 0.0, lambda a, b: a + b)
+
+
+def scan(x, ax, identity, op):
+    """Running op (+ or *) along axis ax in log2(n) steps: each step the values op themselves shifted by 1, 2, 4,
+    ... with the identity shifted in (cumsum's long axes, cumprod)."""
+    n, s, out, pre = x.shape[ax], 1, x, (slice(None),) * ax
+    while s < n:
+        fill = lift(np.full(x.shape[:ax] + (s,) + x.shape[ax + 1:], identity), out)
+        out = op(out, concatenate([fill, getitem(out, pre + (slice(0, n - s),))], ax))
+        s *= 2
+    return out
 
 
 def prod(x, axis=None, keepdims=False):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.graph.indexing import Positions, getitem, take
-from btjit.graph.numpy_fns import ValuesIndices
+from btjit.graph.numpy_fns import ValuesIndices, scan
 from btjit.graph.trace import (FUNCS, METHODS, UFUNCS, TraceError, Tracer, _norm_axes, broadcast_to, concatenate,
                                emit, lift, reshape, swapaxes, user_src)
 
@@ -171,13 +171,7 @@ def cumprod(x, axis=None, *, dim=None):
     log2(n) steps (each the values times themselves shifted by 1, 2, 4, ... with ones shifted in); the gradient by
     the product rule, right at zeros too."""
     x, ax = _axis("cumprod", x, axis if dim is None else dim)
-    n, s, out = x.shape[ax], 1, x
-    pre = (slice(None),) * ax
-    while s < n:
-        ones = lift(np.ones(x.shape[:ax] + (s,) + x.shape[ax + 1:]), out)
-        out = out * concatenate([ones, getitem(out, pre + (slice(0, n - s),))], ax)
-        s *= 2
-    return out
+    return scan(x, ax, 1.0, lambda a, b: a * b)
 
 
 def diff(x, n=1, axis=-1, prepend=None, append=None, *, dim=None):
