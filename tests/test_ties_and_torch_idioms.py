@@ -1,5 +1,6 @@
 """Gradients at ties and kinks (maximum / minimum, clamp, the hard activations) and torch idioms as ports write
-them (grouped-query attention, torch's repeat, a missing method), each against torch."""
+them (grouped-query attention, torch's repeat, a missing method, assignments through index arrays), each against
+torch."""
 import numpy as np
 import pytest
 
@@ -8,6 +9,10 @@ from test_functional import _btjit, _torch
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
+
+
+def _x(shape, seed=0):
+    return np.random.default_rng(seed).normal(size=shape)
 
 
 KINKS = np.array([-6.0, -3.0, -1.0, -0.5, 0.0, 0.5, 0.7, 1.0, 3.0, 6.0])       # every function's bounds below, exactly
@@ -63,14 +68,58 @@ def test_torchs_repeat_and_a_missing_method_are_named():
         btjit.trace(lambda p: btjit.sum(p["x"].logcumsumexp(1)), {"x": np.zeros((2, 2))})
 
 
-def test_an_index_array_in_an_assignment_says_what_to_write():
-    """makemore part 4's `dlogits[range(n), Yb] -= 1`: the error names the line and the one_hot form."""
+def _softmax_minus_labels(x, y, mod):            # makemore part 4's manual backward: dlogits[range(n), Yb] -= 1
+    d = mod.softmax(x, 1) * 1.0
+    d[range(5) if mod is btjit else torch.arange(5), y] -= 1
+    return d
+
+
+def _set_constant_arrays(x, y, mod):
+    ar, rows, cols = (np.arange(5), np.array([1, 3]), np.array([0, 2])) if mod is btjit else (
+        torch.arange(5), torch.tensor([1, 3]), torch.tensor([0, 2]))
+    d = x * 2.0
+    d[ar, 1] = 0.5                               # ints beside an array
+    d[rows, cols] = x[0, :2] ** 2                # a value of the positions' shape
+    d[[4, 2]] = x[[0, 1]] * 3.0                  # whole rows
+    d[:, [2, 0]] = d[:, [0, 1]] + 1.0            # on axis 1
+    d[:, cols] -= 1.0
+    return d
+
+
+@pytest.mark.parametrize("case", [_softmax_minus_labels, _set_constant_arrays])
+def test_assignments_through_index_arrays_against_torch(case):
+    x, w, y = _x((5, 3)), _x((5, 3), 1), np.array([0, 2, 2, 1, 0], np.int32)
+    prog = btjit.trace(lambda p, y: btjit.sum(case(p["x"], y, btjit) * w), {"x": x}, y, grad=True, dtype="float64")
+    got = prog.value_and_grad(y)
+    tx = torch.tensor(x, requires_grad=True)
+    want = (case(tx, torch.tensor(y).long(), torch) * torch.tensor(w)).sum()
+    want.backward()
+    assert got == pytest.approx(want.item(), rel=1e-13)
+    np.testing.assert_allclose(prog.grads["x"], tx.grad.numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_an_assignment_to_a_position_twice_keeps_the_last_value():
+    """numpy's x[[0, 2, 0]] = v: row 0 gets v's last row (torch's gradient would also reach the lost row: the
+    finite differences say it does not)."""
+    def f(p):
+        d = p["x"] * 2.0
+        d[[0, 2, 0]] = p["v"] * 3.0
+        return btjit.sum(d * _x((5, 3), 1))
+    x, v = _x((5, 3)), _x((3, 3), 2)
+    want = x * 2.0
+    want[[0, 2, 0]] = v * 3.0
+    assert btjit.trace(f, {"x": x, "v": v}, dtype="float64").forward() == pytest.approx(
+        float(np.sum(want * _x((5, 3), 1))), rel=1e-13)
+    assert btjit.testing.check_grads(f, {"x": x, "v": v}) < 1e-6
+
+
+def test_traced_positions_must_be_distinct():
     def loss(p, y):
-        d = btjit.softmax(p["w"], axis=1)
-        d[range(4), y] -= 1
-        return btjit.sum(d * d)
-    with pytest.raises(btjit.TraceError, match=r"setitem: only ints and slices can index an assignment .* "
-                                               r"x = x - btjit.one_hot\(y, x.shape\[1\]\) .*idioms.py:\d+"):
+        d = p["w"] * 1.0
+        d[y] = 0.0                                   # labels may repeat: which value stays is not known
+        return btjit.sum(d)
+    with pytest.raises(btjit.TraceError, match=r"setitem: traced index arrays may assign only distinct positions.*"
+                                               r"x\[range\(n\), y\] = v.*idioms.py:\d+"):
         btjit.trace(loss, {"w": np.ones((4, 3))}, np.array([0, 1, 2, 0], np.int32))
 
 

@@ -8,7 +8,7 @@ import builtins
 import numpy as np
 
 from btjit.graph.trace import (METHODS, TraceError, Tracer, broadcast_to, current_graph, emit, lift, reshape,
-                               swapaxes, transpose, user_src)
+                               swapaxes, transpose, user_src, where)
 
 
 class Positions(Tracer):
@@ -137,9 +137,10 @@ def _take_on_axis(x, idx):
     return swapaxes(take(swapaxes(y, 0, k), ids), 0, k)
 
 
-def _take_leading(x, idx):
-    """x[i0, i1, ...]: integer arrays (broadcast together) on x's leading axes, as numpy (logprobs[range(n), y]):
-    one take from x's leading axes flattened, at the flat index sum(i_j * stride_j)."""
+def _positions(x, idx):
+    """(flat, stride, arrays) of integer arrays idx on x's leading axes: flat = sum(i_j * stride_j) broadcast (a
+    numpy array if every i_j is constant, else traced), stride = the leading axes' size in all, arrays = the i_j
+    (constants reduced modulo their axis)."""
     k = len(idx)
     if not all(map(_advanced, idx)) or k > x.ndim:
         raise TraceError(f"getitem: several integer index arrays must index the leading axes, with nothing after "
@@ -169,16 +170,21 @@ def _take_leading(x, idx):
         flat = np.broadcast_to(flat, shape)
     elif tuple(flat.shape) != shape:
         flat = broadcast_to(flat, shape)
-    return take(reshape(x, (stride,) + x.shape[k:]), flat)
+    return flat, stride, arrs
+
+
+def _take_leading(x, idx):
+    """x[i0, i1, ...]: integer arrays (broadcast together) on x's leading axes, as numpy (logprobs[range(n), y]):
+    one take from x's leading axes flattened, at the flat index sum(i_j * stride_j)."""
+    flat, stride, _ = _positions(x, idx)
+    return take(reshape(x, (stride,) + x.shape[len(idx):]), flat)
 
 
 def setitem(x, idx, value):
     """The value of x with x[idx] = value (basic indexing: ints, slices, None, Ellipsis)."""
-    x = lift(x)
+    x, idx = lift(x), _ints(idx)
     if _advanced(idx) or isinstance(idx, tuple) and any(map(_advanced, idx)):
-        raise TraceError(f"setitem: only ints and slices can index an assignment (x[1:3, 0] = v), not an index array; "
-                         f"write the result with btjit.where or one_hot instead: x[range(n), y] -= 1 is "
-                         f"x = x - btjit.one_hot(y, x.shape[1]) — {user_src()}")
+        return _set_arrays(x, idx, value)
     starts, stops, steps, shape = _region(x, idx)
     value = lift(value, x)
     region = tuple(len(range(*s)) for s in zip(starts, stops, steps))
@@ -190,6 +196,51 @@ def setitem(x, idx, value):
                              f"{region} (x[...] of shape {tuple(shape)}) — {user_src()}") from None
         value = reshape(broadcast_to(value, shape), region)
     return emit("slice_set", (x, value), starts=tuple(starts), stops=tuple(stops), steps=tuple(steps))
+
+
+def _set_arrays(x, idx, value):
+    """x[i0, i1, ...] = value with integer arrays (and ints) on x's leading axes, as numpy's (x[range(n), y] -= 1,
+    x[[0, 2]] = v): each position takes the value assigned to it last. Constant arrays: the winners are found while
+    tracing, and the result is where(assigned, the values gathered, x). Traced arrays (labels): the positions must
+    be distinct, which a constant array among them makes sure of (range(n) beside y); then the result is x plus the
+    differences scattered in (take's gradient)."""
+    idx = _expand(x, idx if isinstance(idx, tuple) else (idx,))
+    while idx and isinstance(idx[-1], slice) and idx[-1] == slice(None):
+        idx = idx[:-1]
+    k = len(idx) - 1
+    one_d = k > 0 and _advanced(idx[k]) and (idx[k].ndim if isinstance(idx[k], Tracer) else np.ndim(idx[k])) == 1
+    if one_d and all(isinstance(i, slice) and i == slice(None) for i in idx[:k]):   # x[:, ids] = v: on axis k
+        v = lift(value, x)
+        v = broadcast_to(v, getitem(x, idx).shape) if v.ndim else v
+        return swapaxes(_set_arrays(swapaxes(x, 0, k), (idx[k],), swapaxes(v, 0, k) if v.ndim else v), 0, k)
+    if not idx or not all(_advanced(i) or _is_int(i) for i in idx):
+        raise TraceError(f"setitem: integer index arrays in an assignment must index the leading axes, with ints "
+                         f"and nothing but full slices after them (x[rows, cols] = v, x[range(n), y] -= 1), got "
+                         f"{tuple(type(i).__name__ for i in idx)} — {user_src()}")
+    idx = tuple(np.asarray(i, np.int64) if _is_int(i) else i for i in idx)
+    flat, stride, arrs = _positions(x, idx)
+    rest = x.shape[len(idx):]
+    rows = reshape(x, (stride,) + rest)
+    value = lift(value, x)
+    try:
+        value = broadcast_to(value, tuple(flat.shape) + rest)
+    except TraceError:
+        raise TraceError(f"setitem: a value of shape {value.shape} cannot be assigned to x[...] of shape "
+                         f"{tuple(flat.shape) + rest} — {user_src()}") from None
+    n = int(np.prod(flat.shape, dtype=np.int64))
+    value = reshape(value, (n,) + rest)
+    if not isinstance(flat, Tracer):
+        src = np.full(stride, -1, np.int64)
+        src[flat.ravel()] = np.arange(n)                 # numpy's assignment: the last value at a position stays
+        keep = (src >= 0).reshape((stride,) + (1,) * len(rest))
+        return reshape(where(keep, take(value, np.maximum(src, 0)), rows), x.shape)
+    if not any(not isinstance(a, Tracer) and np.unique(np.broadcast_to(a, flat.shape)).size == n for a in arrs):
+        raise TraceError(f"setitem: traced index arrays may assign only distinct positions, which a constant array "
+                         f"of distinct indices among them makes sure of (x[range(n), y] = v); or write it with "
+                         f"btjit.where / one_hot — {user_src()}")
+    flat = reshape(flat, (n,))
+    diff = value - take(rows, flat)
+    return reshape(rows + emit("take_grad", (diff, flat), rows=stride), x.shape)
 
 
 def _region(x, idx):

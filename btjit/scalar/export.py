@@ -119,7 +119,7 @@ def export_scalar(f, path) -> Path:
     exports btjit_scalar_many(X, N, OV, OG) -- f.many's machine code -- and, for a straight-line function
     of at most ARGS_MAX inputs, btjit_scalar_one(x, out) -- f(...)'s -- both called as numba calls them
     (its calling convention, from C), so an export computes bit for bit what the function does."""
-    from btjit.scalar import lower as S
+    from btjit.scalar import lower as S, tape as ST
     prog, dt = f.program, f.dtype
     ctype = "float" if dt == np.float32 else "double"
     n, k = prog.n_in, len(prog.values)
@@ -140,11 +140,11 @@ def export_scalar(f, path) -> Path:
             body_one = [f"    return btjit_one((void *)out, &exc, {xs});"]
     else:
         tp, fd = f.tape, str(dt)
-        sig = next(s for s in S.tape_many.overloads if str(s[1].dtype) == fd and s[6].layout == "C")
-        natives.append(_native(S.tape_many, sig))
-        run = next((s for s in S.tape_run.overloads if str(s[1].dtype) == fd), None)
+        sig = next(s for s in ST.tape_many.overloads if str(s[1].dtype) == fd and s[6].layout == "C")
+        natives.append(_native(ST.tape_many, sig))
+        run = next((s for s in ST.tape_run.overloads if str(s[1].dtype) == fd), None)
         if run is not None:                        # compiled on its own (else its code is in tape_many's)
-            natives.append(_native(S.tape_run, run))
+            natives.append(_native(ST.tape_run, run))
         ints = lambda name, a: f"static int32_t {name}[] = {{{', '.join(map(str, a.ravel().tolist())) or '0'}}};"
         flts = lambda name, a: f"static {ctype} {name}[] = {{{', '.join(_c_float(x, ctype) for x in a) or '0'}}};"
         arrays = "\n".join([ints("code", tp.code), flts("regs", tp.regs), flts("K", tp.K),

@@ -50,7 +50,8 @@ import numpy as np
 from btjit.graph import autodiff, trace as T
 from btjit.graph.ir import Graph, verify
 from btjit.graph.ops import TABLE
-from btjit.scalar.lower import ARGS_MAX, STRAIGHT_LINE_MAX, ScalarGraphError, ScalarProgram, ScalarTape, StraightLine
+from btjit.scalar.lower import ARGS_MAX, STRAIGHT_LINE_MAX, ScalarGraphError, ScalarProgram, StraightLine
+from btjit.scalar.tape import ScalarTape
 
 __all__ = ["trace_scalar", "ScalarFunction", "save_values", "load_values", "NodeFileError", "STRAIGHT_LINE_MAX"]
 

@@ -229,6 +229,7 @@ def _take_grad_ref(xs, a):
 
 op("take_grad", infer=lambda t, a, fd: [((a["rows"],) + tuple(t[0][0][len(t[1][0]):]), fd)], ref=_take_grad_ref,
    internal=True, cases=[Case((F(4, 2, 3), ("i", (4, 2), 5)), {"rows": 5})],
+   vjp=lambda g, x, o, a: [T.emit("take", (g[0], x[1])), None],       # (an assignment at traced positions)
    lower=lambda e, L: [L.row("k_scatter_add_rows", og=L.off(e.ins[0]), oidx=L.off(e.ins[1]), odt=L.off(e.outs[0]),
                              n=e.ins[1].size, V=e.attrs["rows"], C=_row_len(e.outs[0].shape))])
 
