@@ -108,6 +108,7 @@ OPS = [
     ("gelu_tanh", lambda a, b: btjit.gelu(a, approximate="tanh"), _any, _any),
     ("erf", lambda a, b: btjit.erf(a) * b, _any, _any),
     ("log1p", lambda a, b: btjit.log1p(a), _pos, _any),
+    ("sin_cos", lambda a, b: btjit.sin(a) * btjit.cos(b), _any, _any),
     ("methods", lambda a, b: a.relu() + b.tanh() * a.sigmoid() - b.exp() + a.abs().sqrt(), _away, _any),
     ("where_cmp", lambda a, b: btjit.where(a > b, a * b, a - b) + btjit.where(a <= b, 2.0 * a, b), _any, _any),
     ("where_const", lambda a, b: btjit.where(True, a * a, b) + btjit.where(0.0, a, b * b), _any, _any),

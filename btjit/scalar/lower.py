@@ -71,7 +71,7 @@ class ScalarGraphError(Exception):
 # HALF for dtype-correct literals, and may be a list of statements with {o} the result and {t} a temp prefix.
 (ADD, SUB, MUL, DIV, NEG, COPY, EXP, LOG, TANH, SQRT, ABS, RELU, SIGMOID, POW, MAXIMUM, MINIMUM, EQ, NE, GT,
  GE, LT, LE, TANH_GRAD, RELU_GRAD, SIGMOID_GRAD, WHERE, GELU, GELU_GRAD, ARG, ERF, LOG1P, SIGN, FLOOR, CEIL,
- ROUND, TRUNC, FMOD, REMAINDER) = range(38)
+ ROUND, TRUNC, FMOD, REMAINDER, SIN, COS) = range(40)
 
 _G0 = 0.7978845608028654      # sqrt(2/pi), as in graph/ops/elementwise.py's _gelu_ref
 _G1 = 0.044715
@@ -95,6 +95,8 @@ OPS = {
     "ceil": (CEIL, "np.ceil({0})"),
     "round": (ROUND, "np.rint({0})"),                                 # half to even, as numpy's and torch's
     "trunc": (TRUNC, "np.trunc({0})"),
+    "sin": (SIN, "math.sin({0})"),
+    "cos": (COS, "math.cos({0})"),
     "fmod": (FMOD, "np.fmod({0}, {1})"),                              # exact; the sign of x
     "remainder": (REMAINDER, ["{t}m = np.fmod({0}, {1})",             # numpy's mod, torch's remainder: y's sign
                               "{o} = {t}m + {1} if ({t}m != ZERO and ({t}m < ZERO) != ({1} < ZERO)) else {t}m"]),

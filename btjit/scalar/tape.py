@@ -10,8 +10,8 @@ from numba import njit
 
 from btjit.scalar.lower import (ABS, ADD, ARG, CEIL, COPY, DIV, EQ, ERF, EXP, FLOOR, FM, FMOD, GE, GELU, GELU_GRAD,
                                 GT, LE, LOG, LOG1P, LT, MAXIMUM, MINIMUM, MUL, NE, NEG, OPS, POW, RELU, RELU_GRAD,
-                                REMAINDER, ROUND, SIGMOID, SIGMOID_GRAD, SIGN, SQRT, SUB, TANH, TANH_GRAD, TRUNC,
-                                WHERE, ScalarProgram, _G0, _G1)
+                                REMAINDER, ROUND, SIGMOID, SIGMOID_GRAD, SIGN, SIN, COS, SQRT, SUB, TANH, TANH_GRAD,
+                                TRUNC, WHERE, ScalarProgram, _G0, _G1)
 
 
 class ScalarTape:
@@ -155,6 +155,10 @@ def tape_run(code, r, K):
             r[o] = np.rint(r[a])
         elif op == TRUNC:
             r[o] = np.trunc(r[a])
+        elif op == SIN:
+            r[o] = math.sin(r[a])
+        elif op == COS:
+            r[o] = math.cos(r[a])
         elif op == FMOD or op == REMAINDER:
             y = r[b]
             m = np.fmod(r[a], y)
