@@ -11,8 +11,8 @@ from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, concatenat
                                stop_gradient, sum, swapaxes, tanh, transpose, where)
 from btjit.graph.indexing import setitem, take
 from btjit.graph.numpy_fns import clip, cumsum, roll, stack, std, var
-from btjit.graph.sort_fns import (argsort, ceil, cumprod, diff, floor, floor_divide, fmod, remainder, round, sort,  # noqa: A004
-                                  topk, trunc)
+from btjit.graph.sort_fns import (argsort, ceil, cumprod, diff, floor, floor_divide, fmod, remainder,  # noqa: A004
+                                  round, sort, topk, trunc)
 from btjit.graph.rng import (causal_attention, dropout, dropout2d, rand_like, randn_like,  # noqa: F811 -- dropout=
                              scaled_dot_product_attention)
 from btjit.graph.conv_fns import (adaptive_avg_pool1d, adaptive_avg_pool2d, adaptive_max_pool1d, adaptive_max_pool2d,

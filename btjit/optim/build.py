@@ -230,8 +230,8 @@ def _as_slice(new, n, size, who, what):
 
 # the ops an update may trace: elementwise over the group's flat vector (which the arena pads for alignment:
 # a reduction, reshape or slice of it would see the padding)
-UPDATE_OPS = ELEMENTWISE | set(ALIAS) | {"pow", "to_float", "rand", "gelu", "reshape", "floor", "ceil", "round", "trunc",
-                                         "remainder", "fmod"}
+UPDATE_OPS = ELEMENTWISE | set(ALIAS) | {"pow", "to_float", "rand", "gelu", "reshape", "floor", "ceil", "round",
+                                         "trunc", "remainder", "fmod"}
 NAMED = {"sum": "a reduction", "max": "a reduction", "matmul": "a matrix product", "reshape": "a reshape",
          "slice": "a slice", "transpose": "a transpose", "concatenate": "a concatenation", "take": "an indexing"}
 
