@@ -174,6 +174,18 @@ def test_another_optimizer_on_resume_is_named(user, tmp_path):
     assert not (out / "ckpt_00000004.npz").exists() and K.load(out / "ckpt_00000002.npz").step == 2
 
 
+def test_another_dtype_on_resume_is_noted(user, tmp_path):
+    out = tmp_path / "r"
+    (user / "c.toml").write_text(CONFIG.replace("steps = 40", "steps = 2").replace("grad_accum = 2", "grad_accum = 1"))
+    assert run("train", user / "c.toml", "--out", out).exit_code == 0
+    res = run("train", user / "c.toml", "--out", out, "--resume", "--set", "train.steps=4",
+              "--set", "train.dtype=float64")
+    assert res.exit_code == 0, res.output
+    assert ("note: ckpt_00000002.npz was trained with train.dtype = 'float32', this run continues in 'float64'"
+            in res.output)
+    assert K.load(out / "ckpt_00000004.npz").params["w1"].dtype == np.float64
+
+
 def test_class_ids_beyond_the_models_outputs(user, tmp_path):
     rng = np.random.default_rng(1)
     x, y = rng.standard_normal((60, 10)).astype(np.float32), rng.integers(0, 6, 60)

@@ -107,6 +107,11 @@ class Trainer:
 
     def _load_program_state(self, ck):
         state = {k: v for k, v in ck.state.items() if not k.startswith("dist/")}
+        saved, now = ck.meta.get("config", {}).get("train", {}), self.cfg.to_dict()["train"]
+        for k in ("dtype", "precision"):
+            if k in saved and saved[k] != now[k]:
+                self.echo(f"note: {ck.path.name} was trained with train.{k} = {saved[k]!r}, this run continues in "
+                          f"{now[k]!r}: it will not be bit-identical to an uninterrupted run")
         try:
             ckpt_mod.check_compatible(ckpt_mod.Checkpoint(ck.path, ck.step, state, ck.meta), self.prog.state_dict())
         except CheckpointError as e:            # the model was checked (_find_checkpoint): the optimizer changed?
