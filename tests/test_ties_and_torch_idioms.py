@@ -113,6 +113,26 @@ def test_an_assignment_to_a_position_twice_keeps_the_last_value():
     assert btjit.testing.check_grads(f, {"x": x, "v": v}) < 1e-6
 
 
+def test_one_traced_position_at_a_time_accumulates_as_np_add_at():
+    """makemore part 4's embedding backward: `for k, j: ix = Xb[k, j]; dC[ix] += demb[k, j]` (one traced
+    position per assignment, repeats across them), against np.add.at; the gradient of each demb row is its dC row's."""
+    rng = np.random.default_rng(0)
+    X, D, W = rng.integers(0, 7, (4, 2)).astype(np.int32), _x((4, 2, 3)), _x((7, 3), 1)
+
+    def f(p, X):
+        demb, dC = p["d"] * 2.0, p["C"] * 0.0
+        for k in range(X.shape[0]):
+            for j in range(X.shape[1]):
+                ix = X[k, j]
+                dC[ix] += demb[k, j]
+        return btjit.sum(dC * W)
+    prog = btjit.trace(f, {"d": D, "C": np.ones((7, 3))}, X, grad=True, dtype="float64")
+    want = np.zeros((7, 3))
+    np.add.at(want, X.reshape(-1), (D * 2.0).reshape(-1, 3))
+    assert prog.value_and_grad(X) == pytest.approx(float(np.sum(want * W)), rel=1e-13)
+    np.testing.assert_allclose(prog.grads["d"], 2.0 * W[X], rtol=1e-14)
+
+
 def test_traced_positions_must_be_distinct():
     def loss(p, y):
         d = p["w"] * 1.0

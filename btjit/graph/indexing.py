@@ -202,8 +202,8 @@ def _set_arrays(x, idx, value):
     """x[i0, i1, ...] = value with integer arrays (and ints) on x's leading axes, as numpy's (x[range(n), y] -= 1,
     x[[0, 2]] = v): each position takes the value assigned to it last. Constant arrays: the winners are found while
     tracing, and the result is where(assigned, the values gathered, x). Traced arrays (labels): the positions must
-    be distinct, which a constant array among them makes sure of (range(n) beside y); then the result is x plus the
-    differences scattered in (take's gradient)."""
+    be distinct, which one position is (dC[ix] += v with a traced ix) and a constant array among them makes sure of
+    (range(n) beside y); then the result is x plus the differences scattered in (take's gradient)."""
     idx = _expand(x, idx if isinstance(idx, tuple) else (idx,))
     while idx and isinstance(idx[-1], slice) and idx[-1] == slice(None):
         idx = idx[:-1]
@@ -234,7 +234,8 @@ def _set_arrays(x, idx, value):
         src[flat.ravel()] = np.arange(n)                 # numpy's assignment: the last value at a position stays
         keep = (src >= 0).reshape((stride,) + (1,) * len(rest))
         return reshape(where(keep, take(value, np.maximum(src, 0)), rows), x.shape)
-    if not any(not isinstance(a, Tracer) and np.unique(np.broadcast_to(a, flat.shape)).size == n for a in arrs):
+    if n > 1 and not any(not isinstance(a, Tracer) and np.unique(np.broadcast_to(a, flat.shape)).size == n
+                         for a in arrs):
         raise TraceError(f"setitem: traced index arrays may assign only distinct positions, which a constant array "
                          f"of distinct indices among them makes sure of (x[range(n), y] = v); or write it with "
                          f"btjit.where / one_hot — {user_src()}")
