@@ -10,9 +10,9 @@ from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, concatenat
                                matmul, max, maximum, mean, minimum, relu, reshape, sigmoid, sin, cos, split, sqrt,
                                stop_gradient, sum, swapaxes, tanh, transpose, where)
 from btjit.graph.indexing import setitem, take
-from btjit.graph.numpy_fns import clip, cumsum, roll, stack, std, var
-from btjit.graph.sort_fns import (argsort, ceil, cumprod, diff, floor, floor_divide, fmod, remainder,  # noqa: A004
-                                  round, sort, topk, trunc)
+from btjit.graph.numpy_fns import clip, roll, stack, std, var
+from btjit.graph.sort_fns import (argsort, ceil, cumprod, cumsum, diff, floor, floor_divide, fmod,  # noqa: A004
+                                  remainder, round, sort, topk, trunc)
 from btjit.graph.rng import (causal_attention, dropout, dropout2d, rand_like, randn_like,  # noqa: F811 -- dropout=
                              scaled_dot_product_attention)
 from btjit.graph.conv_fns import (adaptive_avg_pool1d, adaptive_avg_pool2d, adaptive_max_pool1d, adaptive_max_pool2d,

@@ -316,31 +316,6 @@ def take_along_axis(x, indices, axis):
         [-1 if e == d else 1 for e in range(x.ndim)]) for d in range(x.ndim)))
 
 
-def cumsum(x, axis=None):
-    """numpy's cumsum along axis (of the flattened x for None): up to 256 long, a product with the upper triangle of
-    ones (one GEMM); longer (an n x n triangle would be n^2 floats), a scan of log2(n) steps, each the values plus
-    themselves shifted by 1, 2, 4, ... with zeros shifted in."""
-    x = lift(x)
-    if axis is None:
-        x, axis = reshape(x, (x.size,)), 0
-    ax = axis % x.ndim
-    n = x.shape[ax]
-    if n <= 256:
-        return swapaxes(matmul(swapaxes(x, ax, -1), np.triu(np.ones((n, n)))), ax, -1)
-    return scan(x, ax, 0.0, lambda a, b: a + b)
-
-
-def scan(x, ax, identity, op):
-    """Running op (+ or *) along axis ax in log2(n) steps: each step the values op themselves shifted by 1, 2, 4,
-    ... with the identity shifted in (cumsum's long axes, cumprod)."""
-    n, s, out, pre = x.shape[ax], 1, x, (slice(None),) * ax
-    while s < n:
-        fill = lift(np.full(x.shape[:ax] + (s,) + x.shape[ax + 1:], identity), out)
-        out = op(out, concatenate([fill, getitem(out, pre + (slice(0, n - s),))], ax))
-        s *= 2
-    return out
-
-
 def prod(x, axis=None, keepdims=False):
     """numpy's prod: the slices along axis multiplied in turn (the gradient by the product rule)."""
     x = lift(x)
@@ -469,7 +444,7 @@ FUNCS.update({
     "outer": outer, "norm": norm, "pad": pad, "repeat": repeat, "tile": tile, "ravel": lambda a: flatten(a),
     "einsum": einsum, "full_like": full_like, "zeros_like": lambda a: full_like(a, 0.0),
     "ones_like": lambda a: full_like(a, 1.0), "copy": copy, "argmax": argmax,
-    "argmin": argmin, "cumsum": cumsum, "prod": prod,
+    "argmin": argmin, "prod": prod,
     "flip": flip, "take_along_axis": take_along_axis, "moveaxis": moveaxis, "sin": sin, "cos": cos,
     "tril": lambda m, k=0: tri(m, k), "triu": lambda m, k=0: tri(m, k, lower=False), "logaddexp": logaddexp})
 METHODS.update({
@@ -480,7 +455,7 @@ METHODS.update({
         keepdim is not None), "max_dim": max_dim,
     "squeeze": squeeze, "flatten": flatten, "ravel": flatten, "dot": dot, "repeat": repeat,
     "copy": copy, "argmax": _torch_dims(argmax), "argmin": _torch_dims(argmin),
-    "cumsum": lambda x, axis=None, dim=None: cumsum(x, axis if dim is None else dim), "prod": _torch_dims(prod),
+    "prod": _torch_dims(prod),
     # torch's (beside x.relu(), x.sigmoid(), ... on the Tracer class itself)
     "square": lambda x: x * x, "sign": sign, "pow": lambda x, p: x ** p, "clone": copy, "detach": stop_gradient,
     "amax": _torch_dims(max), "amin": _torch_dims(amin),

@@ -1,16 +1,16 @@
 """Sorting, rounding and remainders as numpy and torch write them: sort, argsort and topk (one kernel gives the
 sorted positions, graph/ops/layout.py's argsort; the values are gathered at them, so their gradient goes back to the
 positions taken), floor / ceil / round / trunc (zero gradient), x % y (remainder) and fmod with torch's gradients,
-x // y, cumprod and diff (composed). Registered on import, as btjit/graph/numpy_fns.py's (btjit/core/program.py
+x // y, cumsum, cumprod and diff (composed). Registered on import, as btjit/graph/numpy_fns.py's (btjit/core/program.py
 imports this module before tracing): np.sort, np.argsort, np.floor, ..., x.topk(k), x.sort(dim), x % y, round(x)."""
 from __future__ import annotations
 
 import numpy as np
 
 from btjit.graph.indexing import Positions, getitem, take
-from btjit.graph.numpy_fns import ValuesIndices, scan
+from btjit.graph.numpy_fns import ValuesIndices
 from btjit.graph.trace import (FUNCS, METHODS, UFUNCS, TraceError, Tracer, _norm_axes, broadcast_to, concatenate,
-                               emit, lift, reshape, swapaxes, user_src)
+                               emit, lift, matmul, reshape, swapaxes, user_src)
 
 
 # ----------------------------------------------------------------------------- sort, argsort, topk
@@ -157,7 +157,8 @@ def frac(x):
 
 
 # ----------------------------------------------------------------------------- scans and differences
-def _axis(fn, x, axis):
+def one_axis(fn, x, axis):
+    """(x, axis) of a function along one axis: None is the flattened x's axis 0, an int is normalized."""
     x = lift(x)
     if axis is None:
         return reshape(x, (x.size,)), 0
@@ -166,18 +167,40 @@ def _axis(fn, x, axis):
     return x, _norm_axes(axis, x.ndim, fn)[0]
 
 
+def scan(x, ax, identity, op):
+    """Running op (+ or *) along axis ax in log2(n) steps: each step the values op themselves shifted by 1, 2, 4,
+    ... with the identity shifted in (cumsum's long axes, cumprod)."""
+    n, s, out, pre = x.shape[ax], 1, x, (slice(None),) * ax
+    while s < n:
+        fill = lift(np.full(x.shape[:ax] + (s,) + x.shape[ax + 1:], identity), out)
+        out = op(out, concatenate([fill, getitem(out, pre + (slice(0, n - s),))], ax))
+        s *= 2
+    return out
+
+
+def cumsum(x, axis=None):
+    """numpy's cumsum along axis (of the flattened x for None): up to 256 long, a product with the upper triangle of
+    ones (one GEMM); longer (an n x n triangle would be n^2 floats), a scan of log2(n) steps, each the values plus
+    themselves shifted by 1, 2, 4, ... with zeros shifted in."""
+    x, ax = one_axis("cumsum", x, axis)
+    n = x.shape[ax]
+    if n <= 256:
+        return swapaxes(matmul(swapaxes(x, ax, -1), np.triu(np.ones((n, n)))), ax, -1)
+    return scan(x, ax, 0.0, lambda a, b: a + b)
+
+
 def cumprod(x, axis=None, *, dim=None):
     """numpy's cumprod (torch's x.cumprod(dim)): running products along axis (the flattened x for None), as a scan of
     log2(n) steps (each the values times themselves shifted by 1, 2, 4, ... with ones shifted in); the gradient by
     the product rule, right at zeros too."""
-    x, ax = _axis("cumprod", x, axis if dim is None else dim)
+    x, ax = one_axis("cumprod", x, axis if dim is None else dim)
     return scan(x, ax, 1.0, lambda a, b: a * b)
 
 
 def diff(x, n=1, axis=-1, prepend=None, append=None, *, dim=None):
     """numpy's diff (torch's x.diff(n, dim)): x[i + 1] - x[i] along axis, n times; prepend / append values (a
     number or an array, broadcast to one slice of x) joined first."""
-    x, ax = _axis("diff", x, axis if dim is None else dim)
+    x, ax = one_axis("diff", x, axis if dim is None else dim)
     parts, edge = [], x.shape[:ax] + (1,) + x.shape[ax + 1:]
     for v in (prepend, x, append):
         if v is not None and v is not x:
@@ -200,8 +223,9 @@ def diff(x, n=1, axis=-1, prepend=None, append=None, *, dim=None):
 UFUNCS.update({"floor": floor, "ceil": ceil, "trunc": trunc, "rint": lambda x: _round_op("round", x),
                "remainder": remainder, "fmod": fmod, "floor_divide": floor_divide})
 FUNCS.update({"sort": _np_sort("sort"), "argsort": _np_sort("argsort"), "round": round, "around": round,
-              "fix": trunc, "cumprod": cumprod, "diff": diff})
+              "fix": trunc, "cumsum": cumsum, "cumprod": cumprod, "diff": diff})
 METHODS.update({
     "topk": topk, "sort": _method("sort"), "argsort": _method("argsort"), "floor": floor, "ceil": ceil,
     "trunc": trunc, "fix": trunc, "round": round, "remainder": remainder, "fmod": fmod, "floor_divide": floor_divide,
-    "frac": frac, "cumprod": cumprod, "diff": diff})
+    "frac": frac, "cumprod": cumprod, "diff": diff,
+    "cumsum": lambda x, axis=None, dim=None: cumsum(x, axis if dim is None else dim)})

@@ -85,6 +85,12 @@ class SGD(_Torch):
         return p - hp["lr"] * d, {"momentum_buffer": buf}
 
 
+def _moments(s, g, hp):
+    """torch's Adam moments (Adam, NAdam, RAdam): exp_avg by lerp (weight < 0.5), exp_avg_sq as b2 v + (1 - b2) g^2."""
+    b1, b2 = hp["beta1"], hp["beta2"]
+    return s["exp_avg"] + (1.0 - b1) * (g - s["exp_avg"]), b2 * s["exp_avg_sq"] + (1.0 - b2) * (g * g)
+
+
 class Adam(_Torch):
     """torch.optim.Adam (weight_decay: L2 added to the gradient), amsgrad (the denominator from the largest second
     moment so far, state max_exp_avg_sq), maximize."""
@@ -106,8 +112,7 @@ class Adam(_Torch):
         g = _decay(self, g, p, hp, coupled=not self.decoupled)
         if self.decoupled:                   # traced at weight_decay 0 too: prog.hp can set it later
             p = p * (1.0 - lr * hp["weight_decay"])
-        m = s["exp_avg"] + (1.0 - b1) * (g - s["exp_avg"])          # torch's lerp (weight < 0.5)
-        v = b2 * s["exp_avg_sq"] + (1.0 - b2) * (g * g)
+        m, v = _moments(s, g, hp)
         new = {"exp_avg": m, "exp_avg_sq": v}
         if self.amsgrad:
             v = new["max_exp_avg_sq"] = T.maximum(s["max_exp_avg_sq"], v)
@@ -234,8 +239,7 @@ class NAdam(_AdamLike):
         mu = b1 * (1.0 - 0.5 * 0.96 ** (step * psi))
         mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((step + 1.0) * psi))
         mu_product = s["mu_product"] * mu
-        m = s["exp_avg"] + (1.0 - b1) * (g - s["exp_avg"])
-        v = b2 * s["exp_avg_sq"] + (1.0 - b2) * (g * g)
+        m, v = _moments(s, g, hp)
         denom = T.sqrt(v / (1.0 - b2 ** step)) + hp["eps"]
         p = p + (-lr * (1.0 - mu) / (1.0 - mu_product)) * (g / denom)
         p = p + (-lr * mu_next / (1.0 - mu_product * mu_next)) * (m / denom)
@@ -257,8 +261,7 @@ class RAdam(_AdamLike):
     def update(self, p, g, s, hp, step):
         lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
         p, g = self._decayed(p, g, hp)
-        m = s["exp_avg"] + (1.0 - b1) * (g - s["exp_avg"])
-        v = b2 * s["exp_avg_sq"] + (1.0 - b2) * (g * g)
+        m, v = _moments(s, g, hp)
         bc2 = 1.0 - b2 ** step
         rho_inf = 2.0 / (1.0 - b2) - 1.0
         rho_t = rho_inf - 2.0 * step * b2 ** step / bc2

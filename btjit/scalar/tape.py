@@ -8,10 +8,11 @@ import math
 import numpy as np
 from numba import njit
 
-from btjit.scalar.lower import (ABS, ADD, ARG, CEIL, COPY, DIV, EQ, ERF, EXP, FLOOR, FM, FMOD, GE, GELU, GELU_GRAD,
+from btjit.kernels.elementwise import R_FLOOR, R_REMAINDER, _rounding
+from btjit.scalar.lower import (ABS, ADD, ARG, COPY, DIV, EQ, ERF, EXP, FLOOR, FM, GE, GELU, GELU_GRAD,
                                 GT, LE, LOG, LOG1P, LT, MAXIMUM, MINIMUM, MUL, NE, NEG, OPS, POW, RELU, RELU_GRAD,
-                                REMAINDER, ROUND, SIGMOID, SIGMOID_GRAD, SIGN, SIN, COS, SQRT, SUB, TANH, TANH_GRAD,
-                                TRUNC, WHERE, ScalarProgram, _G0, _G1)
+                                REMAINDER, SIGMOID, SIGMOID_GRAD, SIGN, SIN, COS, SQRT, SUB, TANH, TANH_GRAD,
+                                WHERE, ScalarProgram, _G0, _G1)
 
 
 class ScalarTape:
@@ -93,6 +94,8 @@ class ScalarTape:
         tape_many(self.code, self.regs, self.K, self.in_slots, X, self.vslots, OV, self.gslots, OG, nslots, ON)
 
 
+assert (FLOOR, REMAINDER) == (R_FLOOR + FLOOR, R_REMAINDER + FLOOR)     # the two orders agree
+
 @njit(**FM, cache=True)
 def tape_run(code, r, K):
     """Run the scalar tape once over the register file r. K = [0, 1, 0.5, G0, G1, 3 G1] in r's dtype."""
@@ -147,22 +150,12 @@ def tape_run(code, r, K):
             r[o] = abs(r[a])
         elif op == SIGN:
             r[o] = one if r[a] > z else (-one if r[a] < z else r[a])
-        elif op == FLOOR:
-            r[o] = np.floor(r[a])
-        elif op == CEIL:
-            r[o] = np.ceil(r[a])
-        elif op == ROUND:
-            r[o] = np.rint(r[a])
-        elif op == TRUNC:
-            r[o] = np.trunc(r[a])
+        elif FLOOR <= op <= REMAINDER:       # in k_rounding's order: its rule, R_FLOOR .. R_REMAINDER
+            r[o] = _rounding(op - FLOOR, r[a], r[b])
         elif op == SIN:
             r[o] = math.sin(r[a])
         elif op == COS:
             r[o] = math.cos(r[a])
-        elif op == FMOD or op == REMAINDER:
-            y = r[b]
-            m = np.fmod(r[a], y)
-            r[o] = m + y if (op == REMAINDER and m != z and (m < z) != (y < z)) else m
         elif op == COPY:
             r[o] = r[a]
         elif op == MAXIMUM:
