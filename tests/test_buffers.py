@@ -261,3 +261,22 @@ def test_a_data_parallel_programs_eval_runs_on_one_replicas_kernels():
     ev_dp, ev_split = (next(iter(p._evals.values())) for p in (dp, split))
     assert ev_dp.threads == 1 and not split_kernels(ev_dp)
     assert ev_split.threads == 2 and split_kernels(ev_split)
+
+
+def test_eval_at_another_batch_size_names_the_batch_sized_buffer():
+    # a carried hidden state (B, H) as a buffer: eval at batch 4 works, at batch 2 the error says why
+    rng = np.random.default_rng(0)
+    p = {"W": rng.normal(size=(3, 5)).astype(np.float32)}
+
+    def loss(p, x):
+        h = btjit.tanh(x @ p["W"] + p["h"])
+        btjit.assign(p["h"], h)
+        return (h * h).mean()
+    prog = btjit.trace(loss, p, np.ones((4, 3), np.float32), buffers={"h": np.zeros((4, 5), np.float32)},
+                       optimizer=btjit.optim.SGD(lr=0.1))
+    x = rng.normal(size=(4, 3)).astype(np.float32)
+    prog.step(x)
+    h = prog.buffers["h"].copy()
+    assert prog.eval(x) == pytest.approx(float((np.tanh(x @ prog.params["W"] + h) ** 2).mean()), rel=1e-5)
+    with pytest.raises(TraceError, match=r"(?s)batch shapes \[\(2, 3\)\].*step's are \[\(4, 3\)\].*h \(4, 5\)"):
+        prog.eval(x[:2])

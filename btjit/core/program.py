@@ -301,7 +301,16 @@ class Program(Runner):
         if ev is None:
             if self._retrace is None:
                 raise RuntimeError("prog.eval needs the traced function: trace the program with btjit.trace")
-            ev = self._evals[key] = self._retrace(self, *batch, defer=defer)
+            try:
+                ev = self._evals[key] = self._retrace(self, *batch, defer=defer)
+            except T.TraceError as e:
+                step = [tuple(v.shape) for v in self.graph.inputs]
+                if not self.buffers or [k[0] for k in key] == step:
+                    raise
+                bufs = ", ".join(f"{k} {v.shape}" for k, v in self.buffers.items())
+                raise T.TraceError(f"{e}\n(prog.eval traced fn on batch shapes {[k[0] for k in key]}, the step's are "
+                                   f"{step}; the buffers keep their shapes -- {bufs} -- so a buffer sized by the "
+                                   f"batch needs eval batches of the step's size)") from None
         return ev
 
     def eval(self, *batch):
