@@ -211,3 +211,28 @@ def test_data_parallel_accumulates_like_one_process(monkeypatch):
         assert dp.step_batches(parts) == pytest.approx(big.step(x, y), rel=1e-12)
     for p in big.params:
         np.testing.assert_allclose(dp.prog.params[p], big.params[p], rtol=1e-10, atol=1e-13, err_msg=p)
+
+
+def test_step_schedule_is_torchs_steplr():
+    torch = pytest.importorskip("torch")
+    w = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([w], lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
+    want = []
+    for _ in range(40):
+        want.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    cfg = C.loads('[train]\nsteps = 40\n[optim]\nlr = 1.0\nschedule = "step"\nstep_size = 7\ngamma = 0.7\n')
+    f = S.for_config(cfg)
+    assert [f(it) for it in range(40)] == pytest.approx(want, rel=1e-15)
+    assert S.describe(cfg) == "step lr 1, x 0.7 every 7 steps"
+    warm = [S.lr_at(it, 1.0, "step", 3, 0, 0.0, 0.5, 2) for it in range(9)]     # counted from the warm-up's end
+    assert warm == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 0.5, 0.5, 0.25, 0.25])
+
+
+@pytest.mark.parametrize("keys, what", [('schedule = "step"\n', "optim.step_size >= 1"),
+                                        ('schedule = "step"\nstep_size = 5\ngamma = 0.0\n', "optim.gamma = 0")])
+def test_step_schedule_errors_name_the_key(keys, what):
+    with pytest.raises(C.ConfigError, match=what):
+        C.loads("[optim]\n" + keys)

@@ -93,10 +93,12 @@ class OptimConfig:
     #                                              hyper-parameters (weight_decay, lr_scale, ...)
     clip_norm: float = 0.0              # global gradient-norm clip; 0 = off
     clip_value: float = 0.0             # elementwise gradient clip to [-clip_value, clip_value]; 0 = off
-    schedule: str = "constant"          # "constant", "cosine" or "linear" (btjit.train.schedule; nanoGPT's get_lr)
+    schedule: str = "constant"          # "constant", "cosine", "linear" (nanoGPT's get_lr) or "step" (torch's StepLR)
     warmup_steps: int = 0               # linear warm-up over the first steps (any schedule)
     decay_steps: int = 0                # cosine/linear: lr reaches lr_min at this step; 0 = train.steps
     lr_min: float = 0.0                 # cosine/linear: the final learning rate
+    step_size: int = 0                  # step: the lr is multiplied by gamma every step_size steps (required)
+    gamma: float = 0.1                  # step: the factor (torch's StepLR gamma)
 
 
 @dataclass
@@ -146,7 +148,7 @@ CHOICES = {
     ("optim", "name"): ("sgd", "adam", "adamw", "adagrad", "adadelta", "rmsprop", "nadam", "radam", "adamax",
                         "lion"),   # btjit.optim.BUILTIN
     ("optim", "decay"): ("all", "matrices"),
-    ("optim", "schedule"): ("constant", "cosine", "linear"),
+    ("optim", "schedule"): ("constant", "cosine", "linear", "step"),   # btjit.train.schedule.SCHEDULES
     ("data", "corpus"): ("tinyshakespeare", "names", "pydoc", "digits"),  # btjit.train.data.CORPUS_NAMES; None allowed
     ("distributed", "compressor"): ("none", "topk", "randk"),
 }
@@ -156,7 +158,8 @@ POSITIVE = {  # must be >= 1
               "keep_checkpoints"),
 }
 NON_NEGATIVE = {"train": ("seed", "eval_interval", "sample_interval", "checkpoint_interval", "threads"),
-                "optim": ("weight_decay", "clip_norm", "clip_value", "warmup_steps", "decay_steps", "lr_min")}
+                "optim": ("weight_decay", "clip_norm", "clip_value", "warmup_steps", "decay_steps", "lr_min",
+                          "step_size")}
 
 
 def _toml_value(v) -> str:
@@ -336,6 +339,11 @@ def _validate_schedule(cfg: Config, bad) -> None:
     if o.schedule != "constant" and o.decay_steps and o.decay_steps <= o.warmup_steps:
         bad(f"optim.decay_steps = {o.decay_steps} must be greater than optim.warmup_steps ({o.warmup_steps}) "
             f"(or 0 = train.steps): {o.schedule} decay starts after the warm-up")
+    if o.schedule == "step" and o.step_size < 1:
+        bad(f'optim.schedule = "step" needs optim.step_size >= 1 (the steps between two decays by gamma), got '
+            f'{o.step_size}')
+    if not o.gamma > 0:
+        bad(f"optim.gamma = {o.gamma:g} must be > 0 (the step schedule's factor)")
 
 
 def _parse_toml(text: str, source: str) -> dict:

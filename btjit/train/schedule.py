@@ -1,6 +1,7 @@
 # btjit/schedule.py -- what each optimizer update of `btjit train` does around the native step:
 #   * its learning rate: the [optim] schedule ("constant", "cosine" = warmup + cosine decay to lr_min,
-#     "linear" = warmup + linear decay to lr_min), nanoGPT's get_lr semantics, a pure function of the step
+#     "linear" = warmup + linear decay to lr_min, "step" = torch's StepLR: times gamma every step_size steps),
+#     nanoGPT's get_lr semantics, a pure function of the step
 #     index, so a resumed run sets exactly the LRs of an uninterrupted one; the trainer writes it into the
 #     program's hyper-parameter slot (`prog.lr = ...`) before each native step;
 #   * its micro-batches: gradient accumulation (`train.grad_accum = k`): prog.value_and_grad() on each of k
@@ -12,11 +13,11 @@ from __future__ import annotations
 
 import math
 
-SCHEDULES = ("constant", "cosine", "linear")
+SCHEDULES = ("constant", "cosine", "linear", "step")
 
 
 def lr_at(it: int, lr: float, schedule: str = "constant", warmup_steps: int = 0, decay_steps: int = 0,
-          lr_min: float = 0.0) -> float:
+          lr_min: float = 0.0, gamma: float = 0.1, step_size: int = 1) -> float:
     """The learning rate of update `it` (0-based: the first step of a run is it = 0).
 
     nanoGPT's train.py get_lr (https://github.com/karpathy/nanoGPT/blob/master/train.py), with warmup_iters =
@@ -27,13 +28,17 @@ def lr_at(it: int, lr: float, schedule: str = "constant", warmup_steps: int = 0,
         coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
         return min_lr + coeff * (learning_rate - min_lr)
     "linear" takes coeff = 1 - decay_ratio instead; "constant" is lr after the (optional) warm-up and ignores
-    decay_steps and lr_min. decay_steps must be > warmup_steps for "cosine" and "linear"."""
+    decay_steps and lr_min. decay_steps must be > warmup_steps for "cosine" and "linear". "step" is torch's
+    StepLR counted in updates from the end of the warm-up: lr * gamma ** ((it - warmup_steps) // step_size)
+    (pytorch/examples' MNIST: step_size = the updates of an epoch, gamma 0.7); it ignores decay_steps and lr_min."""
     if it < warmup_steps:
         return lr * (it + 1) / (warmup_steps + 1)
     if schedule == "constant":
         return lr
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if schedule == "step":
+        return lr * gamma ** ((it - warmup_steps) // step_size)
     if it > decay_steps:
         return lr_min
     ratio = (it - warmup_steps) / (decay_steps - warmup_steps)
@@ -50,7 +55,7 @@ def for_config(cfg):
     """it -> learning rate for a btjit.train.config.Config (its [optim] schedule over train.steps)."""
     o = cfg.optim
     end = decay_end(o, cfg.train.steps)
-    return lambda it: lr_at(it, o.lr, o.schedule, o.warmup_steps, end, o.lr_min)
+    return lambda it: lr_at(it, o.lr, o.schedule, o.warmup_steps, end, o.lr_min, o.gamma, o.step_size)
 
 
 def describe(cfg) -> str:
@@ -59,6 +64,8 @@ def describe(cfg) -> str:
     warm = f", warmup {o.warmup_steps}" if o.warmup_steps else ""
     if o.schedule == "constant":
         return f"constant lr {o.lr:g}{warm}"
+    if o.schedule == "step":
+        return f"step lr {o.lr:g}, x {o.gamma:g} every {o.step_size} steps{warm}"
     return f"{o.schedule} lr {o.lr:g} -> {o.lr_min:g} by step {decay_end(o, cfg.train.steps)}{warm}"
 
 
