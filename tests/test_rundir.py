@@ -157,3 +157,18 @@ def test_btjit_train_refuses_a_run_dir_in_use_and_resumes_after_sigkill(tmp_path
     assert f"note: took over the run dir lock of process {child.pid}" in res.output
     assert f"resumed from {ck.path.name} at step {ck.step}" in res.output
     assert K.latest_valid(out)[0].step == ck.step + 5 and (out / LOCK_FILE).read_text() == ""
+
+
+def test_a_failed_set_up_removes_the_run_dir_it_created_and_keeps_one_that_was_there(tmp_path):
+    cfg, data, tmp = write_run_files(tmp_path, tiny_config(), corpus())
+    bad = ["--set", "data.val_fraction=0.9999"]            # too little train text: set-up fails after the lock
+    new = tmp / "new" / "run"
+    line = error_line(run("train", cfg, "--data", data, "--out", new, *bad))
+    assert not new.exists() and (tmp / "new").is_dir(), line    # only the dir the run made, not its parent
+    old = tmp / "old"
+    old.mkdir()
+    (old / "notes.txt").write_text("mine")
+    error_line(run("train", cfg, "--data", data, "--out", old, *bad))
+    assert (old / "notes.txt").read_text() == "mine" and (old / LOCK_FILE).read_text() == ""
+    assert run("train", cfg, "--data", data, "--out", new, "--set", "train.steps=2").exit_code == 0
+    assert (new / LOCK_FILE).read_text() == ""              # a good run afterwards

@@ -6,7 +6,8 @@
 # JSON line {pid, host, started, argv} of the holder. A second run (or --resume) fails at once naming that
 # process. The kernel drops a flock when its process dies however it dies (SIGKILL included), so a lock file
 # left by a killed run is not held and the next run simply takes it over (saying whose it was). The file is
-# never deleted (deleting it would let two runs lock two different files); a clean exit empties it.
+# not deleted (deleting it would let two runs lock two different files); a clean exit empties it. Only a run
+# whose set-up fails in a dir it created itself removes the dir again (lock file and all: `abandon`).
 from __future__ import annotations
 
 import json
@@ -33,6 +34,7 @@ class RunDirLock:
         self.path = Path(run_dir) / LOCK_FILE
         self.fd = None
         self.taken_over = None
+        self.created = False            # prepare() made the run dir for this run
 
     def acquire(self) -> "RunDirLock":
         try:
@@ -69,6 +71,19 @@ class RunDirLock:
         except OSError:
             pass
         os.close(fd)                    # closing the only descriptor drops the flock
+
+    def abandon(self) -> None:
+        """Release after a failed set-up; a run dir this run created, holding nothing but the lock file, is
+        removed (so a typo in a config leaves no empty run dir behind)."""
+        d = self.path.parent
+        if self.fd is not None and self.created and [p.name for p in d.iterdir()] == [LOCK_FILE]:
+            self.path.unlink()          # while still held: a run that opened it meanwhile waits for the flock
+            self.release()
+            try:
+                d.rmdir()
+            except OSError:             # something appeared in it meanwhile: keep it
+                pass
+        self.release()
 
     def note(self) -> str | None:
         """A line for the log when this run took over a dead run's lock, else None."""
@@ -108,11 +123,13 @@ def prepare(run_dir: Path, resume: bool) -> RunDirLock:
         raise RunDirError(f"--out {run_dir} is a file, not a directory")
     if resume and not run_dir.is_dir():
         raise RunDirError(f"--resume: run dir {run_dir} does not exist")
+    created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RunDirError(f"cannot create run dir {run_dir}: {e.strerror}") from None
     lock = RunDirLock(run_dir).acquire()
+    lock.created = created
     if not resume and ckpt_mod.list_checkpoints(run_dir):
         lock.release()
         last = ckpt_mod.list_checkpoints(run_dir)[-1]

@@ -51,7 +51,9 @@ class Trainer:
         try:
             self._setup(cfg, data_path, resume, threads)
         except BaseException:
-            self.release()
+            if self.lock is not None:
+                self.lock.abandon()
+                self.lock = None
             raise
 
     def _setup(self, cfg, data_path, resume, threads):
