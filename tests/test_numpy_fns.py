@@ -199,3 +199,19 @@ def test_stop_gradient_and_detach_block_the_gradient():
     prog = btjit.trace(loss, {"w": w}, dtype="float64", grad=True)
     assert prog.value_and_grad() == pytest.approx(9 * 13 + 13)
     np.testing.assert_allclose(prog.grads["w"], 3 * (3 * w) + w)          # only the un-stopped factors
+
+
+def test_positional_max_indexed_by_0_or_1_warns_that_it_is_numpys_not_torchs_pair():
+    x = np.arange(24, dtype=np.float64).reshape(2, 3, 4)
+    w = {"w": np.ones(4)}
+    with pytest.warns(UserWarning, match=r"x.max\(axis\)\[0\].*numpy's.*x.max\(dim=axis\)\[0\].*test_numpy_fns.py"):
+        prog = btjit.trace(lambda p, x: (x * p["w"]).max(2)[0], w, x, dtype="float64")
+    np.testing.assert_array_equal(prog(x), x.max(2)[0])                # numpy's meaning: the first maxima row
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                   # the unambiguous spellings are silent
+        for f, want in ((lambda p, x: (x * p["w"]).max(2).values, x.max(2)),
+                        (lambda p, x: (x * p["w"]).max(dim=2)[0], x.max(2)),
+                        (lambda p, x: (x * p["w"]).min(2)[:, 2], x.min(2)[:, 2])):
+            prog = btjit.trace(f, w, x, dtype="float64")
+            np.testing.assert_array_equal(prog(x), want)

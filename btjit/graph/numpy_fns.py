@@ -385,6 +385,14 @@ class Extremum(Tracer):
     values = property(lambda self: Tracer(self.node, self.graph))
     indices = property(lambda self: argmax(*self._of))
 
+    def __getitem__(self, idx):
+        if type(idx) in (int, np.int64) and idx in (0, 1):
+            import warnings
+            warnings.warn(f"x.max(axis)[{idx}] / x.min(axis)[{idx}] is numpy's: element {idx} of the maxima (minima); "
+                          f"torch's (values, indices) pair is x.max(dim=axis)[{idx}], or x.max(axis).values / "
+                          f".indices — {user_src()}", stacklevel=2)
+        return super().__getitem__(idx)
+
 
 def max_dim(x, axis, keepdims=False, sign=1.0, torch=False):
     """x.max / x.min (sign -1): numpy's values, or with torch's dim= / keepdim= (values, indices)."""
