@@ -11,7 +11,7 @@ import btjit
 from btjit.kernels import attention as A
 from btjit.kernels import attn_kept as K
 from btjit.kernels.library import OPCODE
-from test_kernels_nn import Arena, attn_bwd_ref, attn_ref, check, fd_grad, rnd, row
+from kernel_harness import Arena, attn_bwd_ref, attn_ref, check, fd_grad, rnd, row
 
 DTS = [np.float32, np.float64]
 # every T of (1, 7, 8, 33, 64, 130, 256) and every hs of (4, 12, 16, 32, 64), 13 pairs

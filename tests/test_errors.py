@@ -1,8 +1,9 @@
 """Bad input gets an error that names the problem (issue 5): tracing errors name the op, the shapes and the
 user's source line (checked exactly, not just the file); step() rejects wrong shapes/dtypes and out-of-range
-ids without touching the arena, and copies non-contiguous or read-only arrays correctly. What test_core
-already checks (matmul shape mismatch, `if` on a traced value, np.median, int as float, int params, the unused-
-parameter warning, basic step() rejections) is not repeated; this file covers the rest of the list.
+ids without touching the arena, and copies non-contiguous or read-only arrays correctly. What
+test_program_api.py already checks (matmul shape mismatch, `if` on a traced value, np.median, int as float, int
+params, the unused-parameter warning, basic step() rejections) is not repeated; this file covers the rest of the
+list.
 Config/CLI errors are in test_cli.py / test_config.py; the gaps they left are at the end of this file."""
 import inspect
 import os
