@@ -270,6 +270,7 @@ class Program(Runner):
         self._rng_ticks = graph.rng_key is not None and optimizer is None    # forward() counts its calls
         self._int_state, self._span = p.int_state, p.params_span[1]
         self._state = [(f"opt/{k}", p.state_start(j)) for j, k in enumerate(update.state_names if update else ())]
+        self._state_shapes = update.odd_shapes() if update else {}
 
     # ------------------------------------------------------------------ running (Runner's hooks)
     def _exec(self, stop, split=None):
