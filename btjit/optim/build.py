@@ -178,7 +178,7 @@ class Update:
             mark = _mark(g)
             try:
                 p, grad, state = slices(names[0], (n,), {k: (n,) for k in states})
-                res = None if clip_value else one_pass(opt, p, grad, state, hp, t, clip_scale, {
+                res = None if clip_value else one_pass(opt, p, grad, state, hp, t, scale, {
                     f for f, on in (("scale", clip_norm), ("skip", skip_nonfinite)) if on})
                 if res is not None:
                     return [(res[0], p), *((res[1][k], state[k]) for k in states)]   # its kernel skips, clips
@@ -213,8 +213,7 @@ class Update:
         with T.building(g):
             step = hyper(self.slots["step"])
             t = step + 1.0
-            scale = hyper(self.slots["clip_scale"]) if clip_norm or skip_nonfinite else None
-            clip_scale = None if clip_value else hyper(self.slots["clip_scale"])
+            scale = hyper(self.slots["clip_scale"])
             cv = hyper(self.slots["clip_value"]) if clip_value else None
             ok = T.equal(scale, scale) if skip_nonfinite else None      # False when a gradient is NaN/Inf
             writes = [(T.where(ok, t, step) if skip_nonfinite else t, step)]
@@ -320,10 +319,10 @@ def _signature(g, results, roles, first_eqn, full):
         return "full" if s == full else s
 
     def src(v):
-        if v.id in made or v.id in roles:
-            return made.get(v.id) or roles[v.id]
+        if v.id in made:
+            return made[v.id]
         c = g.consts.get(v)
-        return ("const", v.dtype, shape(v.shape), c.tobytes()) if c is not None else ("var", v.id)
+        return roles.get(v.id) or (("var", v.id) if c is None else ("const", v.dtype, shape(v.shape), c.tobytes()))
     sig = []
     for i, e in enumerate(g.eqns[first_eqn:]):
         sig.append((e.op, tuple((k, shape(a) if isinstance(a, tuple) else a) for k, a in sorted(e.attrs.items())),
