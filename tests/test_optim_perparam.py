@@ -3,13 +3,14 @@ LAMB (trust ratios from norms) against numpy transcriptions, Adafactor (factored
 other shapes than the param's) against torch.optim.Adafactor, Muon (Newton-Schulz on 2-D params, AdamW on the
 others, by `p.ndim`) against torch.optim.Muon and AdamW. A small MLP, two param groups, 12 steps, a
 hyper-parameter changed mid-run, float64 (1e-10) and float32 (1e-5); clip_norm, clip_value and skip_nonfinite
-with a per-param rule; state_dict mid-run and an export run by btjit.runtime, bit for bit. Each rule is checked
-on btjit's own gradients (prog.grads after each step), so the update is what is compared."""
+with a per-param rule; state_dict mid-run, an export run by btjit.runtime and the C host, bit for bit. Each rule
+is checked on btjit's own gradients (prog.grads after each step), so the update is what is compared."""
 import numpy as np
 import pytest
 
 import btjit
 import btjit.runtime
+import btjit.train.checkpoint as K
 from btjit.optim import Optimizer
 from test_export import CC, c_host_train
 
@@ -306,7 +307,6 @@ def test_a_non_finite_step_is_skipped_by_a_per_param_rule():
 @pytest.mark.parametrize("make", [lambda: Adafactor(groups=GROUPS), lambda: Muon(groups=GROUPS)],
                          ids=["adafactor", "muon"])
 def test_state_dict_and_checkpoint_mid_run_continue_bit_exact(make, tmp_path):
-    import btjit.train.checkpoint as K
     whole, _ = run(make(), np.float32, change=set_hp(weight_decay=0.02))
     first, _ = run(make(), np.float32, steps=CHANGE + 2, change=set_hp(weight_decay=0.02))
     ck = K.load(K.save(tmp_path, CHANGE + 2, first.state_dict(), {"rng_state": None}))
