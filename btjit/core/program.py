@@ -43,7 +43,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
           replicas=1, fuse_elementwise=True, threads=None, clip_value=None, seed=0, buffers=None, training=True,
           precision="fp32", _share=None, _defer_kernels=False):
     """Trace fn(params, *batch) once and compile it. With an optimizer (a btjit.optim.Optimizer: its update is
-    traced after the backward, one fused pass per param group), `step()` trains; without one, `forward()`
+    traced after the backward: one fused pass per param group, or per param), `step()` trains; without one, `forward()`
     (and `value_and_grad()` for a scalar output) evaluate. clip_norm: clip gradients by global norm;
     clip_value: clip each gradient element to [-clip_value, clip_value] (both arena slots, `prog.hp`).
     skip_nonfinite: a step whose gradients contain NaN/Inf leaves params and optimizer state untouched
@@ -270,6 +270,7 @@ class Program(Runner):
         self._rng_ticks = graph.rng_key is not None and optimizer is None    # forward() counts its calls
         self._int_state, self._span = p.int_state, p.params_span[1]
         self._state = [(f"opt/{k}", p.state_start(j)) for j, k in enumerate(update.state_names if update else ())]
+        self._state_shapes = update.odd_shapes() if update else {}
 
     # ------------------------------------------------------------------ running (Runner's hooks)
     def _exec(self, stop, split=None):

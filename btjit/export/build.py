@@ -310,7 +310,7 @@ def export_program(prog, path, extra_files=None) -> Path:
         "loss": "out" if prog.has_grad else None,
         "optimizer": prog.optimizer and {"type": type(prog.optimizer).__name__, **prog.optimizer.hyper()},
         "hyper": prog._hyper, "group_hyper": prog._group_hyper, "hp_untraced": list(prog._hp_untraced),
-        "state": [[n, int(o)] for n, o in prog._state],
+        "state": [[n, int(o)] for n, o in prog._state], "state_shapes": prog._state_shapes,
         "span": int(prog._span), "flag": int(prog._flag), "int_state": int(prog._int_state),
         "computed_checks": prog._computed_checks})
     files = {"tape.bin": tape.astype("<i8").tobytes(), "arena.bin": prog.a.tobytes(),

@@ -40,9 +40,11 @@ class Runner:
     step), _group_hyper ([{name: a slot}] per param group), _out (the loss / output view), n_fwd, n_bwd, n_rows,
     has_optimizer, has_grad, has_assigns, params, buffers, _int_state (the ia key block: the step counter, then
     the index-check flag and the seed), _state ([(name, offset)] of optimizer state,
-    params-span long), _span (params span length) -- and implement _exec(stop, split)."""
+    params-span long), _span (params span length), _state_shapes ({state: {param: shape or None}} where a state's
+    shape is not its param's, or the param has no such state) -- and implement _exec(stop, split)."""
 
     replicas = 1
+    _state_shapes: dict = {}
 
     # ------------------------------------------------------------------ running
     def _load(self, batch):
@@ -168,14 +170,17 @@ class Runner:
     @property
     def opt_state(self) -> dict:
         """{state name: {param name: its state}}: views into the arena (state j of a param lies (2 + j) params
-        spans after it)."""
+        spans after it, of the param's shape or the one init gave it)."""
         base = self.a.__array_interface__["data"][0]
         out = Named({}, "optimizer state", "prog.opt_state")
         for j, (name, _) in enumerate(self._state):
+            odd = self._state_shapes.get(name[len("opt/"):], {})
             views = out[name[len("opt/"):]] = Named({}, "param", f"prog.opt_state[{name[len('opt/'):]!r}]")
             for k, v in self.params.items():
-                o = (v.__array_interface__["data"][0] - base) // v.itemsize + (2 + j) * self._span
-                views[k] = self.a[o:o + v.size].reshape(v.shape)
+                shape = odd.get(k, v.shape)
+                if shape is not None:
+                    o = (v.__array_interface__["data"][0] - base) // v.itemsize + (2 + j) * self._span
+                    views[k] = self.a[o:o + int(np.prod(shape, dtype=np.int64))].reshape(shape)
         return out
 
     def state_dict(self) -> dict:

@@ -186,6 +186,7 @@ class Exported(Runner):
         self._group_hyper = m.get("group_hyper", [])
         self._hp_untraced = m.get("hp_untraced", [])       # prog.hp refuses a nonzero value for these, as in-process
         self._int_state, self._state, self._span = m["int_state"], [tuple(s) for s in m["state"]], m["span"]
+        self._state_shapes = m.get("state_shapes", {})
 
     def _exec(self, stop, split=None):
         rc = self._fn(self._pp, stop)

@@ -88,8 +88,9 @@ class Graph:
     memo: dict = field(default_factory=dict)       # while fn is traced: (op, input id, attrs) -> Var, pure ops
     #                                                met again on the same input made once (a weight's .T per RNN cell)
     # values at fixed places outside the planned area, read and assigned by the optimizer update
-    # (graph/memory.py places them): Var -> ("slice", k, first param name) = a param group's slice of the params
-    # region (k = 0), the grads (k = 1) or optimizer state j (k = 2 + j); ("hyper", i) = hyper-parameter slot i
+    # (graph/memory.py places them): Var -> ("slice", k, param name) = that param's slice (or a param group's, from
+    # its first param) of the params region (k = 0), the grads (k = 1) or optimizer state j (k = 2 + j), which a
+    # state of another shape fills from its start; ("hyper", i) = hyper-parameter slot i
     regions: dict = field(default_factory=dict)
     n_forward: int = 0                              # eqns[:n_forward] compute the outputs
     n_backward: int = 0                             # eqns[:n_backward] also compute the grads; the rest update
@@ -100,7 +101,7 @@ class Graph:
 
     def state_vars(self) -> dict:
         """var id -> (kind, name) of the values that live in fixed arena regions across steps and that an
-        assign may write: params, buffers and the optimizer's regions (a group's slices, the step slot)."""
+        assign may write: params, buffers and the optimizer's regions (slices, the step slot)."""
         return {**{v.id: ("param", k) for k, v in self.params.items()},
                 **{v.id: ("buffer", k) for k, v in self.buffers.items()},
                 **{v.id: ("optimizer", ":".join(map(str, tag))) for v, tag in self.regions.items()}}

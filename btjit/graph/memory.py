@@ -13,7 +13,7 @@ Views (reshape) share their input's storage. Intermediates get offsets by a gree
 lifetimes on the whole forward+backward schedule: two storages share bytes only if their lifetimes
 [defining eqn, last use] are disjoint. The update kernels run after the schedule and touch only the fixed
 regions. Every buffer starts 16-element aligned (64 bytes in float32). The traced optimizer update reads
-graph.regions (a param group's slices of the params / grads / state regions, hyper-parameter slots) in
+graph.regions (a param group's or one param's slices of the params / grads / state regions, hyper-parameter slots) in
 place, and its assigned values (graph.assigns, pinned as ("at", region var)) are stored straight into them.
 """
 from __future__ import annotations

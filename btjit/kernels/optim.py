@@ -1,6 +1,6 @@
 """The optimizer's hand-written kernels: the global gradient norm (for clipping and for skipping a step), and the
 built-in SGD, Adam/AdamW and Adadelta in one pass each. Every other update rule is traced equations (btjit/optim/: fused
-elementwise passes per param group).
+elementwise passes per param group, or any traced ops per param).
   k_clip_scale a[oscale] = min(1, a[omax] / (||g||_2 + 1e-6)), or 1 if a[omax] <= 0;
                NaN if any gradient is NaN/Inf: the traced update then keeps params and state as they were
 """

@@ -1,14 +1,17 @@
 """The optimizer API: `Optimizer` (hyper-parameters, `init`, `update`) and param groups.
 
 An optimizer is a pair of functions written with btjit's tensor ops (optax's shape, torch.optim's names):
-    init(name, param)                       -> {state name: initial numpy array of param's shape}
+    init(name, param)                       -> {state name: initial numpy array}
     update(param, grad, state, hp, step)    -> (new_param, {state name: new value})
-`update` is traced into the program after the backward, once per param group, over the group's contiguous
-slice of the arena: param, grad and every state value are flat traced vectors of the group's length; `hp`
-maps each hyper-parameter to a traced scalar read from the arena (so `prog.hp["beta1"] = 0.95` takes effect
-at the next step without recompiling) and `step` is the traced step number (1 at the first step). Only
-elementwise ops may combine them (the update runs as one fused pass per group). btjit/optim/build.py does
-the tracing; this file holds no graph code.
+`update` is traced into the program after the backward and computes one param's step: param and grad are traced
+values of the param's shape, each state value has the shape init gave it (the param's, or any other of at most
+its size: Adafactor's row and column statistics; a number starts every element of the param's shape); `hp` maps
+each hyper-parameter to a traced scalar read from the arena (so `prog.hp["beta1"] = 0.95` takes effect at the
+next step without recompiling) and `step` is the traced step number (1 at the first step). Any op btjit traces
+may be used -- reductions (LARS / LAMB trust ratios), matmuls and transposes (Muon), `if p.ndim == 2:` on the
+shape -- and params may have states of other names. An elementwise rule that does not depend on the param's
+shape runs as one fused pass per param group (btjit/optim/build.py, which does the tracing; this file holds no
+graph code).
 """
 from __future__ import annotations
 

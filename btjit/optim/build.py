@@ -3,11 +3,21 @@
 `Update(opt, params)` resolves the param groups (the arena orders the params group by group, so each group
 is one contiguous slice of the params, grads and state regions), calls `init` for the initial state and lays
 out the hyper-parameter slots: GLOBAL first, then one block per group. `trace_into(graph)` appends, after
-the backward, the step counter's increment and `opt.update` traced once per group over graph.regions (the
-group's slices, the slots), then assigns each new value to the place it replaces (graph.assigns, the
-mechanism of btjit.assign). `assign_in_place` (after fusion) computes each
-new value straight into its place, or leaves it to the copy that ends the step when an equation still reads
-the old value after the new one is written.
+the backward, the step counter's increment and `opt.update` traced for each group over graph.regions (slices
+of the params, grads and state regions, the slots), then assigns each new value to the place it replaces
+(graph.assigns, the mechanism of btjit.assign).
+
+A group's update is traced one of two ways. Group mode, the fast path: once over the group's slices, flat
+vectors of its length (alignment padding included), which gives every param what its own trace would when the
+rule is elementwise and blind to the param's shape -- the group's trace must be elementwise and have the same
+equations as a trace at each of its params' shapes (made and rolled back first). Otherwise param mode: once
+per param, over its own slices (region ("slice", k, name)) at its real shapes and its state's, so any traced
+op may be used: reductions (LARS / LAMB trust ratios), matmuls and transposes (Muon), a state of another shape
+(Adafactor's row and column statistics). Such a state lies at the start of its slot: state j of param k is at
+param_off[k] + (2 + j) * params span, whatever its shape (at most the param's size), so state_dict, checkpoints
+and exports keep it as they keep the others. `assign_in_place` (after fusion) computes each new value straight
+into its place, or leaves it to the copy that ends the step when an equation still reads the old value after
+the new one is written.
 """
 from __future__ import annotations
 
@@ -39,7 +49,8 @@ class Update:
         self.declared = [i for i, (names, _) in enumerate(declared) if names]   # group j is the user's declared[j]
         self.n_declared = len(declared)
         self.order = [n for names, _ in self.groups for n in names]
-        self.state_names, self.init = None, {}
+        self.state_names, self.init = [], {}          # the names any param has, first seen first; {name: {param: v}}
+        self.shapes = {k: tuple(np.shape(params[k])) for k in self.order}
         # the hyper-parameters whose terms are not in the step (nonzero() said False, clipping not asked for)
         self.untraced = {k for k, v in (("clip_norm", clip_norm), ("clip_value", clip_value)) if not v}
         for name in self.order:
@@ -53,20 +64,17 @@ class Update:
                 raise OptimizerError(f"{who}.init: a state named {sorted(set(st) & {'step', 'hyper'})[0]!r} would be "
                                      f"state_dict's opt/step or opt/hyper (btjit's step count and hyper-parameters; "
                                      f"update gets the step as its argument): name it otherwise")
-            if self.state_names is None:
-                self.state_names = list(st)
-            elif list(st) != self.state_names:
-                raise OptimizerError(f"{who}.init gives {name!r} the state {list(st)}, but "
-                                     f"{self.order[0]!r} {self.state_names}: every param needs the same state")
             for k, v in st.items():
                 v = np.asarray(v, np.float64)
                 if v.ndim == 0:         # one number per param (torch's NAdam mu_product, ASGD eta): each element's
                     v = np.full(p.shape, v)
-                if v.shape != p.shape:
+                if v.size > p.size:
                     raise OptimizerError(f"{who}.init({name!r}): state {k!r} has shape {v.shape}, the param "
-                                         f"{p.shape}; state is elementwise, of the param's shape (or one number)")
+                                         f"{p.shape}; a state has at most its param's elements (it is kept in the "
+                                         f"param's slot), or is one number that every element starts at")
+                if k not in self.state_names:
+                    self.state_names.append(k)
                 self.init.setdefault(k, {})[name] = v
-        self.state_names = self.state_names or []
         self.clip_norm, self.clip_value = clip_norm, clip_value
         start = {"lr": opt.hp["lr"], "clip_norm": float(clip_norm or 0.0), "clip_scale": 1.0,
                  "clip_value": float(clip_value or 0.0), "step": 0.0}
@@ -83,6 +91,21 @@ class Update:
     @property
     def n_hyper(self):
         return len(self.values)
+
+    def states(self, name) -> dict:
+        """{state name: shape} of param `name`'s state."""
+        return {k: self.init[k][name].shape for k in self.state_names if name in self.init[k]}
+
+    def odd_shapes(self) -> dict:
+        """{state name: {param: shape, or None where the param has no such state}} of the states whose shape is
+        not their param's (prog.opt_state's views; {} for an elementwise optimizer's)."""
+        odd = {}
+        for k in self.state_names:
+            for name, shape in self.shapes.items():
+                got = self.init[k][name].shape if name in self.init[k] else None
+                if got != shape:
+                    odd.setdefault(k, {})[name] = None if got is None else list(got)
+        return odd
 
     def slot_offsets(self, plan):
         """({global name: arena offset}, [{name: arena offset} per group]) of the hyper-parameter slots; a group
@@ -115,7 +138,6 @@ class Update:
     def _trace_into(self, g, skip_nonfinite):
         fd, opt, clip_norm, clip_value = g.float_dtype, self.opt, self.clip_norm, self.clip_value
         who = type(opt).__name__
-        writes = []
 
         def region(tag, shape):
             v = g.new_var(shape, fd)
@@ -128,51 +150,81 @@ class Update:
             if i not in slot_vars:
                 slot_vars[i] = region(("hyper", i), ())
             return slot_vars[i]
+
+        def call(p, grad, state, hp, name):
+            """opt.update on traced values, the grad clipped first: ([(new value, old value, what)], {var id:
+            role} of the arguments, the index of its first equation)."""
+            if clip_norm:
+                grad = grad * scale
+            if clip_value:
+                grad = T.minimum(T.maximum(grad, -cv), cv)
+            first_eqn = len(g.eqns)
+            res = opt.update(p, grad, _State(who, name, state), hp, t)
+            roles = {p.node.id: "param", grad.node.id: "grad", **{v.node.id: ("state", k) for k, v in state.items()}}
+            return _results(who, name, res, p, state), roles, first_eqn
+
+        def slices(name, shape, states):
+            """param `name`'s slices (a group's from its first param when shape is the group's (n,))."""
+            return (region(("slice", 0, name), shape), region(("slice", 1, name), shape),
+                    {k: region(("slice", 2 + self.state_names.index(k), name), s) for k, s in states.items()})
+
+        def as_group(names, hp):
+            """[(new, old)] of the update traced once over the group's slices, or None (nothing traced) when that
+            is not what each param's trace computes."""
+            n = sum(_al(g.params[k].size) for k in names)
+            states = self.states(names[0])
+            if any(self.states(k) != {s: self.shapes[k] for s in states} for k in names):
+                return None                           # a state of another shape, or params of other states
+            mark = _mark(g)
+            try:
+                p, grad, state = slices(names[0], (n,), {k: (n,) for k in states})
+                res = None if clip_value else one_pass(opt, p, grad, state, hp, t, scale, {
+                    f for f, on in (("scale", clip_norm), ("skip", skip_nonfinite)) if on})
+                if res is not None:
+                    return [(res[0], p), *((res[1][k], state[k]) for k in states)]   # its kernel skips, clips
+                sigs = set()
+                for shape in dict.fromkeys(self.shapes[k] for k in names):          # dry runs at the params' shapes
+                    dry = _mark(g)
+                    args = [T.Tracer(g.new_var(shape, fd), g) for _ in range(2 + len(states))]
+                    sigs.add(_signature(g, *call(args[0], args[1], dict(zip(states, args[2:])), hp, names[0]), shape))
+                    _rollback(g, dry)
+                out = call(p, grad, state, hp, names[0])
+                fits = sigs == {_signature(g, *out, (n,))} and _elementwise(g.eqns[out[2]:], (n,)) and \
+                    all(new.shape in ((n,), ()) for new, _, _ in out[0])
+            except Exception:                         # noqa: BLE001 -- param mode traces it again, and raises
+                fits = False
+            if not fits:
+                _rollback(g, mark)
+                return None
+            news = [(T.broadcast_to(new, (n,)) if new.shape == () else new, old) for new, old, _ in out[0]]
+            return [(T.where(ok, new, old) if skip_nonfinite else new, old) for new, old in news]
+
+        def per_param(name, hp):
+            shape = self.shapes[name]
+            out, _, _ = call(*slices(name, shape, self.states(name)), hp, name)
+            for new, old, what in out:
+                if new.shape == () != old.shape:
+                    new = T.broadcast_to(new, old.shape)
+                if new.shape != old.shape:
+                    raise OptimizerError(f"{who}.update for param {name!r}: {what} has shape {new.shape}, not "
+                                         f"{old.shape} ({'the param' if what == 'the new param' else 'init'}'s)")
+                yield (T.where(ok, new, old) if skip_nonfinite else new), old
+
         with T.building(g):
             step = hyper(self.slots["step"])
             t = step + 1.0
-            scale = hyper(self.slots["clip_scale"]) if clip_norm or skip_nonfinite else None
+            scale = hyper(self.slots["clip_scale"])
+            cv = hyper(self.slots["clip_value"]) if clip_value else None
             ok = T.equal(scale, scale) if skip_nonfinite else None      # False when a gradient is NaN/Inf
-            writes.append((T.where(ok, t, step) if skip_nonfinite else t, step))
+            writes = [(T.where(ok, t, step) if skip_nonfinite else t, step)]
             for (names, group_hp), slots in zip(self.groups, self.group_slots):
-                n = sum(_al(g.params[k].size) for k in names)
-                size = sum(g.params[k].size for k in names)
-                first = names[0]
-                p, grad = region(("slice", 0, first), (n,)), region(("slice", 1, first), (n,))
-                state = {k: region(("slice", 2 + j, first), (n,)) for j, k in enumerate(self.state_names)}
                 one = {k: _Hyper(hyper(i).node, g, hyper(slots[ONE_MINUS + k])) for k, i in slots.items()
                        if k != "lr_scale" and not k.startswith(ONE_MINUS)}
                 hp = {k: tuple(one[f"{k}[{i}]"] for i in range(len(v))) if isinstance(v, tuple) else one[k]
                       for k, v in group_hp.items() if k not in ("lr", "lr_scale")}
                 hp["lr"] = hyper(self.slots["lr"]) * hyper(slots["lr_scale"])
                 hp = HyperParams(who, hp)
-                res = None if clip_value else one_pass(
-                    opt, p, grad, state, hp, t, hyper(self.slots["clip_scale"]),
-                    {f for f, on in (("scale", clip_norm), ("skip", skip_nonfinite)) if on})
-                fused = res is not None                  # else the traced update, clipping first
-                if not fused:
-                    if clip_norm:
-                        grad = grad * scale
-                    if clip_value:
-                        cv = hyper(self.slots["clip_value"])
-                        grad = T.minimum(T.maximum(grad, -cv), cv)
-                    first_eqn = len(g.eqns)
-                    res = opt.update(p, grad, dict(state), hp, t)
-                    _check_elementwise(g.eqns[first_eqn:], n, who)
-                if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict)):
-                    raise OptimizerError(f"{who}.update must return (new_param, {{state name: new value}})")
-                new_p, new_s = res
-                if sorted(new_s) != sorted(self.state_names):
-                    raise OptimizerError(f"{who}.update returned the state {sorted(new_s)}; init gave "
-                                         f"{sorted(self.state_names)}")
-                for what, new, old in [("the new param", new_p, p), *((f"state {k!r}", new_s[k], state[k])
-                                                                       for k in self.state_names)]:
-                    new = T.lift(new) if not isinstance(new, T.Tracer) else new
-                    if new.shape != (n,):
-                        new = _as_slice(new, n, size, who, what)
-                    if skip_nonfinite and not fused:
-                        new = T.where(ok, new, old)
-                    writes.append((new, old))
+                writes += as_group(names, hp) or [w for name in names for w in per_param(name, hp)]
             for new, old in writes:
                 if new.node is not old.node:
                     S.assign_state(old.node, new)
@@ -221,37 +273,75 @@ class _Power(T.Tracer):
         return T.where(self.near, kahan, 1.0 - u)
 
 
-def _as_slice(new, n, size, who, what):
-    if new.shape == ():
-        return T.broadcast_to(new, (n,))
-    raise OptimizerError(f"{who}.update: {what} has shape {new.shape}; the group's values are one flat vector of "
-                         f"its {size} elements: use elementwise ops only")
+class _State(dict):
+    """The state an update reads: a name init did not give this param is an error naming the param and its state."""
+
+    def __init__(self, who, name, values):
+        super().__init__(values)
+        self.who, self.name = who, name
+
+    def __missing__(self, k):
+        raise OptimizerError(f"{self.who}.update reads state[{k!r}]; init gave param {self.name!r} "
+                             f"{sorted(self) or 'no state'}")
 
 
-# the ops an update may trace: elementwise over the group's flat vector (which the arena pads for alignment:
-# a reduction, reshape or slice of it would see the padding)
+def _results(who, name, res, p, state):
+    """[(new value, the value it replaces, what it is)] of update's result, checked for its form and names."""
+    if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict)):
+        raise OptimizerError(f"{who}.update must return (new_param, {{state name: new value}})")
+    new_p, new_s = res
+    if sorted(new_s) != sorted(state):
+        raise OptimizerError(f"{who}.update returned the state {sorted(new_s)}; init gave {name!r} {sorted(state)}")
+    return [(T.lift(new_p), p, "the new param"), *((T.lift(new_s[k]), v, f"state {k!r}") for k, v in state.items())]
+
+
+def _mark(g):
+    """What tracing may add to g besides equations after len(g.eqns): constants, the memo, random sites, regions."""
+    return (len(g.eqns), len(g.consts), dict(g._scalar_consts), dict(g.memo), g.rng_sites, g.rng_key,
+            dict(g.regions), len(g.assigns))
+
+
+def _rollback(g, mark):
+    """g as it was at _mark (var ids are not reused: nothing can still name a var made since)."""
+    n, n_consts, g._scalar_consts, g.memo, g.rng_sites, g.rng_key, g.regions, n_assigns = mark
+    del g.eqns[n:], g.assigns[n_assigns:]
+    for v in list(g.consts)[n_consts:]:
+        del g.consts[v]
+
+
+def _signature(g, results, roles, first_eqn, full):
+    """g.eqns[first_eqn:] and the results as two traces of one update are compared: ops, attributes, where each
+    input comes from (an earlier equation's output, an argument of update by its role, a constant by its value,
+    a value traced before), output types; full (the traced param's shape) reads "full" everywhere."""
+    made = {}
+
+    def shape(s):
+        return "full" if s == full else s
+
+    def src(v):
+        if v.id in made:
+            return made[v.id]
+        c = g.consts.get(v)
+        return roles.get(v.id) or (("var", v.id) if c is None else ("const", v.dtype, shape(v.shape), c.tobytes()))
+    sig = []
+    for i, e in enumerate(g.eqns[first_eqn:]):
+        sig.append((e.op, tuple((k, shape(a) if isinstance(a, tuple) else a) for k, a in sorted(e.attrs.items())),
+                    tuple(map(src, e.ins)), tuple((o.dtype, shape(o.shape)) for o in e.outs)))
+        made.update({o.id: ("eqn", i, j) for j, o in enumerate(e.outs)})
+    return tuple(sig) + tuple((src(new.node), shape(new.shape)) for new, _, _ in results)
+
+
+# the ops a group mode update may trace: elementwise over the group's flat vector (which the arena pads for
+# alignment: a reduction, reshape or slice of it would see the padding)
 UPDATE_OPS = ELEMENTWISE | set(ALIAS) | {"pow", "to_float", "rand", "gelu", "reshape", "floor", "ceil", "round",
                                          "trunc", "remainder", "fmod"}
-NAMED = {"sum": "a reduction", "max": "a reduction", "matmul": "a matrix product", "reshape": "a reshape",
-         "slice": "a slice", "transpose": "a transpose", "concatenate": "a concatenation", "take": "an indexing"}
 
 
-def _check_elementwise(eqns, n, who):
-    """An OptimizerError naming the user's line of the first of eqns (traced by opt.update over a group's flat
-    vector of n elements, padding included) that is not elementwise over it."""
-    ok_in = lambda v: v.shape == (n,) or v.size == 1           # noqa: E731
-    for e in eqns:
-        if e.op in UPDATE_OPS and all(o.shape in ((), (n,)) for o in e.outs) and all(map(ok_in, e.ins)) and \
-                (e.op != "reshape" or e.ins[0].shape == e.outs[0].shape):
-            continue
-        odd = next((v.shape for v in e.ins + e.outs if not ok_in(v)), None)
-        what = (f"{NAMED[e.op]} ({e.op})" if e.op in NAMED else
-                f"{e.op} with a value of shape {odd}" if e.op in UPDATE_OPS and odd is not None else
-                f"an op that is not elementwise ({e.op})")
-        raise OptimizerError(f"{who}.update: {what} at {e.src or 'an unknown line'}: update rules are "
-                             f"elementwise over each group's flat vector (its params concatenated, with alignment "
-                             f"padding), so reductions (sum, mean, max, min, norm, var ...), reshapes, slices and "
-                             f"products are not supported, nor per-param statistics such as LARS/LAMB trust ratios")
+def _elementwise(eqns, full) -> bool:
+    """Do eqns compute each element of values of shape `full` from the same element of their inputs (and scalars)?"""
+    ok_in = lambda v: v.shape == full or v.size == 1           # noqa: E731
+    return all(e.op in UPDATE_OPS and all(o.shape in ((), full) for o in e.outs) and all(map(ok_in, e.ins)) and
+               (e.op != "reshape" or e.ins[0].shape == e.outs[0].shape) for e in eqns)
 
 
 def assign_in_place(g, pinned: dict) -> None:
@@ -259,7 +349,8 @@ def assign_in_place(g, pinned: dict) -> None:
     value is computed straight into its target's place (pinned[id] = ("at", target), no copy row) unless the
     old value is still read after the new one is written; then it is pinned as an output and copied into the
     place when the step ends (graph/lower.py: assign_rows), as every other assign is. A value that is not its
-    own storage (a param, a region, one value assigned twice) is first copied where the update begins."""
+    own storage (a region, a view, one value assigned twice) is first copied: a region where the update begins,
+    before anything writes it, any other where it is made."""
     root = storage_roots(g)
     fixed = {v.id for v in list(g.params.values()) + list(g.buffers.values()) + g.inputs + list(g.consts) +
              list(g.regions)}
@@ -270,7 +361,9 @@ def assign_in_place(g, pinned: dict) -> None:
         if r != a.value.id or r in fixed or r in claimed:
             with T.building(g):
                 c = T.copy(T.Tracer(a.value, g))
-            g.eqns.insert(g.n_backward, g.eqns.pop())       # reads the value before any update writes
+            at = next((i + 1 for i in range(len(g.eqns) - 2, g.n_backward - 1, -1) if a.value in g.eqns[i].outs),
+                      g.n_backward)
+            g.eqns.insert(at, g.eqns.pop())
             a.value = c.node
         claimed.add(a.value.id)
     producer = {o.id: i for i, e in enumerate(g.eqns) for o in e.outs}
