@@ -25,6 +25,7 @@ __all__ += ["sin", "cos", "hardtanh", "hardsigmoid", "hardswish", "logsigmoid", 
             "repeat_interleave", "unbind"]
 __all__ += ["topk", "sort", "argsort", "floor", "ceil", "round", "trunc", "remainder", "fmod", "floor_divide",
             "cumsum", "cumprod", "diff"]
+__all__ += ["linear", "einsum", "rand", "randn", "bernoulli"]
 
 
 def __getattr__(name):

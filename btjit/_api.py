@@ -13,14 +13,14 @@ from btjit.graph.indexing import setitem, take
 from btjit.graph.numpy_fns import clip, roll, stack, std, var
 from btjit.graph.sort_fns import (argsort, ceil, cumprod, cumsum, diff, floor, floor_divide, fmod,  # noqa: A004
                                   remainder, round, sort, topk, trunc)
-from btjit.graph.rng import (causal_attention, dropout, dropout2d, rand_like, randn_like,  # noqa: F811 -- dropout=
-                             scaled_dot_product_attention)
+from btjit.graph.rng import (bernoulli, causal_attention, dropout, dropout2d, rand, rand_like,  # noqa: F811 -- dropout=
+                             randn, randn_like, scaled_dot_product_attention)
 from btjit.graph.conv_fns import (adaptive_avg_pool1d, adaptive_avg_pool2d, adaptive_max_pool1d, adaptive_max_pool2d,
                                   avg_pool1d, avg_pool2d, conv1d, conv2d, conv_transpose1d, conv_transpose2d, flatten,
                                   interpolate, max_pool1d, max_pool2d, pad, pixel_shuffle)
-from btjit.graph.torch_fns import (cat, celu, cosine_similarity, glu, hardsigmoid, hardswish, huber_loss, kl_div,
-                                   logsigmoid, mish, normalize, prelu, repeat_interleave, rsqrt, selu, softsign,
-                                   unbind)
+from btjit.graph.torch_fns import (cat, celu, cosine_similarity, einsum, glu, hardsigmoid, hardswish, huber_loss,
+                                   kl_div, linear, logsigmoid, mish, normalize, prelu, repeat_interleave, rsqrt, selu,
+                                   softsign, unbind)
 from btjit.core.program import Program, trace
 from btjit.scalar.front import trace_scalar
 from btjit.host.threads import replicas_for, set_num_threads

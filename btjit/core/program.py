@@ -8,6 +8,7 @@ The arena's memory is btjit/core/arena.py's; the bounds of index inputs are btji
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 import warnings
 
@@ -125,6 +126,8 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         shard = (x.shape[0] // replicas,) + x.shape[1:] if replicas > 1 else x.shape
         g.inputs.append(g.new_var(shard, "i32" if x.dtype.kind in "iu" else fd))
         g.input_names.append(name)
+    if "einops" in sys.modules:         # einops.rearrange / repeat / reduce on traced values
+        from btjit.graph import einops_backend  # noqa: F401
     with T.building(g):
         ptr = Named({k: T.Tracer(v, g) for k, v in {**g.params, **g.buffers}.items()}, "param or buffer", "p")
         res = fn(ptr, *[T.Tracer(v, g) for v in g.inputs])
@@ -138,6 +141,9 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         if v.graph is not g:
             raise T.TraceError(f"{what} is a traced value from another btjit.trace call (kept in a global or "
                                f"closure); tracers are only valid inside the function being traced")
+    if "out" in aux:                    # prog.outputs["out"] is the returned value itself
+        raise T.TraceError("an output named 'out' would replace the returned value (prog.outputs['out'] is that "
+                           "value): give it another name")
     if replicas > 1 and (aux or out.shape != ()):
         raise T.TraceError(f"replicas={replicas} averages one scalar over the replicas; the traced function "
                            f"returns {'outputs ' + ', '.join(map(repr, aux)) if aux else f'shape {out.shape}'}")

@@ -454,7 +454,9 @@ FUNCS.update({
     "ones_like": lambda a: full_like(a, 1.0), "copy": copy, "argmax": argmax,
     "argmin": argmin, "prod": prod,
     "flip": flip, "take_along_axis": take_along_axis, "moveaxis": moveaxis, "sin": sin, "cos": cos,
-    "tril": lambda m, k=0: tri(m, k), "triu": lambda m, k=0: tri(m, k, lower=False), "logaddexp": logaddexp})
+    "tril": lambda m, k=0: tri(m, k), "triu": lambda m, k=0: tri(m, k, lower=False), "logaddexp": logaddexp,
+    "vstack": lambda tup: concatenate([reshape(t, (1, -1)) if lift(t).ndim < 2 else t for t in tup], 0),
+    "hstack": lambda tup: concatenate(tup, 0 if lift(tup[0]).ndim == 1 else 1)})
 METHODS.update({
     # numpy's
     "var": var, "std": std, "clip": lambda x, min=None, max=None: clip(x, min, max),  # noqa: A002

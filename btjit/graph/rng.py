@@ -31,6 +31,23 @@ def randn_like(x):
     return _random(x, K.U_NORMAL)
 
 
+def rand(*size, dtype=None, device=None, requires_grad=False):
+    """torch.rand: uniform numbers in [0, 1) of shape `size` (rand(B, 1, 1, 1) or rand((B, 1, 1, 1))), as rand_like;
+    dtype (a float one) and device are accepted as torch's and the program's dtype is used."""
+    return _random(_size(size, dtype, "rand"), K.U_UNIFORM)
+
+
+def randn(*size, dtype=None, device=None, requires_grad=False):
+    """torch.randn: standard normal numbers of shape `size`, as randn_like."""
+    return _random(_size(size, dtype, "randn"), K.U_NORMAL)
+
+
+def bernoulli(input, p=None):  # noqa: A002 -- torch's name
+    """torch.bernoulli: 1 with probability `input` (or p, a number, of input's shape), else 0; no gradient."""
+    x = T.lift(input)
+    return _random(x.shape, K.U_UNIFORM) < (x if p is None else float(p))
+
+
 def dropout(x, p=0.5, training=None, inplace=False):
     """torch's dropout: while training, zero each element with probability p and scale the others by
     1 / (1 - p); the identity in eval mode (or training=False) and when p == 0 (nothing is emitted). The
@@ -143,9 +160,19 @@ def _site() -> int:
     return g.rng_sites - 1
 
 
+def _size(size, dtype, op):
+    size = size[0] if len(size) == 1 and not isinstance(size[0], (int, np.integer)) else size
+    if dtype is not None and not any(f in str(dtype) for f in ("float", "double")):
+        raise T.TraceError(f"{op}: dtype must be a float one (the program's is used), got {dtype} — {T.user_src()}")
+    if not all(isinstance(n, (int, np.integer)) and n >= 0 for n in size):
+        raise T.TraceError(f"{op}: the size must be ints, got {size!r} — {T.user_src()}")
+    return tuple(int(n) for n in size)
+
+
 def _random(x, kind):
-    x = T.lift(x)
-    return T.emit("rand", (_key(),), shape=x.shape, site=_site(), kind=kind)
+    """Numbers of x's shape (x a traced value or a shape)."""
+    shape = x if isinstance(x, tuple) else T.lift(x).shape
+    return T.emit("rand", (_key(),), shape=shape, site=_site(), kind=kind)
 
 
 # ----------------------------------------------------------------------------- the program's side

@@ -5,10 +5,14 @@ one row forward and one backward.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from btjit.graph.functional import _pair, _reduced, elu, logsumexp, relu6, softplus
-from btjit.graph.numpy_fns import moveaxis, norm, outer, repeat
-from btjit.graph.trace import (METHODS, TraceError, abs, concatenate, exp, lift, log, log1p, maximum, minimum, reshape,
-                               sigmoid, sqrt, sum, tanh, user_src, where)
+from btjit.graph.numpy_fns import einsum as np_einsum, full_like, moveaxis, norm, outer, repeat, tile
+from btjit.graph.rng import bernoulli, rand, randn
+from btjit.graph.trace import (IN_PLACE, METHODS, TraceError, Tracer, abs, broadcast_to, concatenate, exp, lift, log,
+                               log1p, matmul, maximum, minimum, reshape, sigmoid, sqrt, sum, tanh, transpose, user_src,
+                               where)
 
 _SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
 
@@ -141,6 +145,68 @@ def unbind(x, dim=0):
     return tuple(x[i] for i in range(x.shape[0]))
 
 
+def linear(input, weight, bias=None):  # noqa: A002 -- torch's names
+    """torch.nn.functional.linear: input @ weight.T + bias, weight (out, in) as nn.Linear stores it (or (in,))."""
+    x, w = lift(input), lift(weight)
+    if w.ndim not in (1, 2) or not x.ndim or x.shape[-1] != w.shape[-1]:
+        raise TraceError(f"linear: weight {w.shape} must be (out_features, {x.shape[-1] if x.ndim else '?'}) for "
+                         f"input {x.shape} (nn.Linear's layout: (out, in)) — {user_src()}")
+    y = matmul(x, transpose(w) if w.ndim == 2 else w)
+    return y if bias is None else y + bias
+
+
+def einsum(equation, *operands):
+    """torch.einsum / np.einsum: one or two operands (also as a list: einsum("ij,jk", [a, b]))."""
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    return np_einsum(equation.replace(" ", ""), *operands)
+
+
+def _torch_repeat(x, *sizes, **kw):
+    """x.repeat: torch's x.repeat(*sizes) (np.tile) for three or more sizes or one tuple of them, else numpy's
+    x.repeat(n, axis) (each element n times)."""
+    if not kw and (len(sizes) > 2 or len(sizes) == 1 and isinstance(sizes[0], (tuple, list))):
+        return tile(x, sizes[0] if len(sizes) == 1 else sizes)
+    return repeat(x, *sizes, **kw)
+
+
+def _to(x, *args, **kw):
+    """torch's x.to(dtype / device / other): a float dtype or a device leaves x as it is (an integer x becomes
+    the program's float dtype); other dtypes are refused."""
+    for a in list(args) + list(kw.values()):
+        if isinstance(a, Tracer) or any(f in str(a) for f in ("float", "double")):
+            x = x.astype(float)
+        elif not (isinstance(a, (str, bool)) or type(a).__name__ == "device"):
+            raise TraceError(f"to: only float dtypes and devices, got {a!r} — {user_src()}")
+    return x
+
+
+def _new(x, size, value):
+    """torch's x.new_zeros(size) / new_ones / new_full / new_empty: a constant of the program's float dtype."""
+    size = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], (int, np.integer)) else tuple(size)
+    return broadcast_to(lift(float(value), x), size)
+
+
+def _narrow(x, dim, start, length):
+    dim = dim % x.ndim
+    return x[(slice(None),) * dim + (slice(start, start + length),)]
+
+
+def _unflatten(x, dim, sizes):
+    dim = dim % x.ndim
+    return reshape(x, x.shape[:dim] + tuple(sizes) + x.shape[dim + 1:])
+
+
+IN_PLACE.update({
+    "zero_": lambda x: full_like(x, 0.0), "fill_": lambda x, v: broadcast_to(lift(v, x), x.shape),
+    "copy_": lambda x, src: broadcast_to(lift(src, x), x.shape),
+    "uniform_": lambda x, a=0.0, b=1.0: rand(x.shape) * float(b - a) + float(a),
+    "normal_": lambda x, mean=0.0, std=1.0: randn(x.shape) * float(std) + float(mean)})
+METHODS.update({
+    "new_zeros": lambda x, *size, **kw: _new(x, size, 0.0), "new_empty": lambda x, *size, **kw: _new(x, size, 0.0),
+    "new_ones": lambda x, *size, **kw: _new(x, size, 1.0), "new_full": lambda x, size, v, **kw: _new(x, (size,), v),
+    "bernoulli": lambda x, p=None, **kw: bernoulli(x, p), "to": _to, "narrow": _narrow, "unflatten": _unflatten,
+    "repeat": _torch_repeat})
 METHODS.update({
     "rsqrt": rsqrt, "repeat_interleave": repeat_interleave, "unbind": unbind, "outer": outer, "log1p": log1p,
     "logsumexp": lambda x, dim, keepdim=False: logsumexp(x, dim, keepdim), "reciprocal": lambda x: 1.0 / x,

@@ -21,6 +21,7 @@ from btjit.graph.tracer import (TraceError, _norm_axes, building, current_graph,
 FUNCS: dict = {}
 UFUNCS: dict = {}
 METHODS: dict = {}
+IN_PLACE: dict = {}        # torch's in-place methods without an out-of-place name (x.zero_(), x.uniform_(), ...)
 
 
 def _binop(op, x, y, **attrs):
@@ -57,6 +58,7 @@ class Tracer:
     dtype = property(lambda self: np.dtype({"f32": np.float32, "f64": np.float64, "i32": np.int32}[self.node.dtype]))
     T = property(lambda self: transpose(self))
     mT = property(lambda self: swapaxes(self, -1, -2))      # torch's: the last two axes swapped
+    device = property(lambda self: "cpu")                   # torch's x.device (torch.rand(..., device=x.device))
 
     def __repr__(self):
         return f"Tracer({self.node!r}: {self.node.type_str})"
@@ -166,14 +168,30 @@ class Tracer:
         return fn(*args, **kwargs)
 
     def __getattr__(self, name):
-        """The methods btjit/graph/numpy_fns.py registers (METHODS: x.var(0), x.min(1), x.view(B, T, C), ...)."""
+        """The methods btjit/graph/numpy_fns.py registers (METHODS: x.var(0), x.min(1), x.view(B, T, C), ...), and
+        torch's in-place forms of them and of the class's own (x.mul_(g), x.div_(p), x.clamp_(0, 1), x.relu_()):
+        this tracer then holds the result, as after x[idx] = v (other tracers of the old value keep it)."""
         fn = METHODS.get(name)
+        if name.endswith("_") and not name.startswith("_"):
+            base = name[:-1]
+            fn = IN_PLACE.get(name) or ((lambda s, *a, **k: getattr(s, base)(*a, **k))
+                                        if base in METHODS or callable(getattr(Tracer, base, None)) else None)
+            if fn is not None:
+                return lambda *a, **k: self._in_place(name, fn(self, *a, **k))
         if fn is None:
             if name.startswith("__"):
                 raise AttributeError(name)
             raise AttributeError(f"traced values have no attribute {name!r}: not one of the numpy or torch methods "
                                  f"btjit has (docs/guide.md) — {user_src()}")
         return lambda *a, **k: fn(self, *a, **k)
+
+    def _in_place(self, name, out):
+        out = lift(out, self)
+        if out.shape != self.shape:
+            raise TraceError(f"{name}: an in-place op keeps the shape {self.shape}, its result is {out.shape} "
+                             f"(use the out-of-place form) — {user_src()}")
+        self.node = out.node
+        return self
 
     # -- methods
     def sum(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
