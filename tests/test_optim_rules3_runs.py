@@ -52,8 +52,8 @@ IDIOMS = {   # numpy functions a rule uses: matrix norms, all / any, fmax, copys
     "median": (lambda p, g, s, hp, t: (p - hp["lr"] * np.where(np.abs(g) >= np.median(np.abs(g)), g, 0.0), {}), None),
     "vdot_trace": (lambda p, g, s, hp, t: (p - hp["lr"] * g / (1 + np.vdot(g, g) + (np.trace(g @ g.T) if g.ndim == 2
                                                                                       else 0.0)), {}), None),
-    "sum_of_0d_state": (lambda p, g, s, hp, t: (p - hp["lr"] * g / np.sqrt(s["n"].sum()), {"n": s["n"] + (g * g).sum()}),
-                        lambda p: {"n": 1.0}),
+    "sum_of_0d_state": (lambda p, g, s, hp, t: (p - hp["lr"] * g / np.sqrt(s["n"].sum()),
+                                                {"n": s["n"] + (g * g).sum()}), lambda p: {"n": 1.0}),
     "0d_state_widened": (lambda p, g, s, hp, t: (p - hp["lr"] * s["m"], {"m": 0.9 * s["m"] + g}), lambda p: {"m": 0.0}),
 }
 
@@ -204,7 +204,10 @@ ERRORS = [  # (rule, init, the error's text): each names the line (the rule's; i
     (lambda p, g, s, hp, t: (p - s["m"], {}), None, r"Rule.update reads state\['m'\]; init gave param 'w1' no state"),
     (lambda p, g, s, hp, t: p - hp["lr"] * g, None,
      r"must return \(new_param, \{state name: new value\}\), got a traced value of shape \(6, 3, 4\)"),
-    (lambda p, g, s, hp, t: (p, {"m": g}), lambda p: {"m": None}, r"Rule.init\('w1'\): state 'm' is None, not a number"),
+    (lambda p, g, s, hp, t: (p, {"m": g}), lambda p: {"m": None},
+     r"Rule.init\('w1'\): state 'm' is None, not a number"),
+    (lambda p, g, s, hp, t: (p - hp["lr"] * g + 0.01 * np.random.randn(*p.shape), {}), None,
+     r"Rule.update calls np.random.randn, which draws its numbers once, .* Use btjit.randn_like\(p\)"),
 ]
 
 

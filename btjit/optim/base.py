@@ -5,9 +5,10 @@ An optimizer is a pair of functions written with btjit's tensor ops (optax's sha
     update(param, grad, state, hp, step)    -> (new_param, {state name: new value})
 `update` is traced into the program after the backward and computes one param's step: param and grad are traced
 values of the param's shape, each state value has the shape init gave it (the param's, or any other of at most
-its size: Adafactor's row and column statistics; a number starts every element of the param's shape); `hp` maps
-each hyper-parameter to a traced scalar read from the arena (so `prog.hp["beta1"] = 0.95` takes effect at the
-next step without recompiling) and `step` is the traced step number (1 at the first step). Any op btjit traces
+its size: Adafactor's row and column statistics; a number is one number, unless update makes it an array of the
+param's shape; init runs with self.hp its param's group's values); `hp` maps each hyper-parameter to a traced
+scalar read from the arena (so `prog.hp["beta1"] = 0.95` takes effect at the next step without recompiling) and
+`step` is the traced step number (1 at the first step). Any op btjit traces
 may be used -- reductions (LARS / LAMB trust ratios), matmuls and transposes (Muon), `if p.ndim == 2:` on the
 shape -- and params may have states of other names. An elementwise rule that does not depend on the param's
 shape runs as one fused pass per param group (btjit/optim/build.py, which does the tracing; this file holds no

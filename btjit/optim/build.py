@@ -21,6 +21,8 @@ the new one is written.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from btjit.graph import state as S, trace as T
@@ -142,7 +144,7 @@ class Update:
         return clip + lower_eqns(g.eqns[g.n_backward:], L)[0]
 
     def trace_into(self, g, skip_nonfinite=False):
-        with self.opt.recording_zeros(self.untraced), scalars():
+        with self.opt.recording_zeros(self.untraced), scalars(), _no_numpy_random(type(self.opt).__name__):
             self._trace_into(g, skip_nonfinite)
 
     def _trace_into(self, g, skip_nonfinite):
@@ -290,6 +292,30 @@ def _results(who, name, res, p, state, at):
                                  f"value or a number — {at}")
         out.append((T.lift(v), old, what))
     return out
+
+
+NUMPY_RANDOM = ("rand", "randn", "normal", "uniform", "standard_normal", "random", "random_sample", "randint",
+                "choice", "laplace", "binomial", "poisson", "permutation", "shuffle", "default_rng")
+
+
+@contextlib.contextmanager
+def _no_numpy_random(who):
+    """Inside (update is traced): np.random's functions raise. They would draw once, while tracing, and every step
+    would add the same numbers (SGLD's noise frozen)."""
+    def refuse(name):
+        def f(*a, **k):
+            raise OptimizerError(f"{who}.update calls np.random.{name}, which draws its numbers once, when the update "
+                                 f"is traced: every step would use the same ones. Use btjit.randn_like(p) (normal) or "
+                                 f"btjit.rand_like(p) (uniform in [0, 1)): new numbers every step — {user_line()}")
+        return f
+    before = {k: getattr(np.random, k) for k in NUMPY_RANDOM}
+    for k in NUMPY_RANDOM:
+        setattr(np.random, k, refuse(k))
+    try:
+        yield
+    finally:
+        for k, f in before.items():
+            setattr(np.random, k, f)
 
 
 def _describe(v) -> str:
