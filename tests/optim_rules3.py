@@ -7,10 +7,8 @@ import numpy as np
 
 import btjit
 from btjit.optim import Optimizer
-
-
-def zeros(*names):
-    return lambda self, name, p: {k: np.zeros_like(p) for k in names}
+from optim_zoo import zeros
+from test_optim_perparam import data as perparam_data
 
 
 class HandSGD(Optimizer):
@@ -285,9 +283,7 @@ def params0(dtype):
 
 
 def data(dtype, steps=STEPS):
-    rng = np.random.default_rng(1)
-    return [(rng.standard_normal((8, 6)).astype(dtype), rng.standard_normal((8, 3)).astype(dtype))
-            for _ in range(steps)]
+    return perparam_data(dtype, steps)                # (x (8, 6), y (8, 3)) a step
 
 
 def loss(p, x, y):

@@ -15,6 +15,7 @@ import optim_rules3 as R
 from btjit.optim import Optimizer, OptimizerError
 from optim_rules3 import NO_WD, SHAPES, close, run, trace
 from test_cli import assert_same_state, final_state
+from test_optim_perparam import same_in_runtime
 from test_usermodel import EXAMPLE, config, run as cli
 from textdata import words
 
@@ -137,19 +138,7 @@ def test_a_rule_file_trains_and_resumes_bit_exact(cls, section, tmp_path):
 def test_a_per_param_rule_exports_and_runs_in_the_runtime_bitwise(make, tmp_path):
     prog = trace(make(), np.float32)
     prog.export(tmp_path / "e")
-    rt = btjit.runtime.load(tmp_path / "e")
-    for t, b in enumerate(R.data(np.float32, 8)):
-        if t == 4:
-            prog.lr = rt.lr = prog.lr / 2
-        assert rt.step(*b) == prog.step(*b)
-    ref, got = prog.state_dict(), rt.state_dict()
-    assert ref.keys() == got.keys()
-    for k in ref:
-        np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
-    for n, views in prog.opt_state.items():
-        for k, v in views.items():
-            np.testing.assert_array_equal(rt.opt_state[n][k], v, err_msg=f"{n} {k}")
-            assert rt.opt_state[n][k].shape == v.shape
+    same_in_runtime(prog, btjit.runtime.load(tmp_path / "e"), R.data(np.float32, 8), 4, prog.lr / 2)
 
 
 def test_a_per_param_rule_trains_in_bf16():

@@ -56,7 +56,10 @@ class Near1(T.Tracer):
             return super().__add__(o)
         return Near1(self.plain() + float(o), lambda: self.complement() - float(o))
 
-    __radd__ = __add__
+    def __radd__(self, o):
+        if not (_number(o) and _f32(self)):
+            return super().__radd__(o)
+        return Near1(float(o) + self.plain(), lambda: self.complement() - float(o))
 
     def __sub__(self, o):
         if not (_number(o) and _f32(self)):
@@ -66,9 +69,7 @@ class Near1(T.Tracer):
     def __mul__(self, o):
         if not (isinstance(o, Near1) and _f32(self)):
             return super().__mul__(o)
-        return Near1(self.plain() * o.plain(), lambda: _product_complement(self.complement(), o.complement()))
-
-    __rmul__ = __mul__
+        return Near1(self.plain() * o.plain(), lambda: _product_complement(self, o))
 
     def __pow__(self, e):
         """u ** e for a traced e (the step), where 1 - u <= 0.125: exp(e * log1p(-(1 - u))) (a float32 0.99900001 **
@@ -104,12 +105,14 @@ class Near1(T.Tracer):
         return super().__array_function__(func, types, args, kwargs)
 
 
+def _product_complement(a, b):
+    """1 - a * b = (1 - a) + (1 - b) - (1 - a) * (1 - b)."""
+    ca, cb = a.complement(), b.complement()
+    return ca + cb - ca * cb
+
+
 def _plain(x):
     return x.plain() if isinstance(x, Near1) else x
-
-
-def _product_complement(ca, cb):
-    return ca + cb - ca * cb
 
 
 def _kahan(u, y):
