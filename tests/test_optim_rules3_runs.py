@@ -14,7 +14,7 @@ import btjit.runtime
 import optim_rules3 as R
 from btjit.optim import Optimizer, OptimizerError
 from optim_rules3 import NO_WD, SHAPES, close, run, trace
-from test_cli import assert_same_state, final_state
+from test_cli import assert_error, assert_same_state, final_state
 from test_optim_perparam import same_in_runtime
 from test_usermodel import EXAMPLE, config, run as cli
 from textdata import words
@@ -131,6 +131,18 @@ def test_a_rule_file_trains_and_resumes_bit_exact(cls, section, tmp_path):
     assert_same_state(a, b)
     assert a.step == 30 and f"{cls.__name__} (rule.py)" in res.output
     assert set(cls().init("w", np.zeros((2, 2)))) <= {k[len("opt/"):] for k in a.state}
+
+
+def test_a_rule_files_errors_name_the_file_and_line(tmp_path):
+    src = rule_file(R.CentralizedAdam).replace('hp["eps"]', 'hp["epsilon"]')
+    (tmp_path / "mymodel.py").write_text(EXAMPLE)
+    (tmp_path / "rule.py").write_text(src)
+    (tmp_path / "c.toml").write_text(config() + 'file = "rule.py"\n')
+    (tmp_path / "words.txt").write_text(words())
+    line = next(i for i, text in enumerate(src.splitlines(), 1) if "epsilon" in text)
+    assert_error(cli("train", tmp_path / "c.toml", "--data", tmp_path / "words.txt", "--out", tmp_path / "a"),
+                 f"error: rule.py:{line}: tracing its init and update raised UnknownHyperParameter: CentralizedAdam"
+                 f".update reads hp['epsilon']", f"— rule.py:{line}")
 
 
 @pytest.mark.parametrize("make", [lambda: R.CentralizedAdam(0.01, groups=NO_WD), lambda: R.AdaGradNorm(0.1)],
