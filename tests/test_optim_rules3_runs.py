@@ -177,6 +177,7 @@ SCHEDULES = [  # 1 - a schedule near 1 made of a hyper-parameter (beta 0.9999), 
     (lambda b, t: 1 - np.where(t < 8, 0.5 ** (1 / (np.log(0.5) / np.log(b + 1e-8) + 1)), b),
      lambda b, t: 1 - (0.5 ** (1 / (math.log(0.5) / math.log(b + 1e-8) + 1)) if t < 8 else b)),   # by half-life
     (lambda b, t: 1 - b * np.maximum(b, 0.5) ** t, lambda b, t: 1 - b ** (t + 1)),
+    (lambda b, t: 1 - (b + 1e-8) ** 2, lambda b, t: 1 - (b + 1e-8) ** 2),
 ]
 
 

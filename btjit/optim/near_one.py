@@ -4,10 +4,9 @@ A float32 arena rounds beta2 = 0.999 to 0.99900001 and 0.9999 to 0.99989998: `1 
 1.7e-4 off, relatively, where torch, whose Python floats are float64, is exact; an EMA that starts at zero, or a
 bias correction, inherits that error whole. So in a float32 program each hyper-parameter is traced as a `Near1`
 value that carries its complement 1 - value (the host fills a slot with it in float64), and the operations
-schedules are written with carry one on: hp ** step (exp(step * log1p(-c))), np.log(hp) (log1p(-c)), np.exp(y) and
-b ** y of a 0-d y (-expm1 Kahan's way), np.minimum / np.maximum, np.where, the product of two, a number added or
-taken.
-`1 - value` reads the complement. btjit/optim/build.py traces an update inside `scalars()`.
+schedules are written with carry one on: hp ** step (exp(step * log1p(-c))), hp ** 2, np.log(hp) (log1p(-c)),
+np.exp(y) and b ** y of a 0-d y (-expm1 Kahan's way), np.minimum / np.maximum, np.where, the product of two, a
+number added or taken. `1 - value` reads the complement. btjit/optim/build.py traces an update inside `scalars()`.
 """
 from __future__ import annotations
 
@@ -73,10 +72,13 @@ class Near1(T.Tracer):
 
     def __pow__(self, e):
         """u ** e for a traced e (the step), where 1 - u <= 0.125: exp(e * log1p(-(1 - u))) (a float32 0.99900001 **
-        step is 1.3e-5 * step off, relatively); other bases (0.5 ** step, exact in float32, or (-1) ** step) and a
-        number e take pow's own."""
-        if not (isinstance(e, T.Tracer) and _f32(self)):
+        step is 1.3e-5 * step off, relatively); other bases (0.5 ** step, exact in float32, or (-1) ** step) take
+        pow's own. u ** a number is pow's, its 1 - (u ** e) -expm1(e * log1p(-(1 - u)))."""
+        if not _f32(self) or not isinstance(e, T.Tracer) and not _number(e):
             return super().__pow__(e)
+        if not isinstance(e, T.Tracer):
+            u = super().__pow__(e)
+            return Near1(u, lambda: _one_minus_exp(float(e) * T.log1p(-self.complement()), u))
         c = self.complement()
         near = T.logical("and", c >= 0.0, c <= 0.125)
         y = e * T.log1p(-c)
@@ -143,8 +145,13 @@ def _rpow(self, b):
     u = _PLAIN_RPOW(self, b)
     if not (_number(b) and b > 0 and u.shape == () and _f32(u)):
         return u
-    y = self * float(math.log(b))
-    return Near1(u, lambda: (lambda v: T.where(v > 0.5, _kahan(v, y), 1.0 - u))(T.exp(y)))
+    return Near1(u, lambda: _one_minus_exp(self * float(math.log(b)), u))
+
+
+def _one_minus_exp(y, u):
+    """1 - u for u = exp(y) computed otherwise (pow): Kahan's from exp(y) where that is > 0.5, else 1 - u."""
+    v = T.exp(y)
+    return T.where(v > 0.5, _kahan(v, y), 1.0 - u)
 
 
 _PLAIN_RPOW = T.Tracer.__rpow__
