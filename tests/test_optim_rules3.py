@@ -216,7 +216,8 @@ def test_rules_match_their_numpy_transcriptions(name, dtype):
     TRUST.clear()
     prog, grads, state0 = run(make(), dtype)
     check(prog, *numpy_run(fn, make(), grads, state0, dtype), dtype)
-    assert max(TRUST, default=10) >= 10                     # LAMB's trust ratio was clipped
+    if name == "lamb":                                      # its trust ratio clipped at 10 at some steps, not all
+        assert min(TRUST) < 10 < max(TRUST)
     if name in ("adagrad_norm", "schedule_free"):           # a 0-d init state updated by a number stays one
         state = "acc" if name == "adagrad_norm" else "weight_sum"
         assert {k: v.shape for k, v in prog.opt_state[state].items()} == {k: () for k in SHAPES}

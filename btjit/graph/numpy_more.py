@@ -18,12 +18,13 @@ from btjit.graph.trace import (FUNCS, METHODS, UFUNCS, TraceError, _binop, _norm
 
 # ----------------------------------------------------------------------------- norms
 def norm(x, ord=None, axis=None, keepdims=False):  # noqa: A002
-    """np.linalg.norm: of everything flattened for ord None; else a vector's (1-d, or along one axis) of any ord,
-    or a matrix's (2-d, or over two axes): Frobenius ("fro"), 1 / -1 (the largest / smallest column sum of
-    magnitudes) or inf / -inf (row sums). ord 2, -2 and "nuc" of a matrix need its singular values: an error."""
+    """np.linalg.norm: the 2-norm over `axis` (all of them for None) for ord None; else a vector's (1-d, or along
+    one axis) of any ord, or a matrix's (2-d, or over two axes): Frobenius ("fro"), 1 / -1 (the largest / smallest
+    column sum of magnitudes) or inf / -inf (row sums). ord 2, -2 and "nuc" of a matrix need its singular values:
+    an error."""
     x = lift(x)
-    if axis is None and ord is None:
-        return vector_norm(x, None, None, keepdims)
+    if ord is None:                      # the 2-norm over the axes (numpy's Frobenius norm for two)
+        return vector_norm(x, None, axis, keepdims)
     if axis is None and x.ndim > 2:
         raise TraceError(f"norm: ord={ord!r} of a {x.ndim}-d value without an axis (numpy takes an ord for vectors "
                          f"and matrices only): give an axis, or flatten it for the vector norm — {user_src()}")
