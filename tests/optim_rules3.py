@@ -1,8 +1,9 @@
 """Update rules written against btjit.optim.Optimizer as researchers write them (numpy functions, Python operators,
 `if p.ndim` on shapes, reductions): torch.optim's SGD (nesterov, dampening), Adagrad (lr_decay), RMSprop (centered,
 momentum), ASGD and Rprop by hand; AdEMAMix, Schedule-Free AdamW, Sophia with a clipped ratio, gradient
-centralization, AdaGrad-Norm, Lookahead synced by `step % k`, an EMA of the weights, LAMB, LARS, SGLD.
-tests/test_optim_rules3.py checks them against torch.optim and numpy transcriptions."""
+centralization, AdaGrad-Norm, Lookahead synced by `step % k`, an EMA of the weights, LAMB, LARS, SGLD; and the
+small MLP they run on. tests/test_optim_rules3.py checks them against torch.optim and numpy transcriptions,
+tests/test_optim_rules3_runs.py in runs (btjit train, the runtime, bf16, state_dict) and for their errors."""
 import numpy as np
 
 import btjit

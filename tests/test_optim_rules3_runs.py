@@ -39,9 +39,9 @@ def same_code_in_numpy(opt, grads, dtype):
     p = R.params0(dtype)
     s = {k: {n: np.asarray(v, dtype) for n, v in opt.init(k, v).items()} for k, v in p.items()}
     for t, g in enumerate(grads, 1):
+        hp = {"lr": opt.hp["lr"] / (2 if t > R.CHANGE else 1), "beta": 0.999}
         for k in p:
-            p[k], s[k] = opt.update(p[k], g[k], s[k], {"lr": opt.hp["lr"] / (2 if t > R.CHANGE else 1), "beta": 0.999},
-                                    t)
+            p[k], s[k] = opt.update(p[k], g[k], s[k], hp, t)
     return p, s
 
 
