@@ -1,7 +1,7 @@
 """Bad input gets an error that names the problem (issue 5): tracing errors name the op, the shapes and the
 user's source line (checked exactly, not just the file); step() rejects wrong shapes/dtypes and out-of-range
 ids without touching the arena, and copies non-contiguous or read-only arrays correctly. What
-test_program_api.py already checks (matmul shape mismatch, `if` on a traced value, np.median, int as float, int
+test_program_api.py already checks (matmul shape mismatch, `if` on a traced value, np.nanmedian, int as float, int
 params, the unused-parameter warning, basic step() rejections) is not repeated; this file covers the rest of the
 list.
 Config/CLI errors are in test_cli.py / test_config.py; the gaps they left are at the end of this file."""
@@ -102,7 +102,8 @@ def test_concrete_value_of_a_traced_value(form):
 
 
 @pytest.mark.parametrize("call,name", [
-    (lambda x: np.median(x), "np.median"), (lambda x: np.nanmean(x), "np.nanmean"), (lambda x: np.arcsinh(x), "np.arcsinh"),
+    (lambda x: np.nanmedian(x), "np.nanmedian"), (lambda x: np.nanmean(x), "np.nanmean"),
+    (lambda x: np.arcsinh(x), "np.arcsinh"),
     (lambda x: np.exp(x, dtype=np.float32), "np.exp"), (lambda x: np.add.reduce(x), "np.add"),
     (lambda x: np.unique(x), "np.unique"),
 ])

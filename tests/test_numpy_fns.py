@@ -32,6 +32,23 @@ NUMPY = {
     "np.outer": (lambda x: np.outer(x[0, 0], x[1, :, 1]), X3),
     "np.linalg.norm": (lambda x: np.linalg.norm(x, axis=-1), X3),
     "np.linalg.norm all": (lambda x: np.linalg.norm(x) * np.ones(2), X3),
+    "np.linalg.norm vector ords": (lambda x: np.linalg.norm(x, 3, axis=-1) + np.linalg.norm(x, -np.inf, axis=-1) +
+                                   np.linalg.norm(x, -1.5, axis=-1) + np.linalg.norm(x[0, 0], 1), X3),
+    "np.linalg.norm matrix ords": (lambda x: np.linalg.norm(x[0], 1) + np.linalg.norm(x[1], -np.inf) + np.linalg.norm(
+        x, np.inf, axis=(2, 1)) + np.linalg.norm(x, -1, axis=(0, 2), keepdims=True)[0, :2, 0], X3),
+    "np.linalg.vector_norm matrix_norm": (lambda x: np.linalg.vector_norm(x, ord=4, axis=(0, 2)) +
+                                          np.linalg.matrix_norm(x, ord=-1).sum() + np.linalg.vector_norm(x), X3),
+    "np.vdot trace diag": (lambda x: np.diag(x[0], 1) + np.trace(x[0]) + np.trace(x[1], -1) + np.vdot(x[0], x[1]) +
+                           np.diagonal(x, 1, 1, 2)[1] + np.diag(x[0, 0], -1)[1:4, 0], X3),
+    "np.all any": (lambda x: x * np.all(x > -1.5, axis=0) + x * np.any(x > 1, axis=(1, 2), keepdims=True) + x.any() +
+                   (x > -3).all(axis=2, keepdims=True), X3),
+    "np.median quantile percentile": (lambda x: np.median(x, axis=1) + np.quantile(x, 0.3, axis=1) + np.percentile(
+        x, [25, 75], axis=1).sum(0) + np.median(x) + np.quantile(x[0], 0.5, axis=0, keepdims=True), X3),
+    "np.partition": (lambda x: np.partition(x, 1, axis=1) + np.partition(x, 2)[..., 2:3], X3),
+    "np.fmax fmin copysign signbit heaviside": (lambda x: np.fmax(x, 0.1) + np.fmin(x, x * x) + np.copysign(
+        x, x - 0.3) + np.signbit(x - 0.2) + np.heaviside(x - 0.1, 0.5), X3),
+    "np.hypot cbrt float_power nan_to_num": (lambda x: np.hypot(x, 2.0) + np.cbrt(x) + np.float_power(
+        x * x, 1.5) + np.nan_to_num(x), X3),
     "np.pad": (lambda x: np.pad(x, ((0, 0), (1, 2), (0, 1)), constant_values=0.5), X3),
     "np.pad int": (lambda x: np.pad(x, 1), X3),
     "np.pad reflect": (lambda x: np.pad(x, ((1, 0), (2, 1), (0, 3)), "reflect"), X3),
@@ -150,8 +167,8 @@ def test_torch_method_against_torch(name):
 @pytest.mark.parametrize("bad,needle", [
     (lambda x: x.no_such_method(), "traced values have no attribute 'no_such_method'"),
     (lambda x: x.squeeze(1), r"squeeze: axis \[1\] of shape \(2, 3, 4\) is not of size 1"),
-    (lambda x: np.linalg.norm(x, ord=3), "norm: ord must be None, 2, 'fro', 1 or inf, got ord=3"),
-    (lambda x: np.linalg.norm(x[0], ord=1), "norm: ord=1 of a 2-d value is numpy's matrix norm"),
+    (lambda x: np.linalg.norm(x, ord=3), "norm: ord=3 of a 3-d value without an axis"),
+    (lambda x: np.linalg.norm(x[0], ord=2), "norm: ord=2 of a matrix needs its singular values"),
     (lambda x: np.pad(x, 1, mode="symmetric"), "pad: mode must be one of"),
     (lambda x: np.dot(x, x), r"dot: operands of at most 2 dims, got \(2, 3, 4\)"),
     (lambda x: x[[0, 1], :, [1, 2]], r"getitem: several integer index arrays must index the leading axes"),

@@ -14,7 +14,8 @@ import warnings
 
 import numpy as np
 
-from btjit.graph import autodiff, fuse, fuse_ew, numpy_fns, rng, sort_fns, trace as T  # noqa: F401 -- np.*, methods
+from btjit.graph import (autodiff, fuse, fuse_ew, numpy_fns, numpy_more, rng, sort_fns,  # noqa: F401 -- np.*, methods
+                         trace as T)
 from btjit.graph.ir import Graph, np_dtype, verify
 from btjit.graph.lower import Lowering, assign_rows, lower_eqns
 from btjit.graph.memory import Shared, pin, plan as make_plan, storage_roots

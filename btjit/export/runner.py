@@ -337,7 +337,7 @@ class _Slots:
             self._unknown(name)
         _check_traced(name, value, self._untraced)
         self._a[self._s[name]] = value
-        if "1-" + name in self._s:                 # 1 - value in float64 (btjit/optim/build.py: _Hyper)
+        if "1-" + name in self._s:                 # 1 - value in float64 (btjit/optim/near_one.py)
             self._a[self._s["1-" + name]] = 1.0 - float(value)
 
     def __repr__(self):

@@ -141,20 +141,25 @@ def outer(a, b):
     return reshape(a, (a.size, 1)) * reshape(b, (1, b.size))
 
 
-def norm(x, ord=None, axis=None, keepdims=False):  # noqa: A002
-    """np.linalg.norm of vectors along `axis` (of everything for axis None, as torch's x.norm(p)): the 2-norm
-    (ord None, 2, "fro"), the 1-norm (ord 1) or the largest magnitude (ord inf)."""
+def vector_norm(x, ord=None, axis=None, keepdims=False):  # noqa: A002
+    """The vector norm along `axis` (of everything for None, as torch's x.norm(p) and np.linalg.vector_norm): the
+    2-norm (ord None, 2, "fro"), inf / -inf (the largest / smallest magnitude), 0 (the nonzero count) or any other
+    p: sum(|x| ** p) ** (1 / p). np.linalg.norm's matrix norms are btjit/graph/numpy_more.py's."""
     x = lift(x)
     if ord in (None, 2, "fro"):
         return sqrt(sum(x * x, axis, keepdims))
-    if axis is None and x.ndim == 2 and ord in (1, np.inf):
-        raise TraceError(f"norm: ord={ord!r} of a 2-d value is numpy's matrix norm, which btjit does not have; give "
-                         f"an axis, or flatten it for the vector norm — {user_src()}")
+    if isinstance(ord, str) or not np.isscalar(ord) or np.isnan(ord):
+        raise TraceError(f"norm: ord={ord!r} of a vector must be a number (or None, 'fro') — {user_src()}")
     if ord == 1:
         return sum(abs(x), axis, keepdims)
-    if ord == np.inf:
-        return max(abs(x), axis, keepdims)
-    raise TraceError(f"norm: ord must be None, 2, 'fro', 1 or inf, got ord={ord!r} — {user_src()}")
+    if ord in (np.inf, -np.inf):
+        return max(abs(x), axis, keepdims) if ord > 0 else amin(abs(x), axis, keepdims)
+    if ord == 0:
+        return sum(_binop("ne", x, 0.0), axis, keepdims)
+    return sum(abs(x) ** float(ord), axis, keepdims) ** (1.0 / float(ord))
+
+
+norm = vector_norm
 
 
 PAD_MODES = ("constant", "reflect", "edge", "wrap")
@@ -470,7 +475,7 @@ METHODS.update({
     "square": lambda x: x * x, "sign": sign, "pow": lambda x, p: x ** p, "clone": copy, "detach": stop_gradient,
     "amax": _torch_dims(max), "amin": _torch_dims(amin),
     "flip": lambda x, *dims, **kw: flip(x, _shape_args(dims) if dims else kw.get("dims")),
-    "norm": lambda x, p=2, dim=None, keepdim=False: norm(x if dim is not None else flatten(x), p, dim, keepdim),
+    "norm": lambda x, p=2, dim=None, keepdim=False: vector_norm(x, p, dim, keepdim),
     "gather": lambda x, dim, index: take_along_axis(x, index, dim),
     "clamp": lambda x, min=None, max=None: clip(x, min, max),  # noqa: A002
     "view": lambda x, *shape: reshape(x, _shape_args(shape)),

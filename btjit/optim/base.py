@@ -5,9 +5,10 @@ An optimizer is a pair of functions written with btjit's tensor ops (optax's sha
     update(param, grad, state, hp, step)    -> (new_param, {state name: new value})
 `update` is traced into the program after the backward and computes one param's step: param and grad are traced
 values of the param's shape, each state value has the shape init gave it (the param's, or any other of at most
-its size: Adafactor's row and column statistics; a number starts every element of the param's shape); `hp` maps
-each hyper-parameter to a traced scalar read from the arena (so `prog.hp["beta1"] = 0.95` takes effect at the
-next step without recompiling) and `step` is the traced step number (1 at the first step). Any op btjit traces
+its size: Adafactor's row and column statistics; a number is one number, unless update makes it an array of the
+param's shape; init runs with self.hp its param's group's values); `hp` maps each hyper-parameter to a traced
+scalar read from the arena (so `prog.hp["beta1"] = 0.95` takes effect at the next step without recompiling) and
+`step` is the traced step number (1 at the first step). Any op btjit traces
 may be used -- reductions (LARS / LAMB trust ratios), matmuls and transposes (Muon), `if p.ndim == 2:` on the
 shape -- and params may have states of other names. An elementwise rule that does not depend on the param's
 shape runs as one fused pass per param group (btjit/optim/build.py, which does the tracing; this file holds no
@@ -16,7 +17,9 @@ graph code).
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import sys
 
 import numpy as np
 
@@ -43,7 +46,24 @@ class HyperParams(dict):
     def __missing__(self, k):
         raise UnknownHyperParameter(f"{self.who}.update reads hp[{k!r}], which is not a hyper-parameter of this "
                                     f"optimizer (it has {', '.join(sorted(self))}): pass it to "
-                                    f"super().__init__({k}=...)")
+                                    f"super().__init__({k}=...) — {user_line()}")
+
+
+_MACHINERY = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in ("base.py", "build.py"))
+
+
+def user_line() -> str:
+    """"file.py:line" of the innermost frame outside btjit/optim's tracing of an update (the user's line)."""
+    f = sys._getframe(1)
+    while f is not None and os.path.abspath(f.f_code.co_filename) in _MACHINERY:
+        f = f.f_back
+    return "" if f is None else f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+
+
+def defined_at(fn) -> str:
+    """"file.py:line" where function fn is defined ("" for one without Python code)."""
+    code = getattr(fn, "__code__", None)
+    return "" if code is None else f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}"
 
 
 class Optimizer:
@@ -78,10 +98,24 @@ class Optimizer:
     def nonzero(self, name) -> bool:
         """Whether hyper-parameter `name` is non-zero for some group: the terms it scales are traced at all.
         While a program is traced, a False answer is recorded: prog.hp then refuses a non-zero value for it."""
-        on = bool(self.hp.get(name)) or any(g.get(name) for g in self.groups or ())
+        hp = self.hp if self._own_hp is None else self._own_hp
+        on = bool(hp.get(name)) or any(g.get(name) for g in self.groups or ())
         if not on and getattr(self, "_zeros_asked", None) is not None:
             self._zeros_asked.add(name)
         return on
+
+    _own_hp = None          # the optimizer's hyper-parameters while self.hp is a group's (in init)
+
+    @contextlib.contextmanager
+    def group_hp(self, hp: dict):
+        """Inside (init is called so): self.hp is a param group's hyper-parameters as update's hp has them (the
+        group's values, lr times lr_scale), as torch's state starts from group["lr"] (Rprop's step sizes)."""
+        self._own_hp, self.hp = self.hp, {**{k: v for k, v in hp.items() if k != "lr_scale"},
+                                          "lr": hp["lr"] * hp["lr_scale"]}
+        try:
+            yield
+        finally:
+            self.hp, self._own_hp = self._own_hp, None
 
     @contextlib.contextmanager
     def recording_zeros(self, into: set):

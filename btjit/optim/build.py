@@ -21,6 +21,8 @@ the new one is written.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from btjit.graph import state as S, trace as T
@@ -28,12 +30,14 @@ from btjit.graph.fuse_ew import ALIAS, BINARY, UNARY
 from btjit.graph.lower import lower_eqns
 from btjit.graph.memory import _al, storage_roots
 
-from btjit.optim.base import HyperParams, Optimizer, OptimizerError, flat_hp, resolve_groups
+from btjit.optim.base import (HyperParams, Optimizer, OptimizerError, defined_at, flat_hp, resolve_groups,
+                              user_line)
 from btjit.optim.builtin import one_pass
+from btjit.optim.near_one import Hyper, scalars
 
 GLOBAL = ("lr", "clip_norm", "clip_scale", "clip_value", "step")
 ELEMENTWISE = set(UNARY) | set(BINARY) | {"where"}
-ONE_MINUS = "1-"              # the slot of 1 - hp[k] is named "1-" + k (see _Hyper)
+ONE_MINUS = "1-"              # the slot of 1 - hp[k] is named "1-" + k (btjit/optim/near_one.py)
 
 
 class Update:
@@ -43,7 +47,6 @@ class Update:
         for k, v in (("clip_norm", clip_norm), ("clip_value", clip_value)):
             if v is not None and not (isinstance(v, (int, float, np.floating)) and v > 0):
                 raise ValueError(f"{k} must be a positive number or None, got {v!r}")
-        who = type(opt).__name__
         declared = resolve_groups(opt, params, keep_empty=True)
         self.opt, self.groups = opt, [gr for gr in declared if gr[0]]
         self.declared = [i for i, (names, _) in enumerate(declared) if names]   # group j is the user's declared[j]
@@ -53,28 +56,9 @@ class Update:
         self.shapes = {k: tuple(np.shape(params[k])) for k in self.order}
         # the hyper-parameters whose terms are not in the step (nonzero() said False, clipping not asked for)
         self.untraced = {k for k, v in (("clip_norm", clip_norm), ("clip_value", clip_value)) if not v}
-        for name in self.order:
-            p = np.asarray(params[name])
-            with opt.recording_zeros(self.untraced):
-                st = opt.init(name, p)
-            if not isinstance(st, dict) or not all(isinstance(k, str) for k in st):
-                raise OptimizerError(f"{who}.init({name!r}, param) must return a dict of state name -> array, "
-                                     f"got {type(st).__name__}")
-            if set(st) & {"step", "hyper"}:          # state_dict's opt/step and opt/hyper (step is update's argument)
-                raise OptimizerError(f"{who}.init: a state named {sorted(set(st) & {'step', 'hyper'})[0]!r} would be "
-                                     f"state_dict's opt/step or opt/hyper (btjit's step count and hyper-parameters; "
-                                     f"update gets the step as its argument): name it otherwise")
-            for k, v in st.items():
-                v = np.asarray(v, np.float64)
-                if v.ndim == 0:         # one number per param (torch's NAdam mu_product, ASGD eta): each element's
-                    v = np.full(p.shape, v)
-                if v.size > p.size:
-                    raise OptimizerError(f"{who}.init({name!r}): state {k!r} has shape {v.shape}, the param "
-                                         f"{p.shape}; a state has at most its param's elements (it is kept in the "
-                                         f"param's slot), or is one number that every element starts at")
-                if k not in self.state_names:
-                    self.state_names.append(k)
-                self.init.setdefault(k, {})[name] = v
+        for names, hp in self.groups:
+            for name in names:
+                self._init_state(name, np.asarray(params[name]), hp)
         self.clip_norm, self.clip_value = clip_norm, clip_value
         start = {"lr": opt.hp["lr"], "clip_norm": float(clip_norm or 0.0), "clip_scale": 1.0,
                  "clip_value": float(clip_value or 0.0), "step": 0.0}
@@ -87,6 +71,34 @@ class Update:
             names += [ONE_MINUS + k for k in names if k != "lr_scale"]
             self.group_slots.append({k: len(self.values) + i for i, k in enumerate(names)})
             self.values += [1.0 - hp[k[len(ONE_MINUS):]] if k.startswith(ONE_MINUS) else hp[k] for k in names]
+
+    def _init_state(self, name, p, group_hp):
+        """opt.init(name, p), self.hp its group's, checked (a dict of state name -> numbers of at most p's size)
+        into self.init and self.state_names."""
+        opt, who = self.opt, type(self.opt).__name__
+        with opt.recording_zeros(self.untraced), opt.group_hp(group_hp):
+            st = opt.init(name, p)
+        at = f" — {defined_at(type(opt).init)}"
+        if not isinstance(st, dict) or not all(isinstance(k, str) for k in st):
+            raise OptimizerError(f"{who}.init({name!r}, param) must return a dict of state name -> array, "
+                                 f"got {type(st).__name__}{at}")
+        if set(st) & {"step", "hyper"}:          # state_dict's opt/step and opt/hyper (step is update's argument)
+            raise OptimizerError(f"{who}.init: a state named {sorted(set(st) & {'step', 'hyper'})[0]!r} would be "
+                                 f"state_dict's opt/step or opt/hyper (btjit's step count and hyper-parameters; "
+                                 f"update gets the step as its argument): name it otherwise{at}")
+        for k, v in st.items():
+            v = np.asarray(v)
+            if v.dtype.kind not in "biuf":
+                raise OptimizerError(f"{who}.init({name!r}): state {k!r} is {_describe(st[k])}, not a number or an "
+                                     f"array of real numbers{at}")
+            if v.size > p.size:
+                raise OptimizerError(f"{who}.init({name!r}): state {k!r} has shape {v.shape}, the param {p.shape}; "
+                                     f"a state has at most its param's elements (it is kept in the param's slot): "
+                                     f"a full-matrix statistic of a vector (or a Shampoo preconditioner) is not, a "
+                                     f"diagonal or factored one (Adafactor's rows and columns) is{at}")
+            if k not in self.state_names:
+                self.state_names.append(k)
+            self.init.setdefault(k, {})[name] = v.astype(np.float64)
 
     @property
     def n_hyper(self):
@@ -132,7 +144,7 @@ class Update:
         return clip + lower_eqns(g.eqns[g.n_backward:], L)[0]
 
     def trace_into(self, g, skip_nonfinite=False):
-        with self.opt.recording_zeros(self.untraced):
+        with self.opt.recording_zeros(self.untraced), scalars(), _no_numpy_random(type(self.opt).__name__):
             self._trace_into(g, skip_nonfinite)
 
     def _trace_into(self, g, skip_nonfinite):
@@ -161,7 +173,7 @@ class Update:
             first_eqn = len(g.eqns)
             res = opt.update(p, grad, _State(who, name, state), hp, t)
             roles = {p.node.id: "param", grad.node.id: "grad", **{v.node.id: ("state", k) for k, v in state.items()}}
-            return _results(who, name, res, p, state), roles, first_eqn
+            return _results(who, name, res, p, state, defined_at(type(opt).update)), roles, first_eqn
 
         def slices(name, shape, states):
             """param `name`'s slices (a group's from its first param when shape is the group's (n,))."""
@@ -199,6 +211,23 @@ class Update:
             news = [(T.broadcast_to(new, (n,)) if new.shape == () else new, old) for new, old, _ in out[0]]
             return [(T.where(ok, new, old) if skip_nonfinite else new, old) for new, old in news]
 
+        def widen(name, hp):
+            """A 0-d state of param `name` for which update returns a value of the param's shape (init's number,
+            then arrays as numpy's broadcasting makes them) starts as that number in every element of the shape."""
+            states = self.states(name)
+            if () not in states.values():
+                return
+            mark = _mark(g)
+            try:
+                out, _, _ = call(*slices(name, self.shapes[name], states), hp, name)
+            except Exception:                         # noqa: BLE001 -- the trace that follows raises it
+                return
+            finally:
+                _rollback(g, mark)
+            for k, (new, _, _) in zip(states, out[1:]):
+                if states[k] == () and new.shape == self.shapes[name]:
+                    self.init[k][name] = np.full(new.shape, self.init[k][name])
+
         def per_param(name, hp):
             shape = self.shapes[name]
             out, _, _ = call(*slices(name, shape, self.states(name)), hp, name)
@@ -206,8 +235,10 @@ class Update:
                 if new.shape == () != old.shape:
                     new = T.broadcast_to(new, old.shape)
                 if new.shape != old.shape:
+                    at = next((e.src for e in reversed(g.eqns) if new.node in e.outs and e.src), None)
                     raise OptimizerError(f"{who}.update for param {name!r}: {what} has shape {new.shape}, not "
-                                         f"{old.shape} ({'the param' if what == 'the new param' else 'init'}'s)")
+                                         f"{old.shape} ({'the param' if what == 'the new param' else 'init'}'s) — "
+                                         f"{at or defined_at(type(opt).update)}")
                 yield (T.where(ok, new, old) if skip_nonfinite else new), old
 
         with T.building(g):
@@ -218,59 +249,18 @@ class Update:
             ok = T.equal(scale, scale) if skip_nonfinite else None      # False when a gradient is NaN/Inf
             writes = [(T.where(ok, t, step) if skip_nonfinite else t, step)]
             for (names, group_hp), slots in zip(self.groups, self.group_slots):
-                one = {k: _Hyper(hyper(i).node, g, hyper(slots[ONE_MINUS + k])) for k, i in slots.items()
+                one = {k: Hyper(hyper(i).node, g, hyper(slots[ONE_MINUS + k])) for k, i in slots.items()
                        if k != "lr_scale" and not k.startswith(ONE_MINUS)}
                 hp = {k: tuple(one[f"{k}[{i}]"] for i in range(len(v))) if isinstance(v, tuple) else one[k]
                       for k, v in group_hp.items() if k not in ("lr", "lr_scale")}
                 hp["lr"] = hyper(self.slots["lr"]) * hyper(slots["lr_scale"])
                 hp = HyperParams(who, hp)
+                for name in names:
+                    widen(name, hp)
                 writes += as_group(names, hp) or [w for name in names for w in per_param(name, hp)]
             for new, old in writes:
                 if new.node is not old.node:
                     S.assign_state(old.node, new)
-
-
-class _Hyper(T.Tracer):
-    """A hyper-parameter's slot. `1 - hp` reads a slot of its own that the host fills with 1 - value computed in
-    float64: a float32 arena rounds 0.999 to 0.99900001, and 1 - beta2 would be 1.3e-5 off torch's."""
-    __slots__ = ("one_minus",)
-
-    def __init__(self, var, graph, one_minus):
-        super().__init__(var, graph)
-        self.one_minus = one_minus
-
-    def __rsub__(self, o):
-        if isinstance(o, (int, float)) and o == 1:
-            return self.one_minus
-        return super().__rsub__(o)
-
-    def __pow__(self, e):
-        """hp ** step in a float32 program, for hp in [0.875, 1] (betas): exp(step * log1p(-(1 - hp))) from the
-        exact 1 - hp slot (a float32 beta2 = 0.99900001 ** step is 1.3e-5 * step off, relatively); `1 - hp ** step`
-        then cancels nothing. Other bases (0.5 ** step, exact in float32, or (-1) ** step) take pow's own."""
-        if not isinstance(e, T.Tracer) or self.node.dtype != "f32":
-            return super().__pow__(e)
-        near = T.logical("and", self.one_minus >= 0.0, self.one_minus <= 0.125)
-        return _Power(near, e * T.log1p(-self.one_minus), super().__pow__(e))
-
-
-class _Power(T.Tracer):
-    """where(near, exp(y), plain): a hyper-parameter to a traced power, whose `1 - ` is, where near, -expm1(y)
-    Kahan's way from u = exp(y): (1 - u) * y / log(u), accurate to a few ulps where 1 - u alone keeps only the
-    digits of u's rounding."""
-    __slots__ = ("y", "near")
-
-    def __init__(self, near, y, plain):
-        u = T.where(near, T.exp(y), plain)
-        super().__init__(u.node, u.graph)
-        self.y, self.near = y, near
-
-    def __rsub__(self, o):
-        if not (isinstance(o, (int, float)) and o == 1):
-            return super().__rsub__(o)
-        u, y = T.Tracer(self.node, self.graph), self.y
-        kahan = T.where(u == 1.0, -y, T.where(u > 0.5, (1.0 - u) * y / T.log(u), 1.0 - u))
-        return T.where(self.near, kahan, 1.0 - u)
 
 
 class _State(dict):
@@ -282,17 +272,61 @@ class _State(dict):
 
     def __missing__(self, k):
         raise OptimizerError(f"{self.who}.update reads state[{k!r}]; init gave param {self.name!r} "
-                             f"{sorted(self) or 'no state'}")
+                             f"{sorted(self) or 'no state'} — {user_line()}")
 
 
-def _results(who, name, res, p, state):
-    """[(new value, the value it replaces, what it is)] of update's result, checked for its form and names."""
+def _results(who, name, res, p, state, at):
+    """[(new value, the value it replaces, what it is)] of update's result, checked for its form and names; at:
+    where update is defined."""
     if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict)):
-        raise OptimizerError(f"{who}.update must return (new_param, {{state name: new value}})")
+        got = "None (no return?)" if res is None else _describe(res)
+        raise OptimizerError(f"{who}.update must return (new_param, {{state name: new value}}), got {got} — {at}")
     new_p, new_s = res
     if sorted(new_s) != sorted(state):
-        raise OptimizerError(f"{who}.update returned the state {sorted(new_s)}; init gave {name!r} {sorted(state)}")
-    return [(T.lift(new_p), p, "the new param"), *((T.lift(new_s[k]), v, f"state {k!r}") for k, v in state.items())]
+        raise OptimizerError(f"{who}.update returned the state {sorted(new_s)}; init gave {name!r} {sorted(state)}"
+                             f" — {at}")
+    out = []
+    for what, v, old in [("the new param", new_p, p), *((f"state {k!r}", new_s[k], v) for k, v in state.items())]:
+        if not isinstance(v, (T.Tracer, bool, int, float, np.number, np.ndarray)):
+            raise OptimizerError(f"{who}.update for param {name!r}: {what} is a {type(v).__name__}, not a traced "
+                                 f"value or a number — {at}")
+        out.append((T.lift(v), old, what))
+    return out
+
+
+NUMPY_RANDOM = ("rand", "randn", "normal", "uniform", "standard_normal", "random", "random_sample", "randint",
+                "choice", "laplace", "binomial", "poisson", "permutation", "shuffle", "default_rng")
+
+
+@contextlib.contextmanager
+def _no_numpy_random(who):
+    """Inside (update is traced): np.random's functions raise. They would draw once, while tracing, and every step
+    would add the same numbers (SGLD's noise frozen)."""
+    def refuse(name):
+        def f(*a, **k):
+            raise OptimizerError(f"{who}.update calls np.random.{name}, which draws its numbers once, when the update "
+                                 f"is traced: every step would use the same ones. Use btjit.randn_like(p) (normal) or "
+                                 f"btjit.rand_like(p) (uniform in [0, 1)): new numbers every step — {user_line()}")
+        return f
+    before = {k: getattr(np.random, k) for k in NUMPY_RANDOM}
+    for k in NUMPY_RANDOM:
+        setattr(np.random, k, refuse(k))
+    try:
+        yield
+    finally:
+        for k, f in before.items():
+            setattr(np.random, k, f)
+
+
+def _describe(v) -> str:
+    """v for an error message: a tuple by its items' types, an array by its dtype and shape, else its repr."""
+    if isinstance(v, tuple):
+        return f"({', '.join(type(x).__name__ for x in v)})"
+    if isinstance(v, np.ndarray):
+        return f"an array of {v.dtype} of shape {v.shape}"
+    if isinstance(v, T.Tracer):
+        return f"a traced value of shape {v.shape}"
+    return repr(v) if len(repr(v)) < 60 else f"a {type(v).__name__}"
 
 
 def _mark(g):

@@ -68,7 +68,9 @@ def build_program(cfg: Config, model, params, x, y, replicas=1, optim_file=None,
     optimizer (optim_file: the user's, [optim] file), clipping and dtype (`btjit train` and `btjit export`)."""
     o = cfg.optim
     opt = make_optimizer(o, optim_file, params)
-    with model.guard("tracing loss(p, x, y)"):
+    in_optim = usermodel.guard(optim_file.name, str(optim_file.path), "tracing its init and update", own_only=True) \
+        if optim_file else contextlib.nullcontext()
+    with model.guard("tracing loss(p, x, y)"), in_optim:
         return btjit.trace(model.loss, params, x, y, optimizer=opt, clip_norm=o.clip_norm or None,
                            clip_value=o.clip_value or None, dtype=cfg.train.dtype, buffers=model.buffers(),
                            skip_nonfinite=True,    # a non-finite gradient never updates (stop or skip)

@@ -126,18 +126,20 @@ def from_checkpoint(ck, kind="model") -> ModelFile:
 
 
 @contextlib.contextmanager
-def guard(name: str, filename: str, what: str):
+def guard(name: str, filename: str, what: str, own_only=False):
     """An exception raised while running the user's code becomes ModelFileError naming name:line; a TraceError
-    already names the user's line."""
+    already names the user's line. own_only: only an exception raised in this file's code (or naming its line)."""
     from btjit.graph.trace import TraceError
     try:
         yield
     except ModelFileError:
         raise
-    except TraceError as e:
-        raise ModelFileError(f"{name}: {what}: {e}") from None
     except Exception as e:
         frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == filename]
+        if own_only and not frames and f" — {name}:" not in str(e):
+            raise
+        if isinstance(e, TraceError):
+            raise ModelFileError(f"{name}: {what}: {e}") from None
         where = f"{name}:{frames[-1].lineno}" if frames else name
         raise ModelFileError(f"{where}: {what} raised {type(e).__name__}: {e}") from None
 
