@@ -90,3 +90,26 @@ def test_every_op_has_reference_lowering_and_cases():
         if not d.internal:
             assert d.cases, f"op {name} has no test cases"
             assert d.nondiff or d.vjp is not None, f"op {name} has no VJP rule"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_lone_op_with_one_number_runs_its_loop_and_matches_numpy(dtype):
+    # between two products nothing fuses with it: k_binary's loops of one number (both operand orders)
+    from btjit.kernels.library import LIBRARY
+    rng = np.random.default_rng(3)
+    a, b = rng.normal(size=(6, 5)).astype(dtype), rng.normal(size=(5, 7)).astype(dtype)
+    s = dtype(0.37)
+    cases = {"x*s": (lambda h: h * s, lambda h: h * s), "s*x": (lambda h: s * h, lambda h: s * h),
+             "x/s": (lambda h: h / s, lambda h: h / s), "s/x": (lambda h: s / h, lambda h: s / h),
+             "x+s": (lambda h: h + s, lambda h: h + s), "s+x": (lambda h: s + h, lambda h: s + h),
+             "x-s": (lambda h: h - s, lambda h: h - s), "s-x": (lambda h: s - h, lambda h: s - h)}
+    for name, (f, ref) in cases.items():
+        prog = btjit.trace(lambda p, x: f(x @ p["b"]) @ p["c"], {"b": b, "c": b.T.copy()}, a, dtype=dtype.__name__)
+        entries = {LIBRARY.entry_of(o)[0] for o in prog.tape[:, 0]}
+        assert "k_binary" in entries, (name, entries)
+        want = ref((a.astype(np.float64) @ b).astype(dtype)).astype(dtype) @ b.T
+        tol = 1e-5 if dtype == np.float32 else 1e-13
+        np.testing.assert_allclose(prog(a), want, rtol=tol, atol=tol * np.abs(want).max(), err_msg=name)
+        at = lambda v: prog.a[prog.plan.off[v.id]:][:v.size].reshape(v.shape)   # noqa: E731 -- a value's arena view
+        e = prog.graph.eqns[1]                                    # the op, exactly numpy's on the product it read
+        np.testing.assert_array_equal(at(e.outs[0]), ref(at(prog.graph.eqns[0].outs[0])), name)

@@ -181,6 +181,8 @@ def lower_elementwise(sub, eqn, L):
     if len(eqn.ins) == 2 and all(v.size in (n, 1) for v in eqn.ins):
         x, y = eqn.ins
         mode = 0 if x.size == n and y.size == n else (1 if x.size == n else 2)
+        if mode == 2 and sub in (EW.B_MUL, EW.B_ADD):     # s * x as x * s: the vectorized loop of one number
+            x, y, mode = y, x, 1
         return [L.row("k_binary", sub=sub, oout=L.off(out), o1=L.off(x), o2=L.off(y), n=n, mode=mode)]
     return strided_rows(L, sub, out.shape, (L.off(out), cstrides(out.shape)),
                         [(L.off(v), bstrides(v.shape, out.shape)) for v in eqn.ins])

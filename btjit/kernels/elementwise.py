@@ -22,7 +22,7 @@ import math
 import numpy as np
 from numba import njit
 
-from btjit.kernels.common import FM, cvt, ferf, fexp, ftanh, part_of, row
+from btjit.kernels.common import FM, FM_FLAGS, cvt, ferf, fexp, ftanh, part_of, row
 
 # unary sub-ops
 (U_COPY, U_NEG, U_EXP, U_LOG, U_TANH, U_RELU, U_SIGMOID, U_SQRT, U_POW, U_ABS, U_ERF, U_LOG1P, U_SIGN, U_SIN,
@@ -141,6 +141,13 @@ def _unary_loop(sub, out, x, c):
             out[i] = _unary(sub, x[i], c)
 
 
+@njit(fastmath=set(FM_FLAGS) - {"arcp"}, error_model="numpy", boundscheck=False)
+def _div_by(out, x, v):
+    """out = x / v, a true division each (arcp would make it x * (1 / v), off numpy's by an ulp)."""
+    for i in range(out.shape[0]):
+        out[i] = x[i] / v
+
+
 @njit(**FM)
 def _binary_loop(sub, out, x, y, mode):
     """out = f_sub(x, y) over contiguous slices; mode 1: y is a 1-element slice, 2: x is."""
@@ -172,7 +179,21 @@ def _binary_loop(sub, out, x, y, mode):
     elif mode == 0 and sub == B_SIGMOID_GRAD:
         for i in range(n):
             out[i] = y[i] * x[i] * (_one - x[i])
-    else:
+    elif mode == 1 and sub == B_MUL:        # a value scaled by a number (attention scores by 1/sqrt(d))
+        v = y[0]
+        for i in range(n):
+            out[i] = x[i] * v
+    elif mode == 1 and sub == B_DIV:
+        _div_by(out, x, y[0])
+    elif mode == 1 and sub == B_ADD:
+        v = y[0]
+        for i in range(n):
+            out[i] = x[i] + v
+    elif mode == 1 and sub == B_SUB:
+        v = y[0]
+        for i in range(n):
+            out[i] = x[i] - v
+    else:                                   # the others: f_sub per element (not vectorized)
         sx = 0 if mode == 2 else 1
         sy = 0 if mode == 1 else 1
         for i in range(n):
