@@ -19,6 +19,7 @@ from btjit.graph.optable import TABLE, ShapeError
 TRACER: list = []          # [the Tracer class] (btjit/graph/trace.py registers it)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_OPTIM = tuple(os.path.join(os.path.dirname(_HERE), "optim", f) for f in ("base.py", "build.py", "near_one.py"))
 _STACK: list = []          # graphs being built (innermost last)
 _SRC_OVERRIDE: list = []   # source line forced by autodiff for backward equations
 
@@ -27,18 +28,20 @@ class TraceError(Exception):
     """A problem in the user's traced function: names the op, the shapes and the source line."""
 
 
-_INTERNAL: dict = {}       # code filename -> (is btjit/graph or numpy internals, basename)
+_INTERNAL: dict = {}       # code filename -> (is btjit/graph, optimizer tracing or numpy internals, basename)
 
 
 def _frame_file(fn):
     if fn not in _INTERNAL:
-        _INTERNAL[fn] = (os.path.abspath(fn).startswith(_HERE) or "numpy" in fn.split(os.sep)[-3:-1],
+        path = os.path.abspath(fn)
+        _INTERNAL[fn] = (path.startswith(_HERE) or path in _OPTIM or "numpy" in fn.split(os.sep)[-3:-1],
                          os.path.basename(fn))
     return _INTERNAL[fn]
 
 
 def user_src() -> str:
-    """"file.py:line" of the innermost frame outside btjit's graph package (the user's code)."""
+    """"file.py:line" of the innermost frame outside btjit's graph package and the optimizer's tracing (the user's
+    code: a model's line, an update rule's)."""
     if _SRC_OVERRIDE:
         return _SRC_OVERRIDE[-1]
     f = sys._getframe(1)

@@ -19,9 +19,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import sys
 
 import numpy as np
+
+from btjit.graph.tracer import user_src
 
 GROUP_KEYS = ("params", "lr_scale")      # a group's keys besides the optimizer's hyper-parameters
 RESERVED = GROUP_KEYS + ("clip_norm", "clip_scale", "clip_value", "step")   # btjit's own slots (build.GLOBAL)
@@ -46,18 +47,7 @@ class HyperParams(dict):
     def __missing__(self, k):
         raise UnknownHyperParameter(f"{self.who}.update reads hp[{k!r}], which is not a hyper-parameter of this "
                                     f"optimizer (it has {', '.join(sorted(self))}): pass it to "
-                                    f"super().__init__({k}=...) — {user_line()}")
-
-
-_MACHINERY = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in ("base.py", "build.py"))
-
-
-def user_line() -> str:
-    """"file.py:line" of the innermost frame outside btjit/optim's tracing of an update (the user's line)."""
-    f = sys._getframe(1)
-    while f is not None and os.path.abspath(f.f_code.co_filename) in _MACHINERY:
-        f = f.f_back
-    return "" if f is None else f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+                                    f"super().__init__({k}=...) — {user_src()}")
 
 
 def defined_at(fn) -> str:

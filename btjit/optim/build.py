@@ -30,8 +30,7 @@ from btjit.graph.fuse_ew import ALIAS, BINARY, UNARY
 from btjit.graph.lower import lower_eqns
 from btjit.graph.memory import _al, storage_roots
 
-from btjit.optim.base import (HyperParams, Optimizer, OptimizerError, defined_at, flat_hp, resolve_groups,
-                              user_line)
+from btjit.optim.base import HyperParams, Optimizer, OptimizerError, defined_at, flat_hp, resolve_groups
 from btjit.optim.builtin import one_pass
 from btjit.optim.near_one import Hyper, scalars
 
@@ -272,7 +271,7 @@ class _State(dict):
 
     def __missing__(self, k):
         raise OptimizerError(f"{self.who}.update reads state[{k!r}]; init gave param {self.name!r} "
-                             f"{sorted(self) or 'no state'} — {user_line()}")
+                             f"{sorted(self) or 'no state'} — {T.user_src()}")
 
 
 def _results(who, name, res, p, state, at):
@@ -306,7 +305,7 @@ def _no_numpy_random(who):
         def f(*a, **k):
             raise OptimizerError(f"{who}.update calls np.random.{name}, which draws its numbers once, when the update "
                                  f"is traced: every step would use the same ones. Use btjit.randn_like(p) (normal) or "
-                                 f"btjit.rand_like(p) (uniform in [0, 1)): new numbers every step — {user_line()}")
+                                 f"btjit.rand_like(p) (uniform in [0, 1)): new numbers every step — {T.user_src()}")
         return f
     before = {k: getattr(np.random, k) for k in NUMPY_RANDOM}
     for k in NUMPY_RANDOM:
