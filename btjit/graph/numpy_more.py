@@ -149,8 +149,7 @@ def partition(x, kth, axis=-1):
 
 
 # ----------------------------------------------------------------------------- elementwise
-def isnan(x):
-    return _binop("ne", x, x)
+isnan = UFUNCS["isnan"]         # numpy_fns's (x != x)
 
 
 def fmax(x, y):
