@@ -167,8 +167,7 @@ def gelu(x, approximate="none"):
         return emit("gelu", (lift(x),))
     if approximate != "none":
         raise TraceError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r} — {user_src()}")
-    x = lift(x)
-    return x * (0.5 + 0.5 * erf(x * 0.7071067811865476))
+    return emit("gelu_erf", (lift(x),))
 
 
 def silu(x, inplace=False):

@@ -28,11 +28,12 @@ from btjit.graph.ops.layout import _slice_view
 
 UNARY = {"neg": EW.U_NEG, "exp": EW.U_EXP, "log": EW.U_LOG, "tanh": EW.U_TANH, "relu": EW.U_RELU,
          "sigmoid": EW.U_SIGMOID, "sqrt": EW.U_SQRT, "abs": EW.U_ABS, "erf": EW.U_ERF, "log1p": EW.U_LOG1P,
-         "sign": EW.U_SIGN, "sin": EW.U_SIN, "cos": EW.U_COS}
+         "sign": EW.U_SIGN, "sin": EW.U_SIN, "cos": EW.U_COS, "gelu_erf": EW.U_GELU}
 BINARY = {"add": EW.B_ADD, "sub": EW.B_SUB, "mul": EW.B_MUL, "div": EW.B_DIV, "maximum": EW.B_MAX,
           "minimum": EW.B_MIN, "pow2": EW.B_POW, "eq": EW.B_EQ, "gt": EW.B_GT, "ge": EW.B_GE, "lt": EW.B_LT,
           "le": EW.B_LE, "ne": EW.B_NE, "tanh_grad": EW.B_TANH_GRAD, "relu_grad": EW.B_RELU_GRAD,
-          "sigmoid_grad": EW.B_SIGMOID_GRAD}
+          "sigmoid_grad": EW.B_SIGMOID_GRAD, "gelu_erf_grad": EW.B_GELU_GRAD}
+LONE = set(UNARY) | {"gelu_erf_grad"}    # ops that run in the interpreter on their own (k_binary has no loop for it)
 ALIAS = {"copy", "stop_gradient", "broadcast_to"}   # no instruction: the operand's register (broadcast strides)
 MAX_MEMBERS = 24
 REMAT = 16
@@ -137,7 +138,7 @@ def _fuse(g: Graph, siblings: bool) -> bool:
                     if cone is not None:
                         remat.setdefault(k, set()).update(cone)
     keep = {o.id for o in g.kept()}
-    lone_unary = lambda m: len(m) == 1 and eqns[m[0]].op in UNARY     # noqa: E731 -- runs there too
+    lone_unary = lambda m: len(m) == 1 and eqns[m[0]].op in LONE     # noqa: E731 -- runs there too
     body = {k: sorted(set(grp["members"]) | remat.get(k, set())) for k, grp in enumerate(groups)
             if len(grp["members"]) + len(remat.get(k, ())) >= 2 or lone_unary(grp["members"])}
     readers: dict = {}

@@ -75,14 +75,14 @@ def declare(name, args: str, stop=None):
 
 # ---------------------------------------------------------------- scalar helpers (dtype dispatch via overload)
 def cvt(a, x):
-    """x converted to the dtype of array `a` (float32 arena -> float32 scalar). Use for precision-sensitive
-    literals and int->float conversions in kernels generic over the arena dtype."""
-    return a.dtype.type(x)
+    """x converted to the dtype of array or scalar `a` (float32 arena -> float32 scalar). Use for
+    precision-sensitive literals and int->float conversions in kernels generic over the arena dtype."""
+    return (a.dtype.type if hasattr(a, "dtype") else type(a))(x)
 
 
 @overload(cvt, jit_options=FM)
 def _ov_cvt(a, x):
-    if isinstance(a, types.Array) and a.dtype == types.float32:
+    if (isinstance(a, types.Array) and a.dtype == types.float32) or a == types.float32:
         return lambda a, x: np.float32(x)
     return lambda a, x: np.float64(x)
 

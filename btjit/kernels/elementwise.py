@@ -26,10 +26,10 @@ from btjit.kernels.common import FM, FM_FLAGS, cvt, ferf, fexp, ftanh, part_of, 
 
 # unary sub-ops
 (U_COPY, U_NEG, U_EXP, U_LOG, U_TANH, U_RELU, U_SIGMOID, U_SQRT, U_POW, U_ABS, U_ERF, U_LOG1P, U_SIGN, U_SIN,
- U_COS) = range(15)
+ U_COS, U_GELU) = range(16)     # U_GELU: the exact (erf) GELU x * Phi(x); unary codes stay < 16 (fused.BIN)
 # binary sub-ops (also used by k_strided); COPY = unary copy of in1
 (B_ADD, B_SUB, B_MUL, B_DIV, B_MAX, B_MIN, B_POW, B_EQ, B_GT, B_GE, B_LT, B_LE, B_NE,
- B_TANH_GRAD, B_RELU_GRAD, B_SIGMOID_GRAD, B_COPY) = range(17)
+ B_TANH_GRAD, B_RELU_GRAD, B_SIGMOID_GRAD, B_COPY, B_GELU_GRAD) = range(18)
 # k_rounding's sub-ops
 R_FLOOR, R_CEIL, R_ROUND, R_TRUNC, R_FMOD, R_REMAINDER = range(6)
 S_SELECT = 32
@@ -37,6 +37,21 @@ S_TO_FLOAT = 33   # k_int_strided: out (in a) = float(in1)
 
 _z = np.float32(0.0)
 _one = np.float32(1.0)
+_half = np.float32(0.5)
+_RSQRT2 = 0.7071067811865476          # 1 / sqrt(2), cvt to the operand's dtype where used
+_RSQRT2PI = 0.3989422804014327        # 1 / sqrt(2 pi), likewise
+
+
+@njit(inline="always", **FM)
+def gelu(x):
+    """The exact GELU, x * Phi(x) = x (1/2 + erf(x / sqrt 2) / 2), torch's nn.GELU()."""
+    return x * (_half + _half * ferf(x * cvt(x, _RSQRT2)))
+
+
+@njit(inline="always", **FM)
+def gelu_grad(x, g):
+    """g * GELU'(x) = g (Phi(x) + x phi(x)), phi the standard normal density."""
+    return g * (_half + _half * ferf(x * cvt(x, _RSQRT2)) + x * cvt(x, _RSQRT2PI) * fexp(-_half * x * x))
 
 
 @njit(inline="always", **FM)
@@ -69,6 +84,8 @@ def _unary(sub, x, c):
         return math.sin(x)
     elif sub == U_COS:
         return math.cos(x)
+    elif sub == U_GELU:
+        return gelu(x)
     else:
         return abs(x)
 
@@ -107,6 +124,8 @@ def _binary(sub, x, y):
         return y if x > _z else y * _z
     elif sub == B_SIGMOID_GRAD:       # x = sigmoid output, y = upstream grad
         return y * x * (_one - x)
+    elif sub == B_GELU_GRAD:          # x = GELU input, y = upstream grad
+        return gelu_grad(x, y)
     else:                             # B_COPY
         return x
 

@@ -26,9 +26,10 @@ from numba import carray, njit
 
 from btjit.kernels.common import FM, ferf, fexp, fptr, ftanh, part_of, row, stack_buf
 from btjit.kernels.rng import fill, first, key
-from btjit.kernels.elementwise import (B_ADD, B_DIV, B_EQ, B_GE, B_GT, B_LE, B_LT, B_MAX, B_MIN, B_MUL, B_NE, B_POW,
-                          B_RELU_GRAD, B_SIGMOID_GRAD, B_SUB, B_TANH_GRAD, U_ABS, U_COPY, U_ERF, U_EXP, U_LOG,
-                          U_LOG1P, U_NEG, U_RELU, U_SIGMOID, U_SIGN, U_SQRT, U_TANH, U_SIN, U_COS)
+from btjit.kernels.elementwise import (B_ADD, B_DIV, B_EQ, B_GE, B_GELU_GRAD, B_GT, B_LE, B_LT, B_MAX, B_MIN, B_MUL,
+                                       B_NE, B_POW, B_RELU_GRAD, B_SIGMOID_GRAD, B_SUB, B_TANH_GRAD, U_ABS, U_COPY,
+                                       U_COS, U_ERF, U_EXP, U_GELU, U_LOG, U_LOG1P, U_NEG, U_RELU, U_SIGMOID,
+                                       U_SIGN, U_SIN, U_SQRT, U_TANH, gelu, gelu_grad)
 
 BLOCK = 1024         # elements per register
 NREG = 16            # registers (BLOCK * NREG floats of stack: 64 KB in float32)
@@ -88,7 +89,7 @@ def _fma(op, d, x, y, z, w, m):
 @njit(**FM)
 def _op(op, d, x, y, m):
     """d[:m] = op(x, y) (unary ops ignore y). Every op is its own loop written out here: one function with
-    27 loops compiles in a fraction of the time of a function per op (closures over a lambda each)."""
+    29 loops compiles in a fraction of the time of a function per op (closures over a lambda each)."""
     z, one = _z, _one
     if op == U_COPY:
         for j in range(m):
@@ -132,6 +133,9 @@ def _op(op, d, x, y, m):
     elif op == U_COS:
         for j in range(m):
             d[j] = math.cos(x[j])
+    elif op == U_GELU:
+        for j in range(m):
+            d[j] = gelu(x[j])
     elif op == BIN + B_ADD:
         for j in range(m):
             d[j] = x[j] + y[j]
@@ -180,6 +184,9 @@ def _op(op, d, x, y, m):
     elif op == BIN + B_SIGMOID_GRAD:
         for j in range(m):
             d[j] = y[j] * x[j] * (one - x[j])
+    elif op == BIN + B_GELU_GRAD:
+        for j in range(m):
+            d[j] = gelu_grad(x[j], y[j])
 
 
 @njit(**FM)
