@@ -1,6 +1,6 @@
-"""Hand-written forms of ops btjit has kernels for become those ops (btjit/graph/fuse.py): makemore's attention
-(split heads, q @ k^T * scale, causal masked_fill, softmax, @ v) -> causal_attention, and NewGELU written out
--> gelu. Same values and gradients as the written-out program; near misses are left alone."""
+"""Hand-written forms of ops btjit has kernels for become those ops (btjit/graph/fuse.py, fuse_gelu.py): makemore's
+attention (split heads, q @ k^T * scale, causal masked_fill, softmax, @ v) -> causal_attention, NewGELU written out
+-> gelu, the exact GELU written out -> gelu_erf. Same values and gradients as the written-out program; near misses are left alone."""
 import math
 
 import numpy as np
@@ -8,17 +8,18 @@ import pytest
 
 import btjit
 import btjit.graph.fuse as F
+import btjit.graph.fuse_gelu as FG
 from btjit.models import makemore as M
 
 
 def traced(fn, params, *batch, fuse=True, dtype="float64"):
-    saved = F.fuse_attention, F.fuse_gelu
+    saved = F.fuse_attention, FG.fuse_gelu
     if not fuse:
-        F.fuse_attention, F.fuse_gelu = (lambda g, t: None), (lambda g: None)
+        F.fuse_attention, FG.fuse_gelu = (lambda g, t: None), (lambda g: None)
     try:
         return btjit.trace(fn, params, *batch, grad=True, dtype=dtype)
     finally:
-        F.fuse_attention, F.fuse_gelu = saved
+        F.fuse_attention, FG.fuse_gelu = saved
 
 
 def ops(prog):
@@ -95,3 +96,35 @@ def test_gelu_near_misses_are_left_alone():
         t["u"] = btjit.tanh(0.7978845608028654 * (y + 0.044715 * y ** 3))
         return btjit.sum(0.5 * y * (1.0 + t["u"])) + btjit.sum(t["u"])
     assert "gelu" not in ops(traced(keeps, {"s": np.ones(4)}, *x))
+
+
+@pytest.mark.parametrize("form", [
+    lambda x: 0.5 * x * (1.0 + btjit.erf(x / math.sqrt(2.0))),                  # BERT's, HF's gelu
+    lambda x: x * 0.5 * (1.0 + btjit.erf(x * 0.7071067811865476)),
+    lambda x: x * (0.5 + 0.5 * btjit.erf(x / 1.4142135623730951)),
+    lambda x: x * (1.0 + btjit.erf(x / math.sqrt(2.0))) / 2.0])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_exact_gelu_written_out_becomes_gelu_erf(form, dtype):
+    rng = np.random.default_rng(5)
+    p, x = {"w": rng.normal(size=(4, 6)).astype(dtype)}, (rng.normal(size=(5, 4)).astype(dtype) * 2,)
+    fn = lambda p, x: btjit.sum(form(x @ p["w"]) * np.arange(6.0))  # noqa: E731
+    fused, plain = traced(fn, p, *x, dtype=dtype), traced(fn, p, *x, fuse=False, dtype=dtype)
+    unfused = btjit.trace(fn, p, *x, dtype=dtype, fuse_elementwise=False)         # the ops before the chains fuse
+    assert ops(unfused).count("gelu_erf") == 1 and "erf" not in ops(unfused)
+    same(fused, plain, x, 1e-12 if dtype == "float64" else 2e-5)
+    h = x[0].astype(np.float64) @ p["w"].astype(np.float64)             # numpy's exact GELU in float64
+    cdf = 0.5 + 0.5 * np.vectorize(math.erf)(h / math.sqrt(2.0))
+    want = (h * cdf * np.arange(6.0)).sum()
+    dh = (cdf + h * np.exp(-0.5 * h * h) / math.sqrt(2 * math.pi)) * np.arange(6.0)
+    tol = 1e-12 if dtype == "float64" else 1e-5
+    assert abs(fused.value_and_grad(*x) - want) <= tol * abs(want)
+    np.testing.assert_allclose(fused.grads["w"], x[0].astype(np.float64).T @ dh, rtol=tol * 10, atol=tol * 10)
+
+
+def test_exact_gelu_near_misses_are_left_alone():
+    x = (np.random.default_rng(6).normal(size=(5, 4)),)
+    for form in (lambda x: 0.5 * x * (1.0 + btjit.erf(x / 1.414)),                  # a rounded constant
+                 lambda x: 0.5 * x * (1.0 + btjit.erf(x / 2.0)),
+                 lambda x: 0.5 * x * (2.0 + btjit.erf(x / math.sqrt(2.0)))):
+        prog = btjit.trace(lambda p, x: btjit.sum(form(x * p["s"])), {"s": np.ones(4)}, *x, fuse_elementwise=False)
+        assert "erf" in ops(prog) and "gelu_erf" not in ops(prog)

@@ -12,7 +12,7 @@ keeps the graph in SSA form and replaces a pattern whose intermediate value is u
                                                   (an embedding table with fewer rows than the batch)
   q @ k^T * scale, causal masked_fill, softmax, @ v (split / reshape / swapaxes heads)  ->  causal_attention
                                                   (attention written out by hand, as makemore writes it)
-  0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))  ->  gelu(x)   (NewGELU written out)
+  GELU written out  ->  gelu(x) or gelu_erf(x)   (btjit/graph/fuse_gelu.py)
   backward: slice_scatter(g1) + ... + slice_scatter(gn) tiling one axis  ->  concatenate(g1, ..., gn)
                                                   (the gradient of a value split into pieces: LSTM gates)
   backward: layernorm_grad(...) -> dx, then add(dx, acc)  ->  layernorm_grad(..., acc)
@@ -326,64 +326,4 @@ def fuse_attention(graph: Graph, table) -> None:
         outs = (out,) + tuple(graph.new_var(s, d) for s, d in types[1:])
         replace[id(e)] = Eqn("causal_attention", (qkv,), outs, {"n_head": nh}, e.src)
         drop |= {id(x) for x in (tr, mm2, sm, wh, sc, mm1, kt)} | {id(x) for p in parts for x in p[2]}
-    graph.eqns = [replace.get(id(e), e) for e in graph.eqns if id(e) not in drop]
-
-
-GELU_C0, GELU_C1 = 0.7978845608028654, 0.044715      # sqrt(2 / pi) and the cubic's coefficient
-
-
-def fuse_gelu(graph: Graph) -> None:
-    """GELU's tanh approximation written out, 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3))) --
-    makemore's and nanoGPT's NewGELU, in any order and association of its products and sums (x**3 traced as
-    products) -- becomes one gelu(x) (one kernel forward, one backward) when its intermediates are used only
-    in it."""
-    import math
-    uses = _uses(graph)
-    producer = {o.id: e for e in graph.eqns for o in e.outs}
-    consts = {v.id: float(np.asarray(c).ravel()[0]) for v, c in graph.consts.items() if np.asarray(c).size == 1}
-    replace, drop = {}, set()
-
-    def flat(v, op, inner):
-        """v as a product / sum: (the constant factor / term, the other operands, the eqns inside)."""
-        e = producer.get(v.id)
-        if e is None or e.op != op or (inner and uses[v.id] != 1):
-            return (consts[v.id], [], []) if v.id in consts else (1.0 if op == "mul" else 0.0, [v], [])
-        c, rest, eqns = (1.0 if op == "mul" else 0.0), [], [e]
-        for x in e.ins:
-            xc, xr, xe = flat(x, op, True)
-            c = c * xc if op == "mul" else c + xc
-            rest += xr
-            eqns += xe
-        return c, rest, eqns
-
-    def close(a, b):
-        return math.isclose(a, b, rel_tol=1e-6)
-
-    for e in graph.eqns:
-        if e.op != "mul" or id(e) in drop:
-            continue
-        c, fs, eqns = flat(e.outs[0], "mul", False)          # 0.5 * x * s
-        if len(fs) != 2 or not close(c, 0.5):
-            continue
-        for x, s in (fs, fs[::-1]):
-            c1, terms, e1 = flat(s, "add", True)              # s = 1 + tanh(u)
-            th = producer.get(terms[0].id) if len(terms) == 1 else None
-            if not close(c1, 1.0) or th is None or th.op != "tanh" or uses[terms[0].id] != 1:
-                continue
-            c2, us, e2 = flat(th.ins[0], "mul", True)         # u = sqrt(2/pi) * w
-            if len(us) != 1 or not close(c2, GELU_C0):
-                continue
-            c3, ws, e3 = flat(us[0], "add", True)             # w = x + 0.044715 * x^3
-            if c3 != 0.0 or len(ws) != 2:
-                continue
-            cube = [w for w in ws if w is not x]
-            if len(cube) != 1 or len(ws) - 1 != 1:
-                continue
-            c4, xs, e4 = flat(cube[0], "mul", True)
-            if not close(c4, GELU_C1) or len(xs) != 3 or any(v is not x for v in xs):
-                continue
-            inner = eqns[1:] + e1 + [th] + e2 + e3 + e4
-            replace[id(e)] = Eqn("gelu", (x,), e.outs, {}, e.src)
-            drop |= {id(q) for q in inner}
-            break
     graph.eqns = [replace.get(id(e), e) for e in graph.eqns if id(e) not in drop]
