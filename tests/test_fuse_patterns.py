@@ -1,4 +1,4 @@
-"""Hand-written forms of ops btjit has kernels for become those ops (btjit/graph/fuse.py, fuse_gelu.py): makemore's
+"""Hand-written forms of ops btjit has kernels for become those ops (btjit/graph/fuse.py, fuse_act.py): makemore's
 attention (split heads, q @ k^T * scale, causal masked_fill, softmax, @ v) -> causal_attention, NewGELU written out
 -> gelu, the exact GELU written out -> gelu_erf. Same values and gradients as the written-out program; near misses are left alone."""
 import math
@@ -8,18 +8,18 @@ import pytest
 
 import btjit
 import btjit.graph.fuse as F
-import btjit.graph.fuse_gelu as FG
+import btjit.graph.fuse_act as FA
 from btjit.models import makemore as M
 
 
 def traced(fn, params, *batch, fuse=True, dtype="float64"):
-    saved = F.fuse_attention, FG.fuse_gelu
+    saved = F.fuse_attention, FA.fuse_activations
     if not fuse:
-        F.fuse_attention, FG.fuse_gelu = (lambda g, t: None), (lambda g: None)
+        F.fuse_attention, FA.fuse_activations = (lambda g, t: None), (lambda g: None)
     try:
         return btjit.trace(fn, params, *batch, grad=True, dtype=dtype)
     finally:
-        F.fuse_attention, FG.fuse_gelu = saved
+        F.fuse_attention, FA.fuse_activations = saved
 
 
 def ops(prog):
@@ -128,3 +128,31 @@ def test_exact_gelu_near_misses_are_left_alone():
                  lambda x: 0.5 * x * (2.0 + btjit.erf(x / math.sqrt(2.0)))):
         prog = btjit.trace(lambda p, x: btjit.sum(form(x * p["s"])), {"s": np.ones(4)}, *x, fuse_elementwise=False)
         assert "erf" in ops(prog) and "gelu_erf" not in ops(prog)
+
+
+@pytest.mark.parametrize("form", [lambda x: x * btjit.sigmoid(x), lambda x: btjit.sigmoid(x) * x])
+def test_swish_written_out_becomes_silu(form):
+    rng = np.random.default_rng(7)
+    p, x = {"w": rng.normal(size=(4, 6))}, (rng.normal(size=(5, 4)) * 3,)
+    fn = lambda p, x: btjit.sum(form(x @ p["w"]) * np.arange(6.0))  # noqa: E731
+    fused, plain = traced(fn, p, *x), traced(fn, p, *x, fuse=False)
+    unfused = btjit.trace(fn, p, *x, dtype="float64", fuse_elementwise=False)
+    assert "silu" in ops(unfused) and "sigmoid" not in ops(unfused)
+    same(fused, plain, x, 1e-12)
+    h = x[0] @ p["w"]
+    s = 1 / (1 + np.exp(-h))
+    assert abs(fused.value_and_grad(*x) - (h * s * np.arange(6.0)).sum()) <= 1e-12 * abs((h * s).sum()) + 1e-12
+    np.testing.assert_allclose(fused.grads["w"], x[0].T @ (s * (1 + h * (1 - s)) * np.arange(6.0)), rtol=1e-10)
+
+
+def test_swish_near_misses_are_left_alone():
+    x = (np.random.default_rng(8).normal(size=(5, 4)),)
+    t = {}
+
+    def keeps(p, x):                            # the sigmoid is used elsewhere too
+        y = x * p["s"]
+        t["s"] = btjit.sigmoid(y)
+        return btjit.sum(y * t["s"]) + btjit.sum(t["s"])
+    for fn in (keeps, lambda p, x: btjit.sum(x * btjit.sigmoid(x * p["s"]))):     # x * sigmoid(another value)
+        prog = btjit.trace(fn, {"s": np.ones(4)}, *x, fuse_elementwise=False)
+        assert "sigmoid" in ops(prog) and "silu" not in ops(prog)

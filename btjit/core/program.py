@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 
-from btjit.graph import (autodiff, fuse, fuse_ew, fuse_gelu, numpy_fns, numpy_more, rng,  # noqa: F401 -- np.*
+from btjit.graph import (autodiff, fuse, fuse_act, fuse_ew, numpy_fns, numpy_more, rng,  # noqa: F401 -- np.*
                          sort_fns, trace as T)
 from btjit.graph.ir import Graph, np_dtype, verify
 from btjit.graph.lower import Lowering, assign_rows, lower_eqns
@@ -150,7 +150,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
                            f"returns {'outputs ' + ', '.join(map(repr, aux)) if aux else f'shape {out.shape}'}")
     g.outputs = {"out": out.node, **{k: v.node for k, v in aux.items()}}
     fuse.fuse_attention(g, TABLE)
-    fuse_gelu.fuse_gelu(g)
+    fuse_act.fuse_activations(g)
     fuse.fold_embedding_matmul(g)
     fuse.fuse_linear(g)
     fuse.fuse_residual(g)

@@ -12,7 +12,7 @@ keeps the graph in SSA form and replaces a pattern whose intermediate value is u
                                                   (an embedding table with fewer rows than the batch)
   q @ k^T * scale, causal masked_fill, softmax, @ v (split / reshape / swapaxes heads)  ->  causal_attention
                                                   (attention written out by hand, as makemore writes it)
-  GELU written out  ->  gelu(x) or gelu_erf(x)   (btjit/graph/fuse_gelu.py)
+  GELU, SiLU written out  ->  gelu(x), gelu_erf(x), silu(x)   (btjit/graph/fuse_act.py)
   backward: slice_scatter(g1) + ... + slice_scatter(gn) tiling one axis  ->  concatenate(g1, ..., gn)
                                                   (the gradient of a value split into pieces: LSTM gates)
   backward: layernorm_grad(...) -> dx, then add(dx, acc)  ->  layernorm_grad(..., acc)

@@ -28,12 +28,14 @@ from btjit.graph.ops.layout import _slice_view
 
 UNARY = {"neg": EW.U_NEG, "exp": EW.U_EXP, "log": EW.U_LOG, "tanh": EW.U_TANH, "relu": EW.U_RELU,
          "sigmoid": EW.U_SIGMOID, "sqrt": EW.U_SQRT, "abs": EW.U_ABS, "erf": EW.U_ERF, "log1p": EW.U_LOG1P,
-         "sign": EW.U_SIGN, "sin": EW.U_SIN, "cos": EW.U_COS, "gelu_erf": EW.U_GELU}
+         "sign": EW.U_SIGN, "sin": EW.U_SIN, "cos": EW.U_COS, "gelu_erf": EW.U_GELU,
+         "silu": EW.U_SILU}
 BINARY = {"add": EW.B_ADD, "sub": EW.B_SUB, "mul": EW.B_MUL, "div": EW.B_DIV, "maximum": EW.B_MAX,
           "minimum": EW.B_MIN, "pow2": EW.B_POW, "eq": EW.B_EQ, "gt": EW.B_GT, "ge": EW.B_GE, "lt": EW.B_LT,
           "le": EW.B_LE, "ne": EW.B_NE, "tanh_grad": EW.B_TANH_GRAD, "relu_grad": EW.B_RELU_GRAD,
-          "sigmoid_grad": EW.B_SIGMOID_GRAD, "gelu_erf_grad": EW.B_GELU_GRAD}
-LONE = set(UNARY) | {"gelu_erf_grad"}    # ops that run in the interpreter on their own (k_binary has no loop for it)
+          "sigmoid_grad": EW.B_SIGMOID_GRAD, "gelu_erf_grad": EW.B_GELU_GRAD,
+          "silu_grad": EW.B_SILU_GRAD}
+LONE = set(UNARY) | {"gelu_erf_grad", "silu_grad"}   # run in the interpreter on their own (k_binary: no loop for them)
 ALIAS = {"copy", "stop_gradient", "broadcast_to"}   # no instruction: the operand's register (broadcast strides)
 MAX_MEMBERS = 24
 REMAT = 16

@@ -26,10 +26,10 @@ from btjit.kernels.common import FM, FM_FLAGS, cvt, ferf, fexp, ftanh, part_of, 
 
 # unary sub-ops
 (U_COPY, U_NEG, U_EXP, U_LOG, U_TANH, U_RELU, U_SIGMOID, U_SQRT, U_POW, U_ABS, U_ERF, U_LOG1P, U_SIGN, U_SIN,
- U_COS, U_GELU) = range(16)     # U_GELU: the exact (erf) GELU x * Phi(x); unary codes stay < 16 (fused.BIN)
+ U_COS, U_GELU, U_SILU) = range(17)   # GELU: the exact (erf) x * Phi(x); SILU: x * sigmoid(x). < fused.BIN
 # binary sub-ops (also used by k_strided); COPY = unary copy of in1
 (B_ADD, B_SUB, B_MUL, B_DIV, B_MAX, B_MIN, B_POW, B_EQ, B_GT, B_GE, B_LT, B_LE, B_NE,
- B_TANH_GRAD, B_RELU_GRAD, B_SIGMOID_GRAD, B_COPY, B_GELU_GRAD) = range(18)
+ B_TANH_GRAD, B_RELU_GRAD, B_SIGMOID_GRAD, B_COPY, B_GELU_GRAD, B_SILU_GRAD) = range(19)
 # k_rounding's sub-ops
 R_FLOOR, R_CEIL, R_ROUND, R_TRUNC, R_FMOD, R_REMAINDER = range(6)
 S_SELECT = 32
@@ -52,6 +52,19 @@ def gelu(x):
 def gelu_grad(x, g):
     """g * GELU'(x) = g (Phi(x) + x phi(x)), phi the standard normal density."""
     return g * (_half + _half * ferf(x * cvt(x, _RSQRT2)) + x * cvt(x, _RSQRT2PI) * fexp(-_half * x * x))
+
+
+@njit(inline="always", **FM)
+def silu(x):
+    """SiLU (swish), x * sigmoid(x)."""
+    return x / (_one + fexp(-x))
+
+
+@njit(inline="always", **FM)
+def silu_grad(x, g):
+    """g * SiLU'(x) = g s (1 + x (1 - s)), s = sigmoid(x)."""
+    s = _one / (_one + fexp(-x))
+    return g * s * (_one + x * (_one - s))
 
 
 @njit(inline="always", **FM)
@@ -86,6 +99,8 @@ def _unary(sub, x, c):
         return math.cos(x)
     elif sub == U_GELU:
         return gelu(x)
+    elif sub == U_SILU:
+        return silu(x)
     else:
         return abs(x)
 
@@ -126,6 +141,8 @@ def _binary(sub, x, y):
         return y * x * (_one - x)
     elif sub == B_GELU_GRAD:          # x = GELU input, y = upstream grad
         return gelu_grad(x, y)
+    elif sub == B_SILU_GRAD:          # x = SiLU input, y = upstream grad
+        return silu_grad(x, y)
     else:                             # B_COPY
         return x
 

@@ -27,17 +27,18 @@ from numba import carray, njit
 from btjit.kernels.common import FM, ferf, fexp, fptr, ftanh, part_of, row, stack_buf
 from btjit.kernels.rng import fill, first, key
 from btjit.kernels.elementwise import (B_ADD, B_DIV, B_EQ, B_GE, B_GELU_GRAD, B_GT, B_LE, B_LT, B_MAX, B_MIN, B_MUL,
-                                       B_NE, B_POW, B_RELU_GRAD, B_SIGMOID_GRAD, B_SUB, B_TANH_GRAD, U_ABS, U_COPY,
-                                       U_COS, U_ERF, U_EXP, U_GELU, U_LOG, U_LOG1P, U_NEG, U_RELU, U_SIGMOID,
-                                       U_SIGN, U_SIN, U_SQRT, U_TANH, gelu, gelu_grad)
+                                       B_NE, B_POW, B_RELU_GRAD, B_SIGMOID_GRAD, B_SILU_GRAD, B_SUB, B_TANH_GRAD,
+                                       U_ABS, U_COPY, U_COS, U_ERF, U_EXP, U_GELU, U_LOG, U_LOG1P, U_NEG, U_RELU,
+                                       U_SIGMOID, U_SIGN, U_SILU, U_SIN, U_SQRT, U_TANH, gelu, gelu_grad, silu,
+                                       silu_grad)
 
 BLOCK = 1024         # elements per register
 NREG = 16            # registers (BLOCK * NREG floats of stack: 64 KB in float32)
 MAX_OPERANDS = 23    # o0 .. o22 in the row
-BIN = 16             # binary opcodes are BIN + B_*
-WHERE, LOAD, RAND, LOADC = 40, 41, 42, 43
-FMA, FMS, FNMA = 44, 45, 46   # dst = x*y + z, x*y - z, z - x*y
-FMA2, FMS2 = 47, 48           # dst = x*y + z*w, x*y - z*w
+BIN = 32             # binary opcodes are BIN + B_* (the unary ones are below)
+WHERE, LOAD, RAND, LOADC = 56, 57, 58, 59
+FMA, FMS, FNMA = 60, 61, 62   # dst = x*y + z, x*y - z, z - x*y (the highest opcodes: `op >= FMA` below)
+FMA2, FMS2 = 63, 64           # dst = x*y + z*w, x*y - z*w
 HEAD = 6
 WIDTH = 6            # ints per instruction
 RSIZE = BLOCK * (NREG + 1)   # and one scratch register (in-place destinations, below)
@@ -89,7 +90,7 @@ def _fma(op, d, x, y, z, w, m):
 @njit(**FM)
 def _op(op, d, x, y, m):
     """d[:m] = op(x, y) (unary ops ignore y). Every op is its own loop written out here: one function with
-    29 loops compiles in a fraction of the time of a function per op (closures over a lambda each)."""
+    31 loops compiles in a fraction of the time of a function per op (closures over a lambda each)."""
     z, one = _z, _one
     if op == U_COPY:
         for j in range(m):
@@ -136,6 +137,9 @@ def _op(op, d, x, y, m):
     elif op == U_GELU:
         for j in range(m):
             d[j] = gelu(x[j])
+    elif op == U_SILU:
+        for j in range(m):
+            d[j] = silu(x[j])
     elif op == BIN + B_ADD:
         for j in range(m):
             d[j] = x[j] + y[j]
@@ -187,6 +191,9 @@ def _op(op, d, x, y, m):
     elif op == BIN + B_GELU_GRAD:
         for j in range(m):
             d[j] = gelu_grad(x[j], y[j])
+    elif op == BIN + B_SILU_GRAD:
+        for j in range(m):
+            d[j] = silu_grad(x[j], y[j])
 
 
 @njit(**FM)

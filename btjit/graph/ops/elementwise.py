@@ -57,6 +57,8 @@ _binary("sigmoid_grad", EW.B_SIGMOID_GRAD, lambda y, g: g * y * (1 - y), interna
         cases=[Case((F(3, 4), F(3, 4)))])
 _binary("gelu_erf_grad", EW.B_GELU_GRAD, lambda x, g: g * (_phi(x) + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)),
         internal=True, cases=[Case((F(3, 4), F(3, 4)))])
+_binary("silu_grad", EW.B_SILU_GRAD, lambda x, g: g * _sig(x) * (1 + x * (1 - _sig(x))), internal=True,
+        cases=[Case((F(3, 4), F(3, 4)))])
 
 
 def _unary(name, sub, fn, vjp, dom="normal", tol=1e-6, nondiff=False):
@@ -88,6 +90,7 @@ _unary("erf", EW.U_ERF, lambda x, a: _erf_ref(x), lambda g, x, o, a: [g[0] * 1.1
 # torch's nn.GELU(): x * Phi(x), one instruction each way (as x * (0.5 + 0.5 * erf(x / sqrt 2)) it took 4 forward
 # and 11 backward, the erf computed again there)
 _unary("gelu_erf", EW.U_GELU, lambda x, a: x * _phi(x), lambda g, x, o, a: [T.emit("gelu_erf_grad", (x[0], g[0]))])
+_unary("silu", EW.U_SILU, lambda x, a: x * _sig(x), lambda g, x, o, a: [T.emit("silu_grad", (x[0], g[0]))])
 _unary("log1p", EW.U_LOG1P, lambda x, a: np.log1p(x), lambda g, x, o, a: [g[0] / (1.0 + x[0])], dom="pos")
 _unary("sin", EW.U_SIN, lambda x, a: np.sin(x), lambda g, x, o, a: [g[0] * T.emit("cos", (x[0],))])
 _unary("cos", EW.U_COS, lambda x, a: np.cos(x), lambda g, x, o, a: [-g[0] * T.emit("sin", (x[0],))])

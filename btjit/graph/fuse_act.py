@@ -1,11 +1,12 @@
-"""GELU written out by hand becomes one op (a forward rewrite, before autodiff, as btjit/graph/fuse.py's):
+"""Activations written out by hand become one op (a forward rewrite, before autodiff, as btjit/graph/fuse.py's):
 
   0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))  ->  gelu(x)        (NewGELU: makemore, minGPT)
   0.5 * x * (1 + erf(x / sqrt(2)))                          ->  gelu_erf(x)    (the exact GELU: BERT's, HF's)
+  x * sigmoid(x)                                            ->  silu(x)        (swish)
 
 in any order and association of the products and sums (x**3 traced as products, x / c as a division by a
-constant), when the intermediate values are used nowhere else. One op is one fused instruction forward and one
-backward; written out, the exact GELU took 4 forward and 11 backward.
+constant), when the intermediate values are used nowhere else. One op is one fused instruction (or kernel)
+forward and one backward; written out, the exact GELU took 4 forward and 11 backward.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _close(a, b):
     return math.isclose(a, b, rel_tol=1e-6)
 
 
-def fuse_gelu(graph: Graph) -> None:
+def fuse_activations(graph: Graph) -> None:
     uses = _uses(graph)
     producer = {o.id: e for e in graph.eqns for o in e.outs}
     consts = {v.id: float(np.asarray(c).ravel()[0]) for v, c in graph.consts.items() if np.asarray(c).size == 1}
@@ -75,6 +76,15 @@ def fuse_gelu(graph: Graph) -> None:
 
     for e in graph.eqns:
         if e.op not in ("mul", "div") or id(e) in drop:
+            continue
+        sig = [producer.get(v.id) for v in e.ins]
+        for x, s in ((0, 1), (1, 0)):                           # x * sigmoid(x)
+            if e.op == "mul" and sig[s] is not None and sig[s].op == "sigmoid" and sig[s].ins[0] is e.ins[x] \
+                    and uses[e.ins[s].id] == 1:
+                replace[id(e)] = Eqn("silu", (e.ins[x],), e.outs, {}, e.src)
+                drop.add(id(sig[s]))
+                break
+        if id(e) in replace:
             continue
         c, fs, eqns = flat(e.outs[0], "mul", False)            # c * x * s
         if len(fs) != 2:
