@@ -232,6 +232,18 @@ def _ov_ferf(x):
         return _erf64
 
 
+@intrinsic
+def prefetch(typingctx, arr, off):
+    """Hint the CPU to bring arr[off]'s cache line in for reading (llvm.prefetch, kept in every cache level)."""
+    def impl(context, builder, sig, args):
+        p = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
+        builder.call(fn, [builder.bitcast(p, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+    return types.void(arr, off), impl
+
+
 # ---------------------------------------------------------------- stack buffers
 @intrinsic
 def stack_buf(typingctx, arr, n):
