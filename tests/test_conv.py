@@ -32,6 +32,12 @@ CONV2D = [  # x, w, kwargs
     ((1, 8, 4, 4), (32, 8, 1, 1), {}),                            # 1x1, 16 output pixels
     ((2, 1, 5, 5), (8, 1, 2, 2), dict(padding=(1, 0))),           # K = 4 (< 8 rows of dW)
     ((4, 8, 3, 2), (16, 8, 2, 1), {}),                            # 4 pixels an image: stored by pixel rows
+    # depthwise (groups = channels = outputs): direct, dwconv2d
+    ((2, 5, 9, 8), (5, 1, 3, 3), dict(groups=5, stride=2, padding=1)),
+    ((1, 3, 10, 7), (3, 1, 5, 3), dict(groups=3, padding=(2, 0), dilation=(1, 2))),
+    ((2, 4, 6, 6), (4, 1, 2, 2), dict(groups=4, padding="same")),                   # "same" pads 0 before, 1 after
+    ((3, 1, 7, 9), (1, 1, 3, 3), dict(stride=(1, 2))),                              # one channel, one filter
+    ((1, 6, 5, 5), (6, 1, 7, 7), dict(groups=6, padding=3)),                        # a filter wider than the image
 ]
 CONV1D = [
     ((2, 3, 11), (4, 3, 3), {}),
@@ -39,6 +45,7 @@ CONV1D = [
     ((2, 2, 9), (3, 2, 3), dict(stride=2, padding=1, dilation=2)),
     ((3, 7), (2, 3, 1), {}),
     ((2, 8, 13), (16, 8, 3), dict(padding=2, dilation=2)),
+    ((1, 2, 1500), (2, 1, 3), dict(groups=2, padding=1)),        # depthwise, rows longer than k_dwconv's DW_ROW
 ]
 POOL = [  # fn, x, args, kwargs
     ("max_pool2d", (2, 3, 6, 6), (2,), {}),
@@ -297,6 +304,31 @@ def test_implicit_gemm_graph_and_threads():
     assert not k1 and "k_conv" in k2
     bf = btjit.trace(loss, p, x, grad=True, precision="bf16")
     assert "im2col" in [e.op for e in bf.graph.eqns]
+
+
+def test_depthwise_convolution_is_direct_and_split_over_threads_bitwise():
+    """A depthwise convolution (MobileNet's, ConvNeXt's 7 x 7) runs as dwconv2d (no patch matrix, no GEMM), its
+    three kernels split over the channels on two threads, bitwise equal to one thread; with a channel multiplier
+    (O = 2C) it keeps im2col."""
+    rng = np.random.default_rng(6)
+    p = {"w": rng.normal(size=(32, 1, 3, 3)).astype(np.float32), "b": rng.normal(size=32).astype(np.float32)}
+    x = rng.normal(size=(8, 32, 30, 30)).astype(np.float32)
+    r = rng.normal(size=(8, 32, 15, 15)).astype(np.float32)
+
+    def loss(q, x):
+        return btjit.sum(btjit.conv2d(x, q["w"], q["b"], stride=2, padding=1, groups=32) * r)
+    runs = []
+    for threads in (1, 2):
+        prog = btjit.trace(loss, p, x, grad=True, threads=threads)
+        ops = [e.op for e in prog.graph.eqns]
+        assert {"dwconv2d", "dwconv2d_dw"} <= set(ops) and "im2col" not in ops and "matmul" not in ops, ops
+        runs.append((prog.value_and_grad(x), {k: prog.grads[k].copy() for k in p}, split_kernels(prog)))
+    (l1, g1, k1), (l2, g2, k2) = runs
+    assert l1 == l2 and all(np.array_equal(g1[k], g2[k]) for k in g1)
+    assert not k1 and k2.get("k_dwconv") == 2
+    w2 = rng.normal(size=(64, 1, 3, 3)).astype(np.float32)
+    mult = btjit.trace(lambda q, x: btjit.sum(btjit.conv2d(x, q["w"], groups=32)), {"w": w2}, x, grad=True)
+    assert "dwconv2d" not in [e.op for e in mult.graph.eqns]
 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("float64", 0)])

@@ -104,6 +104,9 @@ def _conv2d(x, w, b, stride, padding, dilation, groups, _fn, padding_mode="zeros
         b = T.lift(b)
         if tuple(b.shape) != (O,):
             _fail(_fn, f"the bias must have shape ({O},)", *shown, b)
+    if G == C == O and T.current_graph().precision == "fp32":    # depthwise: direct (one filter per channel)
+        y = T.emit("dwconv2d", (x, w), kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw, dh=dh, dw=dw, oh=oh, ow=ow)
+        return y if b is None else y + T.reshape(b, (O, 1, 1))
     if _implicit(G, O, N * P):
         if ph or ph2 or pw or pw2:      # an implicit GEMM over the padded image (conv_gemm: no patch matrix)
             x = T.emit("slice_scatter", (x,), shape=(N, C, H + ph + ph2, W + pw + pw2), starts=(0, 0, ph, pw),
@@ -306,6 +309,8 @@ def _adaptive(fn, mode, x, output_size, nd):
     out = _tuple(fn, given, nd, "output_size")
     if any(o < 1 for o in out):
         _fail(fn, f"output size {out} must be positive", x)
+    if mode == POOL_AVG and all(o == 1 for o in out) and np.prod(sizes) > 1:    # a global average: one mean
+        return T.mean(x, axis=tuple(range(x.ndim - nd, x.ndim)), keepdims=True)
     if not any(n % o for n, o in zip(sizes, out)):
         k = tuple(n // o for n, o in zip(sizes, out))
         return _pool(fn, mode, x, k, k, 0, nd)

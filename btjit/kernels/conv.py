@@ -9,6 +9,10 @@
 #               pooling of x (NC, H, W) -> y (NC, OH, OW). back 1: their gradient dx (NC, H, W) from x and
 #               dy (at oy): max routes dy to the first maximum of each window (torch's choice on ties),
 #               average spreads it evenly (overwrites dx)
+#   k_dwconv    a depthwise convolution (groups = channels = output channels, one kh x kw filter per channel),
+#               direct: mode 0 y = the convolution of x by w, mode 1 dx from dy (the transposed sum), mode 2 dw from
+#               x and dy (each overwrites its output); in im2col and one GEMM per channel, a filter is a 1-column
+#               product (MobileNet's and ConvNeXt's depthwise layers)
 # Forward and backward share one entry each (one library entry to compile and load, not two).
 #
 # The innermost loops run along an output row for one tap of the window (the columns that fall in the padding
@@ -19,13 +23,14 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, njit, types
 from numba.extending import intrinsic
 
-from btjit.kernels.common import FM, cvt, part_of, row
+from btjit.kernels.common import FM, cvt, fptr, part_of, row, stack_buf
 
 POOL_MAX = 0
 POOL_AVG = 1
+DW_ROW = 1024        # k_dwconv's dw: an output row's products summed down the rows in a stack buffer this long
 
 
 @row("back ox ocol N G Cg H W OH OW kh kw sh sw ph pw dh dw")
@@ -277,3 +282,60 @@ def pool2d_bwd(a, mode, ox, ody, odx, NC, H, W, OH, OW, kh, kw, sh, sw, ph, pw):
                                 dx[q + iw] += g * inv
                 if mode == POOL_MAX and at >= 0:
                     dx[at] += g
+
+
+@row("mode ox ow oy N C H W OH OW kh kw sh sw ph pw dh dw")
+@njit(**FM)
+def k_dwconv(a, ia, r):
+    """Depthwise convolution of x (N, C, H, W) by w (C, 1, kh, kw) into y (N, C, OH, OW), padding ph, pw before
+    (and what OH, OW leave after), zeros there. mode 0: y; 1: dx (at ox) from dy (at oy) and w; 2: dw (at ow)
+    from x and dy. A split row's part j of n: the channels j*C//n .. (j+1)*C//n-1 (each output is computed the
+    same way on any thread count)."""
+    mode = r[1]; ox = r[2]; ow = r[3]; oy = r[4]; N = r[5]; C = r[6]; H = r[7]; W = r[8]; OH = r[9]; OW = r[10]
+    kh = r[11]; kw = r[12]; sh = r[13]; sw = r[14]; ph = r[15]; pw = r[16]; dh = r[17]; dw = r[18]
+    j, n = part_of(r)
+    zero = cvt(a, 0.0)
+    sums = carray(stack_buf(a, DW_ROW), (DW_ROW,))
+    for c in range(j * C // n, (j + 1) * C // n):
+        wc = ow + c * kh * kw
+        if mode == 2:
+            for t in range(kh * kw):
+                a[wc + t] = zero
+        for b in range(N):
+            xc, yc = ox + (b * C + c) * H * W, oy + (b * C + c) * OH * OW
+            out = a[xc:xc + H * W] if mode == 1 else a[yc:yc + OH * OW]
+            if mode != 2:
+                for t in range(out.shape[0]):
+                    out[t] = zero
+            for i in range(kh):
+                for k in range(kw):
+                    off = k * dw - pw                   # iw = q * sw + off
+                    lo = max(0, (sw - 1 - off) // sw)   # the first q with iw >= 0, then up to hi
+                    hi = max(lo, min(OW, (W - 1 - off) // sw + 1) if W - 1 - off >= 0 else lo)
+                    acc = zero
+                    wv = a[wc + i * kw + k]
+                    rows = mode == 2 and hi - lo <= DW_ROW      # dw: products summed down the rows first
+                    for q in range(hi - lo if rows else 0):
+                        sums[q] = zero
+                    for o in range(OH):
+                        ih = o * sh - ph + i * dh
+                        if ih < 0 or ih >= H or hi == lo:
+                            continue
+                        x = fptr(a, xc + ih * W + lo * sw + off)
+                        y = fptr(a, yc + o * OW + lo)
+                        if mode == 0:
+                            for q in range(hi - lo):
+                                y[q] += x[q * sw] * wv
+                        elif mode == 1:
+                            for q in range(hi - lo):
+                                x[q * sw] += y[q] * wv
+                        elif rows:
+                            for q in range(hi - lo):
+                                sums[q] += x[q * sw] * y[q]
+                        else:
+                            for q in range(hi - lo):
+                                acc += x[q * sw] * y[q]
+                    for q in range(hi - lo if rows else 0):
+                        acc += sums[q]
+                    if mode == 2:
+                        a[wc + i * kw + k] += acc

@@ -8,7 +8,8 @@ the same kind of product over the output pixels, its input gradient the transpos
 gradient (stride 1, C a multiple of 8) or, else, a GEMM and col2im. Both read the output gradient as pixel rows,
 made in one pass with relu's mask and the bias terms (conv_dy). The other convolutions are im2col (the
 input's patches as rows, kernels/conv.py) followed by the GEMM lowering: (N*OH*OW, C*kh*kw) @ (C*kh*kw, O) per
-group. 1-D ops are the 2-D ones on a height-1 image."""
+group. A depthwise convolution (groups = channels = output channels) is direct (dwconv2d, k_dwconv): as a GEMM per
+channel each of its filters was a one-column product. 1-D ops are the 2-D ones on a height-1 image."""
 from __future__ import annotations
 
 import numpy as np
@@ -335,3 +336,65 @@ op("pool2d", infer=_pool_rule, ref=_pool_ref, lower=_pool_lower(0),
 op("pool2d_grad", infer=lambda t, a, fd: [(tuple(t[0][0]), fd)], ref=_pool_grad_ref, internal=True,
    lower=_pool_lower(1),
    cases=[Case((s, F(*(s[1][:-2] + (a["oh"], a["ow"])))), a) for s, a in _pc])
+
+
+# ----------------------------------------------------------------------------- depthwise convolution
+def _dw_rule(types, attrs, fd):
+    _float(types, "")
+    (xs, _), (ws, _) = types
+    if len(xs) != 4 or tuple(ws) != (xs[1], 1, attrs["kh"], attrs["kw"]):
+        raise ShapeError(f"dwconv2d needs x (N, C, H, W) and w (C, 1, kh, kw), got {xs} and {ws}")
+    return [((xs[0], xs[1], attrs["oh"], attrs["ow"]), fd)]
+
+
+def _dw_ref(xs, a):
+    x, w = xs
+    y = np.zeros(x.shape[:2] + (a["oh"], a["ow"]), x.dtype)
+    for i, j, oh, ow, ih, iw in _patches(x.shape, a):
+        y[:, :, oh, ow] += x[:, :, ih, iw] * w[:, 0, i, j]
+    return (y,)
+
+
+def _dw_dx_ref(xs, a):
+    g, w = xs
+    dx = np.zeros(a["x_shape"], g.dtype)
+    for i, j, oh, ow, ih, iw in _patches(dx.shape, a):
+        dx[:, :, ih, iw] += g[:, :, oh, ow] * w[:, 0, i, j]
+    return (dx,)
+
+
+def _dw_dw_ref(xs, a):
+    x, g = xs
+    dw = np.zeros((x.shape[1], 1, a["kh"], a["kw"]), x.dtype)
+    for i, j, oh, ow, ih, iw in _patches(x.shape, a):
+        dw[:, 0, i, j] += (x[:, :, ih, iw] * g[:, :, oh, ow]).sum(axis=0)
+    return (dw,)
+
+
+def _dw_lower(mode):
+    def lower(e, L):
+        x_shape = e.attrs["x_shape"] if mode == 1 else e.ins[0].shape
+        N, C, H, W = x_shape
+        ox, ow, oy = {0: (e.ins[0], e.ins[1], e.outs[0]), 1: (e.outs[0], e.ins[1], e.ins[0]),
+                      2: (e.ins[0], e.outs[0], e.ins[1])}[mode]
+        return [L.row("k_dwconv", split=par_parts(L, N * C * H * W, C), mode=mode, ox=L.off(ox), ow=L.off(ow),
+                      oy=L.off(oy), N=N, C=C, H=H, W=W, OH=e.attrs["oh"], OW=e.attrs["ow"],
+                      **{k: e.attrs[k] for k in _GEOM[:8]})]
+    return lower
+
+
+def _dw_vjp(g, x, o, a):
+    return [T.emit("dwconv2d_dx", (g[0], x[1]), x_shape=tuple(x[0].shape), **a),
+            T.emit("dwconv2d_dw", (x[0], g[0]), **a)]
+
+
+_dc = [((2, 3, 5, 6), _geom(3, 3, ph=1, pw=1, oh=5, ow=6)), ((1, 4, 7, 5), _geom(3, 2, 2, 1, 1, 0, 1, 2, oh=4, ow=3)),
+       ((2, 2, 6, 6), _geom(3, 3, ph=2, pw=2, dh=2, dw=2, oh=6, ow=6)), ((3, 2, 1, 9), _geom(1, 5, pw=2, oh=1, ow=9))]
+_dc = [(s, {k: v for k, v in a.items() if k != "groups"}) for s, a in _dc]
+op("dwconv2d", infer=_dw_rule, ref=_dw_ref, lower=_dw_lower(0), vjp=_dw_vjp,
+   cases=[Case((F(*s), F(s[1], 1, a["kh"], a["kw"])), a) for s, a in _dc])
+op("dwconv2d_dx", infer=lambda t, a, fd: [(tuple(a["x_shape"]), fd)], ref=_dw_dx_ref, lower=_dw_lower(1),
+   internal=True, cases=[Case((F(s[0], s[1], a["oh"], a["ow"]), F(s[1], 1, a["kh"], a["kw"])), dict(a, x_shape=s))
+                         for s, a in _dc])
+op("dwconv2d_dw", infer=lambda t, a, fd: [((t[0][0][1], 1, a["kh"], a["kw"]), fd)], ref=_dw_dw_ref,
+   lower=_dw_lower(2), internal=True, cases=[Case((F(*s), F(s[0], s[1], a["oh"], a["ow"])), a) for s, a in _dc])
