@@ -38,6 +38,7 @@ CONV2D = [  # x, w, kwargs
     ((2, 4, 6, 6), (4, 1, 2, 2), dict(groups=4, padding="same")),                   # "same" pads 0 before, 1 after
     ((3, 1, 7, 9), (1, 1, 3, 3), dict(stride=(1, 2))),                              # one channel, one filter
     ((1, 6, 5, 5), (6, 1, 7, 7), dict(groups=6, padding=3)),                        # a filter wider than the image
+    ((1, 2, 130, 131), (2, 1, 3, 3), dict(groups=2, padding=1)),                    # a plane past k_dwconv's DW_PLANE
 ]
 CONV1D = [
     ((2, 3, 11), (4, 3, 3), {}),
@@ -45,7 +46,7 @@ CONV1D = [
     ((2, 2, 9), (3, 2, 3), dict(stride=2, padding=1, dilation=2)),
     ((3, 7), (2, 3, 1), {}),
     ((2, 8, 13), (16, 8, 3), dict(padding=2, dilation=2)),
-    ((1, 2, 1500), (2, 1, 3), dict(groups=2, padding=1)),        # depthwise, rows longer than k_dwconv's DW_ROW
+    ((1, 2, 20000), (2, 1, 3), dict(groups=2, padding=1)),       # depthwise past DW_PLANE, rows past DW_ROW
 ]
 POOL = [  # fn, x, args, kwargs
     ("max_pool2d", (2, 3, 6, 6), (2,), {}),
