@@ -438,3 +438,16 @@ def test_view_as_and_reshape_as_as_torch():
         want.backward()
         assert abs(got - want.item()) < 1e-12
         np.testing.assert_allclose(grad, xt.grad.numpy(), rtol=1e-12)
+
+
+def test_a_tied_weight_passed_twice_warns():
+    """torch's state_dict() lists llama2.c's tied weight twice (tok_embeddings.weight, output.weight: one tensor);
+    passed as it is, btjit would train two params that drift apart from torch's one: a warning names both."""
+    args, flash, net, params, batches = build("d48_kv4_manual", "float64")
+    sd = {k: v.numpy() for k, v in net.state_dict().items()}
+    assert sd["output.weight"] is not sd["tok_embeddings.weight"]                # two arrays over one memory
+
+    def loss(p, x, y):
+        return btjit.cross_entropy(btjit.linear(btjit.embedding(x, p["tok_embeddings.weight"]), p["output.weight"]), y)
+    with pytest.warns(UserWarning, match="'tok_embeddings.weight' and 'output.weight' are one array"):
+        btjit.trace(loss, sd, *batches[0], dtype="float64", grad=True)
