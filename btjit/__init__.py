@@ -26,6 +26,7 @@ __all__ += ["sin", "cos", "hardtanh", "hardsigmoid", "hardswish", "logsigmoid", 
 __all__ += ["topk", "sort", "argsort", "floor", "ceil", "round", "trunc", "remainder", "fmod", "floor_divide",
             "cumsum", "cumprod", "diff"]
 __all__ += ["linear", "einsum", "rand", "randn", "bernoulli"]
+__all__ += ["outer"]
 
 
 def __getattr__(name):

@@ -107,6 +107,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
                 raise TypeError(f"{kind} {name!r} has dtype {arr.dtype}; {kind}s must be float arrays")
             if kind == "buffer" and name in params:
                 raise ValueError(f"buffer {name!r} has the name of a parameter; fn sees both in one dict")
+    _warn_tied(params)
     update = Update(optimizer, params, clip_norm, clip_value) if optimizer is not None else None
     for name in (update.order if update else params):         # the arena holds each param group contiguously
         g.params[name] = g.new_var(np.shape(params[name]), fd)
@@ -191,6 +192,19 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         fn, share.params, *b, dtype=dtype, buffers=share.buffers, fuse_elementwise=fuse_elementwise,
         threads=eval_threads, training=False, grad=False, precision=precision, _share=share, _defer_kernels=defer)
     return prog
+
+
+def _warn_tied(params):
+    """Two params that are one array (torch's state_dict() lists a tied weight under both names: llama2.c's
+    tok_embeddings.weight and output.weight, nanoGPT's wte and lm_head) would train as two params apart."""
+    seen = {}
+    for name, v in params.items():
+        if isinstance(v, np.ndarray) and v.size:
+            other = seen.setdefault(v.__array_interface__["data"][0], name)
+            if other != name:
+                warnings.warn(f"btjit: parameters {other!r} and {name!r} are one array (tied weights?): btjit "
+                              f"trains them as two parameters that drift apart; pass it once and use it at both "
+                              f"places", stacklevel=3)
 
 
 class Program(Runner):

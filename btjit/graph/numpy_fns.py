@@ -137,7 +137,11 @@ def dot(a, b):
 
 
 def outer(a, b):
+    """np.outer / torch.outer: a flattened as a column times b flattened as a row (an integer array meeting floats
+    becomes floats: llama's RoPE frequencies `torch.outer(t, freqs)`)."""
     a, b = lift(a), lift(b)
+    if (a.node.dtype == "i32") != (b.node.dtype == "i32"):
+        a, b = a.float(), b.float()
     return reshape(a, (a.size, 1)) * reshape(b, (1, b.size))
 
 

@@ -59,7 +59,7 @@ F = lambda *shape, dom="normal": ("f", tuple(shape), dom)  # noqa: E731
 def _float(types, name):
     for i, (_, d) in enumerate(types):
         if d == "i32":
-            raise ShapeError(f"input {i} is an integer array where floats are needed")
+            raise ShapeError(f"input {i} is an integer array where floats are needed (x.float() converts it)")
 
 
 def _bcast_shape(*shapes):

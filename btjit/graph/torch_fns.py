@@ -206,7 +206,8 @@ METHODS.update({
     "new_zeros": lambda x, *size, **kw: _new(x, size, 0.0), "new_empty": lambda x, *size, **kw: _new(x, size, 0.0),
     "new_ones": lambda x, *size, **kw: _new(x, size, 1.0), "new_full": lambda x, size, v, **kw: _new(x, (size,), v),
     "bernoulli": lambda x, p=None, **kw: bernoulli(x, p), "to": _to, "narrow": _narrow, "unflatten": _unflatten,
-    "repeat": _torch_repeat})
+    "repeat": _torch_repeat, "view_as": lambda x, other: reshape(x, other.shape),
+    "reshape_as": lambda x, other: reshape(x, other.shape)})
 METHODS.update({
     "rsqrt": rsqrt, "repeat_interleave": repeat_interleave, "unbind": unbind, "outer": outer, "log1p": log1p,
     "logsumexp": lambda x, dim, keepdim=False: logsumexp(x, dim, keepdim), "reciprocal": lambda x: 1.0 / x,

@@ -427,12 +427,19 @@ def split(x, indices_or_sections, axis=0):
             for lo, hi in zip(bounds, bounds[1:])]
 
 
-def arange(start, stop=None, step=1):
-    """An integer constant 0..n-1 (or start..stop by step), e.g. nanoGPT's positions `pos = arange(t)`."""
+def arange(start, stop=None, step=1, *, dtype=None, device=None, requires_grad=False):
+    """An integer constant 0..n-1 (or start..stop by step), e.g. nanoGPT's positions `pos = arange(t)`; torch's
+    keywords: `dtype=torch.float32` (any float dtype) gives floats of the program's dtype, `device=` is taken."""
     a = np.arange(start, stop, step) if stop is not None else np.arange(start)
-    if a.dtype.kind not in "iu":
-        raise TraceError(f"arange: integer bounds only, got {start!r}, {stop!r}, {step!r} — {user_src()}")
+    to_float = dtype is not None and any(f in str(dtype) for f in ("float", "double", "half"))
+    if dtype is not None and not to_float and not any(i in str(dtype) for i in ("int", "long")):
+        raise TraceError(f"arange: dtype must be an integer or float one, got {dtype!r} — {user_src()}")
+    if a.dtype.kind not in "iu" and not to_float:
+        raise TraceError(f"arange: integer bounds only (or dtype=float), got {start!r}, {stop!r}, {step!r} — "
+                         f"{user_src()}")
     g = current_graph()
+    if to_float:
+        return Tracer(g.const(a.astype(np.float64), g.float_dtype), g)
     return Tracer(g.const(a.astype(np.int32), "i32"), g)
 
 
