@@ -123,6 +123,12 @@ def cnn_loss(p, x, y):
     return btjit.cross_entropy(btjit.flatten(btjit.adaptive_avg_pool2d(h, 1)), y)
 
 
+def dw_loss(p, x, y):                      # a depthwise 3x3 (k_dwconv) between two convolutions, MobileNet's way
+    h = btjit.relu(btjit.conv2d(x, p["w1"], p["b1"], padding=1))
+    h = btjit.relu(btjit.conv2d(h, p["wd"], padding=1, groups=4))
+    return btjit.cross_entropy(btjit.flatten(btjit.adaptive_avg_pool2d(btjit.conv2d(h, p["w2"]), 1)), y)
+
+
 def test_conv_pool_exports_run_bitwise(tmp_path):
     rng = np.random.default_rng(3)
     cases = []
@@ -135,4 +141,8 @@ def test_conv_pool_exports_run_bitwise(tmp_path):
     data = [(rng.random((5, 1, 12, 12)).astype(np.float32), rng.integers(0, 6, 5).astype(np.int32)) for _ in range(4)]
     prog = btjit.trace(cnn_loss, p, *data[0], optimizer=btjit.optim.AdamW(lr=1e-2))     # 8 channels: implicit GEMM
     cases.append(("implicit", prog, data, "k_conv"))
+    p = {"w1": rng.normal(size=(4, 1, 3, 3)) * 0.3, "b1": np.zeros(4), "wd": rng.normal(size=(4, 1, 3, 3)) * 0.3,
+         "w2": rng.normal(size=(6, 4, 1, 1)) * 0.3}
+    prog = btjit.trace(dw_loss, p, *data[0], optimizer=btjit.optim.AdamW(lr=1e-2))
+    cases.append(("depthwise", prog, data, "k_dwconv"))
     _exports_run_bitwise(tmp_path, cases)
