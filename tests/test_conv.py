@@ -437,3 +437,39 @@ def test_padding_mode_as_nn_conv(mode, xs, ws, kw):
     m = m(3, 4, ws[2:], padding_mode=mode, **kw).double()
     _against_torch(lambda a, w, b: f(a, w, bias=b, padding_mode=mode, **kw), m._conv_forward,
                    [rng.normal(size=xs), rng.normal(size=ws), rng.normal(size=ws[0])], "float64", 1e-10)
+
+
+POOL_AFTER_CONV = [  # x, w, the pooling after conv -> [relu]: 2x2 (the vector path, an odd edge), 3x3 stride 2 padded
+    ((3, 8, 20, 21), (16, 8, 3, 3), lambda a: btjit.max_pool2d(a, 2), lambda a: TF.max_pool2d(a, 2), True),
+    ((2, 8, 9, 9), (8, 8, 3, 3), lambda a: btjit.max_pool2d(a, 2), lambda a: TF.max_pool2d(a, 2), False),
+    ((2, 3, 12, 11), (16, 3, 3, 3), lambda a: btjit.max_pool2d(a, 3, stride=2, padding=1),
+     lambda a: TF.max_pool2d(a, 3, stride=2, padding=1), True),
+    ((2, 8, 10, 10), (8, 8, 3, 3), lambda a: btjit.avg_pool2d(a, 2), lambda a: TF.avg_pool2d(a, 2), True),
+]
+
+
+@pytest.mark.parametrize("i", range(len(POOL_AFTER_CONV)))
+def test_pooling_gradient_made_inside_the_convolutions_output_gradient(i):
+    """conv2d [-> relu] -> a pooling: the pooling's gradient is made image by image inside the conv_dy pass (no
+    pool2d_grad equation, no (N, O, H, W) gradient stored); values and gradients as torch's."""
+    xs, ws, pool, tpool, relu = POOL_AFTER_CONV[i]
+    rng = np.random.default_rng(20 + i)
+    x, w, b = (rng.normal(size=s).astype(np.float32) for s in (xs, ws, ws[:1]))
+    act, tact = (btjit.relu, torch.relu) if relu else (lambda a: a, lambda a: a)
+    r = rng.normal(size=tuple(tpool(torch.zeros(xs[0], ws[0], xs[2] - 2, xs[3] - 2)).shape)).astype(np.float32)
+
+    def loss(q, x):
+        return btjit.sum(pool(act(btjit.conv2d(x * q["s"], q["w"], q["b"]))) * r)
+    p = {"w": w * 0.3, "b": b, "s": np.ones_like(x)}
+    prog = btjit.trace(loss, p, x, grad=True)
+    ops = [e.op for e in prog.graph.eqns]
+    dy = [e for e in prog.graph.eqns if e.op == "conv_dy"]
+    assert "pool2d_grad" not in ops and len(dy) == 1 and dy[0].attrs["pool"] > 0, ops
+    got = prog.value_and_grad(x)
+    ts = {k: torch.tensor(v, requires_grad=True) for k, v in p.items()}
+    want = (tpool(tact(TF.conv2d(torch.tensor(x) * ts["s"], ts["w"], ts["b"]))) * torch.tensor(r)).sum()
+    want.backward()
+    np.testing.assert_allclose(got, want.item(), rtol=1e-4)
+    for k in p:
+        g, t = prog.grads[k], ts[k].grad.numpy()
+        np.testing.assert_allclose(g, t, rtol=2e-4, atol=2e-4 * np.abs(t).max(), err_msg=k)

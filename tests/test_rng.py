@@ -93,6 +93,27 @@ def test_numbers_are_the_reference_function_of_seed_step_site_and_element(dtype)
     assert prog.step_count == 3
 
 
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_uniform_fill_takes_four_numbers_a_philox_block_at_any_start(dtype):
+    """Element e's uniform number is word e % 4 of the Philox block of e // 4: fill's whole-block loop, its head
+    and tail (starts and ends off a multiple of 4) and uniform_at (the attention kernels') all give philox_np's."""
+    from btjit.kernels.rng import fill, uniform_at
+    k0, k1, site, step = 0x12345678, 0x9ABCDEF0, 3, 11
+    n = 64
+    e = np.arange(n, dtype=np.uint64)
+    w = np.stack(philox_np((e >> np.uint64(2), e * 0, e * 0 + site, e * 0 + step), k0, k1))
+    want = ((w[e % 4, e] >> 8).astype(np.float64) * 2.0 ** -24).astype(dtype)
+    assert len(set(want[:4].tolist())) == 4
+    args = tuple(np.uint64(v) for v in (k0, k1, site, step))
+    for e0, m in ((0, 64), (1, 2), (3, 17), (5, 40), (8, 3), (13, 0)):
+        d = np.full(m + 2, -1.0, dtype)
+        fill(d, m, e0, U_UNIFORM, *args)
+        np.testing.assert_array_equal(d[:m], want[e0:e0 + m])
+        assert np.all(d[m:] == -1.0)
+    got = [uniform_at(np.zeros(1, dtype), np.int64(j), *args) for j in range(n)]
+    np.testing.assert_array_equal(np.array(got, dtype), want)
+
 def test_uniform_and_normal_statistics():
     prog, x, _ = _prog(_dropout_fn(0.5), (400, 1000))
     prog.step(x)

@@ -165,6 +165,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         grads = autodiff.differentiate(g)
         fuse.fuse_grad_accumulation(g)
         fuse.fuse_scatter_sum(g)
+        fuse.fuse_pool_grad(g)
         fuse.fold_transposed_operands(g)
         for name in g.params:
             if name not in grads:

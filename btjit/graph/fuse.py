@@ -15,6 +15,10 @@ keeps the graph in SSA form and replaces a pattern whose intermediate value is u
   GELU, SiLU written out  ->  gelu(x), gelu_erf(x), silu(x)   (btjit/graph/fuse_act.py)
   backward: slice_scatter(g1) + ... + slice_scatter(gn) tiling one axis  ->  concatenate(g1, ..., gn)
                                                   (the gradient of a value split into pieces: LSTM gates)
+  backward: pool2d_grad(x, d) -> dy, then conv_dy(dy, ...)  ->  conv_dy(x, d, ..., pool=1 + mode)
+                                                  (a convolution followed by a pooling: the pooling's gradient
+                                                   made image by image inside the pass that lays out the
+                                                   convolution's output gradient, never stored whole)
   backward: layernorm_grad(...) -> dx, then add(dx, acc)  ->  layernorm_grad(..., acc)
                                                   (x's other gradient, e.g. from its residual connection,
                                                    added by the LayerNorm backward kernel as it stores)
@@ -26,6 +30,9 @@ from collections import Counter
 import numpy as np
 
 from btjit.graph.ir import Eqn, Graph
+from btjit.kernels.common import MAX_THREADS
+
+_POOL_GEOM = ("kh", "kw", "sh", "sw", "ph", "pw", "oh", "ow")
 
 
 def _uses(graph: Graph) -> Counter:
@@ -168,6 +175,19 @@ def fuse_grad_accumulation(graph: Graph) -> None:
                 drop.add(id(e))
                 break
     graph.eqns = [fused.get(id(e), e) for e in graph.eqns if id(e) not in drop]
+
+
+def fuse_pool_grad(graph: Graph) -> None:
+    """conv_dy(pool2d_grad(x, d), [y]) -> conv_dy(x, d, [y], pool=1 + mode, the pooling's geometry), its last
+    output a scratch of one image per part (graph/ops/conv.py)."""
+    def rewrite(pg, rest, e):
+        if pg.op != "pool2d_grad" or e.ins[0] is not pg.outs[0] or e.attrs.get("pool", 0):
+            return None
+        x = pg.ins[0]
+        scr = graph.new_var((min(x.shape[0], MAX_THREADS), x.size // x.shape[0]), x.dtype)
+        attrs = dict(e.attrs, pool=1 + pg.attrs["mode"], **{k: pg.attrs[k] for k in _POOL_GEOM})
+        return Eqn("conv_dy", (*pg.ins, *rest), (*e.outs, scr), attrs, e.src)
+    _into(graph, "conv_dy", rewrite)
 
 
 def fold_transposed_operands(graph: Graph) -> None:

@@ -3,10 +3,12 @@
 # pixel (forward) or a tap of the window (the weight gradient), its steps run over the window or the pixels --
 # so no patch matrix is written or summed back. One entry serves every shape, stride, dilation and layout
 # (NCHW or NHWC input, output by pixel rows or (N, O, OH*OW)); a split row shares it over the threads. k_conv_dy
-# makes the output gradient into the pixel rows the two backward products read.
+# makes the output gradient into the pixel rows the two backward products read (from a max or average pooling's
+# output gradient where the pooling follows the convolution: its gradient made image by image in L2).
 from numba import carray, njit
 
 from btjit.kernels.common import FM, cvt, part_of, row, stack_buf, transpose
+from btjit.kernels.conv import pool2d_bwd, pool2x2
 from btjit.kernels.micro import MR, micro
 
 _g48, _g32 = micro((16, 16, 16), gathered=True), micro((16, 16), gathered=True)
@@ -126,13 +128,23 @@ def k_conv(a, ia, r):
 
 
 @njit(**FM)
-def dy_part(a, r, n0, n1):
-    """Images n0 .. n1-1 of a k_conv_dy row."""
+def dy_part(a, r, n0, n1, j):
+    """Images n0 .. n1-1 of a k_conv_dy row (part j: pool > 0 makes each image's dy in part j's scratch first)."""
     og = r[1]; oy = r[2]; ogt = r[3]; odb = r[4]; O = r[6]; P = r[7]; relu = r[8]; bias = r[9]
+    pool = r[10]; ox = r[11]; H = r[12]; W = r[13]; OH = r[14]; OW = r[15]; kh = r[16]; kw = r[17]; sh = r[18]
+    sw = r[19]; ph = r[20]; pw = r[21]; oscr = r[22] + j * O * P
     z = cvt(a, 0.0)
     for n in range(n0, n1):
         gt = ogt + n * P * O
-        transpose(a, og + n * O * P, a, gt, O, P, oy + n * O * P if relu else -1)
+        src = og + n * O * P
+        if pool:                # dy = the pooling's gradient of image n, made in L2-sized scratch, not the arena's
+            src = oscr          # whole (N, O, H, W) written and read back
+            mode = pool - 1
+            if kh == 2 and kw == 2 and sh == 2 and sw == 2 and ph == 0 and pw == 0 and 2 * OH <= H and 2 * OW <= W:
+                pool2x2(a, 1, mode, ox + n * O * P, og + n * O * OH * OW, oscr, O, H, W, OH, OW)
+            else:
+                pool2d_bwd(a, mode, ox + n * O * P, og + n * O * OH * OW, oscr, O, H, W, OH, OW, kh, kw, sh, sw, ph, pw)
+        transpose(a, src, a, gt, O, P, oy + n * O * P if relu else -1)
         if bias:
             db = a[odb + n * O:odb + (n + 1) * O]
             for o in range(O):
@@ -143,12 +155,14 @@ def dy_part(a, r, n0, n1):
                     db[o] += x[o]
 
 
-@row("og oy ogt odb N O P relu bias")
+@row("og oy ogt odb N O P relu bias pool ox H W OH OW kh kw sh sw ph pw oscr")
 @njit(**FM)
 def k_conv_dy(a, ia, r):
     """A convolution's output gradient dy (N, O, P) at og as the pixel rows its two backward products read, in one
     pass per image: gt (N*P, O) at ogt (relu 1: relu's gradient, masked by the convolution's output y at oy);
-    bias 1: each image's column sums of gt, (N, O) at odb (the bias gradient's terms)."""
+    bias 1: each image's column sums of gt, (N, O) at odb (the bias gradient's terms).
+    pool > 0: dy is the gradient of a pooling (mode pool - 1, kernels/conv.py's k_pool2d) of x (N, O, H, W) at
+    ox (P = H*W) whose output gradient (N, O, OH, OW) is at og; each image's dy is made in a part's O*P floats of
+    the scratch at oscr (one block per part), then read from there."""
     j, n = part_of(r)                      # split: the images in n parts
-    dy_part(a, r, j * r[5] // n, (j + 1) * r[5] // n)
-
+    dy_part(a, r, j * r[5] // n, (j + 1) * r[5] // n, j)

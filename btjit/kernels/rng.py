@@ -13,8 +13,10 @@ position in that op's output, so a kernel split over threads or rows, the fused 
 (btjit/kernels/fused.py), the standalone k_rand row and the attention kernels all draw the same number for
 the same element.
 
-uniform: the first word's top 24 bits times 2^-24, in [0, 1), exact in float32 and float64 (the same
-masks in both). normal: Box-Muller on the first two words. `philox_np` is the numpy reference.
+uniform: element e's number is word e % 4 of the Philox block of counter (e // 4 low and high 32 bits, site,
+step) -- four numbers a call, as Random123 and torch's Philox use them -- its top 24 bits times 2^-24, in [0, 1),
+exact in float32 and float64 (the same masks in both). normal: Box-Muller on the first two words of element
+e's own block (counter (e low, e high, site, step)). `philox_np` is the numpy reference.
 """
 import math
 
@@ -28,7 +30,7 @@ U_UNIFORM, U_NORMAL = 0, 1
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _W0, _W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
 _LO = np.uint64(0xFFFFFFFF)
-_S32, _S8 = np.uint64(32), np.uint64(8)
+_S32, _S8, _S2 = np.uint64(32), np.uint64(8), np.uint64(2)
 _TWO_PI = 6.283185307179586
 
 
@@ -71,18 +73,39 @@ def first(ia, okey, size):
 
 
 @njit(inline="always", **FM)
+def _unit(d, w):
+    """A 32-bit word's top 24 bits times 2^-24, in d's dtype."""
+    return cvt(d, np.int32(w >> _S8)) * cvt(d, 5.9604644775390625e-08)     # 2^-24
+
+
+@njit(inline="always", **FM)
 def uniform_at(d, e, k0, k1, c2, c3):
-    """The uniform number of element e (int64) in d's dtype."""
-    ue = np.uint64(e)
-    w0, _, _, _ = philox(ue & _LO, ue >> _S32, c2, c3, k0, k1)
-    return cvt(d, np.int32(w0 >> _S8)) * cvt(d, 5.9604644775390625e-08)     # 2^-24
+    """The uniform number of element e (int64) in d's dtype: word e % 4 of the block of e // 4."""
+    q = np.uint64(e) >> _S2
+    w0, w1, w2, w3 = philox(q & _LO, q >> _S32, c2, c3, k0, k1)
+    k = e & 3
+    return _unit(d, w0 if k == 0 else w1 if k == 1 else w2 if k == 2 else w3)
 
 
 @njit(**FM)
 def fill(d, m, e0, kind, k0, k1, c2, c3):
-    """d[j] = the random number (kind U_UNIFORM or U_NORMAL) of element e0 + j, for j < m."""
+    """d[j] = the random number (kind U_UNIFORM or U_NORMAL) of element e0 + j, for j < m. Uniform: one Philox
+    block gives the four numbers of elements 4q .. 4q+3 (its four words)."""
     if kind == U_UNIFORM:
-        for j in range(m):
+        h = min(m, (4 - e0 % 4) % 4)            # up to the first element of a block
+        for j in range(h):
+            d[j] = uniform_at(d, e0 + j, k0, k1, c2, c3)
+        nq = (m - h) // 4
+        q0 = (e0 + h) // 4
+        s = d[h:h + 4 * nq]
+        for t in range(nq):                     # whole blocks: four numbers a Philox call (the loop vectorizes)
+            q = np.uint64(q0 + t)
+            w0, w1, w2, w3 = philox(q & _LO, q >> _S32, c2, c3, k0, k1)
+            s[4 * t] = _unit(d, w0)
+            s[4 * t + 1] = _unit(d, w1)
+            s[4 * t + 2] = _unit(d, w2)
+            s[4 * t + 3] = _unit(d, w3)
+        for j in range(h + 4 * nq, m):
             d[j] = uniform_at(d, e0 + j, k0, k1, c2, c3)
         return
     sc = cvt(d, 5.9604644775390625e-08)
@@ -130,13 +153,18 @@ def random_np(shape, kind, site, key_block, dtype=np.float64):
     n = int(np.prod(shape))
     e = np.arange(n, dtype=np.uint64) + np.uint64(int(key_block[KEY_REPLICA]) * n)
     w32 = [int(np.uint32(np.int32(x))) for x in key_block]
-    w = philox_np((e & _LO, e >> _S32, np.full_like(e, site), np.full_like(e, w32[KEY_STEP])), w32[KEY_SEED],
-                  w32[KEY_SEED + 1])
+
+    def words(c):
+        return philox_np((c & _LO, c >> _S32, np.full_like(c, site), np.full_like(c, w32[KEY_STEP])),
+                         w32[KEY_SEED], w32[KEY_SEED + 1])
     sc = 2.0 ** -24
-    u = (w[0] >> _S8).astype(np.float64) * sc
     if kind == U_NORMAL:
+        w = words(e)
         u1 = ((w[0] >> _S8).astype(np.float64) + 1.0) * sc
         u = np.sqrt(-2.0 * np.log(u1)) * np.cos(_TWO_PI * (w[1] >> _S8).astype(np.float64) * sc)
+    else:
+        w = np.stack(words(e >> np.uint64(2)))[(e & np.uint64(3)).astype(np.int64), np.arange(n)]
+        u = (w >> _S8).astype(np.float64) * sc
     return u.astype(dtype).reshape(shape)
 
 

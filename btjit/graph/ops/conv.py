@@ -248,31 +248,56 @@ op("conv_wgrad", infer=lambda t, a, fd: [((_kpad(_cg_dims(t[0][0], a)[1] * a["kh
 
 
 # ----------------------------------------------------------------------------- the output gradient's layout
+# pool > 0 (fuse.fuse_pool_grad): dy is the gradient of a pooling (mode pool - 1, the pooling's geometry in the
+# attrs) of x (N, O, H, W), its first input, whose output gradient (N, O, oh, ow) is the second; made image by
+# image in a scratch of one image per part (the last output), so the whole (N, O, H, W) dy is never stored.
+def _dy_parts(N):
+    return min(N, MAX_THREADS)
+
+
 def _conv_dy_rule(types, attrs, fd):
     _float(types, "")
+    pool = attrs.get("pool", 0)
     s = tuple(types[0][0])
-    if len(s) != 4 or len(types) != 1 + attrs["relu"] or (attrs["relu"] and tuple(types[1][0]) != s):
+    if pool and (len(types[1][0]) != 4 or tuple(types[1][0]) != s[:2] + (attrs["oh"], attrs["ow"])):
+        raise ShapeError("conv_dy with pool needs x (N, O, H, W) and the pooling's output gradient (N, O, oh, ow)")
+    if len(s) != 4 or len(types) != 1 + (pool > 0) + attrs["relu"] or (attrs["relu"] and tuple(types[-1][0]) != s):
         raise ShapeError("conv_dy needs dy (N, O, OH, OW), and with relu the convolution's output of its shape")
-    return [((s[0] * s[2] * s[3], s[1]), fd)] + [((s[0], s[1]), fd)] * attrs["bias"]
+    return [((s[0] * s[2] * s[3], s[1]), fd)] + [((s[0], s[1]), fd)] * attrs["bias"] + \
+        [((_dy_parts(s[0]), s[1] * s[2] * s[3]), fd)] * (pool > 0)
 
 
 def _conv_dy_ref(xs, a):
-    g = np.where(xs[1] > 0, xs[0], xs[0] * 0) if a["relu"] else xs[0]
+    pool = a.get("pool", 0)
+    g = _pool_grad_ref(xs[:2], dict(a, mode=pool - 1))[0] if pool else xs[0]
+    g = np.where(xs[-1] > 0, g, g * 0) if a["relu"] else g
     gt = g.reshape(g.shape[0], g.shape[1], -1).transpose(0, 2, 1)
-    return (gt.reshape(-1, g.shape[1]).copy(),) + (gt.sum(axis=1),) * a["bias"]
+    scr = (np.zeros((_dy_parts(g.shape[0]), g[0].size), g.dtype),) if pool else ()
+    return (gt.reshape(-1, g.shape[1]).copy(),) + (gt.sum(axis=1),) * a["bias"] + scr
 
 
 def _conv_dy_lower(e, L):
-    g, a = e.ins[0], e.attrs
-    N, O, OH, OW = g.shape
-    return [L.row("k_conv_dy", split=par_parts(L, g.size, N), og=L.off(g), oy=L.off(e.ins[1]) if a["relu"] else 0,
-                   ogt=L.off(e.outs[0]), odb=L.off(e.outs[1]) if a["bias"] else 0, N=N, O=O, P=OH * OW,
-                   relu=a["relu"], bias=a["bias"])]
+    a = e.attrs
+    pool = a.get("pool", 0)
+    g = e.ins[0]
+    N, O, H, W = g.shape
+    pa = dict(pool=pool, ox=L.off(g), og=L.off(e.ins[1]), H=H, W=W, OH=a["oh"], OW=a["ow"], oscr=L.off(e.outs[-1]),
+              **{k: a[k] for k in _GEOM[:6]}) if pool else \
+        dict(og=L.off(g), pool=0, ox=0, H=0, W=0, OH=0, OW=0, oscr=0, **{k: 0 for k in _GEOM[:6]})
+    return [L.row("k_conv_dy", split=par_parts(L, g.size, N), oy=L.off(e.ins[-1]) if a["relu"] else 0,
+                  ogt=L.off(e.outs[0]), odb=L.off(e.outs[1]) if a["bias"] else 0, N=N, O=O, P=H * W,
+                  relu=a["relu"], bias=a["bias"], **pa)]
 
 
+_pdy = [(s, a) for s, a in (  # (x, dy of the pooling's output): 2x2 windows (odd edge), 3x3 stride 2 padded
+    ((2, 8, 5, 7), dict(pool=1, kh=2, kw=2, sh=2, sw=2, ph=0, pw=0, oh=2, ow=3, relu=1, bias=1)),
+    ((2, 16, 16, 19), dict(pool=1, kh=2, kw=2, sh=2, sw=2, ph=0, pw=0, oh=8, ow=9, relu=1, bias=1)),
+    ((2, 16, 4, 4), dict(pool=2, kh=3, kw=3, sh=2, sw=2, ph=1, pw=1, oh=2, ow=2, relu=0, bias=1)),
+    ((1, 8, 6, 5), dict(pool=1, kh=3, kw=3, sh=2, sw=2, ph=1, pw=1, oh=3, ow=3, relu=1, bias=0)))]
 op("conv_dy", infer=_conv_dy_rule, ref=_conv_dy_ref, lower=_conv_dy_lower, internal=True, nondiff=True,
    cases=[Case((F(2, 8, 3, 5), F(2, 8, 3, 5)), dict(relu=1, bias=1)), Case((F(3, 16, 4, 5),), dict(relu=0, bias=1)),
-          Case((F(2, 24, 6, 7), F(2, 24, 6, 7)), dict(relu=1, bias=0))])
+          Case((F(2, 24, 6, 7), F(2, 24, 6, 7)), dict(relu=1, bias=0))] +
+   [Case((F(*s), F(*s[:2], a["oh"], a["ow"])) + (F(*s),) * a["relu"], a) for s, a in _pdy])
 
 
 # ----------------------------------------------------------------------------- pooling
