@@ -1,6 +1,7 @@
 """Hand-written forms of ops btjit has kernels for become those ops (btjit/graph/fuse.py, fuse_act.py): makemore's
 attention (split heads, q @ k^T * scale, causal masked_fill, softmax, @ v) -> causal_attention, NewGELU written out
--> gelu, the exact GELU written out -> gelu_erf. Same values and gradients as the written-out program; near misses are left alone."""
+-> gelu, the exact GELU written out -> gelu_erf, x * sigmoid(x) -> silu. Same values and gradients as the
+written-out program; near misses are left alone."""
 import math
 
 import numpy as np

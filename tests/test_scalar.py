@@ -106,6 +106,7 @@ OPS = [
     ("minimum", lambda a, b: btjit.minimum(a, b * 2.0), _any, _any),
     ("gelu", lambda a, b: btjit.gelu(a), _any, _any),
     ("gelu_tanh", lambda a, b: btjit.gelu(a, approximate="tanh"), _any, _any),
+    ("silu", lambda a, b: btjit.silu(a) * b + a * btjit.sigmoid(b), _any, _any),
     ("erf", lambda a, b: btjit.erf(a) * b, _any, _any),
     ("log1p", lambda a, b: btjit.log1p(a), _pos, _any),
     ("sin_cos", lambda a, b: btjit.sin(a) * btjit.cos(b), _any, _any),

@@ -238,7 +238,8 @@ def prefetch(typingctx, arr, off):
     def impl(context, builder, sig, args):
         p = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], fnty)
         builder.call(fn, [builder.bitcast(p, i8p), i32(0), i32(3), i32(1)])
         return context.get_dummy_value()
     return types.void(arr, off), impl

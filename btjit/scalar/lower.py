@@ -59,7 +59,7 @@ STRAIGHT_LINE_MAX = 600      # instructions; see the module docstring for the me
 ARGS_MAX = 16                # above this many inputs, the straight-line `one` takes a 1-D array
 FASTMATH = {'nsz', 'arcp', 'contract', 'afn', 'reassoc'}
 FM = dict(fastmath=FASTMATH, error_model='numpy', boundscheck=False)
-GEN_VERSION = "1"            # bump when the generated code's shape changes (part of the file hash)
+GEN_VERSION = "2"            # bump when the generated code's shape changes (part of the file hash)
 
 
 class ScalarGraphError(Exception):
@@ -71,10 +71,11 @@ class ScalarGraphError(Exception):
 # HALF for dtype-correct literals, and may be a list of statements with {o} the result and {t} a temp prefix.
 (ADD, SUB, MUL, DIV, NEG, COPY, EXP, LOG, TANH, SQRT, ABS, RELU, SIGMOID, POW, MAXIMUM, MINIMUM, EQ, NE, GT,
  GE, LT, LE, TANH_GRAD, RELU_GRAD, SIGMOID_GRAD, WHERE, GELU, GELU_GRAD, ARG, ERF, LOG1P, SIGN, FLOOR, CEIL,
- ROUND, TRUNC, FMOD, REMAINDER, SIN, COS) = range(40)
+ ROUND, TRUNC, FMOD, REMAINDER, SIN, COS, GELU_ERF, GELU_ERF_GRAD, SILU, SILU_GRAD) = range(44)
 
 _G0 = 0.7978845608028654      # sqrt(2/pi), as in graph/ops/elementwise.py's _gelu_ref
 _G1 = 0.044715
+_RS2, _RS2PI = 0.7071067811865476, 0.3989422804014327     # 1 / sqrt(2), 1 / sqrt(2 pi): the exact GELU's
 
 OPS = {
     "add": (ADD, "{0} + {1}"),
@@ -121,6 +122,12 @@ OPS = {
     "gelu_grad": (GELU_GRAD, ["{t}t = math.tanh(G0 * ({0} + G1 * {0} * {0} * {0}))",
                               "{o} = {1} * (HALF * (ONE + {t}t) + HALF * {0} * (ONE - {t}t * {t}t) * G0 * "
                               "(ONE + G3 * {0} * {0}))"]),
+    "gelu_erf": (GELU_ERF, "{0} * (HALF + HALF * math.erf({0} * RS2))"),
+    "gelu_erf_grad": (GELU_ERF_GRAD, "{1} * (HALF + HALF * math.erf({0} * RS2) + {0} * RS2PI * "
+                                     "math.exp(-HALF * {0} * {0}))"),
+    "silu": (SILU, "{0} / (ONE + math.exp(-{0}))"),
+    "silu_grad": (SILU_GRAD, ["{t}s = ONE / (ONE + math.exp(-{0}))",
+                              "{o} = {1} * {t}s * (ONE + {0} * (ONE - {t}s))"]),
 }
 ALIASES = {"reshape", "broadcast_to"}
 _COMMUTATIVE = {"add", "mul", "maximum", "minimum", "eq", "ne"}     # shape () -> shape (): the output is the input
@@ -228,7 +235,8 @@ def generate_source(prog: ScalarProgram) -> str:
               f"# njit options: {sorted(FASTMATH)} error_model=numpy boundscheck=False; numba {numba.__version__}",
               "import math", "import numpy as np", "",
               f"ONE = {lit(1.0)}", f"ZERO = {lit(0.0)}", f"HALF = {lit(0.5)}", f"G0 = {lit(_G0)}",
-              f"G1 = {lit(_G1)}", f"G3 = {lit(3 * _G1)}", ""]
+              f"G1 = {lit(_G1)}", f"G3 = {lit(3 * _G1)}", f"RS2 = {lit(_RS2)}", f"RS2PI = {lit(_RS2PI)}",
+              ""]
     full = prog.needed(prog.values + prog.grads)
     ops = lambda atoms: [_operand(a, dt) for a in atoms]  # noqa: E731
     vals, grads = ops(prog.values), ops(prog.grads)

@@ -9,10 +9,10 @@ import numpy as np
 from numba import njit
 
 from btjit.kernels.elementwise import R_FLOOR, R_REMAINDER, _rounding
-from btjit.scalar.lower import (ABS, ADD, ARG, COPY, DIV, EQ, ERF, EXP, FLOOR, FM, GE, GELU, GELU_GRAD,
-                                GT, LE, LOG, LOG1P, LT, MAXIMUM, MINIMUM, MUL, NE, NEG, OPS, POW, RELU, RELU_GRAD,
-                                REMAINDER, SIGMOID, SIGMOID_GRAD, SIGN, SIN, COS, SQRT, SUB, TANH, TANH_GRAD,
-                                WHERE, ScalarProgram, _G0, _G1)
+from btjit.scalar.lower import (ABS, ADD, ARG, COPY, DIV, EQ, ERF, EXP, FLOOR, FM, GE, GELU, GELU_ERF,
+                                GELU_ERF_GRAD, GELU_GRAD, GT, LE, LOG, LOG1P, LT, MAXIMUM, MINIMUM, MUL, NE, NEG, OPS,
+                                POW, RELU, RELU_GRAD, REMAINDER, SIGMOID, SIGMOID_GRAD, SIGN, SILU, SILU_GRAD, SIN, COS,
+                                SQRT, SUB, TANH, TANH_GRAD, WHERE, ScalarProgram, _G0, _G1, _RS2, _RS2PI)
 
 
 class ScalarTape:
@@ -81,7 +81,7 @@ class ScalarTape:
         self.gslots = np.array([where(a) for a in prog.grads], np.int32)
         self.nslots = np.array([where(a) for _, a in prog.named], np.int32)
         self.n_slots = n_slots
-        self.K = np.array([0.0, 1.0, 0.5, _G0, _G1, 3 * _G1], prog.np_dtype)
+        self.K = np.array([0.0, 1.0, 0.5, _G0, _G1, 3 * _G1, _RS2, _RS2PI], prog.np_dtype)
 
     def many(self, X, OV, OG, ON=None):
         """Run every row of X (N, n_in): values -> OV (N, n_out), grads -> OG (N, n_in), named -> ON (N, n_named)
@@ -98,7 +98,8 @@ assert (FLOOR, REMAINDER) == (R_FLOOR + FLOOR, R_REMAINDER + FLOOR)     # the tw
 
 @njit(**FM, cache=True)
 def tape_run(code, r, K):
-    """Run the scalar tape once over the register file r. K = [0, 1, 0.5, G0, G1, 3 G1] in r's dtype."""
+    """Run the scalar tape once over the register file r. K = [0, 1, 0.5, G0, G1, 3 G1, 1/sqrt 2, 1/sqrt(2 pi)]
+    in r's dtype."""
     z = K[0]
     one = K[1]
     half = K[2]
@@ -187,6 +188,18 @@ def tape_run(code, r, K):
             x = r[a]
             t = math.tanh(g0 * (x + g1 * x * x * x))
             r[o] = r[b] * (half * (one + t) + half * x * (one - t * t) * g0 * (one + K[5] * x * x))
+        elif op == GELU_ERF:
+            x = r[a]
+            r[o] = x * (half + half * math.erf(x * K[6]))
+        elif op == GELU_ERF_GRAD:
+            x = r[a]
+            r[o] = r[b] * (half + half * math.erf(x * K[6]) + x * K[7] * math.exp(-half * x * x))
+        elif op == SILU:
+            r[o] = r[a] / (one + math.exp(-r[a]))
+        elif op == SILU_GRAD:
+            x = r[a]
+            sg = one / (one + math.exp(-x))
+            r[o] = r[b] * sg * (one + x * (one - sg))
         # ARG: operand row of the previous WHERE, nothing to do
 
 
