@@ -30,7 +30,7 @@ from collections import Counter
 import numpy as np
 
 from btjit.graph.ir import Eqn, Graph
-from btjit.kernels.common import MAX_THREADS
+from btjit.graph.optable import TABLE
 
 _POOL_GEOM = ("kh", "kw", "sh", "sw", "ph", "pw", "oh", "ow")
 
@@ -183,10 +183,10 @@ def fuse_pool_grad(graph: Graph) -> None:
     def rewrite(pg, rest, e):
         if pg.op != "pool2d_grad" or e.ins[0] is not pg.outs[0] or e.attrs.get("pool", 0):
             return None
-        x = pg.ins[0]
-        scr = graph.new_var((min(x.shape[0], MAX_THREADS), x.size // x.shape[0]), x.dtype)
+        ins = (*pg.ins, *rest)
         attrs = dict(e.attrs, pool=1 + pg.attrs["mode"], **{k: pg.attrs[k] for k in _POOL_GEOM})
-        return Eqn("conv_dy", (*pg.ins, *rest), (*e.outs, scr), attrs, e.src)
+        types = TABLE["conv_dy"].infer([(v.shape, v.dtype) for v in ins], attrs, graph.float_dtype)
+        return Eqn("conv_dy", ins, (*e.outs, graph.new_var(*types[-1])), attrs, e.src)
     _into(graph, "conv_dy", rewrite)
 
 

@@ -320,23 +320,15 @@ def _dw_plane(a, buf, mode, xc, wc, yc, H, W, OH, OW, kh, kw, ph, pw, dh, dw, Hp
     zero = cvt(a, 0.0)
     NP, T = Hp * Wp, (OH - 1) * Wp + OW
     P, Q = buf[:NP], buf[NP:NP + T]
+    for t in range(NP + T):
+        buf[t] = zero
     if mode != 1:                                   # P = x, padded
-        for t in range(NP):
-            P[t] = zero
         for ih in range(min(H, Hp - ph)):
             n = min(W, Wp - pw)
             P[(ih + ph) * Wp + pw:(ih + ph) * Wp + pw + n] = a[xc + ih * W:xc + ih * W + n]
     if mode != 0:                                   # Q = dy, zeros past column OW
-        for t in range(T):
-            Q[t] = zero
         for o in range(OH):
             Q[o * Wp:o * Wp + OW] = a[yc + o * OW:yc + (o + 1) * OW]
-    else:
-        for t in range(T):
-            Q[t] = zero
-    if mode == 1:
-        for t in range(NP):
-            P[t] = zero
     for i in range(kh):
         for k in range(kw):
             acc = _tap(mode, fptr(buf, i * dh * Wp + k * dw), fptr(buf, NP), T, a[wc + i * kw + k], zero)
