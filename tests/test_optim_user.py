@@ -225,3 +225,22 @@ def test_a_returned_value_of_another_shape_names_the_param_and_its_shape():
                        dtype="float64")
     prog.step(*quad_batches(1)[0])              # a 0-d new param is broadcast (as numpy would)
     assert (prog.params["w"] == 0.1).all() and (prog.params["g"] == 0.1).all()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_user_update_over_a_param_larger_than_the_cache_matches_numpy(threads):
+    # 1.5M float64s: the update's chain streams ~36 MB, so it prefetches each next block whole (btjit/kernels/
+    # fused.py); 1.5M + 5 is not a multiple of the block, so the last block is partial
+    n = 3 * 2 ** 19 + 5
+    rng = np.random.default_rng(1)
+    w0, xs = rng.standard_normal(n), [rng.standard_normal(n) for _ in range(3)]
+    prog = btjit.trace(lambda p, x: btjit.sum(p["w"] * x), {"w": w0}, xs[0], optimizer=MyLion(lr=0.01, weight_decay=0.1),
+                       threads=threads, dtype="float64")
+    w, m = w0.copy(), np.zeros(n)
+    for x in xs:
+        prog.step(x)
+        c = 0.9 * m + 0.1 * x
+        w = w * (1 - 0.01 * 0.1) - 0.01 * np.sign(c)
+        m = 0.99 * m + 0.01 * x
+    np.testing.assert_allclose(prog.params["w"], w, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(prog.opt_state["exp_avg"]["w"], m, rtol=1e-12, atol=1e-13)

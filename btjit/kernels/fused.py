@@ -40,6 +40,8 @@ WHERE, LOAD, RAND, LOADC = 56, 57, 58, 59
 FMA, FMS, FNMA = 60, 61, 62   # dst = x*y + z, x*y - z, z - x*y (the highest opcodes: `op >= FMA` below)
 FMA2, FMS2 = 63, 64           # dst = x*y + z*w, x*y - z*w
 HEAD = 6
+PF_LINES = 4         # cache lines of the next block of each operand read in place, prefetched as a block starts
+PF_STREAM = 8 << 20  # ... and all of them if the row reads more than this: beyond a core's share of L3 (4-5 MB here)
 WIDTH = 6            # ints per instruction
 RSIZE = BLOCK * (NREG + 1)   # and one scratch register (in-place destinations, below)
 
@@ -287,6 +289,17 @@ def _at(a, R, P, r, code, i0, i1, i2, j0):
     return fptr(R, code * BLOCK) if code >= 0 else fptr(a, _off(P, r, code, i0, i1, i2, j0))
 
 
+@njit(inline="always", **FM)
+def _prefetch(a, P, r, nops, pick, i0, i1, i2, j0, l0, l1, line):
+    """Prefetch cache lines l0 .. l1 of the block at j0 of each operand k with bit k of pick set."""
+    for k in range(nops):
+        s = HEAD + 4 * k
+        if (pick >> k) & 1:
+            at = r[2 + k] + i0 * P[s] + i1 * P[s + 1] + i2 * P[s + 2] + j0
+            for q in range(l0, l1):
+                prefetch(a, at + q * line)
+
+
 @row("oprog " + " ".join(f"o{k}" for k in range(MAX_OPERANDS)) + " okey ebase esize")
 @njit(**FM)
 def k_ew_program(a, ia, r):
@@ -327,20 +340,30 @@ def _blocks(a, ia, r, lo, hi):
     i1, i0 = t % n1, t // n1                # 45 blocks, a tenth of E6 batch 1's update)
     line = 64 // a.itemsize                # elements per cache line; nl lines a block
     nl = BLOCK // line
+    pick, npick = np.int64(0), 0            # operands read or written in place (innermost stride 1), each
+    for k in range(nops if nb3 > 1 else 0):     # array once (an output written over its input is one array)
+        s = HEAD + 4 * k
+        new = P[s + 3] == 1
+        for k2 in range(k):
+            s2 = HEAD + 4 * k2
+            if (pick >> k2) & 1 and r[2 + k2] == r[2 + k] and P[s2] == P[s] and P[s2 + 1] == P[s + 1] and \
+                    P[s2 + 2] == P[s + 2]:
+                new = False
+        if new:
+            pick |= np.int64(1) << k
+            npick += 1
+    stream = n_blocks(ia, r) * BLOCK * a.itemsize * npick > PF_STREAM
     for b in range(lo, hi):
         j0 = jb * BLOCK
         m = min(BLOCK, n3 - j0)
         pf = jb + 1 < nb3
-        for t in range(ninstr):
-            if pf:                          # the next block of each operand read in place is prefetched, a
-                l0 = t * nl // ninstr       # share of its lines before each instruction: a block is a 4 KB
-                l1 = (t + 1) * nl // ninstr     # page, where the CPU's own prefetchers stop, and the
-                for k in range(nops):           # instructions read the operands in turns (Lion 1M: 1.3x faster)
-                    s = HEAD + 4 * k
-                    if P[s + 3] == 1:
-                        at = r[2 + k] + i0 * P[s] + i1 * P[s + 1] + i2 * P[s + 2] + j0 + BLOCK
-                        for q in range(l0, l1):
-                            prefetch(a, at + q * line)
+        if pf:                              # the next block's first lines of each operand read in place: a
+            _prefetch(a, P, r, nops, pick, i0, i1, i2, j0 + BLOCK, 0, PF_LINES, line)   # block is a 4 KB page,
+        for t in range(ninstr):             # where the CPU's own prefetchers stop, and the instructions read the
+            if pf and stream:               # operands in turns; a row streaming from memory fetches the rest
+                l0 = PF_LINES + t * (nl - PF_LINES) // ninstr      # too, a share before each instruction (Lion's
+                l1 = PF_LINES + (t + 1) * (nl - PF_LINES) // ninstr    # update, 1M: 1.3-1.45x -> 1.0-1.2x AdamW;
+                _prefetch(a, P, r, nops, pick, i0, i1, i2, j0 + BLOCK, l0, l1, line)     # 256K: 1.2x slower)
             q = oi + WIDTH * t
             op, dr, xr, yr, zr, wr = P[q], P[q + 1], P[q + 2], P[q + 3], P[q + 4], P[q + 5]
             d = _at(a, R, P, r, dr, i0, i1, i2, j0)
