@@ -30,9 +30,8 @@ from collections import Counter
 import numpy as np
 
 from btjit.graph.ir import Eqn, Graph
+from btjit.graph.ops.conv import POOL_GEOM
 from btjit.graph.optable import TABLE
-
-_POOL_GEOM = ("kh", "kw", "sh", "sw", "ph", "pw", "oh", "ow")
 
 
 def _uses(graph: Graph) -> Counter:
@@ -184,7 +183,7 @@ def fuse_pool_grad(graph: Graph) -> None:
         if pg.op != "pool2d_grad" or e.ins[0] is not pg.outs[0] or e.attrs.get("pool", 0):
             return None
         ins = (*pg.ins, *rest)
-        attrs = dict(e.attrs, pool=1 + pg.attrs["mode"], **{k: pg.attrs[k] for k in _POOL_GEOM})
+        attrs = dict(e.attrs, pool=1 + pg.attrs["mode"], **{k: pg.attrs[k] for k in POOL_GEOM})
         types = TABLE["conv_dy"].infer([(v.shape, v.dtype) for v in ins], attrs, graph.float_dtype)
         return Eqn("conv_dy", ins, (*e.outs, graph.new_var(*types[-1])), attrs, e.src)
     _into(graph, "conv_dy", rewrite)

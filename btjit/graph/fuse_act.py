@@ -16,9 +16,9 @@ import numpy as np
 
 from btjit.graph.fuse import _uses
 from btjit.graph.ir import Eqn, Graph
+from btjit.kernels.elementwise import RSQRT2
 
 GELU_C0, GELU_C1 = 0.7978845608028654, 0.044715      # sqrt(2 / pi) and the cubic's coefficient
-RSQRT2 = 0.7071067811865476                          # the erf form's 1 / sqrt(2)
 
 
 def _close(a, b):

@@ -38,20 +38,21 @@ S_TO_FLOAT = 33   # k_int_strided: out (in a) = float(in1)
 _z = np.float32(0.0)
 _one = np.float32(1.0)
 _half = np.float32(0.5)
-_RSQRT2 = 0.7071067811865476          # 1 / sqrt(2), cvt to the operand's dtype where used
-_RSQRT2PI = 0.3989422804014327        # 1 / sqrt(2 pi), likewise
+# 1 / sqrt(2) and 1 / sqrt(2 pi): the exact GELU's (graph/fuse_act.py and btjit/scalar read them too), cvt to the
+# operand's dtype where used
+RSQRT2, RSQRT2PI = 0.7071067811865476, 0.3989422804014327
 
 
 @njit(inline="always", **FM)
 def gelu(x):
     """The exact GELU, x * Phi(x) = x (1/2 + erf(x / sqrt 2) / 2), torch's nn.GELU()."""
-    return x * (_half + _half * ferf(x * cvt(x, _RSQRT2)))
+    return x * (_half + _half * ferf(x * cvt(x, RSQRT2)))
 
 
 @njit(inline="always", **FM)
 def gelu_grad(x, g):
     """g * GELU'(x) = g (Phi(x) + x phi(x)), phi the standard normal density."""
-    return g * (_half + _half * ferf(x * cvt(x, _RSQRT2)) + x * cvt(x, _RSQRT2PI) * fexp(-_half * x * x))
+    return g * (_half + _half * ferf(x * cvt(x, RSQRT2)) + x * cvt(x, RSQRT2PI) * fexp(-_half * x * x))
 
 
 @njit(inline="always", **FM)

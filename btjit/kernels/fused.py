@@ -41,7 +41,7 @@ FMA, FMS, FNMA = 60, 61, 62   # dst = x*y + z, x*y - z, z - x*y (the highest opc
 FMA2, FMS2 = 63, 64           # dst = x*y + z*w, x*y - z*w
 HEAD = 6
 PF_LINES = 4         # cache lines of the next block of each operand read in place, prefetched as a block starts
-PF_STREAM = 8 << 20  # ... and all of them if the row reads more than this: beyond a core's share of L3 (4-5 MB here)
+PF_STREAM = 8 << 20  # ... and all of them if the row reads more than this: past a core's share of L3 (4-5 MB)
 WIDTH = 6            # ints per instruction
 RSIZE = BLOCK * (NREG + 1)   # and one scratch register (in-place destinations, below)
 
@@ -342,12 +342,9 @@ def _blocks(a, ia, r, lo, hi):
     nl = BLOCK // line
     pick, npick = np.int64(0), 0            # operands read or written in place (innermost stride 1), each
     for k in range(nops if nb3 > 1 else 0):     # array once (an output written over its input is one array)
-        s = HEAD + 4 * k
-        new = P[s + 3] == 1
+        new = P[HEAD + 4 * k + 3] == 1
         for k2 in range(k):
-            s2 = HEAD + 4 * k2
-            if (pick >> k2) & 1 and r[2 + k2] == r[2 + k] and P[s2] == P[s] and P[s2 + 1] == P[s + 1] and \
-                    P[s2 + 2] == P[s + 2]:
+            if (pick >> k2) & 1 and r[2 + k2] == r[2 + k]:
                 new = False
         if new:
             pick |= np.int64(1) << k

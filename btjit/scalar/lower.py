@@ -52,6 +52,7 @@ import numba
 import numpy as np
 from numba import njit, types as nt
 
+from btjit.kernels.elementwise import RSQRT2 as _RS2, RSQRT2PI as _RS2PI    # the exact GELU's constants
 from btjit.kernels.library import _import_file, cache_dir
 from btjit.graph.ops import TABLE
 
@@ -75,7 +76,6 @@ class ScalarGraphError(Exception):
 
 _G0 = 0.7978845608028654      # sqrt(2/pi), as in graph/ops/elementwise.py's _gelu_ref
 _G1 = 0.044715
-_RS2, _RS2PI = 0.7071067811865476, 0.3989422804014327     # 1 / sqrt(2), 1 / sqrt(2 pi): the exact GELU's
 
 OPS = {
     "add": (ADD, "{0} + {1}"),

@@ -24,6 +24,7 @@ from btjit.graph.ops.matmul import par_gemm
 from btjit.graph.optable import Case, F, ShapeError, _float, op, par_parts
 
 _GEOM = ("kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "oh", "ow")
+POOL_GEOM = _GEOM[:6] + _GEOM[8:]   # a pooling's (no dilation)
 
 
 # ----------------------------------------------------------------------------- im2col / col2im
@@ -281,12 +282,13 @@ def _conv_dy_lower(e, L):
     pool = a.get("pool", 0)
     g = e.ins[0]
     N, O, H, W = g.shape
-    pa = dict(pool=pool, ox=L.off(g), og=L.off(e.ins[1]), H=H, W=W, OH=a["oh"], OW=a["ow"], oscr=L.off(e.outs[-1]),
-              **{k: a[k] for k in _GEOM[:6]}) if pool else \
-        dict(og=L.off(g), pool=0, ox=0, H=0, W=0, OH=0, OW=0, oscr=0, **{k: 0 for k in _GEOM[:6]})
-    return [L.row("k_conv_dy", split=par_parts(L, g.size, N), oy=L.off(e.ins[-1]) if a["relu"] else 0,
-                  ogt=L.off(e.outs[0]), odb=L.off(e.outs[1]) if a["bias"] else 0, N=N, O=O, P=H * W,
-                  relu=a["relu"], bias=a["bias"], **pa)]
+    pa = dict.fromkeys(("ox", "H", "W", "OH", "OW", "oscr") + POOL_GEOM[:6], 0)
+    if pool:
+        pa.update(ox=L.off(g), H=H, W=W, OH=a["oh"], OW=a["ow"], oscr=L.off(e.outs[-1]),
+                  **{k: a[k] for k in POOL_GEOM[:6]})
+    return [L.row("k_conv_dy", split=par_parts(L, g.size, N), og=L.off(e.ins[1] if pool else g), pool=pool,
+                  oy=L.off(e.ins[-1]) if a["relu"] else 0, ogt=L.off(e.outs[0]),
+                  odb=L.off(e.outs[1]) if a["bias"] else 0, N=N, O=O, P=H * W, relu=a["relu"], bias=a["bias"], **pa)]
 
 
 _pdy = [(s, a) for s, a in (  # (x, dy of the pooling's output): 2x2 windows (odd edge), 3x3 stride 2 padded
