@@ -144,6 +144,22 @@ def test_generated_entries_compile_here_load_from_disk_and_heal(tmp_path, monkey
         assert lib.load(*e) and lib.loaded[e].object_code == code
 
 
+def test_a_light_entry_compiles_in_this_process_and_loads_from_disk(tmp_path, monkeypatch):
+    """Entries estimated under HERE_MAX seconds compile in the asking process (no worker to start), into the
+    library dir only: a library then loads them from the disk (compiled 0 times there), as a worker's."""
+    from btjit.kernels import library
+    monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(library, "LIBRARY", library.Library())
+    e = ("k_opt_sgd", "f32", None)
+    assert library.HEAVY.get(e[0], 0.3) <= library.HERE_MAX
+    seen = []
+    library.compile_entries([e], seen.append)
+    assert len(seen) == 1 and seen[0].startswith(library.entry_name(*e)) and seen[0].endswith("(here)")
+    assert not [m for m in sys.modules if m.startswith("btjit_build_")]
+    lib = library.Library()
+    assert lib.cached(*e) and lib.load(*e) is False and lib.loaded[e].cache_hits == 1
+
+
 FAKE_NAMES = ("k_unary", "k_binary", "k_matmul", "k_reduce", "k_clip_scale", "k_fill")
 
 

@@ -318,6 +318,23 @@ def groups(entries, n=1) -> list:
 
 
 WORKER = [sys.executable, "-m", "btjit.kernels", "-"]
+HERE_MAX = 1.0       # entries estimated (HEAVY) at most this many seconds in all compile in this process: a worker's
+                     # start (python, numba and btjit imported again: ~0.65 s) costs more than it would save
+
+
+def _build_here(k) -> None:
+    """Compile entry k into the library dir in this process without loading it (the program then loads it from
+    the disk, as every entry); a generated entry is compiled and loaded (its object code is what the disk holds)."""
+    name, fd, shape = k
+    if name in GENERATED:
+        LIBRARY.load(*k)
+        return
+    stem = entry_name(*k)
+    modname = f"btjit_build_{LIBRARY.key}_{stem}"
+    try:
+        _import_file(modname, LIBRARY._write(LIBRARY.dir(), stem, entry_source(name, fd, shape)))
+    finally:
+        sys.modules.pop(modname, None)
 
 
 def compile_entries(entries, echo=None) -> None:
@@ -325,8 +342,20 @@ def compile_entries(entries, echo=None) -> None:
     and at most one per group, each fed one group at a time, costliest first: a worker that finishes a group
     takes the next, so the cores stay busy to the end whatever the real costs. echo(line) gets each worker's
     report ("entry  seconds"). A worker that dies loses only its group (a new one takes the groups left);
-    `Library.load` compiles what is missing."""
+    `Library.load` compiles what is missing. Entries estimated at HERE_MAX seconds or less in all compile here,
+    one after another (a worker's start would cost more)."""
     import selectors
+    if entries and LIBRARY.dir() and not os.environ.get("BTJIT_LIBRARY_WORKER") and \
+            sum(HEAVY.get(e[0], 0.3) for e in entries) <= HERE_MAX:
+        for e in entries:
+            t0 = time.perf_counter()
+            try:
+                _build_here(e)
+            except Exception:  # noqa: BLE001 -- Library.load compiles it again and reports the error
+                continue
+            if echo:
+                echo(f"{entry_name(*e):<40s} {time.perf_counter() - t0:6.2f} s  (here)")
+        return
     todo = groups(entries, workers(len(entries)))
     if not todo:
         return
