@@ -155,9 +155,11 @@ def test_a_light_entry_compiles_in_this_process_and_loads_from_disk(tmp_path, mo
     seen = []
     library.compile_entries([e], seen.append)
     assert len(seen) == 1 and seen[0].startswith(library.entry_name(*e)) and seen[0].endswith("(here)")
-    assert not [m for m in sys.modules if m.startswith("btjit_build_")]
+    assert library.LIBRARY.module_name(library.entry_name(*e)) not in sys.modules
     lib = library.Library()
     assert lib.cached(*e) and lib.load(*e) is False and lib.loaded[e].cache_hits == 1
+    assert lib.loaded[e].native_name.startswith("cfunc._ZN") and lib.module_name(library.entry_name(*e)) in \
+        lib.loaded[e].native_name                       # the name an export links the entry by
 
 
 FAKE_NAMES = ("k_unary", "k_binary", "k_matmul", "k_reduce", "k_clip_scale", "k_fill")

@@ -137,6 +137,10 @@ class Library:
             return KERNELS[opcode], None
         return next(k for k, v in self.variants.items() if v == opcode)
 
+    def module_name(self, stem) -> str:
+        """The module an entry's source is imported as: its symbols carry this name, which exports link by."""
+        return f"btjit_lib_{self.key}_{stem}"
+
     # ------------------------------------------------------------------ the library dir
     def dir(self):
         """The library dir, created (and older libraries removed); None if the cache dir is not writable."""
@@ -184,7 +188,7 @@ class Library:
         if name in GENERATED:
             return self._load_generated(k)
         stem = entry_name(name, fd, shape)
-        modname = f"btjit_lib_{self.key}_{stem}"
+        modname = self.module_name(stem)
         d = self.dir()
         fn = None
         if d:
@@ -324,13 +328,14 @@ HERE_MAX = 1.0       # entries estimated (HEAVY) at most this many seconds in al
 
 def _build_here(k) -> None:
     """Compile entry k into the library dir in this process without loading it (the program then loads it from
-    the disk, as every entry); a generated entry is compiled and loaded (its object code is what the disk holds)."""
+    the disk, as every entry: imported again under the same module name, which its symbols carry); a generated
+    entry is compiled and loaded (its object code is what the disk holds)."""
     name, fd, shape = k
     if name in GENERATED:
         LIBRARY.load(*k)
         return
     stem = entry_name(*k)
-    modname = f"btjit_build_{LIBRARY.key}_{stem}"
+    modname = LIBRARY.module_name(stem)
     try:
         _import_file(modname, LIBRARY._write(LIBRARY.dir(), stem, entry_source(name, fd, shape)))
     finally:
