@@ -297,11 +297,17 @@ def _parse(s):
     return name, fd, tuple(int(x) for x in sh) if sh else None
 
 
-# rough compile costs (seconds on one machine; the rest ~0.3 s): only the order the workers take groups in
+# rough compile costs (seconds on one machine; the rest ~0.3 s): the order the workers take groups in, and which
+# sets compile in the asking process (HERE_MAX)
 HEAVY = {"k_attn_bl_move": 1, "k_ew_program": 5, "k_attn_bwd_flash": 6, "k_attn_fwd_flash": 4, "k_attn_bwd_bl": 4,
          "k_attn_fwd_bl": 4, "k_matmul": 4, "k_matmul_micro": 3, "k_attn_bwd_kept": 3, "k_attn_fwd_kept": 3,
          "k_strided": 3, "k_binary": 3, "k_attn_bwd": 3, "k_reduce": 2, "k_unary": 2, "k_ce_fwd": 0.7,
          "k_layernorm_bwd": 0.5, "k_matmul_bf16": 3, "k_matmul_amx": 3, "k_conv": 3}
+
+
+def _cost(entries) -> float:
+    """The estimated compile seconds of these entries (HEAVY's, 0.3 s for the others)."""
+    return sum(HEAVY.get(e[0], 0.3) for e in entries)
 
 
 def groups(entries, n=1) -> list:
@@ -309,16 +315,15 @@ def groups(entries, n=1) -> list:
     compile shared helpers, which a process compiles once) -- costliest first; while there are fewer than n
     (the workers), the costliest group of two or more is halved, so no core waits (a new attention shape's
     forward and backward: 4.1 s in one process, ~2.2 s in two)."""
-    cost = lambda g: sum(HEAVY.get(e[0], 0.3) for e in g)     # noqa: E731
     out: dict = {}
     for e in entries:
         out.setdefault((MODULE_OF.get(e[0], "generated"), e[1], e[2]), []).append(e)
-    todo = sorted(out.values(), key=cost, reverse=True)
+    todo = sorted(out.values(), key=_cost, reverse=True)
     while len(todo) < n and any(len(g) > 1 for g in todo):
-        g = max((g for g in todo if len(g) > 1), key=cost)
+        g = max((g for g in todo if len(g) > 1), key=_cost)
         todo.remove(g)
         todo += [g[::2], g[1::2]]
-    return sorted(todo, key=cost, reverse=True)
+    return sorted(todo, key=_cost, reverse=True)
 
 
 WORKER = [sys.executable, "-m", "btjit.kernels", "-"]
@@ -351,7 +356,7 @@ def compile_entries(entries, echo=None) -> None:
     one after another (a worker's start would cost more)."""
     import selectors
     if entries and LIBRARY.dir() and not os.environ.get("BTJIT_LIBRARY_WORKER") and \
-            sum(HEAVY.get(e[0], 0.3) for e in entries) <= HERE_MAX:
+            _cost(entries) <= HERE_MAX:
         for e in entries:
             t0 = time.perf_counter()
             try:
