@@ -167,17 +167,19 @@ FAKE_NAMES = ("k_unary", "k_binary", "k_matmul", "k_reduce", "k_clip_scale", "k_
 
 def _fake_workers(tmp_path, die_on_f64=False):
     """compile_entries over FAKE_NAMES' entries (float64 first) with a fake worker that reports each group it
-    reads in one write (and exits 1 on a float64 group with die_on_f64): (names heard, entries, groups)."""
+    reads in one write (and exits 1 on a float64 group with die_on_f64), and a fake compile in this process that
+    takes 0.3 s an entry: (entry names heard, entries, groups)."""
     fake = ("import os, sys\n"
             "while True:\n"
             "    got = os.read(0, 65536)\n"
             "    if not got: break\n"
             f"    if {die_on_f64} and b':f64' in got: sys.exit(1)\n"
-            "    os.write(1, b''.join(s.split(b':')[0] + b' 0.00 s\\n' for s in got.split()))\n")
+            "    os.write(1, b''.join(b'_'.join(s.split(b':')) + b' 0.00 s\\n' for s in got.split()))\n")
     script = textwrap.dedent(f"""
-        import sys
+        import sys, time
         from btjit.kernels import library
         library.WORKER = [sys.executable, "-c", {fake!r}]
+        library._build_here = lambda e: time.sleep(0.3)
         es = [(n, fd, None) for n in {FAKE_NAMES!r} for fd in ("f64", "f32")]
         seen = []
         library.compile_entries(es, seen.append)
@@ -193,17 +195,21 @@ def _fake_workers(tmp_path, die_on_f64=False):
 
 def test_workers_reporting_many_entries_at_once_are_all_heard(tmp_path):
     """A worker that reports a whole group in one write is fed its next group: compile_entries reads what the
-    pipe holds, not a line at a time (a line read ahead into a buffer would never wake the selector again)."""
+    pipe holds, not a line at a time (a line read ahead into a buffer would never wake the selector again).
+    This process compiles groups too, as the workers do: each entry is heard once, from one or the other."""
     seen, n, ngroups = _fake_workers(tmp_path)
-    assert len(seen) == n == 12 and ngroups > 2             # more groups than workers: each fed several
+    assert sorted(seen) == sorted(f"{name}_{fd}" for name in FAKE_NAMES for fd in ("f32", "f64"))
+    assert n == 12 and ngroups > 2                          # more groups than workers: each fed several
 
 
 def test_a_worker_that_dies_loses_only_its_group(tmp_path):
     """A worker dying on a group (an entry that does not compile) is replaced while groups are left: with
-    every float64 group fatal, every float32 group is still compiled and heard (each entry once), whichever
-    worker died first."""
+    every float64 group fatal in a worker, every float32 group is still compiled and heard (each entry once),
+    whichever worker died first, and no entry is heard twice."""
     seen, _, _ = _fake_workers(tmp_path, die_on_f64=True)
-    assert sorted(seen) == sorted(FAKE_NAMES)
+    assert sorted(s for s in seen if s.endswith("_f32")) == sorted(f"{name}_f32" for name in FAKE_NAMES)
+    assert len(set(seen)) == len(seen) and set(seen) <= {f"{name}_f64" for name in FAKE_NAMES} | set(
+        f"{name}_f32" for name in FAKE_NAMES)
 
 
 def test_the_whole_library_is_float32_only_where_its_kernels_are():

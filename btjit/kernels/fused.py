@@ -217,13 +217,13 @@ def _lin(form, d, a, x, b, y, m):
             x[j] = a * x[j] + b
 
 
-@njit(inline="always", **FM)
+@njit(**FM)
 def _isc(sc, code):
     """Is code a register holding a scalar (filled by LOADC)?"""
     return code >= 0 and ((sc >> code) & 1) == 1
 
 
-@njit(inline="always", **FM)
+@njit(**FM)
 def _pick(k, x, y, z, w):
     """Source k (0 x, 1 y, 2 z, 3 w) of an instruction."""
     return x if k == 0 else y if k == 1 else z if k == 2 else w
@@ -275,7 +275,7 @@ def _affine(op, sc, R, xr, yr, zr, wr, al, d, x, y, z, w, m):
     return True
 
 
-@njit(inline="always", **FM)
+@njit(**FM)
 def _off(P, r, code, i0, i1, i2, j0):
     """Where in the arena operand -1 - code's block starts."""
     s = HEAD + 4 * (-1 - code)
@@ -289,7 +289,7 @@ def _at(a, R, P, r, code, i0, i1, i2, j0):
     return fptr(R, code * BLOCK) if code >= 0 else fptr(a, _off(P, r, code, i0, i1, i2, j0))
 
 
-@njit(inline="always", **FM)
+@njit(**FM)
 def _prefetch(a, P, r, nops, pick, i0, i1, i2, j0, l0, l1, line):
     """Prefetch cache lines l0 .. l1 of the block at j0 of each operand k with bit k of pick set."""
     for k in range(nops):

@@ -18,6 +18,7 @@ memory -- each with a warning, never a wrong result. `python -m btjit.kernels EN
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib.util
 import inspect
@@ -38,6 +39,7 @@ from btjit.host.cachedir import cache_dir
 from btjit.kernels import (amx, attention, attn_kept, attn_lanes, attn_loops, bf16, common, conv, convgemm, elementwise,
                            fused, layout, linalg, micro, nn, norm, objcode, optim, reduce, rng, tiles)
 from btjit.kernels.common import ROW, ROWS
+from btjit.kernels.inlinecopy import fast_inlining
 
 MODULES = (elementwise, layout, fused, reduce, linalg, nn, norm, optim, attn_loops, attention, attn_kept, rng, conv,
            convgemm, bf16, amx)
@@ -348,27 +350,45 @@ def _build_here(k) -> None:
 
 
 def compile_entries(entries, echo=None) -> None:
-    """Compile `entries` into the library dir in worker processes (`python -m btjit.kernels -`), one per core
-    and at most one per group, each fed one group at a time, costliest first: a worker that finishes a group
-    takes the next, so the cores stay busy to the end whatever the real costs. echo(line) gets each worker's
-    report ("entry  seconds"). A worker that dies loses only its group (a new one takes the groups left);
-    `Library.load` compiles what is missing. Entries estimated at HERE_MAX seconds or less in all compile here,
-    one after another (a worker's start would cost more)."""
+    """Compile `entries` into the library dir, each group (`groups`) in one process, costliest first: in this
+    process (a thread taking groups as the workers do) and in worker processes (`python -m btjit.kernels -`),
+    one per further core and at most one per group left, each fed one group at a time -- whoever finishes a group
+    takes the next, so the cores stay busy to the end whatever the real costs. Entries estimated at HERE_MAX
+    seconds or less in all compile here only (a worker's start, python, numba and btjit imported again, ~0.5 s,
+    would cost more). echo(line) gets each entry's report ("entry  seconds"). A worker that dies loses only its
+    group (a new one takes the groups left); an entry that fails here is left to `Library.load`, which compiles
+    it again and reports the error."""
     import selectors
-    if entries and LIBRARY.dir() and not os.environ.get("BTJIT_LIBRARY_WORKER") and \
-            _cost(entries) <= HERE_MAX:
-        for e in entries:
-            t0 = time.perf_counter()
-            try:
-                _build_here(e)
-            except Exception:  # noqa: BLE001 -- Library.load compiles it again and reports the error
-                continue
-            if echo:
-                echo(f"{entry_name(*e):<40s} {time.perf_counter() - t0:6.2f} s  (here)")
-        return
+    import threading
     todo = groups(entries, workers(len(entries)))
-    if not todo:
+    here = bool(todo) and bool(LIBRARY.dir()) and not os.environ.get("BTJIT_LIBRARY_WORKER")
+    procs = 0 if here and _cost(entries) <= HERE_MAX else workers(len(todo)) - here
+    lock = threading.Lock()
+
+    def take():
+        with lock:
+            return todo.pop(0) if todo else None
+
+    def build_here():
+        gc.freeze()        # numba's compile makes garbage by the million: collections skip this process's objects
+        with fast_inlining():
+            while (g := take()) is not None:
+                for e in g:
+                    t0 = time.perf_counter()
+                    try:
+                        _build_here(e)
+                    except Exception:  # noqa: BLE001 -- Library.load compiles it again and reports the error
+                        continue
+                    if echo:
+                        echo(f"{entry_name(*e):<40s} {time.perf_counter() - t0:6.2f} s  (here)")
+        gc.unfreeze()
+    if not procs:
+        if here:
+            build_here()
         return
+    builder = threading.Thread(target=build_here, daemon=True) if here else None
+    if builder:
+        builder.start()
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, BTJIT_CACHE_DIR=str(cache_dir()), BTJIT_LIBRARY_WORKER="1",
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -377,8 +397,8 @@ def compile_entries(entries, echo=None) -> None:
 
     def feed(p):
         try:
-            if todo:
-                g = todo.pop(0)
+            g = take()
+            if g:
                 left[p] = len(g)
                 p.stdin.write("".join(f"{_spec(e)}\n" for e in g).encode())
                 p.stdin.flush()
@@ -386,12 +406,13 @@ def compile_entries(entries, echo=None) -> None:
                 p.stdin.close()
         except OSError:                         # the worker died; the end of its stdout unregisters it
             pass
+
     def start():
         p = subprocess.Popen(WORKER, env=env, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         sel.register(p.stdout, selectors.EVENT_READ, p)
         feed(p)
-    for _ in range(workers(len(todo))):
+    for _ in range(procs):
         start()
     partial = {}                                # worker -> bytes after its last newline
     while sel.get_map():
@@ -412,6 +433,8 @@ def compile_entries(entries, echo=None) -> None:
                 left[p] -= 1
                 if left[p] == 0:
                     feed(p)
+    if builder:
+        builder.join()
 
 
 def all_entries():
