@@ -162,6 +162,19 @@ def test_a_light_entry_compiles_in_this_process_and_loads_from_disk(tmp_path, mo
         lib.loaded[e].native_name                       # the name an export links the entry by
 
 
+def test_entries_compile_into_the_cache_dir_of_the_moment(tmp_path, monkeypatch):
+    """The process's library was opened in one cache dir and the cache dir is another now (a test, a notebook
+    that set BTJIT_CACHE_DIR): compile_entries builds into the new one, as its workers do, not into the old."""
+    from btjit.kernels import library
+    monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path / "old"))
+    monkeypatch.setattr(library, "LIBRARY", library.Library())
+    assert library.LIBRARY.dir()
+    monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path / "new"))
+    e = ("k_opt_sgd", "f32", None)
+    library.compile_entries([e])
+    assert library.Library().cached(*e) and not library.LIBRARY.cached(*e)
+
+
 FAKE_NAMES = ("k_unary", "k_binary", "k_matmul", "k_reduce", "k_clip_scale", "k_fill")
 
 
