@@ -361,7 +361,9 @@ def compile_entries(entries, echo=None) -> None:
     import selectors
     import threading
     todo = groups(entries, workers(len(entries)))
-    here = bool(todo) and LIBRARY.dir() == cache_dir() / f"lib-{LIBRARY.key}" and \
+    if not todo:
+        return
+    here = LIBRARY.dir() == cache_dir() / f"lib-{LIBRARY.key}" and \
         not os.environ.get("BTJIT_LIBRARY_WORKER")      # (not where the cache dir changed since: the workers')
     procs = 0 if here and _cost(entries) <= HERE_MAX else workers(len(todo)) - here
     lock = threading.Lock()
