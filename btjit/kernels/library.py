@@ -374,17 +374,19 @@ def compile_entries(entries, echo=None) -> None:
 
     def build_here():
         gc.freeze()        # numba's compile makes garbage by the million: collections skip this process's objects
-        with fast_inlining():
-            while (g := take()) is not None:
-                for e in g:
-                    t0 = time.perf_counter()
-                    try:
-                        _build_here(e)
-                    except Exception:  # noqa: BLE001 -- Library.load compiles it again and reports the error
-                        continue
-                    if echo:
-                        echo(f"{entry_name(*e):<40s} {time.perf_counter() - t0:6.2f} s  (here)")
-        gc.unfreeze()
+        try:
+            with fast_inlining():
+                while (g := take()) is not None:
+                    for e in g:
+                        t0 = time.perf_counter()
+                        try:
+                            _build_here(e)
+                        except Exception:  # noqa: BLE001 -- Library.load compiles it again and reports the error
+                            continue
+                        if echo:
+                            echo(f"{entry_name(*e):<40s} {time.perf_counter() - t0:6.2f} s  (here)")
+        finally:
+            gc.unfreeze()
     if not procs:
         if here:
             build_here()
