@@ -229,8 +229,7 @@ def test_a_worker_that_dies_loses_only_its_group(tmp_path):
     whichever worker died first, and no entry is heard twice."""
     seen, _, _ = _fake_workers(tmp_path, die_on_f64=True)
     assert sorted(s for s in seen if s.endswith("_f32")) == sorted(f"{name}_f32" for name in FAKE_NAMES)
-    assert len(set(seen)) == len(seen) and set(seen) <= {f"{name}_f64" for name in FAKE_NAMES} | set(
-        f"{name}_f32" for name in FAKE_NAMES)
+    assert len(set(seen)) == len(seen) and set(seen) <= {f"{name}_{fd}" for name in FAKE_NAMES for fd in ("f32", "f64")}
 
 
 def test_the_whole_library_is_float32_only_where_its_kernels_are():

@@ -2,22 +2,20 @@
 entry per line of stdin, as btjit.kernels.library.compile_entries feeds them), printing each entry's name and
 seconds.
 
-The worker compiles under `fast_inlining()` (btjit/kernels/inlinecopy.py): the same machine code, sooner.
+The worker compiles within `fast_compile()` (btjit/kernels/fastcompile.py): the same machine code, sooner.
 """
-import gc
 import os
 import sys
 import time
 
 import btjit.kernels.linalg  # noqa: F401 -- registers the BLAS symbols before any cache load
-from btjit.kernels.inlinecopy import fast_inlining
+from btjit.kernels.fastcompile import fast_compile
 from btjit.kernels.library import LIBRARY, _parse, entry_name
 
 
 def main(argv):
     """Compile (or load) each entry, printing its name and seconds."""
-    gc.freeze()         # numba's compile makes garbage by the million: collections skip what the imports made
-    with fast_inlining():
+    with fast_compile():
         for s in (ln.strip() for ln in sys.stdin) if argv == ["-"] else argv:
             e = _parse(s)
             t0 = time.perf_counter()

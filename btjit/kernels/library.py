@@ -18,7 +18,6 @@ memory -- each with a warning, never a wrong result. `python -m btjit.kernels EN
 """
 from __future__ import annotations
 
-import gc
 import hashlib
 import importlib.util
 import inspect
@@ -39,7 +38,7 @@ from btjit.host.cachedir import cache_dir
 from btjit.kernels import (amx, attention, attn_kept, attn_lanes, attn_loops, bf16, common, conv, convgemm, elementwise,
                            fused, layout, linalg, micro, nn, norm, objcode, optim, reduce, rng, tiles)
 from btjit.kernels.common import ROW, ROWS
-from btjit.kernels.inlinecopy import fast_inlining
+from btjit.kernels.fastcompile import fast_compile
 
 MODULES = (elementwise, layout, fused, reduce, linalg, nn, norm, optim, attn_loops, attention, attn_kept, rng, conv,
            convgemm, bf16, amx)
@@ -144,10 +143,14 @@ class Library:
         return f"btjit_lib_{self.key}_{stem}"
 
     # ------------------------------------------------------------------ the library dir
+    def home(self) -> Path:
+        """Where this library's dir is under the cache dir of the moment ($BTJIT_CACHE_DIR, read again)."""
+        return cache_dir() / f"lib-{self.key}"
+
     def dir(self):
         """The library dir, created (and older libraries removed); None if the cache dir is not writable."""
         if self._dir is None:
-            d = cache_dir() / f"lib-{self.key}"
+            d = self.home()
             try:
                 d.mkdir(parents=True, exist_ok=True)
                 if not os.access(d, os.W_OK):
@@ -363,8 +366,8 @@ def compile_entries(entries, echo=None) -> None:
     todo = groups(entries, workers(len(entries)))
     if not todo:
         return
-    here = LIBRARY.dir() == cache_dir() / f"lib-{LIBRARY.key}" and \
-        not os.environ.get("BTJIT_LIBRARY_WORKER")      # (not where the cache dir changed since: the workers')
+    # this process compiles too, unless the cache dir changed since its library was opened (the workers' is the new)
+    here = LIBRARY.dir() == LIBRARY.home() and not os.environ.get("BTJIT_LIBRARY_WORKER")
     procs = 0 if here and _cost(entries) <= HERE_MAX else workers(len(todo)) - here
     lock = threading.Lock()
 
@@ -373,23 +376,18 @@ def compile_entries(entries, echo=None) -> None:
             return todo.pop(0) if todo else None
 
     def build_here():
-        gc.freeze()        # numba's compile makes garbage by the million: collections skip this process's objects
-        try:
-            with fast_inlining():
-                while (g := take()) is not None:
-                    for e in g:
-                        t0 = time.perf_counter()
-                        try:
-                            _build_here(e)
-                        except Exception:  # noqa: BLE001 -- Library.load compiles it again and reports the error
-                            continue
-                        if echo:
-                            echo(f"{entry_name(*e):<40s} {time.perf_counter() - t0:6.2f} s  (here)")
-        finally:
-            gc.unfreeze()
-    if not procs:
-        if here:
-            build_here()
+        with fast_compile():
+            while (g := take()) is not None:
+                for e in g:
+                    t0 = time.perf_counter()
+                    try:
+                        _build_here(e)
+                    except Exception:  # noqa: BLE001 -- Library.load compiles it again and reports the error
+                        continue
+                    if echo:
+                        echo(f"{entry_name(*e):<40s} {time.perf_counter() - t0:6.2f} s  (here)")
+    if not procs:                               # this process alone (procs is 0 only where it compiles)
+        build_here()
         return
     builder = threading.Thread(target=build_here, daemon=True) if here else None
     if builder:

@@ -1,14 +1,17 @@
-"""A faster copy of numba's IR inliner, with the same machine code: `fast_inlining()` around a compile.
+"""Library entries compile sooner, to the same machine code, within `fast_compile()` (the workers, and the process that
+asks for entries while it compiles some itself: btjit/kernels/library.py):
 
-numba's inliner (every `inline="always"` call, and each kernel inlined into its library entry) copies the callee's
+- The garbage collector skips the objects made before (numba's compile makes garbage by the million; in the asking
+  process, with its own objects, the fused-chain interpreter compiled in 7.0 s, 6.2 s with this).
+- numba's inliner (every `inline="always"` call, and each kernel inlined into its library entry) copies the callee's
 IR block by block, each block with a fresh deepcopy memo, so every block copies the function's whole Scope (all its
-variables) again: quadratic in the callee's size. Within `fast_inlining()` the blocks of one copy share a memo, so
-the scope is copied once per copy, as the blocks share one scope before. Measured: k_ew_program's entry 9.6 -> 7.6 s
-of CPU, the instructions compiled identical (znver4). Used by the library's workers and by the process that asks
-for entries while it compiles them itself (btjit/kernels/library.py).
+  variables) again: quadratic in the callee's size. Here the blocks of one copy share a memo, so the scope is copied
+  once per copy, as the blocks share one scope before. Measured: k_ew_program's entry 9.6 -> 7.6 s of CPU, the
+  instructions compiled identical (znver4).
 """
 import contextlib
 import copy
+import gc
 import sys
 import types
 
@@ -37,13 +40,16 @@ class _BlockCopies(types.ModuleType):
 
 
 @contextlib.contextmanager
-def fast_inlining():
-    """numba's inliner copies blocks with a shared memo inside the block (if this numba's inliner uses `copy`)."""
+def fast_compile():
+    """Within the block: the collector skips the objects made before it, and numba's inliner copies a callee's
+    blocks with one memo per copy (if this numba's inliner uses `copy`)."""
     old = getattr(inline_closurecall, "copy", None)
     if old is copy:
         inline_closurecall.copy = _BlockCopies()
+    gc.freeze()
     try:
         yield
     finally:
+        gc.unfreeze()
         if old is copy:
             inline_closurecall.copy = old
