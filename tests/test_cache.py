@@ -104,9 +104,10 @@ def test_precompiled_entries_are_what_a_new_program_loads(tmp_path, monkeypatch)
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     entries = [("k_binary", "f64", None), ("k_unary", "f64", None), ("k_matmul", "f64", None),
                ("k_reduce", "f64", None), ("k_strided", "f64", None), ("k_ew_program", "f64", None)]
+    from btjit.kernels import schedule
     lib = library.Library()
     seen = []
-    library.compile_entries(entries, seen.append)
+    schedule.compile_entries(library.LIBRARY, entries, seen.append)
     assert sorted(ln.split()[0] for ln in seen) == sorted(library.entry_name(*e) for e in entries)
     assert all(lib.cached(*e) for e in entries)
     res = _run(tmp_path, 5)
@@ -147,15 +148,15 @@ def test_generated_entries_compile_here_load_from_disk_and_heal(tmp_path, monkey
 def test_a_light_entry_compiles_in_this_process_and_loads_from_disk(tmp_path, monkeypatch):
     """Entries estimated under HERE_MAX seconds compile in the asking process (no worker to start), into the
     library dir only: a library then loads them from the disk (compiled 0 times there), as a worker's."""
-    from btjit.kernels import library
+    from btjit.kernels import library, schedule
     monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(library, "LIBRARY", library.Library())
+    asking = library.Library()
     e = ("k_opt_sgd", "f32", None)
-    assert library.HEAVY.get(e[0], 0.3) <= library.HERE_MAX
+    assert schedule.HEAVY.get(e[0], 0.3) <= schedule.HERE_MAX
     seen = []
-    library.compile_entries([e], seen.append)
+    schedule.compile_entries(asking, [e], seen.append)
     assert len(seen) == 1 and seen[0].startswith(library.entry_name(*e)) and seen[0].endswith("(here)")
-    assert library.LIBRARY.module_name(library.entry_name(*e)) not in sys.modules
+    assert asking.module_name(library.entry_name(*e)) not in sys.modules
     lib = library.Library()
     assert lib.cached(*e) and lib.load(*e) is False and lib.loaded[e].cache_hits == 1
     assert lib.loaded[e].native_name.startswith("cfunc._ZN") and lib.module_name(library.entry_name(*e)) in \
@@ -165,22 +166,22 @@ def test_a_light_entry_compiles_in_this_process_and_loads_from_disk(tmp_path, mo
 def test_entries_compile_into_the_cache_dir_of_the_moment(tmp_path, monkeypatch):
     """The process's library was opened in one cache dir and the cache dir is another now (a test, a notebook
     that set BTJIT_CACHE_DIR): compile_entries builds into the new one, as its workers do, not into the old."""
-    from btjit.kernels import library
+    from btjit.kernels import library, schedule
     monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path / "old"))
-    monkeypatch.setattr(library, "LIBRARY", library.Library())
-    assert library.LIBRARY.dir()
+    opened = library.Library()
+    assert opened.dir()
     monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path / "new"))
     e = ("k_opt_sgd", "f32", None)
-    library.compile_entries([e])
-    assert library.Library().cached(*e) and not library.LIBRARY.cached(*e)
+    schedule.compile_entries(opened, [e])
+    assert library.Library().cached(*e) and not opened.cached(*e)
 
 
 def test_nothing_to_compile_starts_no_worker(monkeypatch):
     """A program whose entries are all on the disk asks compile_entries for none: no process starts (a worker
     started for nothing cost every cached start ~0.3 s)."""
-    from btjit.kernels import library
-    monkeypatch.setattr(library.subprocess, "Popen", lambda *a, **k: pytest.fail("a worker started"))
-    library.compile_entries([])
+    from btjit.kernels import library, schedule
+    monkeypatch.setattr(schedule.subprocess, "Popen", lambda *a, **k: pytest.fail("a worker started"))
+    schedule.compile_entries(library.LIBRARY, [])
 
 
 FAKE_NAMES = ("k_unary", "k_binary", "k_matmul", "k_reduce", "k_clip_scale", "k_fill")
@@ -198,13 +199,13 @@ def _fake_workers(tmp_path, die_on_f64=False):
             "    os.write(1, b''.join(b'_'.join(s.split(b':')) + b' 0.00 s\\n' for s in got.split()))\n")
     script = textwrap.dedent(f"""
         import sys, time
-        from btjit.kernels import library
-        library.WORKER = [sys.executable, "-c", {fake!r}]
-        library._build_here = lambda e: time.sleep(0.3)
+        from btjit.kernels import library, schedule
+        schedule.WORKER = [sys.executable, "-c", {fake!r}]
+        library.LIBRARY.build = lambda e: time.sleep(0.3)
         es = [(n, fd, None) for n in {FAKE_NAMES!r} for fd in ("f64", "f32")]
         seen = []
-        library.compile_entries(es, seen.append)
-        print(len(es), len(library.groups(es)), *(ln.split()[0] for ln in seen))
+        schedule.compile_entries(library.LIBRARY, es, seen.append)
+        print(len(es), len(schedule.groups(es)), *(ln.split()[0] for ln in seen))
     """)
     env = dict(os.environ, BTJIT_CACHE_DIR=str(tmp_path),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -233,23 +234,23 @@ def test_a_worker_that_dies_loses_only_its_group(tmp_path):
 
 
 def test_the_whole_library_is_float32_only_where_its_kernels_are():
-    from btjit.kernels import library
-    entries = library.all_entries()
+    from btjit.kernels.entries import F32_ONLY, all_entries
+    entries = all_entries()
     assert ("k_matmul_amx", "f32", None) in entries and ("k_matmul_bf16", "f32", None) in entries
-    assert not [e for e in entries if e[0] in library.F32_ONLY and e[1] == "f64"]
+    assert not [e for e in entries if e[0] in F32_ONLY and e[1] == "f64"]
     assert ("k_matmul_micro", "f64", None) in entries
 
 
 def test_groups_keep_modules_together_and_halve_for_idle_workers():
     """Entries of one module and dtype compile in one process; with fewer groups than workers the costliest
     group of two or more is halved (a new attention shape's forward and backward on two cores, not one)."""
-    from btjit.kernels import library
+    from btjit.kernels import schedule
     es = [("k_attn_fwd_kept", "f32", None), ("k_attn_bwd_kept", "f32", None), ("k_opt_sgd", "f32", None)]
-    one = library.groups(es)
+    one = schedule.groups(es)
     assert sorted(map(len, one)) == [1, 2] and one[0] == es[:2]          # the attention module's pair, first
-    three = library.groups(es, n=3)
+    three = schedule.groups(es, n=3)
     assert sorted(map(len, three)) == [1, 1, 1] and sorted(e for g in three for e in g) == sorted(es)
-    assert library.groups(es[:1], n=4) == [es[:1]]                       # a single entry stays whole
+    assert schedule.groups(es[:1], n=4) == [es[:1]]                       # a single entry stays whole
 
 
 def test_rows_are_built_by_name_and_checked():
@@ -333,11 +334,11 @@ def test_an_entry_that_does_not_compile_never_starts_workers_from_a_worker(tmp_p
     """A kernel whose entry fails to compile: in a library worker (BTJIT_LIBRARY_WORKER) the error goes to the
     process that asked and no further worker starts (a worker starting workers had multiplied them without
     end); in the process that asked, it is retried once through a worker and then raised."""
-    from btjit.kernels import library
+    from btjit.kernels import library, schedule
     monkeypatch.setenv("BTJIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(library, "entry_source", lambda *a, **k: "raise RuntimeError('no such kernel code')\n")
     started = []
-    monkeypatch.setattr(library, "compile_entries", lambda entries, echo=None: started.append(entries))
+    monkeypatch.setattr(schedule, "compile_entries", lambda lib, entries, echo=None: started.append(entries))
     monkeypatch.setenv("BTJIT_LIBRARY_WORKER", "1")
     with pytest.raises(RuntimeError, match="no such kernel code"):
         library.Library().load("k_fill", "f64")

@@ -7,7 +7,7 @@ import inspect
 import sys
 
 from btjit.kernels.common import ROWS
-from btjit.kernels.library import GENERATED, KERNELS, MODULE_OF
+from btjit.kernels.entries import GENERATED, KERNELS, MODULE_OF
 
 
 def check_rows(names=None) -> list:

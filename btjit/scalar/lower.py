@@ -53,7 +53,8 @@ import numpy as np
 from numba import njit, types as nt
 
 from btjit.kernels.elementwise import RSQRT2 as _RS2, RSQRT2PI as _RS2PI    # the exact GELU's constants
-from btjit.kernels.library import _import_file, cache_dir
+from btjit.host.cachedir import cache_dir
+from btjit.kernels.entries import import_file as _import_file
 from btjit.graph.ops import TABLE
 
 STRAIGHT_LINE_MAX = 600      # instructions; see the module docstring for the measurement
