@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from btjit.train import checkpoint as K
-from btjit.train import compress, distributed
+from btjit.train import compress, distributed, mpilaunch
 from btjit.cli import cli
 from btjit.train.config import ConfigError, loads
 from textdata import corpus, tiny_config, write_run_files
@@ -35,7 +35,7 @@ def _mpi_missing() -> str | None:
         import mpi4py  # noqa: F401
     except ImportError:
         return "mpi4py is not installed (pip install -e '.[mpi]')"
-    if distributed.find_mpiexec() is None:
+    if mpilaunch.find_mpiexec() is None:
         return "no mpiexec found (pip install -e '.[mpi]' brings MPICH's)"
     return None
 
@@ -60,8 +60,8 @@ def setup(tmp_path):
 
 def mpirun(n, args, timeout=240, cwd=None):
     """Run `mpiexec -n n <args>` (args: the program and its arguments); Open MPI's as-root and
-    oversubscription switches come from btjit.train.distributed.mpiexec_command."""
-    argv, env = distributed.mpiexec_command(n)
+    oversubscription switches come from btjit.train.mpilaunch.mpiexec_command."""
+    argv, env = mpilaunch.mpiexec_command(n)
     env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     return subprocess.run(argv + [str(a) for a in args], capture_output=True, text=True, env=env,
@@ -263,7 +263,7 @@ def test_nonfinite_loss_stops_every_rank_with_one_message(setup):
 def test_launch_from_python(setup):
     cfg, data, tmp = setup
     lines = []
-    res = distributed.launch(cfg, n=2, out=tmp / "nb", data=data, echo=lines.append,
+    res = mpilaunch.launch(cfg, n=2, out=tmp / "nb", data=data, echo=lines.append,
                              overrides=["train.steps=10", "train.sample_interval=0"])
     assert res.step == 10 and res.checkpoint.name == "ckpt_00000010.npz" and res.val_loss is not None
     assert any("distributed: 2 processes" in l for l in lines)

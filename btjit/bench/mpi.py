@@ -74,7 +74,7 @@ def worker(a) -> None:
 
 def run(reps=10, steps=20, ratio=0.01, threads=1, cases=CASES, progress=None, timeout=600.0) -> list[dict]:
     """Run every case in its own mpiexec job; returns rows with speedup and efficiency vs the 1-rank row."""
-    from btjit.train.distributed import mpiexec_command
+    from btjit.train.mpilaunch import mpiexec_command
     rows = []
     for n, batch, comp, scaling in cases:
         argv, env = mpiexec_command(n)
