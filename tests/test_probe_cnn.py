@@ -77,3 +77,36 @@ def test_accumulated_micro_batches_move_batch_norms_running_statistics_as_torch(
             if n in prog.params or n in prog.buffers:
                 got = prog.params[n] if n in prog.params else prog.buffers[n]
                 np.testing.assert_allclose(got, v.detach().numpy(), rtol=1e-10, atol=1e-12, err_msg=n)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_data_parallel_ranks_draw_their_own_dropout_masks(k, monkeypatch):
+    """N ranks (here 2, each a DataParallel with a stand-in communicator) of k micro-batches: rank r's micro-batch
+    i draws part i N + r of one k N B batch, so the mean of the ranks' losses and gradients is the big batch's
+    (before, every rank drew rank 0's masks)."""
+    import types
+
+    from btjit.train import distributed
+    N, B = 2, 2
+
+    class Rank:
+        def __init__(self, r):
+            self.Get_rank, self.Get_size = (lambda: r), (lambda: N)
+    monkeypatch.setattr(distributed, "require_mpi", lambda: types.SimpleNamespace(COMM_WORLD=None))
+    rng = np.random.default_rng(3)
+    p = _params(rng)
+    x = rng.normal(size=(k * N * B, 2, 5, 5))
+    y = rng.integers(0, 3, k * N * B).astype(np.int32)
+    big = btjit.trace(_dropout_net, p, x, y, optimizer=btjit.optim.SGD(0.1), dtype="float64", seed=11)
+    want = big.value_and_grad(x, y)
+    got, grads = 0.0, {n: 0.0 for n in p}
+    for r in range(N):
+        prog = btjit.trace(_dropout_net, p, x[:B], y[:B], optimizer=btjit.optim.SGD(0.1), dtype="float64", seed=11)
+        dp = distributed.DataParallel(prog, comm=Rank(r), broadcast=False)
+        rows = [slice((i * N + r) * B, (i * N + r + 1) * B) for i in range(k)]
+        got += dp.accum.grad([(x[s], y[s]) for s in rows]) / N
+        for n in p:
+            grads[n] = grads[n] + prog.grads[n] / N
+    assert got == pytest.approx(want, rel=1e-12)
+    for n in p:
+        np.testing.assert_allclose(grads[n], big.grads[n], rtol=1e-10, atol=1e-13, err_msg=n)

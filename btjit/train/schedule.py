@@ -74,23 +74,26 @@ class Accumulator:
     """Gradient accumulation for a Program traced with an optimizer: step(batches) = one update from the
     mean gradient of the micro-batches (each a tuple of batch arrays); returns the mean loss."""
 
-    def __init__(self, prog):
-        self.prog = prog
+    def __init__(self, prog, rank: int = 0, ranks: int = 1):
+        self.prog, self.rank, self.ranks = prog, rank, ranks     # ranks: data-parallel processes (MPI)
         self.grads = prog.grad_slice                 # the arena's whole grads region (a view)
         self.sum = None                              # the running sum (allocated at the first k > 1)
 
     def grad(self, batches) -> float:
         """Mean loss over the micro-batches; leaves the mean of their gradients in prog.grad_slice. Micro-batch i
-        draws the random numbers of rows i B.. of one k B batch (prog.rng_part: its own dropout masks), and the
-        buffers' assigns of every micro-batch but the last (which the update applies) are applied after it:
-        batch norm's running statistics move k times an update, as torch's do over k forwards."""
+        of rank r draws the random numbers of part i N + r of one batch of k N parts (prog.rng_part: its own
+        dropout masks, on every rank its own), and the buffers' assigns of every micro-batch but the last (which
+        the update applies) are applied after it: batch norm's running statistics move k times an update, as
+        torch's do over k forwards."""
         k, total = len(batches), 0.0
-        if k == 1:
+        if k == 1 and self.ranks == 1:
             return self.prog.value_and_grad(*batches[0])
         try:
             for i, batch in enumerate(batches):
-                self.prog.rng_part(i)
+                self.prog.rng_part(i * self.ranks + self.rank)
                 total += self.prog.value_and_grad(*batch)
+                if k == 1:
+                    return total
                 if i < k - 1:
                     self.prog.apply_assigns()
                 if i == 0:
