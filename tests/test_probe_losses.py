@@ -100,3 +100,17 @@ def test_bad_weights_and_probability_targets_are_named(call, message):
     with pytest.raises(btjit.TraceError) as e:
         btjit.trace(lambda p: btjit.sum(call(p["z"], Y2.clip(0))), {"z": Z2}, grad=False)
     assert message in str(e.value) and "test_probe_losses.py:" in str(e.value)
+
+
+def test_torchs_default_ignore_index_is_hinted():
+    """torch's cross_entropy ignores -100 by default, btjit's ignore_index is None: targets of -100 (padding,
+    masked pixels) are an error that says how to ignore them, for a batch argument and for constant targets."""
+    y = Y2.astype(np.int32)
+    prog = btjit.trace(lambda p, y: btjit.cross_entropy(p["z"], y), {"z": Z2}, y.clip(0), grad=True)
+    with pytest.raises(ValueError, match=r"got min -100 max \d; torch's cross_entropy / nll_loss ignore -100 by "
+                                         r"default, btjit's only with ignore_index=-100"):
+        prog.value_and_grad(y)
+    with pytest.raises(btjit.TraceError, match="btjit's only with ignore_index=-100"):
+        btjit.trace(lambda p: btjit.nll_loss(p["z"], y), {"z": Z2}, grad=True)
+    ok = btjit.trace(lambda p, y: btjit.cross_entropy(p["z"], y, ignore_index=-100), {"z": Z2}, y, grad=True)
+    assert ok.value_and_grad(y) == pytest.approx(F.cross_entropy(torch.tensor(Z2), torch.tensor(Y2)).item())

@@ -62,8 +62,12 @@ def class_targets(op, logits, targets, ignore_index, reduction, reductions):
     if bad.size and (bad.min() < 0 or bad.max() >= n):
         raise TraceError(f"{op}: target values must be in [0, {n})"
                          f"{'' if ignore_index is None else f' or {ignore_index}'}, got min {bad.min()} max "
-                         f"{bad.max()} — {user_src()}")
+                         f"{bad.max()}{_IGNORE_HINT if ignore_index is None and bad.min() == -100 else ''} — "
+                         f"{user_src()}")
     return Tracer(current_graph().const(t, "i32"), current_graph())
+
+
+_IGNORE_HINT = "; torch's cross_entropy / nll_loss ignore -100 by default, btjit's only with ignore_index=-100"
 
 
 def cross_entropy(logits, targets, ignore_index=None, reduction="mean", label_smoothing=0.0, weight=None):
