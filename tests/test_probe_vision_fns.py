@@ -1,6 +1,7 @@
 """torch.nn.functional's unfold, fold, pixel_unshuffle, channel_shuffle and local_response_norm (AlexNet's,
 GoogLeNet's) against torch: outputs and input gradients in float64 and float32, a ShuffleNet-style unit trained
-a few steps beside torch, and the argument errors naming the function and the line."""
+a few steps beside torch, the argument errors naming the function and the line; and a text CNN whose embedding
+has torch's padding_idx."""
 import numpy as np
 import pytest
 
@@ -93,3 +94,35 @@ def test_bad_arguments_are_named(call, message):
     with pytest.raises(btjit.TraceError) as e:
         btjit.trace(lambda p: btjit.sum(call(p["x"])), {"x": np.zeros((2, 6, 8, 9))}, grad=False)
     assert message in str(e.value) and "test_probe_vision_fns.py:" in str(e.value)
+
+
+def test_a_text_cnn_with_a_padding_row_trains_as_torch():
+    """nn.Embedding(V, D, padding_idx=0) -> conv1d over (N, D, L) -> max over time -> linear, 3 SGD steps: the
+    padding row gets no gradient (it stays as initialised), the rest as torch's; negative padding_idx too."""
+    torch.manual_seed(0)
+    for pad in (0, -1):
+        emb, conv, fc = torch.nn.Embedding(12, 6, padding_idx=pad), torch.nn.Conv1d(6, 8, 3), torch.nn.Linear(8, 2)
+        mods = torch.nn.ModuleDict({"emb": emb, "conv": conv, "fc": fc}).double()
+        params = {k: v.detach().numpy().copy() for k, v in mods.named_parameters()}
+
+        def loss(p, ids, y):
+            h = btjit.embedding(ids, p["emb.weight"], padding_idx=pad).transpose(1, 2)
+            h = btjit.relu(btjit.conv1d(h, p["conv.weight"], p["conv.bias"])).max(2)
+            return btjit.cross_entropy(h @ p["fc.weight"].T + p["fc.bias"], y)
+        rng = np.random.default_rng(2)
+        data = [(rng.integers(0, 12, (4, 9)).astype(np.int32), rng.integers(0, 2, 4).astype(np.int32))
+                for _ in range(3)]
+        for ids, _ in data:
+            ids[:, -3:] = pad % 12                                       # padded sequences
+        prog = btjit.trace(loss, params, *data[0], optimizer=btjit.optim.SGD(0.5), dtype="float64")
+        opt = torch.optim.SGD(mods.parameters(), lr=0.5)
+        for ids, y in data:
+            opt.zero_grad()
+            h = F.relu(conv(emb(torch.tensor(ids).long()).transpose(1, 2))).max(2).values
+            want = F.cross_entropy(fc(h), torch.tensor(y).long())
+            want.backward()
+            opt.step()
+            assert prog.step(ids, y) == pytest.approx(want.item(), rel=1e-10)
+        for k, v in mods.named_parameters():
+            np.testing.assert_allclose(prog.params[k], v.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=k)
+        assert np.array_equal(prog.params["emb.weight"][pad], params["emb.weight"][pad])

@@ -12,7 +12,7 @@ import numpy as np
 
 from btjit.graph.trace import (TraceError, Tracer, _norm_axes, abs, arange, current_graph, emit, equal, erf, exp, lift,
                                log, log1p, max, maximum, mean, minimum, reshape, sigmoid, sum, swapaxes, transpose,
-                               user_src, where)
+                               stop_gradient, user_src, where)
 from btjit.graph.indexing import take
 
 
@@ -190,9 +190,18 @@ def instance_norm(x, weight=None, bias=None, eps=1e-5):
     return group_norm(x, x.shape[1], weight, bias, eps)
 
 
-def embedding(input, weight):  # noqa: A002 -- torch's names
-    """torch.nn.functional.embedding: the rows of weight at the integer ids of input."""
-    return take(weight, input)
+def embedding(input, weight, padding_idx=None):  # noqa: A002 -- torch's names
+    """torch.nn.functional.embedding: the rows of weight at the integer ids of input; the row padding_idx (negative:
+    from the end) gets no gradient, as torch's."""
+    if padding_idx is None:
+        return take(weight, input)
+    weight = lift(weight)
+    V = weight.shape[0]
+    if not isinstance(padding_idx, (int, np.integer)) or not -V <= padding_idx < V:
+        raise TraceError(f"embedding: padding_idx must be an int in [-{V}, {V}), got {padding_idx!r} — {user_src()}")
+    ids = lift(np.asarray(input, np.int32)) if not isinstance(input, Tracer) else input
+    keep = reshape(ids != lift(int(padding_idx) % V, ids), ids.shape + (1,))
+    return where(keep, take(weight, ids), take(stop_gradient(weight), ids))
 
 
 def one_hot(y, num_classes):
