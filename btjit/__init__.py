@@ -27,6 +27,7 @@ __all__ += ["topk", "sort", "argsort", "floor", "ceil", "round", "trunc", "remai
             "cumsum", "cumprod", "diff"]
 __all__ += ["linear", "einsum", "rand", "randn", "bernoulli"]
 __all__ += ["outer"]
+__all__ += ["unfold", "fold", "pixel_unshuffle", "channel_shuffle", "local_response_norm"]
 
 
 def __getattr__(name):

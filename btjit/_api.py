@@ -21,6 +21,7 @@ from btjit.graph.conv_fns import (adaptive_avg_pool1d, adaptive_avg_pool2d, adap
 from btjit.graph.torch_fns import (cat, celu, cosine_similarity, einsum, glu, hardsigmoid, hardswish, huber_loss,
                                    kl_div, linear, logsigmoid, mish, normalize, prelu, repeat_interleave, rsqrt, selu,
                                    softsign, unbind)
+from btjit.graph.vision_fns import channel_shuffle, fold, local_response_norm, pixel_unshuffle, unfold
 from btjit.core.program import Program, trace
 from btjit.scalar.front import trace_scalar
 from btjit.host.threads import replicas_for, set_num_threads

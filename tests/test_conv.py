@@ -246,16 +246,17 @@ def test_a_small_cnn_matches_finite_differences():
 @pytest.mark.parametrize("call,message", [
     (lambda x, w: btjit.conv2d(x, w[:, :2]), "conv2d: x has 3 channels but w has 2 input channels: w must be (4, 3,"),
     (lambda x, w: btjit.conv2d(x, w, groups=2), "groups=2 must be a positive int dividing both the input's 3 channels"),
-    (lambda x, w: btjit.conv2d(x, w, stride=0), "window 3 (stride 0,"),
+    (lambda x, w: btjit.conv2d(x, w, stride=0), "conv2d: stride must be >= 1, got 0"),
     (lambda x, w: btjit.conv2d(x, w, padding=1, padding_mode="mirror"), "padding_mode must be"),
     (lambda x, w: btjit.conv1d(x[:, :, 0], w[:, :2, 0]), "conv1d: x has 3 channels but w has 2 input channels: "
                                                          "w must be (4, 3, k) for 3 channels and groups=1 "
                                                          "(input shapes (2, 3, 8) and (4, 2, 3))"),
-    (lambda x, w: btjit.conv2d(x, w, padding=-1), "padding -1+-1) gives no output"),
+    (lambda x, w: btjit.conv2d(x, w, padding=-1), "padding must be >= 0, got -1"),
     (lambda x, w: btjit.conv2d(x, w, stride=2, padding="same"), "padding='same' needs stride 1"),
     (lambda x, w: btjit.conv2d(x, w, padding="full"), "padding must be"),
     (lambda x, w: btjit.conv2d(x[0, 0], w), "needs x (N, C, H, W)"),
     (lambda x, w: btjit.conv2d(x, w, dilation=9), "gives no output"),
+    (lambda x, w: btjit.avg_pool2d(x, 2, stride=(1, 0)), "avg_pool2d: stride must be >= 1, got 0"),
     (lambda x, w: btjit.max_pool2d(x, 3, padding=2), "at most half the kernel size"),
     (lambda x, w: btjit.adaptive_avg_pool2d(x, (2, 0)), "output size (2, 0) must be positive"),
     (lambda x, w: btjit.max_pool2d(x, 2, dilation=2), "dilation 2 is not supported"),

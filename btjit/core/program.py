@@ -26,6 +26,7 @@ from btjit.core.bounds import index_bounds as _index_bounds
 from btjit.host import threads as _threads
 from btjit.kernels import amx, bf16
 from btjit.kernels.common import SPLIT
+from btjit.kernels.rng import KEY_REPLICA
 from btjit.kernels.library import LIBRARY
 from btjit.optim.build import Update, assign_in_place
 from btjit.export.runner import Named, Runner
@@ -237,8 +238,11 @@ class Program(Runner):
         replica_threads, L.threads = L.threads, max(1, n_threads)    # the update runs alone, after the replicas
         upd = update.rows(graph, L, self._hyper, skip_nonfinite) if update else []
         self._computed_checks = L.computed_checks
-        asg = assign_rows(graph, L)
+        bufs = {v.id for v in graph.buffers.values()}          # the buffers' copies first: apply_assigns runs them
+        asg_buf = assign_rows(graph, L, lambda a: a.target.id in bufs)
+        asg = asg_buf + assign_rows(graph, L, lambda a: a.target.id not in bufs)
         self.has_assigns = bool(asg)
+        self._buffer_rows = (len(fwd) + len(bwd) + len(upd), len(fwd) + len(bwd) + len(upd) + len(asg_buf))
         asg += rng.step_rows(upd, L, p, self._hyper)    # the int step count from the optimizer's step slot
         self.row_labels = fwd_labels + [f"{op} (bwd)" for op in bwd_labels] + \
             [f"update:{type(optimizer).__name__}"] * len(upd) + ["assign"] * len(asg)
@@ -335,6 +339,21 @@ class Program(Runner):
                                    f"{step}; the buffers keep their shapes -- {bufs} -- so a buffer sized by the "
                                    f"batch needs eval batches of the step's size)") from None
         return ev
+
+    def apply_assigns(self) -> None:
+        """Write the values the last forward (forward() or value_and_grad()) assigned to the buffers into them,
+        as step() does when it ends, the optimizer untouched. Gradient accumulation calls it after every
+        micro-batch but the last (whose update applies them): batch norm's running statistics move once per
+        micro-batch, as torch's do once per forward."""
+        self._run(self.a, self.ia, self.tape, *self._buffer_rows)
+
+    def rng_part(self, i: int) -> None:
+        """Draw the random numbers of part i of a batch made of equal parts (gradient accumulation's i-th
+        micro-batch): replica r draws as replica i * replicas + r (btjit/kernels/rng.py numbers an op's elements
+        from that index times its size), so k micro-batches of B draw the masks one step on the k B batch draws,
+        new ones for each micro-batch. rng_part(0) restores the program's own numbering."""
+        R = self._IA.shape[0]
+        self._IA[:, self._int_state + KEY_REPLICA] = i * R + np.arange(R)
 
     def eval(self, *batch):
         """fn evaluated in eval mode (btjit.is_training() False, no assign applied) on this program's params and

@@ -92,8 +92,10 @@ class Runner:
                 x = x[x != ok] if ok is not None else x
                 if x.size and (x.min() < 0 or x.max() >= hi):
                     self._clear_flag()
+                    hint = ("; torch's cross_entropy / nll_loss ignore -100 by default, btjit's only with "
+                            "ignore_index=-100" if ok is None and x.min() == -100 else "")
                     raise ValueError(f"batch argument {i} ({self.input_names[i]}): index values must be "
-                                     f"{allowed(hi, ok)}, got min {x.min()} max {x.max()}")
+                                     f"{allowed(hi, ok)}, got min {x.min()} max {x.max()}{hint}")
             self._clear_flag()
             raise ValueError("an integer index computed in the traced function is out of range: " +
                              "; ".join(self._computed_checks))

@@ -12,7 +12,7 @@ import numpy as np
 
 from btjit.graph.trace import (TraceError, Tracer, _norm_axes, abs, arange, current_graph, emit, equal, erf, exp, lift,
                                log, log1p, max, maximum, mean, minimum, reshape, sigmoid, sum, swapaxes, transpose,
-                               user_src, where)
+                               stop_gradient, user_src, where)
 from btjit.graph.indexing import take
 
 
@@ -62,36 +62,82 @@ def class_targets(op, logits, targets, ignore_index, reduction, reductions):
     if bad.size and (bad.min() < 0 or bad.max() >= n):
         raise TraceError(f"{op}: target values must be in [0, {n})"
                          f"{'' if ignore_index is None else f' or {ignore_index}'}, got min {bad.min()} max "
-                         f"{bad.max()} — {user_src()}")
+                         f"{bad.max()}{_IGNORE_HINT if ignore_index is None and bad.min() == -100 else ''} — "
+                         f"{user_src()}")
     return Tracer(current_graph().const(t, "i32"), current_graph())
 
 
-def cross_entropy(logits, targets, ignore_index=None, reduction="mean", label_smoothing=0.0):
+_IGNORE_HINT = "; torch's cross_entropy / nll_loss ignore -100 by default, btjit's only with ignore_index=-100"
+
+
+def cross_entropy(logits, targets, ignore_index=None, reduction="mean", label_smoothing=0.0, weight=None):
     """Softmax cross-entropy of logits (..., V) against integer class ids (...), with torch's semantics:
     reduction "mean" (over the kept positions), "sum" or "none"; positions whose target equals ignore_index
     (e.g. -1, makemore's and nanoGPT's padding) add nothing and get zero gradient. A batch with every position
     ignored gives NaN ("mean") or 0 ("sum"), and zero gradients -- as torch. torch's layout, logits (N, C, d1,
     ...) with targets (N, d1, ...), is taken too. label_smoothing eps: the target is (1 - eps) one-hot plus eps
-    spread evenly over the classes, as torch. The fused op computes "mean" and "sum" without smoothing; the other
+    spread evenly over the classes, as torch. weight: torch's class weights (C,), each class's terms times its
+    weight, "mean" divided by the sum of the kept positions' target weights. Float targets of the logits' shape
+    are class probabilities (mixup, distillation), as torch: the classes on axis 1 (0 of a 1-d input), "mean" over
+    the positions. The fused op computes "mean" and "sum" of class ids without smoothing or weights; the other
     cases are composed (log_softmax, nll_loss)."""
-    logits = _classes_last(lift(logits), targets)
+    logits = lift(logits)
     if not 0.0 <= label_smoothing <= 1.0:
         raise TraceError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing!r} — {user_src()}")
+    if _probabilities(logits, targets):
+        return _soft_cross_entropy(logits, lift(targets), ignore_index, reduction, float(label_smoothing), weight)
+    logits = _classes_last(logits, targets)
     targets = class_targets("cross_entropy", logits, targets, ignore_index, reduction, ("mean", "sum", "none"))
-    if label_smoothing or reduction == "none":
-        return _smoothed(log_softmax(logits), targets, ignore_index, reduction, float(label_smoothing))
+    if label_smoothing or reduction == "none" or weight is not None:
+        return _smoothed(log_softmax(logits), targets, ignore_index, reduction, float(label_smoothing), weight)
     attrs = {k: v for k, v in (("ignore_index", None if ignore_index is None else int(ignore_index)),
                                ("reduction", reduction)) if v not in (None, "mean")}
     return emit("cross_entropy", (logits, targets), **attrs)[0]
 
 
-def _smoothed(logp, targets, ignore_index, reduction, eps):
+def _probabilities(logits, targets) -> bool:
+    """Whether targets are class probabilities: floats of the logits' shape."""
+    kind = targets.dtype.kind if isinstance(targets, Tracer) else np.asarray(targets).dtype.kind
+    shape = targets.shape if isinstance(targets, Tracer) else np.shape(targets)
+    return kind == "f" and tuple(shape) == logits.shape
+
+
+def _class_weight(fn, weight, C, ndim=1, axis=0):
+    """weight (C,) as a Tracer shaped to broadcast along `axis` of an ndim-d value (None stays None)."""
+    if weight is None:
+        return None
+    w = lift(weight)
+    if w.shape != (C,):
+        raise TraceError(f"{fn}: weight must hold one value per class, shape ({C},), got {w.shape} — {user_src()}")
+    return reshape(w, (C,) + (1,) * (ndim - axis - 1))
+
+
+def _soft_cross_entropy(logits, t, ignore_index, reduction, eps, weight):
+    """torch's cross_entropy of class probabilities t: -sum_c w_c t_c log softmax(logits)_c over axis 1."""
+    if ignore_index is not None:
+        raise TraceError(f"cross_entropy: ignore_index goes with class-id targets, not class probabilities "
+                         f"{t.shape} — {user_src()}")
+    if reduction not in ("mean", "sum", "none"):
+        raise TraceError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r} — "
+                         f"{user_src()}")
+    ax = 1 if logits.ndim >= 2 else 0
+    C = logits.shape[ax]
+    logp = log_softmax(logits, ax)
+    w = _class_weight("cross_entropy", weight, C, logits.ndim, ax)
+    t = t * (1.0 - eps) + eps / C if eps else t
+    return _reduced("cross_entropy", -sum(logp * t if w is None else logp * t * w, ax), reduction)
+
+
+def _smoothed(logp, targets, ignore_index, reduction, eps, weight=None):
     """cross_entropy from log-probabilities and checked targets (a Tracer): (1 - eps) nll + eps * the mean of
-    -logp over the classes, per position (0 where ignored), reduced as torch."""
-    per, keep = nll_loss(logp, targets, ignore_index, "none"), _kept(targets, ignore_index)
+    -w logp over the classes, per position (0 where ignored), reduced as torch (over the kept positions' target
+    weights with weights)."""
+    per, keep = _nll_terms(logp, targets, ignore_index, weight, "cross_entropy")
     if eps:
-        smooth = -sum(logp, -1) * (1.0 / logp.shape[-1])
-        per = per * (1.0 - eps) + (smooth if keep is None else smooth * keep) * eps
+        w = _class_weight("cross_entropy", weight, logp.shape[-1])
+        smooth = -sum(logp if w is None else logp * w, -1) * (1.0 / logp.shape[-1])
+        kept = _kept(targets, ignore_index)
+        per = per * (1.0 - eps) + (smooth if kept is None else smooth * kept) * eps
     return _reduced("cross_entropy", per, reduction, keep)
 
 
@@ -144,9 +190,18 @@ def instance_norm(x, weight=None, bias=None, eps=1e-5):
     return group_norm(x, x.shape[1], weight, bias, eps)
 
 
-def embedding(input, weight):  # noqa: A002 -- torch's names
-    """torch.nn.functional.embedding: the rows of weight at the integer ids of input."""
-    return take(weight, input)
+def embedding(input, weight, padding_idx=None):  # noqa: A002 -- torch's names
+    """torch.nn.functional.embedding: the rows of weight at the integer ids of input; the row padding_idx (negative:
+    from the end) gets no gradient, as torch's."""
+    if padding_idx is None:
+        return take(weight, input)
+    weight = lift(weight)
+    V = weight.shape[0]
+    if not isinstance(padding_idx, (int, np.integer)) or not -V <= padding_idx < V:
+        raise TraceError(f"embedding: padding_idx must be an int in [-{V}, {V}), got {padding_idx!r} — {user_src()}")
+    ids = lift(np.asarray(input, np.int32)) if not isinstance(input, Tracer) else input
+    keep = reshape(ids != lift(int(padding_idx) % V, ids), ids.shape + (1,))
+    return where(keep, take(weight, ids), take(stop_gradient(weight), ids))
 
 
 def one_hot(y, num_classes):
@@ -194,15 +249,23 @@ def logsumexp(x, axis=None, keepdims=False):
     return out if keepdims else reshape(out, tuple(d for i, d in enumerate(x.shape) if i not in axes))
 
 
-def nll_loss(logp, target, ignore_index=None, reduction="mean"):
+def nll_loss(logp, target, ignore_index=None, reduction="mean", weight=None):
     """torch.nn.functional.nll_loss: -logp[..., target] for log-probabilities logp (..., C) (the class axis
     last, as btjit.cross_entropy: (N, C) as torch; torch's (N, C, d1, ...) with targets (N, d1, ...) is taken
     too) and integer class ids target (...). reduction "mean" (over the positions not ignored), "sum" or "none"
     (shape (...), 0 at ignored positions). Positions whose target equals ignore_index add nothing and get zero
-    gradient; "mean" with every position ignored gives NaN and zero gradients, as torch. Class ids outside [0, C) are
-    an error (checked before the step runs)."""
+    gradient; "mean" with every position ignored gives NaN and zero gradients, as torch. weight: torch's class
+    weights (C,), -weight[target] logp[..., target], "mean" divided by the kept positions' weights' sum. Class ids
+    outside [0, C) are an error (checked before the step runs)."""
     logp = _classes_last(lift(logp), target)
     target = class_targets("nll_loss", logp, target, ignore_index, reduction, ("mean", "sum", "none"))
+    per, keep = _nll_terms(logp, target, ignore_index, weight)
+    return _reduced("nll_loss", per, reduction, keep)
+
+
+def _nll_terms(logp, target, ignore_index, weight, fn="nll_loss"):
+    """(-w[target] logp[..., target] per position, 0 where ignored; what "mean" divides by per position: 1 / 0 for
+    kept / ignored, w[target] with weights; None for all ones)."""
     if target.node.dtype != "i32" or logp.ndim == 0 or target.shape != logp.shape[:-1]:
         raise TraceError(f"nll_loss: target must be integer class ids of shape {logp.shape[:-1]} for logp of shape "
                          f"{logp.shape} (classes on the last axis), got {target.dtype} {target.shape} — {user_src()}")
@@ -213,7 +276,11 @@ def nll_loss(logp, target, ignore_index=None, reduction="mean"):
     keep = _kept(target, ignore_index)                                       # (...) 0/1
     if keep is not None:
         onehot = onehot * reshape(keep, keep.shape + (1,))
-    return _reduced("nll_loss", -sum(logp * onehot, -1), reduction, keep)
+    w = _class_weight(fn, weight, C)
+    if w is not None:
+        onehot = onehot * w
+        keep = sum(onehot, -1)                                               # w[target], 0 where ignored
+    return -sum(logp * onehot, -1), keep
 
 
 def _kept(targets, ignore_index):
@@ -233,8 +300,8 @@ def _reduced(fn, per, reduction, keep=None):
         return total
     if keep is None:
         return total * (1.0 / per.size if per.size else np.nan)
-    count = sum(keep)
-    return where(count > 0.0, total / maximum(count, 1.0, ties="first"), np.nan)
+    count = sum(keep)                        # the kept positions (their weights' sum: may be below 1)
+    return where(count > 0.0, total / where(count > 0.0, count, 1.0), np.nan)
 
 
 # ----------------------------------------------------------------------------- activations and losses as torch
@@ -284,19 +351,34 @@ def smooth_l1_loss(input, target, reduction="mean", beta=1.0):  # noqa: A002
     return _reduced("smooth_l1_loss", per, reduction)
 
 
-def binary_cross_entropy(input, target, reduction="mean"):  # noqa: A002
-    """torch's: -(t log p + (1 - t) log(1 - p)), each log clamped at -100 as torch clamps it."""
+def binary_cross_entropy(input, target, reduction="mean", weight=None):  # noqa: A002
+    """torch's: -(t log p + (1 - t) log(1 - p)), each log clamped at -100 as torch clamps it; weight (broadcast
+    to the input) multiplies each term."""
     p, t = _pair("binary_cross_entropy", input, target)
     per = -(t * maximum(log(p), -100.0, ties="first") + (1.0 - t) * maximum(log(1.0 - p), -100.0, ties="first"))
-    return _reduced("binary_cross_entropy", per, reduction)
+    return _reduced("binary_cross_entropy", _weighted("binary_cross_entropy", per, weight), reduction)
 
 
-def binary_cross_entropy_with_logits(input, target, reduction="mean", pos_weight=None):  # noqa: A002
+def _weighted(fn, per, weight):
+    if weight is None:
+        return per
+    w = lift(weight)
+    try:
+        fits = np.broadcast_shapes(w.shape, per.shape) == per.shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise TraceError(f"{fn}: weight {w.shape} does not broadcast to the input's {per.shape} — {user_src()}")
+    return per * w
+
+
+def binary_cross_entropy_with_logits(input, target, reduction="mean", pos_weight=None, weight=None):  # noqa: A002
     """torch's, computed stably: (1 - t) x + (1 + (w - 1) t) (log1p(exp(-|x|)) + max(-x, 0)), w = pos_weight
-    (1 if None)."""
+    (1 if None); weight (broadcast to the input) multiplies each term."""
     x, t = _pair("binary_cross_entropy_with_logits", input, target)
     # softplus(-x), its two kinks at 0 taken from one side (|x|' = 1, max(0, -x)' = 0) so they cancel: the
     # gradient at x = 0 is sigmoid(0) - t, as torch's
     soft = log1p(exp(-where(x >= 0.0, x, -x))) + maximum(0.0, -x, ties="first")
     per = (1.0 - t) * x + (soft if pos_weight is None else (1.0 + (lift(pos_weight) - 1.0) * t) * soft)
-    return _reduced("binary_cross_entropy_with_logits", per, reduction)
+    return _reduced("binary_cross_entropy_with_logits", _weighted("binary_cross_entropy_with_logits", per, weight),
+                    reduction)

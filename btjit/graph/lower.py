@@ -86,12 +86,12 @@ def lower_eqns(eqns, L: Lowering) -> tuple[list, list]:
     return rows, labels
 
 
-def assign_rows(graph, L: Lowering) -> list:
-    """The rows that end a step: each assigned value copied into its target's region (graph.assigns), but
-    those computed in place."""
+def assign_rows(graph, L: Lowering, which=None) -> list:
+    """The rows that end a step: each assigned value copied into its target's region (graph.assigns, those
+    `which(assign)` takes when given), but those computed in place."""
     rows = []
     for a in graph.assigns:
-        if a.in_place:
+        if a.in_place or (which is not None and not which(a)):
             continue
         st = cstrides(a.target.shape)
         rows += strided_rows(L, EW.B_COPY, a.target.shape, (L.off(a.target), st), [(L.off(a.value), st)],

@@ -125,7 +125,7 @@ class DataParallel:
             self.ef = compress.EF21(compressor, ratio, self.grads.size, self._valid_indices(), prog.dtype, seed)
         self.steps, self.bytes_last, self.bytes_total, self.comm_seconds = 0, 0, 0, 0.0
         self.stop_requested = False
-        self.accum = Accumulator(prog)
+        self.accum = Accumulator(prog, self.rank, self.size)      # each rank its own dropout masks
         if broadcast:
             self.broadcast_params()
 

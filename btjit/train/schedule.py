@@ -5,9 +5,10 @@
 #     index, so a resumed run sets exactly the LRs of an uninterrupted one; the trainer writes it into the
 #     program's hyper-parameter slot (`prog.lr = ...`) before each native step;
 #   * its micro-batches: gradient accumulation (`train.grad_accum = k`): prog.value_and_grad() on each of k
-#     micro-batches, the gradients summed in one buffer, their mean copied back into the arena's grads region
-#     (prog.grad_slice), then prog.apply_update() (clip / non-finite skip + optimizer rows): for a mean loss
-#     this is one step on the k-times batch.
+#     micro-batches (each with its own dropout masks and its buffers' assigns), the gradients summed in one
+#     buffer, their mean copied back into the arena's grads region (prog.grad_slice), then
+#     prog.apply_update() (clip / non-finite skip + optimizer rows): for a mean loss this is one step on the
+#     k-times batch.
 # No config parsing here (btjit.train.config validates the keys) and no numpy at import.
 from __future__ import annotations
 
@@ -73,27 +74,38 @@ class Accumulator:
     """Gradient accumulation for a Program traced with an optimizer: step(batches) = one update from the
     mean gradient of the micro-batches (each a tuple of batch arrays); returns the mean loss."""
 
-    def __init__(self, prog):
-        self.prog = prog
+    def __init__(self, prog, rank: int = 0, ranks: int = 1):
+        self.prog, self.rank, self.ranks = prog, rank, ranks     # ranks: data-parallel processes (MPI)
         self.grads = prog.grad_slice                 # the arena's whole grads region (a view)
         self.sum = None                              # the running sum (allocated at the first k > 1)
 
     def grad(self, batches) -> float:
-        """Mean loss over the micro-batches; leaves the mean of their gradients in prog.grad_slice."""
+        """Mean loss over the micro-batches; leaves the mean of their gradients in prog.grad_slice. Micro-batch i
+        of rank r draws the random numbers of part i N + r of one batch of k N parts (prog.rng_part: its own
+        dropout masks, on every rank its own), and the buffers' assigns of every micro-batch but the last (which
+        the update applies) are applied after it: batch norm's running statistics move k times an update, as
+        torch's do over k forwards."""
         k, total = len(batches), 0.0
-        for i, batch in enumerate(batches):
-            total += self.prog.value_and_grad(*batch)
-            if k == 1:
-                break
-            if i == 0:
-                if self.sum is None:
-                    self.sum = self.grads.copy()
-                self.sum[...] = self.grads
-            else:
-                self.sum += self.grads
-        if k > 1:
-            self.grads[...] = self.sum
-            self.grads /= k
+        if k == 1 and self.ranks == 1:
+            return self.prog.value_and_grad(*batches[0])
+        try:
+            for i, batch in enumerate(batches):
+                self.prog.rng_part(i * self.ranks + self.rank)
+                total += self.prog.value_and_grad(*batch)
+                if k == 1:
+                    return total
+                if i < k - 1:
+                    self.prog.apply_assigns()
+                if i == 0:
+                    if self.sum is None:
+                        self.sum = self.grads.copy()
+                    self.sum[...] = self.grads
+                else:
+                    self.sum += self.grads
+        finally:
+            self.prog.rng_part(0)
+        self.grads[...] = self.sum
+        self.grads /= k
         return total / k
 
     def step(self, batches) -> float:

@@ -1,0 +1,78 @@
+"""More of torch.nn.functional's image functions, built from the op table's im2col / col2im and the tracer's
+reshapes, transposes and poolings: unfold and fold (the patches as columns and their sum back into an image),
+pixel_unshuffle, channel_shuffle (ShuffleNet) and local_response_norm (AlexNet, GoogLeNet). Bad arguments raise a
+TraceError naming the function, the shapes and the user's line."""
+from __future__ import annotations
+
+from btjit.graph import trace as T
+from btjit.graph.conv_fns import _fail, _out, _tuple, avg_pool2d, pad
+
+
+def _geometry(fn, kernel_size, dilation, padding, stride):
+    return [_tuple(fn, v, 2, n) for v, n in ((kernel_size, "kernel_size"), (dilation, "dilation"),
+                                             (padding, "padding"), (stride, "stride"))]
+
+
+def unfold(x, kernel_size, dilation=1, padding=0, stride=1):
+    """torch.nn.functional.unfold: x (N, C, H, W) -> (N, C*kh*kw, L), column l the patch of output pixel l (row
+    major), its rows in (c, i, j) order; zero padding."""
+    x = T.lift(x)
+    if x.ndim != 4:
+        _fail("unfold", "needs x (N, C, H, W)", x)
+    (kh, kw), (dh, dw), (ph, pw), (sh, sw) = _geometry("unfold", kernel_size, dilation, padding, stride)
+    N, C, H, W = x.shape
+    oh, ow = _out("unfold", H, kh, sh, ph, ph, dh, (x,)), _out("unfold", W, kw, sw, pw, pw, dw, (x,))
+    cols = T.emit("im2col", (x,), kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw, dh=dh, dw=dw, oh=oh, ow=ow, groups=1)
+    return T.transpose(T.reshape(cols, (N, oh * ow, C * kh * kw)), (0, 2, 1))
+
+
+def fold(x, output_size, kernel_size, dilation=1, padding=0, stride=1):
+    """torch.nn.functional.fold: x (N, C*kh*kw, L) -> (N, C, H, W) for output_size (H, W), each column's patch
+    summed into its place (unfold's adjoint; the parts in the padding dropped)."""
+    x = T.lift(x)
+    (kh, kw), (dh, dw), (ph, pw), (sh, sw) = _geometry("fold", kernel_size, dilation, padding, stride)
+    H, W = _tuple("fold", output_size, 2, "output_size")
+    if x.ndim != 3 or x.shape[1] % (kh * kw):
+        _fail("fold", f"needs x (N, C*{kh}*{kw}, L)", x)
+    N, K, L = x.shape
+    oh, ow = _out("fold", H, kh, sh, ph, ph, dh, (x,)), _out("fold", W, kw, sw, pw, pw, dw, (x,))
+    if oh * ow != L:
+        _fail("fold", f"output_size {(H, W)} with kernel {(kh, kw)}, stride {(sh, sw)}, padding {(ph, pw)} and "
+                      f"dilation {(dh, dw)} holds {oh} x {ow} = {oh * ow} blocks, but x has L = {L}", x)
+    cols = T.reshape(T.transpose(x, (0, 2, 1)), (1, N * L, K))
+    return T.emit("col2im", (cols,), x_shape=(N, K // (kh * kw), H, W), kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw,
+                  dh=dh, dw=dw, oh=oh, ow=ow, groups=1)
+
+
+def pixel_unshuffle(x, downscale_factor):
+    """torch.nn.functional.pixel_unshuffle: (N, C, H*r, W*r) -> (N, C*r*r, H, W), pixel_shuffle's inverse."""
+    x, r = T.lift(x), int(downscale_factor)
+    if x.ndim != 4 or r < 1 or x.shape[2] % r or x.shape[3] % r:
+        _fail("pixel_unshuffle", f"needs (N, C, H*{r}, W*{r})", x)
+    N, C, H, W = x.shape
+    y = T.transpose(T.reshape(x, (N, C, H // r, r, W // r, r)), (0, 1, 3, 5, 2, 4))
+    return T.reshape(y, (N, C * r * r, H // r, W // r))
+
+
+def channel_shuffle(x, groups):
+    """torch.nn.functional.channel_shuffle (ShuffleNet): x (N, C, ...) with its channels (g, C/g) reordered as
+    (C/g, g)."""
+    x, g = T.lift(x), int(groups)
+    if x.ndim < 3 or g < 1 or x.shape[1] % g:
+        _fail("channel_shuffle", f"needs (N, C, ...) with C divisible by groups={g}", x)
+    N, C = x.shape[:2]
+    y = T.swapaxes(T.reshape(x, (N, g, C // g) + x.shape[2:]), 1, 2)
+    return T.reshape(y, x.shape)
+
+
+def local_response_norm(x, size, alpha=1e-4, beta=0.75, k=1.0):
+    """torch.nn.functional.local_response_norm: x / (k + alpha * mean of x^2 over `size` neighbouring channels)
+    ** beta, the window zero-padded (size // 2 before, (size - 1) // 2 after) and divided by size, as torch."""
+    x, n = T.lift(x), int(size)
+    if x.ndim < 3 or n < 1:
+        _fail("local_response_norm", f"needs (N, C, ...) and size >= 1, got size {size!r}", x)
+    N, C = x.shape[:2]
+    sq = T.reshape(x * x, (N, 1, C, -1))                                   # channels as the pooled rows
+    sq = pad(sq, (0, 0, n // 2, (n - 1) // 2))
+    div = T.reshape(avg_pool2d(sq, (n, 1), stride=1), x.shape)
+    return x / (div * float(alpha) + float(k)) ** float(beta)
