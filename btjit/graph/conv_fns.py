@@ -27,12 +27,13 @@ def _tuple(fn, v, n, what):
 
 
 def _out(fn, size, k, s, lo, hi, d, xs):
-    bad = next((f"{n} must be {m}, got {v}" for n, v, m in (("stride", s, ">= 1"), ("dilation", d, ">= 1"),
-                ("padding", min(lo, hi), ">= 0")) if v < (0 if n == "padding" else 1)), None)
-    o = (size + lo + hi - d * (k - 1) - 1) // max(s, 1) + 1
-    if bad or o < 1 or k < 1:
-        _fail(fn, bad or f"window {k} (stride {s}, dilation {d}, padding {lo}+{hi}) gives no output on a size-{size} "
-                         f"axis", *xs)
+    for name, v, least in (("stride", s, 1), ("dilation", d, 1), ("padding", min(lo, hi), 0)):
+        if v < least:
+            _fail(fn, f"{name} must be >= {least}, got {v}", *xs)
+    o = (size + lo + hi - d * (k - 1) - 1) // s + 1
+    if o < 1 or k < 1:
+        _fail(fn, f"window {k} (stride {s}, dilation {d}, padding {lo}+{hi}) gives no output on a size-{size} "
+                  f"axis", *xs)
     return o
 
 
