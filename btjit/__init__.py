@@ -8,7 +8,7 @@ The API below is imported on first use (btjit/_api.py): `import btjit.runtime` l
 """
 __version__ = "0.2.0"
 __all__ = ["trace", "trace_scalar", "Program", "set_num_threads", "replicas_for", "optim", "TraceError",
-           "abs", "arange", "broadcast_to", "causal_attention", "concatenate", "roll", "setitem", "stack",
+           "abs", "arange", "broadcast_to", "causal_attention", "concatenate", "flip", "roll", "setitem", "stack",
            "copy", "cross_entropy", "equal", "exp", "gelu", "layer_norm", "log", "log_softmax", "matmul", "max",
            "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "split", "sqrt", "sum", "swapaxes",
            "take", "tanh", "transpose", "where", "clip", "erf", "log1p", "logsumexp", "nll_loss", "silu", "softplus",

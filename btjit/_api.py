@@ -10,7 +10,7 @@ from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, concatenat
                                matmul, max, maximum, mean, minimum, relu, reshape, sigmoid, sin, cos, split, sqrt,
                                stop_gradient, sum, swapaxes, tanh, transpose, where)
 from btjit.graph.indexing import setitem, take
-from btjit.graph.numpy_fns import clip, outer, roll, stack, std, var
+from btjit.graph.numpy_fns import clip, flip, outer, roll, stack, std, var
 from btjit.graph.sort_fns import (argsort, ceil, cumprod, cumsum, diff, floor, floor_divide, fmod,  # noqa: A004
                                   remainder, round, sort, topk, trunc)
 from btjit.graph.rng import (bernoulli, causal_attention, dropout, dropout2d, rand, rand_like,  # noqa: F811 -- dropout=

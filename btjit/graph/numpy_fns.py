@@ -370,9 +370,9 @@ def logaddexp(x, y):
     return m + log(exp(x - m) + exp(y - m))
 
 
-def flip(x, axis=None):
+def flip(x, axis=None, *, dims=None):
     """numpy's flip (torch's flip(dims)): the order reversed along the axes (all for None)."""
-    x = lift(x)
+    x, axis = lift(x), axis if dims is None else dims
     axes = range(x.ndim) if axis is None else [a % x.ndim for a in (axis if isinstance(axis, (tuple, list))
                                                                        else (axis,))]
     return getitem(x, tuple(slice(None, None, -1) if a in axes else slice(None) for a in range(x.ndim)))

@@ -68,9 +68,9 @@ def prelu(x, weight):
     return where(x > 0.0, x, x * w)
 
 
-def glu(x, dim=-1):
-    """a * sigmoid(b) for the two halves a, b of x along dim."""
-    x = lift(x)
+def glu(x, dim=-1, *, axis=None):
+    """a * sigmoid(b) for the two halves a, b of x along dim (axis= as numpy's spelling, as softmax's)."""
+    x, dim = lift(x), dim if axis is None else axis
     ax = dim % x.ndim if -x.ndim <= dim < x.ndim else None
     if ax is None or x.shape[ax] % 2:
         raise TraceError(f"glu: dim {dim} of x {x.shape} must exist and have an even size — {user_src()}")
@@ -86,15 +86,16 @@ def _pnorm(x, p, dim):
     return sum(abs(x) ** float(p), dim, keepdims=True) ** (1.0 / p)
 
 
-def normalize(x, p=2.0, dim=1, eps=1e-12):
-    """x / max(||x||_p, eps) along dim (torch.nn.functional.normalize)."""
-    x = lift(x)
+def normalize(x, p=2.0, dim=1, eps=1e-12, *, axis=None):
+    """x / max(||x||_p, eps) along dim (torch.nn.functional.normalize; axis= as numpy's spelling)."""
+    x, dim = lift(x), dim if axis is None else axis
     return x / maximum(_pnorm(x, p, dim), float(eps), ties="first")
 
 
-def cosine_similarity(x1, x2, dim=1, eps=1e-8):
+def cosine_similarity(x1, x2, dim=1, eps=1e-8, *, axis=None):
     """sum((x1 / max(||x1||, eps)) * (x2 / max(||x2||, eps)), dim), torch's formula (each side normalized
-    first); x1 and x2 broadcast."""
+    first); x1 and x2 broadcast; axis= as numpy's spelling."""
+    dim = dim if axis is None else axis
     return sum(normalize(x1, 2, dim, eps) * normalize(x2, 2, dim, eps), dim)
 
 
