@@ -28,6 +28,8 @@ __all__ += ["topk", "sort", "argsort", "floor", "ceil", "round", "trunc", "remai
 __all__ += ["linear", "einsum", "rand", "randn", "bernoulli"]
 __all__ += ["outer"]
 __all__ += ["unfold", "fold", "pixel_unshuffle", "channel_shuffle", "local_response_norm"]
+__all__ += ["min", "argmax", "argmin", "prod", "expand_dims", "squeeze", "tril", "triu", "zeros_like", "ones_like",
+            "full_like", "moveaxis", "take_along_axis", "sign", "logaddexp", "tile"]
 
 
 def __getattr__(name):

@@ -10,7 +10,9 @@ from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, concatenat
                                matmul, max, maximum, mean, minimum, relu, reshape, sigmoid, sin, cos, split, sqrt,
                                stop_gradient, sum, swapaxes, tanh, transpose, where)
 from btjit.graph.indexing import setitem, take
-from btjit.graph.numpy_fns import clip, flip, outer, roll, stack, std, var
+from btjit.graph.numpy_fns import (_torch_dims, amin, argmax, argmin, clip, expand_dims, flip, full_like, moveaxis,
+                                   outer, prod, roll, sign, squeeze, stack, std, take_along_axis, tile, var)
+from btjit.graph.numpy_more import logaddexp, ones_like, tril, triu, zeros_like
 from btjit.graph.sort_fns import (argsort, ceil, cumprod, cumsum, diff, floor, floor_divide, fmod,  # noqa: A004
                                   remainder, round, sort, topk, trunc)
 from btjit.graph.rng import (bernoulli, causal_attention, dropout, dropout2d, rand, rand_like,  # noqa: F811 -- dropout=
@@ -27,3 +29,5 @@ from btjit.scalar.front import trace_scalar
 from btjit.host.threads import replicas_for, set_num_threads
 from btjit.graph.state import assign, is_training
 from btjit.graph.ops.batchnorm import batch_norm
+
+min, argmax, argmin, prod = (_torch_dims(f) for f in (amin, argmax, argmin, prod))   # axis= or dim=

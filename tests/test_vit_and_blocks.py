@@ -17,7 +17,7 @@ import pytest
 
 import btjit
 import btjit.testing
-from test_cnn_zoo import _close
+from cnn_zoo_harness import close as _close
 
 torch = pytest.importorskip("torch")
 nn, F = torch.nn, torch.nn.functional

@@ -11,7 +11,8 @@ from btjit.kernels.conv import POOL_AVG, POOL_MAX
 from btjit.kernels.micro import MR
 
 from btjit.graph import trace as T
-from btjit.graph.numpy_fns import flatten as np_flatten, pad as np_pad, repeat
+from btjit.graph.numpy_fns import flatten as np_flatten, repeat
+from btjit.graph.numpy_more import pad as np_pad
 
 
 def _fail(fn, msg, *xs):

@@ -10,7 +10,8 @@ from __future__ import annotations
 from einops._backends import AbstractBackend
 
 from btjit.graph import trace as T
-from btjit.graph.numpy_fns import einsum, expand_dims, stack, tile
+from btjit.graph.numpy_fns import expand_dims, stack, tile
+from btjit.graph.numpy_more import einsum
 
 
 class BtjitBackend(AbstractBackend):

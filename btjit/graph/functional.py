@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from btjit.graph.trace import (TraceError, Tracer, _norm_axes, abs, arange, current_graph, emit, equal, erf, exp, lift,
-                               log, log1p, max, maximum, mean, minimum, reshape, sigmoid, sum, swapaxes, transpose,
-                               stop_gradient, user_src, where)
+from btjit.graph.trace import (TraceError, Tracer, _norm_axes, abs, arange, current_graph, emit, equal, exp, lift, log,
+                               log1p, max, maximum, mean, minimum, reshape, stop_gradient, sum, swapaxes, transpose,
+                               user_src, where)
 from btjit.graph.indexing import take
 
 

@@ -9,6 +9,7 @@ swaps two axes, x.split(size, dim), x.size() called) or under its own name (perm
 from __future__ import annotations
 
 import builtins
+import functools
 
 import numpy as np
 
@@ -166,37 +167,6 @@ def vector_norm(x, ord=None, axis=None, keepdims=False):  # noqa: A002
 norm = vector_norm
 
 
-PAD_MODES = ("constant", "reflect", "edge", "wrap")
-
-
-def pad(x, pad_width, mode="constant", constant_values=0):
-    """numpy's pad in modes "constant" (each axis between blocks of constant_values), "reflect" (mirrored
-    without the edge), "edge" (the edge repeated) and "wrap" (circular): the last three gather each axis by an
-    index array, so their gradients sum back where an element is read twice."""
-    if mode not in PAD_MODES:
-        raise TraceError(f"pad: mode must be one of {PAD_MODES}, got {mode!r} — {user_src()}")
-    x = lift(x)
-    widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (x.ndim, 2))
-    for ax, (lo, hi) in enumerate(widths):
-        lo, hi, n = int(lo), int(hi), x.shape[ax]
-        if mode != "constant" and (lo or hi):
-            if mode == "reflect" and builtins.max(lo, hi) >= n or mode == "wrap" and builtins.max(lo, hi) > n:
-                raise TraceError(f"pad: {mode} padding of ({lo}, {hi}) on an axis of size {n} — {user_src()}")
-            ids = np.arange(-lo, n + hi)
-            ids = (np.abs(ids) if mode == "reflect" else np.clip(ids, 0, n - 1) if mode == "edge" else ids % n)
-            if mode == "reflect":
-                ids = np.where(ids > n - 1, 2 * (n - 1) - ids, ids)
-            x = getitem(x, (slice(None),) * ax + (ids,))
-            continue
-        parts = [x]
-        for k, at in ((lo, 0), (hi, 1)):
-            if k:
-                shape = x.shape[:ax] + (k,) + x.shape[ax + 1:]
-                parts.insert(len(parts) * at, lift(np.full(shape, float(constant_values)), x))
-        x = concatenate(parts, ax) if len(parts) > 1 else x
-    return x
-
-
 def repeat(x, repeats, axis=None):
     """numpy's repeat with one count: each element `repeats` times along `axis` (of the flattened x for None)."""
     x = lift(x)
@@ -239,62 +209,6 @@ def torch_split(x, split_size_or_sections, dim=0):
     if builtins.sum(sizes) != n:
         raise TraceError(f"split: sizes {sizes} must add up to {n}, the size of dim {dim} — {user_src()}")
     return split(x, list(np.cumsum(sizes)[:-1]), dim % x.ndim)
-
-
-def einsum(subscripts, *operands):
-    """numpy's einsum for one or two operands ("bhqd,bhkd->bhqk", "ij->j", "...ij,...jk->...ik", or "ij,jk" with
-    numpy's implicit output; no letter twice in one operand): a letter only one operand has and the output lacks is
-    summed first; two operands are then one batched matmul (letters in both and the output: batch; in both only:
-    contracted)."""
-    operands = [lift(x) for x in operands]
-    ins, _, out = _einsum_letters(subscripts.replace(" ", ""), operands).partition("->")
-    terms = ins.split(",")
-    if "." in ins + out or len(terms) != len(operands) or len(terms) > 2 or \
-            any(len(set(t)) != len(t) for t in terms + [out]):
-        raise TraceError(f"einsum: {subscripts!r}: one or two operands, no letter twice in one term — {user_src()}")
-    xs = []
-    for t, x in zip(terms, operands):
-        x = lift(x)
-        if x.ndim != len(t):
-            raise TraceError(f"einsum: term {t!r} for an operand of shape {x.shape} — {user_src()}")
-        others = "".join(terms).replace(t, "", 1) + out
-        gone = [i for i, c in enumerate(t) if c not in others]
-        xs.append((sum(x, tuple(gone)) if gone else x, "".join(c for c in t if c in others)))
-    size = {c: d for x, t in xs for c, d in zip(t, x.shape)}
-    if any(size[c] != d for x, t in xs for c, d in zip(t, x.shape)):
-        raise TraceError(f"einsum: {subscripts!r}: a letter of two sizes in operands of shapes "
-                         f"{', '.join(str(x.shape) for x in operands)} — {user_src()}")
-    if len(xs) == 1:
-        (x, t), = xs
-        return transpose(x, tuple(t.index(c) for c in out))
-    (a, ta), (b, tb) = xs
-    batch = [c for c in out if c in ta and c in tb]
-    con = [c for c in ta if c in tb and c not in out]
-    fa, fb = [c for c in ta if c not in tb], [c for c in tb if c not in ta]
-    n = lambda cs: int(np.prod([size[c] for c in cs]))                      # noqa: E731
-    a = reshape(transpose(a, tuple(ta.index(c) for c in batch + fa + con)), (n(batch), n(fa), n(con)))
-    b = reshape(transpose(b, tuple(tb.index(c) for c in batch + con + fb)), (n(batch), n(con), n(fb)))
-    y = reshape(matmul(a, b), tuple(size[c] for c in batch + fa + fb))
-    return transpose(y, tuple((batch + fa + fb).index(c) for c in out))
-
-
-def _einsum_letters(s, operands):
-    """s with each "..." written as letters of its own (the dims it covers, aligned at the right) and numpy's
-    implicit output made explicit (the ellipsis' letters, then the letters used once, in alphabetical order)."""
-    ins, arrow, out = s.partition("->")
-    terms = ins.split(",")
-    ell = ""
-    if "..." in s and len(terms) == len(operands):
-        free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in s]
-        nd = builtins.max([x.ndim - (len(t) - 3) for t, x in zip(terms, operands) if "..." in t] + [0])
-        ell = "".join(free[:nd])
-        terms = [t.replace("...", ell[nd - (x.ndim - (len(t) - 3)):]) if "..." in t else t
-                 for t, x in zip(terms, operands)]
-        out = out.replace("...", ell)
-    if not arrow:
-        used = "".join(terms)
-        out = ell + "".join(sorted(c for c in set(used) if used.count(c) == 1 and c not in ell))
-    return ",".join(terms) + "->" + out
 
 
 def argmax(x, axis=None, keepdims=False):
@@ -340,15 +254,6 @@ def prod(x, axis=None, keepdims=False):
     return out if keepdims else reshape(out, x.shape[:ax] + x.shape[ax + 1:])
 
 
-def tri(x, k=0, lower=True):
-    """numpy's tril / triu: the last two axes' entries on and below (above) diagonal k kept, the others 0."""
-    x = lift(x)
-    if x.ndim < 2:
-        raise TraceError(f"{'tril' if lower else 'triu'}: needs at least 2 dims, got shape {x.shape} — {user_src()}")
-    keep = np.tri(*x.shape[-2:], k=k, dtype=bool)
-    return where(keep if lower else ~np.tri(*x.shape[-2:], k=k - 1, dtype=bool), x, 0.0)
-
-
 def moveaxis(x, source, destination):
     """numpy's moveaxis (torch's movedim): axes `source` moved to `destination`, the others in order."""
     x = lift(x)
@@ -360,14 +265,6 @@ def moveaxis(x, source, destination):
     for d, s in sorted(zip(dst, src)):
         perm.insert(d, s)
     return transpose(x, perm)
-
-
-def logaddexp(x, y):
-    """numpy's logaddexp: log(exp(x) + exp(y)), computed as m + log(exp(x - m) + exp(y - m)) with m = max(x, y)
-    held constant: its gradient is the two softmax weights (1/2 each where x == y, as torch's)."""
-    x, y = lift(x), lift(y)
-    m = stop_gradient(maximum(x, y))
-    return m + log(exp(x - m) + exp(y - m))
 
 
 def flip(x, axis=None, *, dims=None):
@@ -418,9 +315,11 @@ def max_dim(x, axis, keepdims=False, sign=1.0, torch=False):
 
 
 def _torch_dims(fn):
-    """fn(x, axis, keepdims) as a method taking numpy's (axis, keepdims) or torch's (dim, keepdim) names."""
-    return lambda x, axis=None, keepdims=False, dim=None, keepdim=None: fn(
-        x, axis if dim is None else dim, keepdims if keepdim is None else keepdim)
+    """fn(x, axis, keepdims) taking numpy's (axis, keepdims) or torch's (dim, keepdim) names (methods, btjit.*)."""
+    @functools.wraps(fn)
+    def named(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
+        return fn(x, axis if dim is None else dim, keepdims if keepdim is None else keepdim)
+    return named
 
 
 def full_like(x, fill_value):
@@ -444,7 +343,7 @@ UFUNCS.update({
     "log10": lambda x: log(x) * float(1 / np.log(10)),
     "equal": equal, "greater": lambda x, y: _binop("gt", x, y), "less": lambda x, y: _binop("lt", x, y),
     "not_equal": lambda x, y: _binop("ne", x, y), "greater_equal": lambda x, y: _binop("ge", x, y),
-    "less_equal": lambda x, y: _binop("le", x, y), "sin": sin, "cos": cos, "logaddexp": logaddexp,
+    "less_equal": lambda x, y: _binop("le", x, y), "sin": sin, "cos": cos,
     **{f"{k}_{how}": lambda x, y=None, how=how: logical(how, x, y) for k in ("logical", "bitwise")
        for how in ("and", "or", "xor")},
     "logical_not": lambda x: logical("not", x), "invert": lambda x: logical("not", x),
@@ -458,12 +357,10 @@ FUNCS.update({
     "roll": roll, "clip": lambda a, a_min=None, a_max=None, min=None, max=None: clip(  # noqa: A002
         a, min if a_min is None else a_min, max if a_max is None else a_max),
     "var": var, "std": std, "log1p": log1p, "expand_dims": expand_dims, "squeeze": squeeze, "dot": dot,
-    "outer": outer, "norm": norm, "pad": pad, "repeat": repeat, "tile": tile, "ravel": lambda a: flatten(a),
-    "einsum": einsum, "full_like": full_like, "zeros_like": lambda a: full_like(a, 0.0),
-    "ones_like": lambda a: full_like(a, 1.0), "copy": copy, "argmax": argmax,
+    "outer": outer, "norm": norm, "repeat": repeat, "tile": tile, "ravel": lambda a: flatten(a),
+    "full_like": full_like, "copy": copy, "argmax": argmax,
     "argmin": argmin, "prod": prod,
     "flip": flip, "take_along_axis": take_along_axis, "moveaxis": moveaxis, "sin": sin, "cos": cos,
-    "tril": lambda m, k=0: tri(m, k), "triu": lambda m, k=0: tri(m, k, lower=False), "logaddexp": logaddexp,
     "vstack": lambda tup: concatenate([reshape(t, (1, -1)) if lift(t).ndim < 2 else t for t in tup], 0),
     "hstack": lambda tup: concatenate(tup, 0 if lift(tup[0]).ndim == 1 else 1)})
 METHODS.update({
@@ -487,7 +384,6 @@ METHODS.update({
     "unsqueeze": lambda x, dim: expand_dims(x, dim), "contiguous": lambda x: x, "t": lambda x: transpose(x),
     "masked_fill": lambda x, mask, value: where(mask, value, x), "chunk": chunk, "split": torch_split,
     "softmax": lambda x, dim=-1: softmax(x, dim), "log_softmax": lambda x, dim=-1: log_softmax(x, dim),
-    "movedim": moveaxis, "tril": lambda x, diagonal=0: tri(x, diagonal), "numel": lambda x: x.node.size,
+    "movedim": moveaxis, "numel": lambda x: x.node.size,
     "expand_as": lambda x, other: broadcast_to(x, other.shape), "clamp_min": lambda x, m: clip(x, m),
-    "clamp_max": lambda x, m: clip(x, None, m), "type_as": lambda x, other: x.astype(other.dtype),
-    "triu": lambda x, diagonal=0: tri(x, diagonal, lower=False)})
+    "clamp_max": lambda x, m: clip(x, None, m), "type_as": lambda x, other: x.astype(other.dtype)})

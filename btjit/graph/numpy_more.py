@@ -1,7 +1,8 @@
 """More of numpy's functions on traced values, composed of the primitives, as update rules and models write them:
 np.linalg.norm with numpy's orders (any vector ord; a matrix's Frobenius, 1, -1, inf and -inf norms), vector_norm
 and matrix_norm, vdot, trace, diag and diagonal, all / any, median, quantile, percentile and partition (by sort),
-and the elementwise fmax, fmin, copysign, signbit, heaviside, hypot, cbrt, float_power and nan_to_num. Registered
+the elementwise fmax, fmin, copysign, signbit, heaviside, hypot, cbrt, float_power and nan_to_num; einsum (one or
+two operands, as batched matmuls), pad's modes, tril / triu, zeros_like / ones_like and logaddexp. Registered
 on import, as btjit/graph/numpy_fns.py's (btjit/core/program.py imports this module before tracing)."""
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import builtins
 import numpy as np
 
 from btjit.graph.indexing import getitem
-from btjit.graph.numpy_fns import amin, flatten, moveaxis, sign, stack, vector_norm
+from btjit.graph.numpy_fns import amin, flatten, full_like, moveaxis, sign, stack, vector_norm
 from btjit.graph.sort_fns import _sorted
-from btjit.graph.trace import (FUNCS, METHODS, UFUNCS, TraceError, _binop, _norm_axes, abs, concatenate, lift, max,
-                               maximum, minimum, reshape, sqrt, sum, user_src, where)
+from btjit.graph.trace import (FUNCS, METHODS, UFUNCS, TraceError, _binop, _norm_axes, abs, concatenate, exp, lift,
+                               log, matmul, max, maximum, minimum, reshape, sqrt, stop_gradient, sum, transpose,
+                               user_src, where)
 
 
 # ----------------------------------------------------------------------------- norms
@@ -189,15 +191,143 @@ def nan_to_num(x, copy=True, nan=0.0, posinf=None, neginf=None):
     return where(_binop("eq", x, -np.inf), -big if neginf is None else float(neginf), x)
 
 
+# ----------------------------------------------------------------------------- einsum, pad, triangles, logaddexp
+def einsum(subscripts, *operands):
+    """numpy's einsum for one or two operands ("bhqd,bhkd->bhqk", "ij->j", "...ij,...jk->...ik", or "ij,jk" with
+    numpy's implicit output; no letter twice in one operand): a letter only one operand has and the output lacks is
+    summed first; two operands are then one batched matmul (letters in both and the output: batch; in both only:
+    contracted)."""
+    operands = [lift(x) for x in operands]
+    ins, _, out = _einsum_letters(subscripts.replace(" ", ""), operands).partition("->")
+    terms = ins.split(",")
+    if "." in ins + out or len(terms) != len(operands) or len(terms) > 2 or \
+            any(len(set(t)) != len(t) for t in terms + [out]):
+        raise TraceError(f"einsum: {subscripts!r}: one or two operands, no letter twice in one term — {user_src()}")
+    xs = []
+    for t, x in zip(terms, operands):
+        x = lift(x)
+        if x.ndim != len(t):
+            raise TraceError(f"einsum: term {t!r} for an operand of shape {x.shape} — {user_src()}")
+        others = "".join(terms).replace(t, "", 1) + out
+        gone = [i for i, c in enumerate(t) if c not in others]
+        xs.append((sum(x, tuple(gone)) if gone else x, "".join(c for c in t if c in others)))
+    size = {c: d for x, t in xs for c, d in zip(t, x.shape)}
+    if any(size[c] != d for x, t in xs for c, d in zip(t, x.shape)):
+        raise TraceError(f"einsum: {subscripts!r}: a letter of two sizes in operands of shapes "
+                         f"{', '.join(str(x.shape) for x in operands)} — {user_src()}")
+    if len(xs) == 1:
+        (x, t), = xs
+        return transpose(x, tuple(t.index(c) for c in out))
+    (a, ta), (b, tb) = xs
+    batch = [c for c in out if c in ta and c in tb]
+    con = [c for c in ta if c in tb and c not in out]
+    fa, fb = [c for c in ta if c not in tb], [c for c in tb if c not in ta]
+    n = lambda cs: int(np.prod([size[c] for c in cs]))                      # noqa: E731
+    a = reshape(transpose(a, tuple(ta.index(c) for c in batch + fa + con)), (n(batch), n(fa), n(con)))
+    b = reshape(transpose(b, tuple(tb.index(c) for c in batch + con + fb)), (n(batch), n(con), n(fb)))
+    y = reshape(matmul(a, b), tuple(size[c] for c in batch + fa + fb))
+    return transpose(y, tuple((batch + fa + fb).index(c) for c in out))
+
+
+def _einsum_letters(s, operands):
+    """s with each "..." written as letters of its own (the dims it covers, aligned at the right) and numpy's
+    implicit output made explicit (the ellipsis' letters, then the letters used once, in alphabetical order)."""
+    ins, arrow, out = s.partition("->")
+    terms = ins.split(",")
+    ell = ""
+    if "..." in s and len(terms) == len(operands):
+        free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in s]
+        nd = builtins.max([x.ndim - (len(t) - 3) for t, x in zip(terms, operands) if "..." in t] + [0])
+        ell = "".join(free[:nd])
+        terms = [t.replace("...", ell[nd - (x.ndim - (len(t) - 3)):]) if "..." in t else t
+                 for t, x in zip(terms, operands)]
+        out = out.replace("...", ell)
+    if not arrow:
+        used = "".join(terms)
+        out = ell + "".join(sorted(c for c in set(used) if used.count(c) == 1 and c not in ell))
+    return ",".join(terms) + "->" + out
+
+
+PAD_MODES = ("constant", "reflect", "edge", "wrap")
+
+
+def pad(x, pad_width, mode="constant", constant_values=0):
+    """numpy's pad in modes "constant" (each axis between blocks of constant_values), "reflect" (mirrored
+    without the edge), "edge" (the edge repeated) and "wrap" (circular): the last three gather each axis by an
+    index array, so their gradients sum back where an element is read twice."""
+    if mode not in PAD_MODES:
+        raise TraceError(f"pad: mode must be one of {PAD_MODES}, got {mode!r} — {user_src()}")
+    x = lift(x)
+    widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (x.ndim, 2))
+    for ax, (lo, hi) in enumerate(widths):
+        lo, hi, n = int(lo), int(hi), x.shape[ax]
+        if mode != "constant" and (lo or hi):
+            if mode == "reflect" and builtins.max(lo, hi) >= n or mode == "wrap" and builtins.max(lo, hi) > n:
+                raise TraceError(f"pad: {mode} padding of ({lo}, {hi}) on an axis of size {n} — {user_src()}")
+            ids = np.arange(-lo, n + hi)
+            ids = (np.abs(ids) if mode == "reflect" else np.clip(ids, 0, n - 1) if mode == "edge" else ids % n)
+            if mode == "reflect":
+                ids = np.where(ids > n - 1, 2 * (n - 1) - ids, ids)
+            x = getitem(x, (slice(None),) * ax + (ids,))
+            continue
+        parts = [x]
+        for k, at in ((lo, 0), (hi, 1)):
+            if k:
+                shape = x.shape[:ax] + (k,) + x.shape[ax + 1:]
+                parts.insert(len(parts) * at, lift(np.full(shape, float(constant_values)), x))
+        x = concatenate(parts, ax) if len(parts) > 1 else x
+    return x
+
+
+def tri(x, k=0, lower=True):
+    """numpy's tril / triu: the last two axes' entries on and below (above) diagonal k kept, the others 0."""
+    x = lift(x)
+    if x.ndim < 2:
+        raise TraceError(f"{'tril' if lower else 'triu'}: needs at least 2 dims, got shape {x.shape} — {user_src()}")
+    keep = np.tri(*x.shape[-2:], k=k, dtype=bool)
+    return where(keep if lower else ~np.tri(*x.shape[-2:], k=k - 1, dtype=bool), x, 0.0)
+
+
+def tril(x, k=0, *, diagonal=None):
+    """numpy's tril (torch's with diagonal=): entries above diagonal k set to 0."""
+    return tri(x, k if diagonal is None else diagonal)
+
+
+def triu(x, k=0, *, diagonal=None):
+    """numpy's triu (torch's with diagonal=): entries below diagonal k set to 0."""
+    return tri(x, k if diagonal is None else diagonal, lower=False)
+
+
+def zeros_like(x):
+    """numpy's / torch's zeros_like: zeros of x's shape (no gradient to x)."""
+    return full_like(x, 0.0)
+
+
+def ones_like(x):
+    """numpy's / torch's ones_like: ones of x's shape (no gradient to x)."""
+    return full_like(x, 1.0)
+
+
+def logaddexp(x, y):
+    """numpy's logaddexp: log(exp(x) + exp(y)), computed as m + log(exp(x - m) + exp(y - m)) with m = max(x, y)
+    held constant: its gradient is the two softmax weights (1/2 each where x == y, as torch's)."""
+    x, y = lift(x), lift(y)
+    m = stop_gradient(maximum(x, y))
+    return m + log(exp(x - m) + exp(y - m))
+
+
 UFUNCS.update({
-    "fmax": fmax, "fmin": fmin, "copysign": copysign, "signbit": signbit, "heaviside": heaviside,
+    "logaddexp": logaddexp, "fmax": fmax, "fmin": fmin, "copysign": copysign, "signbit": signbit,
+    "heaviside": heaviside,
     "hypot": lambda x, y: sqrt(lift(x) * lift(x) + lift(y) * lift(y)),
     "cbrt": lambda x: sign(x) * abs(lift(x)) ** (1.0 / 3.0), "float_power": lambda x, y: lift(x) ** y})
 FUNCS.update({
-    "norm": norm, "vector_norm": _vector_norm_np, "matrix_norm": lambda x, *, ord="fro", keepdims=False: matrix_norm(
-        x, ord, keepdims), "vdot": vdot, "trace": trace, "diag": diag, "diagonal": diagonal, "all": all_,
+    "einsum": einsum, "pad": pad, "tril": tril, "triu": triu, "zeros_like": zeros_like, "ones_like": ones_like,
+    "logaddexp": logaddexp, "norm": norm, "vector_norm": _vector_norm_np,
+    "matrix_norm": lambda x, *, ord="fro", keepdims=False: matrix_norm(x, ord, keepdims), "vdot": vdot,
+    "trace": trace, "diag": diag, "diagonal": diagonal, "all": all_,
     "any": any_, "median": median, "quantile": quantile, "partition": partition, "nan_to_num": nan_to_num,
     "percentile": lambda x, q, axis=None, keepdims=False, method="linear": quantile(
         x, np.asarray(q, np.float64) / 100.0, axis, keepdims, method)})
-METHODS.update({"all": all_, "any": any_, "trace": trace, "diagonal": diagonal,
+METHODS.update({"tril": tril, "triu": triu, "all": all_, "any": any_, "trace": trace, "diagonal": diagonal,
                 "nan_to_num": lambda x, nan=0.0, posinf=None, neginf=None: nan_to_num(x, True, nan, posinf, neginf)})

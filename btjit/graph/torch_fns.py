@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from btjit.graph.functional import _pair, _reduced, elu, logsumexp, relu6, softplus
-from btjit.graph.numpy_fns import einsum as np_einsum, full_like, moveaxis, norm, outer, repeat, tile
+from btjit.graph.numpy_fns import full_like, moveaxis, norm, outer, repeat, tile
+from btjit.graph.numpy_more import einsum as np_einsum
 from btjit.graph.rng import bernoulli, rand, randn
 from btjit.graph.trace import (IN_PLACE, METHODS, TraceError, Tracer, abs, broadcast_to, concatenate, exp, lift, log,
                                log1p, matmul, maximum, minimum, reshape, sigmoid, sqrt, sum, tanh, transpose, user_src,
