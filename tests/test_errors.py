@@ -16,7 +16,6 @@ import pytest
 import btjit
 
 
-
 def line_of(fn, marker: str) -> str:
     """'test_errors.py:<n>' of the line of fn's source that contains `marker`."""
     src, start = inspect.getsourcelines(fn)
