@@ -1,6 +1,7 @@
 """numpy's and torch's functions under btjit's own names (btjit.min, btjit.argmax, btjit.tril, ...): the values
 numpy gives, torch's dim= / keepdim= / diagonal= spellings beside numpy's, and gradients against finite
-differences in float64; and np.einsum / np.pad / np.tril / np.logaddexp on traced values as before."""
+differences in float64; np.einsum / np.pad / np.tril / np.logaddexp on traced values as before; and the spellings
+llama2.c's model.py needed (torch.outer of integers, arange's keywords, view_as, reshape_as) against torch."""
 import numpy as np
 import pytest
 
@@ -52,3 +53,46 @@ def test_torchs_dim_names_as_torch():
                      (lambda x: btjit.tril(x, diagonal=-1), torch.tril(t, diagonal=-1))]:
         prog = btjit.trace(lambda p: fn(p["x"]), {"x": X}, dtype="float64", grad=False)
         np.testing.assert_allclose(prog(), want.numpy(), rtol=1e-12)
+
+
+def _value_and_grad(fn, x, dtype="float64"):
+    prog = btjit.trace(lambda p: fn(p["x"]), {"x": x}, dtype=dtype, grad=True)
+    return prog.value_and_grad(), prog.grads["x"]
+
+
+def test_outer_of_integers_and_floats_and_arange_keywords_as_torch():
+    """torch.outer(t, freqs) with t = torch.arange(end, device=...) integers: floats (before: `mul: input 0 is an
+    integer array`); torch.arange(..., dtype=torch.float32) gives floats; x.outer(y) and np.outer alike."""
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(0).normal(size=5)
+    w = np.random.default_rng(1).normal(size=(7, 5))
+    for spell in (lambda x: btjit.outer(btjit.arange(7, device=x.device), x), lambda x: btjit.arange(7).outer(x),
+                  lambda x: np.outer(btjit.arange(7), x),
+                  lambda x: btjit.outer(btjit.arange(7, dtype=torch.float32), x)):
+        got, grad = _value_and_grad(lambda x: (btjit.cos(spell(x)) * w).sum(), x)
+        xt = torch.tensor(x, requires_grad=True)
+        want = (torch.cos(torch.outer(torch.arange(7), xt)) * torch.tensor(w)).sum()
+        want.backward()
+        assert abs(got - want.item()) < 1e-12
+        np.testing.assert_allclose(grad, xt.grad.numpy(), rtol=1e-12, atol=1e-12)
+    f = btjit.trace(lambda p: (btjit.arange(0.5, 3, 0.5, dtype="float64") * p["x"][:5]).sum(), {"x": x}, grad=True,
+                    dtype="float64")
+    assert f.value_and_grad() == pytest.approx(float((torch.arange(0.5, 3, 0.5) * torch.tensor(x)).sum()), abs=1e-12)
+    np.testing.assert_array_equal(f.grads["x"], torch.arange(0.5, 3, 0.5).numpy())
+    with pytest.raises(btjit.TraceError, match="arange: dtype must be an integer or float one"):
+        btjit.trace(lambda p: btjit.arange(3, dtype=torch.bool).sum() * p["x"], {"x": x}, grad=True)
+    with pytest.raises(btjit.TraceError, match=r"integer array where floats are needed \(x.float\(\) converts it"):
+        btjit.trace(lambda p: (btjit.arange(5) * p["x"]).sum(), {"x": x}, grad=True)
+
+
+def test_view_as_and_reshape_as_as_torch():
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(2).normal(size=(4, 6))
+    w = np.random.default_rng(3).normal(size=(2, 12))
+    for name in ("view_as", "reshape_as"):
+        got, grad = _value_and_grad(lambda x: (getattr(x, name)(x.reshape(2, 12) * 0) * w).sum(), x)
+        xt = torch.tensor(x, requires_grad=True)
+        want = (getattr(xt, name)(torch.zeros(2, 12)) * torch.tensor(w)).sum()
+        want.backward()
+        assert abs(got - want.item()) < 1e-12
+        np.testing.assert_allclose(grad, xt.grad.numpy(), rtol=1e-12)

@@ -398,48 +398,6 @@ def test_llama_inference_logits_of_the_last_position(dtype):
     _close(got, want, TOL[dtype][0] * 10, "logits")
 
 
-# --- the spellings model.py needed, each against torch ---------------------------------------------------------
-def _value_and_grad(fn, x, dtype="float64"):
-    prog = btjit.trace(lambda p: fn(p["x"]), {"x": x}, dtype=dtype, grad=True)
-    return prog.value_and_grad(), prog.grads["x"]
-
-
-def test_outer_of_integers_and_floats_and_arange_keywords_as_torch():
-    """torch.outer(t, freqs) with t = torch.arange(end, device=...) integers: floats (before: `mul: input 0 is an
-    integer array`); torch.arange(..., dtype=torch.float32) gives floats; x.outer(y) and np.outer alike."""
-    x = np.random.default_rng(0).normal(size=5)
-    w = np.random.default_rng(1).normal(size=(7, 5))
-    for spell in (lambda x: btjit.outer(btjit.arange(7, device=x.device), x), lambda x: btjit.arange(7).outer(x),
-                  lambda x: np.outer(btjit.arange(7), x),
-                  lambda x: btjit.outer(btjit.arange(7, dtype=torch.float32), x)):
-        got, grad = _value_and_grad(lambda x: (btjit.cos(spell(x)) * w).sum(), x)
-        xt = torch.tensor(x, requires_grad=True)
-        want = (torch.cos(torch.outer(torch.arange(7), xt)) * torch.tensor(w)).sum()
-        want.backward()
-        assert abs(got - want.item()) < 1e-12
-        np.testing.assert_allclose(grad, xt.grad.numpy(), rtol=1e-12, atol=1e-12)
-    f = btjit.trace(lambda p: (btjit.arange(0.5, 3, 0.5, dtype="float64") * p["x"][:5]).sum(), {"x": x}, grad=True,
-                    dtype="float64")
-    assert f.value_and_grad() == pytest.approx(float((torch.arange(0.5, 3, 0.5) * torch.tensor(x)).sum()), abs=1e-12)
-    np.testing.assert_array_equal(f.grads["x"], torch.arange(0.5, 3, 0.5).numpy())
-    with pytest.raises(btjit.TraceError, match="arange: dtype must be an integer or float one"):
-        btjit.trace(lambda p: btjit.arange(3, dtype=torch.bool).sum() * p["x"], {"x": x}, grad=True)
-    with pytest.raises(btjit.TraceError, match=r"integer array where floats are needed \(x.float\(\) converts it"):
-        btjit.trace(lambda p: (btjit.arange(5) * p["x"]).sum(), {"x": x}, grad=True)
-
-
-def test_view_as_and_reshape_as_as_torch():
-    x = np.random.default_rng(2).normal(size=(4, 6))
-    w = np.random.default_rng(3).normal(size=(2, 12))
-    for name in ("view_as", "reshape_as"):
-        got, grad = _value_and_grad(lambda x: (getattr(x, name)(x.reshape(2, 12) * 0) * w).sum(), x)
-        xt = torch.tensor(x, requires_grad=True)
-        want = (getattr(xt, name)(torch.zeros(2, 12)) * torch.tensor(w)).sum()
-        want.backward()
-        assert abs(got - want.item()) < 1e-12
-        np.testing.assert_allclose(grad, xt.grad.numpy(), rtol=1e-12)
-
-
 def test_a_tied_weight_passed_twice_warns():
     """torch's state_dict() lists llama2.c's tied weight twice (tok_embeddings.weight, output.weight: one tensor);
     passed as it is, btjit would train two params that drift apart from torch's one: a warning names both."""
