@@ -30,6 +30,9 @@ __all__ += ["outer"]
 __all__ += ["unfold", "fold", "pixel_unshuffle", "channel_shuffle", "local_response_norm"]
 __all__ += ["min", "argmax", "argmin", "prod", "expand_dims", "squeeze", "tril", "triu", "zeros_like", "ones_like",
             "full_like", "moveaxis", "take_along_axis", "sign", "logaddexp", "tile"]
+__all__ += ["pairwise_distance", "margin_ranking_loss", "triplet_margin_loss", "hinge_embedding_loss",
+            "soft_margin_loss", "cosine_embedding_loss", "poisson_nll_loss", "gaussian_nll_loss", "tanhshrink",
+            "softshrink", "hardshrink"]
 
 
 def __getattr__(name):

@@ -23,6 +23,9 @@ from btjit.graph.conv_fns import (adaptive_avg_pool1d, adaptive_avg_pool2d, adap
 from btjit.graph.torch_fns import (cat, celu, cosine_similarity, einsum, glu, hardsigmoid, hardswish, huber_loss,
                                    kl_div, linear, logsigmoid, mish, normalize, prelu, repeat_interleave, rsqrt, selu,
                                    softsign, unbind)
+from btjit.graph.torch_losses import (cosine_embedding_loss, gaussian_nll_loss, hardshrink, hinge_embedding_loss,
+                                     margin_ranking_loss, pairwise_distance, poisson_nll_loss, soft_margin_loss,
+                                     softshrink, tanhshrink, triplet_margin_loss)
 from btjit.graph.vision_fns import channel_shuffle, fold, local_response_norm, pixel_unshuffle, unfold
 from btjit.core.program import Program, trace
 from btjit.scalar.front import trace_scalar

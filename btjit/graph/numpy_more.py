@@ -1,9 +1,10 @@
 """More of numpy's functions on traced values, composed of the primitives, as update rules and models write them:
 np.linalg.norm with numpy's orders (any vector ord; a matrix's Frobenius, 1, -1, inf and -inf norms), vector_norm
 and matrix_norm, vdot, trace, diag and diagonal, all / any, median, quantile, percentile and partition (by sort),
-the elementwise fmax, fmin, copysign, signbit, heaviside, hypot, cbrt, float_power and nan_to_num; einsum (one or
-two operands, as batched matmuls), pad's modes, tril / triu, zeros_like / ones_like and logaddexp. Registered
-on import, as btjit/graph/numpy_fns.py's (btjit/core/program.py imports this module before tracing)."""
+the elementwise sinh, cosh, arcsinh, arccosh, arctanh, fmax, fmin, copysign, signbit, heaviside, hypot, cbrt,
+float_power and nan_to_num; einsum (one or two operands, as batched matmuls), pad's modes, tril / triu,
+zeros_like / ones_like and logaddexp. Registered on import, as btjit/graph/numpy_fns.py's (btjit/core/program.py
+imports this module before tracing)."""
 from __future__ import annotations
 
 import builtins
@@ -14,7 +15,7 @@ from btjit.graph.indexing import getitem
 from btjit.graph.numpy_fns import amin, flatten, full_like, moveaxis, sign, stack, vector_norm
 from btjit.graph.sort_fns import _sorted
 from btjit.graph.trace import (FUNCS, METHODS, UFUNCS, TraceError, _binop, _norm_axes, abs, concatenate, exp, lift,
-                               log, matmul, max, maximum, minimum, reshape, sqrt, stop_gradient, sum, transpose,
+                               log, log1p, matmul, max, maximum, minimum, reshape, sqrt, stop_gradient, sum, transpose,
                                user_src, where)
 
 
@@ -317,6 +318,10 @@ def logaddexp(x, y):
 
 
 UFUNCS.update({
+    "sinh": lambda x: (exp(x) - exp(-lift(x))) * 0.5, "cosh": lambda x: (exp(x) + exp(-lift(x))) * 0.5,
+    "arcsinh": lambda x: sign(x) * log(abs(x) + sqrt(lift(x) * lift(x) + 1.0)),
+    "arccosh": lambda x: log(lift(x) + sqrt(lift(x) * lift(x) - 1.0)),
+    "arctanh": lambda x: (log1p(x) - log1p(-lift(x))) * 0.5,
     "logaddexp": logaddexp, "fmax": fmax, "fmin": fmin, "copysign": copysign, "signbit": signbit,
     "heaviside": heaviside,
     "hypot": lambda x, y: sqrt(lift(x) * lift(x) + lift(y) * lift(y)),

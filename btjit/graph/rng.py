@@ -52,7 +52,7 @@ def dropout(x, p=0.5, training=None, inplace=False):
     """torch's dropout: while training, zero each element with probability p and scale the others by
     1 / (1 - p); the identity in eval mode (or training=False) and when p == 0 (nothing is emitted). The
     backward uses the same mask, drawn again from the generator's counter."""
-    return _dropout(x, _probability(p, "dropout"), training)
+    return _dropout(x, _probability(p, "dropout", one=True), training)
 
 
 def dropout2d(x, p=0.5, training=None, inplace=False):
@@ -61,7 +61,7 @@ def dropout2d(x, p=0.5, training=None, inplace=False):
     x = T.lift(x)
     if x.ndim < 3:
         raise T.TraceError(f"dropout2d: needs (N, C, ...) input, got {x.shape} — {T.user_src()}")
-    return _dropout(x, _probability(p, "dropout2d"), training, channels=True)
+    return _dropout(x, _probability(p, "dropout2d", one=True), training, channels=True)
 
 
 def causal_attention(qkv, n_head, dropout=0.0):
@@ -129,10 +129,12 @@ def attn_dropout_in_kernel(qkv_shape, nh) -> bool:
     return qkv_shape[1] >= KEPT_MIN_T and qkv_shape[2] // 3 // nh >= KEPT_MIN_HS
 
 
-def _probability(p, op):
-    if isinstance(p, (T.Tracer, bool)) or not isinstance(p, (int, float, np.number)) or not 0.0 <= float(p) < 1.0:
-        raise T.TraceError(f"{op}: the dropout probability must be a number in [0, 1), got {p!r} — "
-                           f"{T.user_src()}")
+def _probability(p, op, one=False):
+    """p as a float in [0, 1) (one: [0, 1], torch's dropout of p = 1 zeroes everything); else an error."""
+    if isinstance(p, (T.Tracer, bool)) or not isinstance(p, (int, float, np.number)) or \
+            not (0.0 <= float(p) <= 1.0 if one else 0.0 <= float(p) < 1.0):
+        raise T.TraceError(f"{op}: the dropout probability must be a number in [0, {'1]' if one else '1)'}, got "
+                           f"{p!r} — {T.user_src()}")
     return float(p)
 
 
@@ -142,6 +144,8 @@ def _dropout(x, p, training=None, channels=False):
     x = T.lift(x)
     if p == 0.0 or not (T.current_graph().training if training is None else training):
         return x
+    if p == 1.0:                # torch's: every element dropped
+        return x * 0.0
     like = x[(slice(None), slice(None)) + (slice(0, 1),) * (x.ndim - 2)] if channels else x
     return x * ((_random(like, K.U_UNIFORM) >= p) * (1.0 / (1.0 - p)))
 
