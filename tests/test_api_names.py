@@ -96,3 +96,21 @@ def test_view_as_and_reshape_as_as_torch():
         want.backward()
         assert abs(got - want.item()) < 1e-12
         np.testing.assert_allclose(grad, xt.grad.numpy(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("args", [(1, 3, 2), (2, 4, 5), (-1, 9, 1), (0, 1, 1)])
+def test_tensor_unfold_windows_as_torch(args):
+    """torch's x.unfold(dimension, size, step) (sliding windows as a new last axis), and the patch idiom of ViT
+    code, x.unfold(2, p, p).unfold(3, p, p), with gradients."""
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(5).normal(size=(2, 7, 9))
+    for fn in (lambda t: t.unfold(*args), lambda t: t.reshape(1, 2, 7, 9).unfold(2, 3, 3).unfold(3, 3, 3)):
+        r = np.random.default_rng(6).normal(size=fn(torch.tensor(x)).shape)
+        got, grad = _value_and_grad(lambda v: (fn(v) * r).sum(), x)
+        xt = torch.tensor(x, requires_grad=True)
+        want = (fn(xt) * torch.tensor(r)).sum()
+        want.backward()
+        assert got == pytest.approx(want.item(), rel=1e-12)
+        np.testing.assert_allclose(grad, xt.grad.numpy(), rtol=1e-12, atol=1e-14)
+    with pytest.raises(btjit.TraceError, match="unfold: size 10 and step 1"):
+        btjit.trace(lambda p: p["x"].unfold(2, 10, 1).sum(), {"x": x}, grad=True)

@@ -194,6 +194,20 @@ def _narrow(x, dim, start, length):
     return x[(slice(None),) * dim + (slice(start, start + length),)]
 
 
+def _windows(x, dimension, size, step):
+    """torch's x.unfold(dimension, size, step): the windows of `size` every `step` along dimension, as a new last
+    axis (dimension's size becomes the number of windows); one gather of their elements, then a reshape."""
+    d, size, step = dimension % x.ndim, int(size), int(step)
+    n = x.shape[d]
+    if size < 1 or step < 1 or size > n:
+        raise TraceError(f"unfold: size {size} and step {step} must be >= 1 and size at most dimension {dimension}'s "
+                         f"{n} (shape {x.shape}) — {user_src()}")
+    k = (n - size) // step + 1
+    ids = (np.arange(k)[:, None] * step + np.arange(size)).ravel()
+    y = reshape(x[(slice(None),) * d + (ids,)], x.shape[:d] + (k, size) + x.shape[d + 1:])
+    return moveaxis(y, d + 1, -1)
+
+
 def _unflatten(x, dim, sizes):
     dim = dim % x.ndim
     return reshape(x, x.shape[:dim] + tuple(sizes) + x.shape[dim + 1:])
@@ -208,6 +222,7 @@ METHODS.update({
     "new_zeros": lambda x, *size, **kw: _new(x, size, 0.0), "new_empty": lambda x, *size, **kw: _new(x, size, 0.0),
     "new_ones": lambda x, *size, **kw: _new(x, size, 1.0), "new_full": lambda x, size, v, **kw: _new(x, (size,), v),
     "bernoulli": lambda x, p=None, **kw: bernoulli(x, p), "to": _to, "narrow": _narrow, "unflatten": _unflatten,
+    "unfold": _windows,
     "repeat": _torch_repeat, "view_as": lambda x, other: reshape(x, other.shape),
     "reshape_as": lambda x, other: reshape(x, other.shape)})
 METHODS.update({
