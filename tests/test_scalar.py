@@ -11,7 +11,7 @@ import pytest
 import btjit
 from btjit.bench.workloads import e1   # the paper's E1, written once for every backend
 from btjit.scalar.lower import STRAIGHT_LINE_MAX
-from btjit.scalar.front import NodeFileError, load_values, save_values
+from btjit.scalar.nodefile import NodeFileError, load_values, save_values
 
 LOWERINGS = ["straight", "tape"]
 

@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 import btjit
-from btjit.scalar import front as scalar
+from btjit.scalar import nodefile
 from btjit.bench import workloads as W
 from btjit.bench.peers import Runner
 
@@ -70,10 +70,10 @@ class IORunner(Runner):
         self.step = self.save if workload_id == "E3" else self.load
 
     def save(self):
-        scalar.save_values(self.path, self.values)
+        nodefile.save_values(self.path, self.values)
 
     def load(self):
-        return scalar.load_values(self.path)
+        return nodefile.load_values(self.path)
 
     def check(self):
         self.save()
