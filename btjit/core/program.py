@@ -28,7 +28,8 @@ from btjit.kernels import amx, bf16
 from btjit.kernels.common import SPLIT
 from btjit.kernels.rng import KEY_REPLICA
 from btjit.kernels.library import LIBRARY
-from btjit.optim.build import Update, assign_in_place
+from btjit.optim.build import Update
+from btjit.optim.inplace import assign_in_place
 from btjit.export.runner import Named, Runner
 
 _threads.set_num_threads(_threads.default_threads())   # every core the process may run on (btjit/host/threads.py)

@@ -15,9 +15,8 @@ per param, over its own slices (region ("slice", k, name)) at its real shapes an
 op may be used: reductions (LARS / LAMB trust ratios), matmuls and transposes (Muon), a state of another shape
 (Adafactor's row and column statistics). Such a state lies at the start of its slot: state j of param k is at
 param_off[k] + (2 + j) * params span, whatever its shape (at most the param's size), so state_dict, checkpoints
-and exports keep it as they keep the others. `assign_in_place` (after fusion) computes each new value straight
-into its place, or leaves it to the copy that ends the step when an equation still reads the old value after
-the new one is written.
+and exports keep it as they keep the others. btjit/optim/inplace.py's `assign_in_place` (after fusion) computes
+each new value straight into its place where that is safe.
 """
 from __future__ import annotations
 
@@ -26,16 +25,16 @@ import contextlib
 import numpy as np
 
 from btjit.graph import state as S, trace as T
-from btjit.graph.fuse_ew import ALIAS, BINARY, UNARY
+from btjit.graph.fuse_ew import ALIAS
 from btjit.graph.lower import lower_eqns
-from btjit.graph.memory import _al, storage_roots
+from btjit.graph.memory import _al
 
 from btjit.optim.base import HyperParams, Optimizer, OptimizerError, defined_at, flat_hp, resolve_groups
 from btjit.optim.builtin import one_pass
+from btjit.optim.inplace import ELEMENTWISE
 from btjit.optim.near_one import Hyper, scalars
 
 GLOBAL = ("lr", "clip_norm", "clip_scale", "clip_value", "step")
-ELEMENTWISE = set(UNARY) | set(BINARY) | {"where"}
 ONE_MINUS = "1-"              # the slot of 1 - hp[k] is named "1-" + k (btjit/optim/near_one.py)
 
 
@@ -375,54 +374,3 @@ def _elementwise(eqns, full) -> bool:
     ok_in = lambda v: v.shape == full or v.size == 1           # noqa: E731
     return all(e.op in UPDATE_OPS and all(o.shape in ((), full) for o in e.outs) and all(map(ok_in, e.ins)) and
                (e.op != "reshape" or e.ins[0].shape == e.outs[0].shape) for e in eqns)
-
-
-def assign_in_place(g, pinned: dict) -> None:
-    """The optimizer's assigns (graph.assigns whose target is one of graph.regions), after fusion: each new
-    value is computed straight into its target's place (pinned[id] = ("at", target), no copy row) unless the
-    old value is still read after the new one is written; then it is pinned as an output and copied into the
-    place when the step ends (graph/lower.py: assign_rows), as every other assign is. A value that is not its
-    own storage (a region, a view, one value assigned twice) is first copied: a region where the update begins,
-    before anything writes it, any other where it is made."""
-    root = storage_roots(g)
-    fixed = {v.id for v in list(g.params.values()) + list(g.buffers.values()) + g.inputs + list(g.consts) +
-             list(g.regions)}
-    mine = [a for a in g.assigns if a.target in g.regions]
-    claimed = set(pinned)
-    for a in mine:
-        r = root.get(a.value.id, a.value.id)
-        if r != a.value.id or r in fixed or r in claimed:
-            with T.building(g):
-                c = T.copy(T.Tracer(a.value, g))
-            at = next((i + 1 for i in range(len(g.eqns) - 2, g.n_backward - 1, -1) if a.value in g.eqns[i].outs),
-                      g.n_backward)
-            g.eqns.insert(at, g.eqns.pop())
-            a.value = c.node
-        claimed.add(a.value.id)
-    producer = {o.id: i for i, e in enumerate(g.eqns) for o in e.outs}
-    for a in mine:
-        if _read_after(g, producer[a.value.id], a.value, a.target, root):
-            pinned[a.value.id] = ("out", f"assign/optimizer/{':'.join(map(str, g.regions[a.target]))}")
-        else:
-            pinned[a.value.id] = ("at", a.target)
-            a.in_place = True
-
-
-def _read_after(g, i, new, old, root) -> bool:
-    """Is old (or a view of it) read after eqns[i] writes new? Inside a fused chain, by the members after the
-    one computing new; an unfused equation reading old only if it is one elementwise op."""
-    reads = lambda e: any(root.get(v.id, v.id) == old.id for v in e.ins)   # noqa: E731
-    if any(reads(e) for e in g.eqns[i + 1:]):
-        return True
-    e = g.eqns[i]
-    if not reads(e):
-        return False
-    if e.op != "ew_fused":                           # one elementwise op works in place, any other may not
-        return not (e.op in ELEMENTWISE and old.shape == e.outs[0].shape or e.op == "opt_update")
-    body = e.attrs["body"]
-    at = next(k for k, m in enumerate(body) if m[3] == new.id)
-    alias = {old.id}
-    for op, _, ins, out in body:
-        if op in ALIAS and ins[0] in alias:
-            alias.add(out)
-    return any(set(ins) & alias for _, _, ins, _ in body[at + 1:])
