@@ -30,7 +30,7 @@ from collections import Counter
 import numpy as np
 
 from btjit.graph.ir import Eqn, Graph
-from btjit.graph.ops.conv import POOL_GEOM
+from btjit.graph.ops.pool import POOL_GEOM
 from btjit.graph.optable import TABLE
 
 

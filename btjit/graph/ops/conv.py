@@ -1,6 +1,6 @@
-"""Convolution and pooling: the op table's entries (conv_gemm / conv_wgrad / conv_dy, im2col / col2im, pool2d /
-pool2d_grad: shape rule, VJP, numpy reference, lowering, gradient cases); the public functions built from them
-with torch's semantics (btjit.conv2d, conv1d, the poolings, flatten) are in graph/conv_fns.py.
+"""Convolution: the op table's entries (conv_gemm / conv_wgrad / conv_dy, im2col / col2im, dwconv2d: shape rule, VJP,
+numpy reference, lowering, gradient cases; the poolings' are in graph/ops/pool.py); the public functions built
+from them with torch's semantics (btjit.conv2d, conv1d, the poolings, flatten) are in graph/conv_fns.py.
 
 A float32 convolution with groups 1 and O a multiple of 8 is an implicit GEMM (conv_gemm, kernels/convgemm.py):
 the patches of the (zero-padded) input are read in place, never written out; its weight gradient (conv_wgrad) is
@@ -16,15 +16,13 @@ import numpy as np
 
 from btjit.graph import trace as T
 from btjit.graph.conv_fns import conv2d          # VJP rules are written with the public functions (one way)
-from btjit.kernels.conv import POOL_AVG, POOL_MAX
 from btjit.kernels.common import MAX_THREADS
 from btjit.kernels.micro import MR
 
 from btjit.graph.ops.matmul import par_gemm
+from btjit.graph.ops.pool import _GEOM, POOL_GEOM, _patches, _pool_grad_ref
 from btjit.graph.optable import Case, F, ShapeError, _float, op, par_parts
 
-_GEOM = ("kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "oh", "ow")
-POOL_GEOM = _GEOM[:6] + _GEOM[8:]   # a pooling's (no dilation)
 
 
 # ----------------------------------------------------------------------------- im2col / col2im
@@ -35,19 +33,6 @@ def _im2col_rule(types, attrs, fd):
     if len(s) != 4 or s[1] % G:
         raise ShapeError(f"im2col needs (N, C, H, W) with C divisible by groups={G}")
     return [((G, s[0] * attrs["oh"] * attrs["ow"], s[1] // G * attrs["kh"] * attrs["kw"]), fd)]
-
-
-def _patches(shape, a):
-    """(i, j, oh, ow, ih, iw) of every patch element inside an image of `shape` (N, C, H, W)."""
-    H, W = shape[2:]
-    for i in range(a["kh"]):
-        for j in range(a["kw"]):
-            for oh in range(a["oh"]):
-                ih = oh * a["sh"] - a["ph"] + i * a["dh"]
-                for ow in range(a["ow"]):
-                    iw = ow * a["sw"] - a["pw"] + j * a["dw"]
-                    if 0 <= ih < H and 0 <= iw < W:
-                        yield i, j, oh, ow, ih, iw
 
 
 def _to_cols(c6, a):
@@ -300,69 +285,6 @@ op("conv_dy", infer=_conv_dy_rule, ref=_conv_dy_ref, lower=_conv_dy_lower, inter
    cases=[Case((F(2, 8, 3, 5), F(2, 8, 3, 5)), dict(relu=1, bias=1)), Case((F(3, 16, 4, 5),), dict(relu=0, bias=1)),
           Case((F(2, 24, 6, 7), F(2, 24, 6, 7)), dict(relu=1, bias=0))] +
    [Case((F(*s), F(*s[:2], a["oh"], a["ow"])) + (F(*s),) * a["relu"], a) for s, a in _pdy])
-
-
-# ----------------------------------------------------------------------------- pooling
-def _pool_rule(types, attrs, fd):
-    _float(types, "")
-    s = types[0][0]
-    if len(s) < 2:
-        raise ShapeError("pooling needs (..., H, W)")
-    return [(tuple(s[:-2]) + (attrs["oh"], attrs["ow"]), fd)]
-
-
-def _pool_ref(xs, a):
-    x, = xs
-    out = np.full(x.shape[:-2] + (a["oh"], a["ow"]), -np.inf if a["mode"] == POOL_MAX else 0.0)
-    for i, j, oh, ow, ih, iw in _patches((0, 0) + x.shape[-2:], dict(a, dh=1, dw=1)):
-        v = x[..., ih, iw]
-        out[..., oh, ow] = np.maximum(out[..., oh, ow], v) if a["mode"] == POOL_MAX else out[..., oh, ow] + v
-    return (out if a["mode"] == POOL_MAX else out / (a["kh"] * a["kw"]),)
-
-
-def _pool_grad_ref(xs, a):
-    x, g = xs
-    dx = np.zeros_like(x)
-    xf, gf, dxf = x.reshape(-1, *x.shape[-2:]), g.reshape(-1, *g.shape[-2:]), dx.reshape(-1, *x.shape[-2:])
-    wins = {}
-    for i, j, oh, ow, ih, iw in _patches((0, 0) + x.shape[-2:], dict(a, dh=1, dw=1)):
-        wins.setdefault((oh, ow), []).append((i, j, ih, iw))
-    for (oh, ow), cells in wins.items():
-        cells = [(ih, iw) for _, _, ih, iw in sorted(cells)]      # window order: row by row
-        for p in range(xf.shape[0]):
-            if a["mode"] == POOL_MAX:
-                ih, iw = cells[int(np.argmax([xf[p, h, w] for h, w in cells]))]
-                dxf[p, ih, iw] += gf[p, oh, ow]
-            else:
-                for ih, iw in cells:
-                    dxf[p, ih, iw] += gf[p, oh, ow] / (a["kh"] * a["kw"])
-    return (dx,)
-
-
-def _pool_lower(back):
-    def lower(e, L):
-        x = e.ins[0]
-        a = e.attrs
-        offs = dict(ox=L.off(x), oy=L.off(e.ins[1]), odx=L.off(e.outs[0])) if back else \
-            dict(ox=L.off(x), oy=L.off(e.outs[0]), odx=0)
-        NC = x.size // (x.shape[-1] * x.shape[-2])
-        return [L.row("k_pool2d", split=par_parts(L, x.size, NC), back=back, mode=a["mode"], **offs, NC=NC,
-                       H=x.shape[-2], W=x.shape[-1], OH=a["oh"], OW=a["ow"], **{k: a[k] for k in _GEOM[:6]})]
-    return lower
-
-
-def _pg(mode, k, s, p, o):
-    return dict(mode=mode, kh=k[0], kw=k[1], sh=s[0], sw=s[1], ph=p[0], pw=p[1], oh=o[0], ow=o[1])
-
-
-_pc = [(F(2, 3, 6, 5), _pg(m, (2, 2), (2, 2), (0, 0), (3, 2))) for m in (POOL_MAX, POOL_AVG)] + \
-      [(F(1, 2, 5, 7), _pg(m, (3, 3), (1, 2), (1, 1), (5, 4))) for m in (POOL_MAX, POOL_AVG)] + \
-      [(F(3, 1, 9), _pg(m, (1, 3), (1, 1), (0, 1), (1, 9))) for m in (POOL_MAX, POOL_AVG)]
-op("pool2d", infer=_pool_rule, ref=_pool_ref, lower=_pool_lower(0),
-   vjp=lambda g, x, o, a: [T.emit("pool2d_grad", (x[0], g[0]), **a)], cases=[Case((s,), a) for s, a in _pc])
-op("pool2d_grad", infer=lambda t, a, fd: [(tuple(t[0][0]), fd)], ref=_pool_grad_ref, internal=True,
-   lower=_pool_lower(1),
-   cases=[Case((s, F(*(s[1][:-2] + (a["oh"], a["ow"])))), a) for s, a in _pc])
 
 
 # ----------------------------------------------------------------------------- depthwise convolution
