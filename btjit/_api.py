@@ -7,10 +7,10 @@ from btjit.graph.functional import (binary_cross_entropy, binary_cross_entropy_w
                                     leaky_relu, log_softmax, logsumexp, mse_loss, nll_loss, one_hot, relu6, silu,
                                     smooth_l1_loss, softmax, softplus)
 from btjit.graph.trace import (TraceError, abs, arange, broadcast_to, concatenate, copy, equal, erf, exp, log, log1p,
-                               matmul, max, maximum, mean, minimum, relu, reshape, sigmoid, sin, cos, split, sqrt,
+                               matmul, maximum, mean, minimum, relu, reshape, sigmoid, sin, cos, split, sqrt,
                                stop_gradient, sum, swapaxes, tanh, transpose, where)
 from btjit.graph.indexing import setitem, take
-from btjit.graph.numpy_fns import (_torch_dims, amin, argmax, argmin, clip, expand_dims, flip, full_like, moveaxis,
+from btjit.graph.numpy_fns import (_torch_dims, argmax, argmin, clip, expand_dims, extremum, flip, full_like, moveaxis,
                                    outer, prod, roll, sign, squeeze, stack, std, take_along_axis, tile, var)
 from btjit.graph.numpy_more import logaddexp, ones_like, tril, triu, zeros_like
 from btjit.graph.sort_fns import (argsort, ceil, cumprod, cumsum, diff, floor, floor_divide, fmod,  # noqa: A004
@@ -33,4 +33,5 @@ from btjit.host.threads import replicas_for, set_num_threads
 from btjit.graph.state import assign, is_training
 from btjit.graph.ops.batchnorm import batch_norm
 
-min, argmax, argmin, prod = (_torch_dims(f) for f in (amin, argmax, argmin, prod))   # axis= or dim=
+argmax, argmin, prod = (_torch_dims(f) for f in (argmax, argmin, prod))   # axis= or dim=
+max, min = extremum(1.0), extremum(-1.0)   # noqa: A001 -- as x.max / x.min: torch's (values, indices) with dim=

@@ -1,7 +1,8 @@
 """numpy's and torch's functions under btjit's own names (btjit.min, btjit.argmax, btjit.tril, ...): the values
-numpy gives, torch's dim= / keepdim= / diagonal= spellings beside numpy's, and gradients against finite
-differences in float64; np.einsum / np.pad / np.tril / np.logaddexp on traced values as before; and the spellings
-llama2.c's model.py needed (torch.outer of integers, arange's keywords, view_as, reshape_as) against torch."""
+numpy gives, torch's dim= / keepdim= / diagonal= spellings beside numpy's (btjit.max / min with dim=: torch's
+(values, indices), as x.max(dim=)), and gradients against finite differences in float64; np.einsum /
+np.pad / np.tril / np.logaddexp on traced values as before; and the spellings llama2.c's model.py needed
+(torch.outer of integers, arange's keywords, view_as, reshape_as) against torch."""
 import numpy as np
 import pytest
 
@@ -12,7 +13,8 @@ X = np.random.default_rng(7).normal(size=(3, 5))
 
 CASES = [  # btjit's call, numpy's
     (lambda x: btjit.min(x, 1), lambda x: x.min(1)),
-    (lambda x: btjit.min(x, dim=0, keepdim=True), lambda x: x.min(0, keepdims=True)),
+    (lambda x: btjit.min(x, 0, keepdims=True), lambda x: x.min(0, keepdims=True)),
+    (lambda x: btjit.max(x, axis=1) + btjit.min(x, 1).indices, lambda x: x.max(1) + x.argmin(1)),
     (lambda x: btjit.argmax(x, axis=1), lambda x: x.argmax(1)),
     (lambda x: btjit.argmin(x, dim=0), lambda x: x.argmin(0)),
     (lambda x: btjit.prod(x, 1, keepdims=True), lambda x: x.prod(1, keepdims=True)),
@@ -38,7 +40,7 @@ def test_names_give_numpys_values(i):
     np.testing.assert_allclose(prog(), ref(X), rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("i", [0, 1, 4, 5, 6, 8, 12, 14, 15])
+@pytest.mark.parametrize("i", [0, 1, 2, 5, 6, 7, 9, 13, 15, 16])
 def test_gradients_match_finite_differences(i):
     fn = CASES[i][0]
     r = np.random.default_rng(i).normal(size=np.shape(CASES[i][1](X)))
@@ -48,7 +50,9 @@ def test_gradients_match_finite_differences(i):
 def test_torchs_dim_names_as_torch():
     torch = pytest.importorskip("torch")
     t = torch.tensor(X)
-    for fn, want in [(lambda x: btjit.min(x, dim=1), t.min(dim=1).values), (lambda x: btjit.prod(x, dim=0), t.prod(0)),
+    for fn, want in [(lambda x: btjit.min(x, dim=1).values, t.min(dim=1).values),
+                     (lambda x: btjit.max(x, dim=0, keepdim=True)[1], t.max(dim=0, keepdim=True)[1].double()),
+                     (lambda x: btjit.prod(x, dim=0), t.prod(0)),
                      (lambda x: btjit.argmax(x, dim=1, keepdim=True), t.argmax(1, keepdim=True).double()),
                      (lambda x: btjit.tril(x, diagonal=-1), torch.tril(t, diagonal=-1))]:
         prog = btjit.trace(lambda p: fn(p["x"]), {"x": X}, dtype="float64", grad=False)

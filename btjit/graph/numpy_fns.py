@@ -314,6 +314,17 @@ def max_dim(x, axis, keepdims=False, sign=1.0, torch=False):
     return Extremum(v, (xs, axis, keepdims)) if isinstance(axis, (int, np.integer)) else v
 
 
+def extremum(sign):
+    """btjit.max (sign 1) / btjit.min (sign -1), as x.max / x.min."""
+    def fn(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
+        return max_dim(x, axis if dim is None else dim, keepdims if keepdim is None else keepdim, sign,
+                       dim is not None or keepdim is not None)
+    fn.__name__ = name = ("max", "min")[sign < 0]
+    fn.__doc__ = (f"numpy's {name} over axis (with torch's `.values` and `.indices` beside); with torch's dim= / "
+                  f"keepdim=, torch's (values, indices). The gradient goes to the first extreme element.")
+    return fn
+
+
 def _torch_dims(fn):
     """fn(x, axis, keepdims) taking numpy's (axis, keepdims) or torch's (dim, keepdim) names (methods, btjit.*)."""
     @functools.wraps(fn)
@@ -366,9 +377,7 @@ FUNCS.update({
 METHODS.update({
     # numpy's
     "var": var, "std": std, "clip": lambda x, min=None, max=None: clip(x, min, max),  # noqa: A002
-    "min": lambda x, axis=None, keepdims=False, *, dim=None, keepdim=None: max_dim(
-        x, axis if dim is None else dim, keepdims if keepdim is None else keepdim, -1.0, dim is not None or
-        keepdim is not None), "max_dim": max_dim,
+    "min": extremum(-1.0), "max_dim": max_dim,
     "squeeze": squeeze, "flatten": flatten, "ravel": flatten, "dot": dot, "repeat": repeat,
     "copy": copy, "argmax": _torch_dims(argmax), "argmin": _torch_dims(argmin),
     "prod": _torch_dims(prod),
