@@ -47,16 +47,12 @@ _CHOSEN: list = []    # btjit.set_num_threads's count: the default of programs t
 
 
 def resolve(n=None) -> int:
-    """The thread count a program traced now uses: n (0 = every core), else btjit.set_num_threads's (kept apart
-    from numba's pool, which a program traced with threads=n grows: that must not change the next program's
-    default). The numba pool grows to it if it is smaller."""
+    """The thread count a program traced now uses: n (0 = every core), else btjit.set_num_threads's, or numba's
+    count where that is lower (kept apart from numba's pool, which a program traced with threads=n grows: that
+    must not change the next program's default). The numba pool grows to n if it is smaller."""
     if n is None:
-        if not _CHOSEN:
-            return numba.get_num_threads()
-        n = _CHOSEN[-1]
-        if n > numba.get_num_threads():
-            numba.set_num_threads(n)
-        return n
+        pool = numba.get_num_threads()
+        return min(_CHOSEN[-1], pool) if _CHOSEN else pool
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise ValueError(f"threads must be a whole number >= 0 (0 = every core), got {n!r}")
     n = max(1, min(n or cores(), numba.config.NUMBA_NUM_THREADS))
@@ -118,6 +114,6 @@ def replicas_for(batch: int, rows: int, threads: int = 0) -> int:
     E6 batch 64 (512 rows, 46k params) 1.64 -> 1.00 ms per step, E5 (64 rows, 1.08M params) 1.30 -> 2.31 ms.
     `btjit train` and `btjit bench` use this."""
     if threads <= 0:
-        threads = _CHOSEN[-1] if _CHOSEN else numba.get_num_threads()
+        threads = resolve()
     ok = threads > 1 and batch % threads == 0 and rows // threads >= MIN_REPLICA_ROWS
     return threads if ok else 1
