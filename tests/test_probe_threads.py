@@ -127,3 +127,20 @@ def test_bf16_products_of_odd_shapes_are_products_of_the_rounded_operands(thread
         A, W = (np.swapaxes(A, -1, -2) if ta else A), (np.swapaxes(W, -1, -2) if tb else W)
         err = np.abs(prog(a) - A @ W) / (np.abs(A) @ np.abs(W))
         assert err.max() < 1e-6, (M, N, K)
+
+
+def test_thread_and_replica_counts_take_numpys_integers_and_refuse_others():
+    """threads= and replicas= from a config or an array (np.int64) are counts; 2.0, True and -1 are errors."""
+    p, x = {"w": np.ones((3, 2), np.float32)}, np.ones((4, 3), np.float32)
+    f = lambda p, x: btjit.mean(x @ p["w"])  # noqa: E731
+    prog = btjit.trace(f, p, x, grad=True, threads=np.int64(2), replicas=np.int32(2))
+    assert prog.replicas == 2 and type(prog.replicas) is int and prog.value_and_grad(x) == pytest.approx(3.0)
+    for bad in (2.0, True, -1):
+        with pytest.raises(ValueError, match="threads must be a whole number"):
+            btjit.trace(f, p, x, grad=True, threads=bad)
+        with pytest.raises(ValueError, match="threads must be a whole number"):
+            btjit.set_num_threads(bad)
+    with pytest.raises(ValueError, match="replicas must be a positive int"):
+        btjit.trace(f, p, x, grad=True, replicas=2.0)
+    assert btjit.set_num_threads(np.int64(1)) == 1
+    btjit.set_num_threads(TH.default_threads())

@@ -91,8 +91,9 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         raise ValueError(f"precision must be \"fp32\" or \"bf16\", got {precision!r}")
     if precision == "bf16" and fd != "f32":
         raise ValueError("precision=\"bf16\" needs dtype float32 (its products sum in float32)")
-    if not isinstance(replicas, int) or replicas < 1:
+    if _threads.whole(replicas) is None or replicas < 1:
         raise ValueError(f"replicas must be a positive int, got {replicas!r}")
+    replicas = _threads.whole(replicas)
     g = Graph(float_dtype=fd, training=bool(training), precision=precision)
     if not isinstance(params, dict):
         raise TypeError("params must be a dict of name -> numpy float array")

@@ -11,6 +11,7 @@ rarely took its part). $NUMBA_THREADING_LAYER / $NUMBA_THREADING_LAYER_PRIORITY 
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 from pathlib import Path
 
@@ -43,6 +44,16 @@ def default_threads() -> int:
     return n or cores()
 
 
+def whole(n):
+    """n as a Python int when it is an integer (numpy's too: np.int64(2) from a config or an array), else None."""
+    if isinstance(n, bool):
+        return None
+    try:
+        return operator.index(n)
+    except TypeError:
+        return None
+
+
 _CHOSEN: list = []    # btjit.set_num_threads's count: the default of programs traced without threads=
 
 
@@ -53,8 +64,9 @@ def resolve(n=None) -> int:
     if n is None:
         pool = numba.get_num_threads()
         return min(_CHOSEN[-1], pool) if _CHOSEN else pool
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+    if whole(n) is None or n < 0:
         raise ValueError(f"threads must be a whole number >= 0 (0 = every core), got {n!r}")
+    n = whole(n)
     n = max(1, min(n or cores(), numba.config.NUMBA_NUM_THREADS))
     if n > numba.get_num_threads():
         numba.set_num_threads(n)
@@ -96,7 +108,9 @@ def set_num_threads(n: int = 0) -> int:
     """Use n threads (0 = all cores) for programs traced from now on; returns n used. The parallelism is all
     numba's thread pool: large GEMMs are split into one single-threaded BLAS call per thread, and OpenBLAS
     itself stays at 1 thread (its spinning threads beside numba's pool cost 30x on 2 cores, measured)."""
-    n = max(1, min(n or cores(), numba.config.NUMBA_NUM_THREADS))
+    if whole(n) is None or n < 0:
+        raise ValueError(f"threads must be a whole number >= 0 (0 = every core), got {n!r}")
+    n = max(1, min(whole(n) or cores(), numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(n)
     _CHOSEN[:] = [n]
     set_blas_threads(1)
