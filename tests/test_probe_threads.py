@@ -4,6 +4,8 @@ and nanoGPT at odd widths, heads, contexts and batches give one thread's bits on
 gradients to float32 rounding; replicas at odd sizes give the whole batch's step and evaluate other batch sizes;
 dropout draws the same masks for any replica count; bf16 products of odd, transposed and broadcast batched
 shapes are numpy's products of the rounded operands on one thread and on two."""
+from pathlib import Path
+
 import numba
 import numpy as np
 import pytest
@@ -11,6 +13,8 @@ import pytest
 import btjit
 from btjit.host import threads as TH
 from btjit.models import gpt, nanogpt
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def _bf(x):
@@ -144,3 +148,24 @@ def test_thread_and_replica_counts_take_numpys_integers_and_refuse_others():
         btjit.trace(f, p, x, grad=True, replicas=2.0)
     assert btjit.set_num_threads(np.int64(1)) == 1
     btjit.set_num_threads(TH.default_threads())
+
+
+def test_btjit_train_takes_btjit_num_threads_where_the_config_leaves_threads_at_0(monkeypatch, tmp_path):
+    """[train] threads = 0 (the configs' default) is btjit's default: $BTJIT_NUM_THREADS where set; a nonzero
+    count (config or --threads) overrides it."""
+    from click.testing import CliRunner
+    from btjit.cli import cli
+    from btjit.train.runparts import set_threads
+    small = ["--set", "train.steps=2", "--set", "train.eval_interval=0", "--set", "train.eval_batches=1",
+             "--set", "train.sample_interval=0", "--set", "model.n_layer=1", "--set", "train.batch_size=64"]
+    monkeypatch.setenv("BTJIT_NUM_THREADS", "1")
+    try:
+        assert set_threads(0) == 1 and set_threads(2) == 2
+        res = CliRunner().invoke(cli, ["train", str(CONFIGS / "gpt3_tiny.toml"), *small, "--out", str(tmp_path / "a")])
+        assert res.exit_code == 0 and "threads 1 of 1 (one thread)" in res.output, res.output
+        res = CliRunner().invoke(cli, ["train", str(CONFIGS / "gpt3_tiny.toml"), *small, "--threads", "2",
+                                        "--out", str(tmp_path / "b")])
+        assert res.exit_code == 0 and "threads 2 of 2 (2 data-parallel replicas)" in res.output, res.output
+    finally:
+        monkeypatch.delenv("BTJIT_NUM_THREADS")
+        btjit.set_num_threads(TH.default_threads())
