@@ -83,7 +83,8 @@ def cli(debug):
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override a config value (a TOML value), e.g. --set train.steps=100. Repeatable.")
 @click.option("--resume", is_flag=True, help="Continue from the latest valid checkpoint of the run dir.")
-@click.option("--threads", type=int, help="Threads (overrides train.threads; 0 = every core, the default).")
+@click.option("--threads", type=int,
+              help="Threads (overrides train.threads; 0 = $BTJIT_NUM_THREADS or every core, the default).")
 @click.option("--distributed/--no-distributed", default=None,
               help="Data-parallel over MPI: run as `mpiexec -n N btjit train ...` (needs mpi4py: pip install "
                    "'btjit[mpi]'). Default: on when an MPI launcher started more than one process.")

@@ -12,6 +12,7 @@ import sys
 import time
 import warnings
 
+import numba
 import numpy as np
 
 from btjit.graph import (autodiff, fuse, fuse_act, fuse_ew, numpy_fns, numpy_more, rng,  # noqa: F401 -- np.*
@@ -91,8 +92,9 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         raise ValueError(f"precision must be \"fp32\" or \"bf16\", got {precision!r}")
     if precision == "bf16" and fd != "f32":
         raise ValueError("precision=\"bf16\" needs dtype float32 (its products sum in float32)")
-    if not isinstance(replicas, int) or replicas < 1:
+    if _threads.whole(replicas) is None or replicas < 1:
         raise ValueError(f"replicas must be a positive int, got {replicas!r}")
+    replicas = _threads.whole(replicas)
     g = Graph(float_dtype=fd, training=bool(training), precision=precision)
     if not isinstance(params, dict):
         raise TypeError("params must be a dict of name -> numpy float array")
@@ -251,7 +253,8 @@ class Program(Runner):
         rows = fwd + bwd + upd + asg
         self.tape = np.array(rows, np.int64).reshape(len(rows), -1)
         split = bool((self.tape[:, SPLIT] > 1).any())
-        self.threads = max(replicas * replica_threads, L.threads) if split else replicas   # what the step uses
+        # what the step uses: at most the threads asked for (replicas beyond them take turns on those threads)
+        self.threads = min(max(1, n_threads), max(replicas * replica_threads, L.threads) if split else replicas)
         bf = next((e for e in (LIBRARY.entry_of(op)[0] for op in self.tape[:, 0]) if e.startswith(bf16.KERNELS)), None)
         self.precision = amx.describe(bf) if bf else "fp32"
         fdt = np_dtype(graph.float_dtype)
@@ -376,9 +379,17 @@ class Program(Runner):
 
     def _run_replicas(self, split, stop):
         p0, npar = self.plan.params_span
-        X.step(self._A, self._IA, self.tape, self._table, split, stop, self._flag, p0, npar,
-                       self.plan.grads_start, npar if split > self.n_fwd else 0,
-                       self.plan.off[self._out_var.id], self._inv_replicas)
+        args = (self._A, self._IA, self.tape, self._table, split, stop, self._flag, p0, npar, self.plan.grads_start,
+                npar if split > self.n_fwd else 0, self.plan.off[self._out_var.id], self._inv_replicas)
+        pool = numba.get_num_threads()
+        if pool == self.threads:
+            X.step(*args)
+            return
+        numba.set_num_threads(self.threads)     # the replicas on this program's threads, not the pool's count
+        try:                                    # (which another program may have grown, or the user shrunk)
+            X.step(*args)
+        finally:
+            numba.set_num_threads(pool)
 
     def profile(self, *batch, reps=200, print_table=True):
         """Time every tape row of one step (forward, backward, update) on a scratch copy of the arena and

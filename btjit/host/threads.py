@@ -11,6 +11,7 @@ rarely took its part). $NUMBA_THREADING_LAYER / $NUMBA_THREADING_LAYER_PRIORITY 
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 from pathlib import Path
 
@@ -43,13 +44,29 @@ def default_threads() -> int:
     return n or cores()
 
 
+def whole(n):
+    """n as a Python int when it is an integer (numpy's too: np.int64(2) from a config or an array), else None."""
+    if isinstance(n, bool):
+        return None
+    try:
+        return operator.index(n)
+    except TypeError:
+        return None
+
+
+_CHOSEN: list = []    # btjit.set_num_threads's count: the default of programs traced without threads=
+
+
 def resolve(n=None) -> int:
-    """The thread count a program traced now uses: n (0 = every core), else btjit.set_num_threads's. The
-    numba pool grows to it if it is smaller."""
+    """The thread count a program traced now uses: n (0 = every core), else btjit.set_num_threads's, or numba's
+    count where that is lower (kept apart from numba's pool, which a program traced with threads=n grows: that
+    must not change the next program's default). The numba pool grows to n if it is smaller."""
     if n is None:
-        return numba.get_num_threads()
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        pool = numba.get_num_threads()
+        return min(_CHOSEN[-1], pool) if _CHOSEN else pool
+    if whole(n) is None or n < 0:
         raise ValueError(f"threads must be a whole number >= 0 (0 = every core), got {n!r}")
+    n = whole(n)
     n = max(1, min(n or cores(), numba.config.NUMBA_NUM_THREADS))
     if n > numba.get_num_threads():
         numba.set_num_threads(n)
@@ -91,8 +108,11 @@ def set_num_threads(n: int = 0) -> int:
     """Use n threads (0 = all cores) for programs traced from now on; returns n used. The parallelism is all
     numba's thread pool: large GEMMs are split into one single-threaded BLAS call per thread, and OpenBLAS
     itself stays at 1 thread (its spinning threads beside numba's pool cost 30x on 2 cores, measured)."""
-    n = max(1, min(n or cores(), numba.config.NUMBA_NUM_THREADS))
+    if whole(n) is None or n < 0:
+        raise ValueError(f"threads must be a whole number >= 0 (0 = every core), got {n!r}")
+    n = max(1, min(whole(n) or cores(), numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(n)
+    _CHOSEN[:] = [n]
     set_blas_threads(1)
     return n
 
@@ -102,12 +122,12 @@ MIN_REPLICA_ROWS = 128   # loss rows (targets) per replica from which data paral
 
 def replicas_for(batch: int, rows: int, threads: int = 0) -> int:
     """Data-parallel replicas for a step whose loss is a mean over `rows` targets in `batch` examples, on
-    `threads` threads (0 = numba's current count): one per thread when they divide the batch and each gets
+    `threads` threads (0 = btjit.set_num_threads's count): one per thread when they divide the batch and each gets
     >= MIN_REPLICA_ROWS rows, else 1 (the kernels then split their own work). Every replica re-reads the
     params and its grads are summed, so it pays only with enough rows per param (measured, 2 threads):
     E6 batch 64 (512 rows, 46k params) 1.64 -> 1.00 ms per step, E5 (64 rows, 1.08M params) 1.30 -> 2.31 ms.
     `btjit train` and `btjit bench` use this."""
     if threads <= 0:
-        threads = numba.get_num_threads()
+        threads = resolve()
     ok = threads > 1 and batch % threads == 0 and rows // threads >= MIN_REPLICA_ROWS
     return threads if ok else 1

@@ -72,7 +72,7 @@ class TrainConfig:
     checkpoint_interval: int = 500      # 0 = only at the end
     keep_checkpoints: int = 3           # newest checkpoints kept in the run dir (best.npz apart)
     on_nonfinite: str = "stop"          # "stop" or "skip"
-    threads: int = 0                    # threads the step may use; 0 = every core the process may run on
+    threads: int = 0                    # threads the step may use; 0 = $BTJIT_NUM_THREADS or every core
     precision: str = "fp32"             # "fp32", or "bf16": matrix products on bf16-rounded operands, float32 sums
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import btjit
+from btjit.host.threads import default_threads
 from btjit.train import usermodel
 from btjit.train.config import Config, ConfigError
 
@@ -32,8 +33,9 @@ class Result:
 
 
 def set_threads(n: int) -> int:
-    """Use n threads (0 = all cores) for btjit's native code (BLAS and numba), also in child processes."""
-    n = btjit.set_num_threads(n)
+    """Use n threads for btjit's native code (BLAS and numba), also in child processes. 0 (the config's default)
+    is btjit's default: $BTJIT_NUM_THREADS where set, else every core the process may run on."""
+    n = btjit.set_num_threads(n or default_threads())
     os.environ["OMP_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = str(n)
     return n
 
