@@ -27,7 +27,8 @@ from btjit.graph.torch_losses import (cosine_embedding_loss, gaussian_nll_loss, 
                                      margin_ranking_loss, pairwise_distance, poisson_nll_loss, soft_margin_loss,
                                      softshrink, tanhshrink, triplet_margin_loss)
 from btjit.graph.vision_fns import channel_shuffle, fold, local_response_norm, pixel_unshuffle, unfold
-from btjit.core.program import Program, trace
+from btjit.core.program import Program
+from btjit.core.tracing import trace
 from btjit.scalar.front import trace_scalar
 from btjit.host.threads import replicas_for, set_num_threads
 from btjit.graph.state import assign, is_training

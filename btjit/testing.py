@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from btjit.core.program import trace
+from btjit.core.tracing import trace
 
 
 def check_grads(fn, params, *batch, eps=1e-6, rtol=1e-6, atol=1e-9, directions=2, seed=0):

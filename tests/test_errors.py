@@ -98,7 +98,7 @@ def test_concrete_value_of_a_traced_value(form):
 
 @pytest.mark.parametrize("call,name", [
     (lambda x: np.nanmedian(x), "np.nanmedian"), (lambda x: np.nanmean(x), "np.nanmean"),
-    (lambda x: np.arcsinh(x), "np.arcsinh"),
+    (lambda x: np.arctan(x), "np.arctan"),
     (lambda x: np.exp(x, dtype=np.float32), "np.exp"), (lambda x: np.add.reduce(x), "np.add"),
     (lambda x: np.unique(x), "np.unique"),
 ])

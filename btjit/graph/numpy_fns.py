@@ -1,7 +1,7 @@
 """numpy's functions and the array methods of traced values, composed of btjit/graph/trace.py's primitives: what
 `np.<name>(tracer)` dispatches to (trace.FUNCS / UFUNCS, by name) and the methods numpy and torch code calls
 (trace.METHODS, found by Tracer.__getattr__): x.var(0), x.min(1), x.squeeze(), x.view(B, T, C), x.permute(0, 2,
-1), x.masked_fill(mask, v), ... Registered on import (btjit/core/program.py imports this module before tracing).
+1), x.masked_fill(mask, v), ... Registered on import (btjit/core/tracing.py imports this module before tracing).
 
 Where numpy and torch give one name two meanings, numpy's is taken (x.repeat repeats elements, x.max(axis)
 gives the values); torch's meaning is kept where numpy's call would be an error (x.transpose(1, 2) of a 3-d value

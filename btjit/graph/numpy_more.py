@@ -3,7 +3,7 @@ np.linalg.norm with numpy's orders (any vector ord; a matrix's Frobenius, 1, -1,
 and matrix_norm, vdot, trace, diag and diagonal, all / any, median, quantile, percentile and partition (by sort),
 the elementwise sinh, cosh, arcsinh, arccosh, arctanh, fmax, fmin, copysign, signbit, heaviside, hypot, cbrt,
 float_power and nan_to_num; einsum (one or two operands, as batched matmuls), pad's modes, tril / triu,
-zeros_like / ones_like and logaddexp. Registered on import, as btjit/graph/numpy_fns.py's (btjit/core/program.py
+zeros_like / ones_like and logaddexp. Registered on import, as btjit/graph/numpy_fns.py's (btjit/core/tracing.py
 imports this module before tracing)."""
 from __future__ import annotations
 

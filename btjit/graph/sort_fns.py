@@ -1,7 +1,7 @@
 """Sorting, rounding and remainders as numpy and torch write them: sort, argsort and topk (one kernel gives the
 sorted positions, graph/ops/layout.py's argsort; the values are gathered at them, so their gradient goes back to the
 positions taken), floor / ceil / round / trunc (zero gradient), x % y (remainder) and fmod with torch's gradients,
-x // y, cumsum, cumprod and diff (composed). Registered on import, as btjit/graph/numpy_fns.py's (btjit/core/program.py
+x // y, cumsum, cumprod and diff (composed). Registered on import, as btjit/graph/numpy_fns.py's (btjit/core/tracing.py
 imports this module before tracing): np.sort, np.argsort, np.floor, ..., x.topk(k), x.sort(dim), x % y, round(x)."""
 from __future__ import annotations
 
