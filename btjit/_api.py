@@ -19,14 +19,15 @@ from btjit.graph.rng import (bernoulli, causal_attention, dropout, dropout2d, ra
                              randn, randn_like, scaled_dot_product_attention)
 from btjit.graph.conv_fns import (adaptive_avg_pool1d, adaptive_avg_pool2d, adaptive_max_pool1d, adaptive_max_pool2d,
                                   avg_pool1d, avg_pool2d, conv1d, conv2d, conv_transpose1d, conv_transpose2d, flatten,
-                                  interpolate, max_pool1d, max_pool2d, pad, pixel_shuffle)
+                                  max_pool1d, max_pool2d, pad)
 from btjit.graph.torch_fns import (cat, celu, cosine_similarity, einsum, glu, hardsigmoid, hardswish, huber_loss,
                                    kl_div, linear, logsigmoid, mish, normalize, prelu, repeat_interleave, rsqrt, selu,
                                    softsign, unbind)
 from btjit.graph.torch_losses import (cosine_embedding_loss, gaussian_nll_loss, hardshrink, hinge_embedding_loss,
                                      margin_ranking_loss, pairwise_distance, poisson_nll_loss, soft_margin_loss,
                                      softshrink, tanhshrink, triplet_margin_loss)
-from btjit.graph.vision_fns import channel_shuffle, fold, local_response_norm, pixel_unshuffle, unfold
+from btjit.graph.vision_fns import (channel_shuffle, fold, interpolate, local_response_norm, pixel_shuffle,
+                                    pixel_unshuffle, unfold)
 from btjit.core.program import Program
 from btjit.core.tracing import trace
 from btjit.scalar.front import trace_scalar

@@ -1,7 +1,7 @@
 """The public convolution and pooling functions (btjit.conv2d, conv1d, conv_transpose2d, conv_transpose1d,
-max_pool2d, avg_pool2d, max_pool1d, avg_pool1d, the adaptive avg / max pools 1d and 2d, interpolate, flatten), with
+max_pool2d, avg_pool2d, max_pool1d, avg_pool1d, the adaptive avg / max pools 1d and 2d, pad, flatten), with
 torch.nn.functional's semantics, built from the op table's conv_gemm / im2col / col2im / pool2d entries
-(graph/ops/conv.py) and the tracer's matmul, reshape and transpose. Bad arguments raise a TraceError naming the
+(graph/ops/conv.py, graph/ops/pool.py) and the tracer's matmul, reshape and transpose. Bad arguments raise a TraceError naming the
 function, the shapes and the user's line."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from btjit.kernels.conv import POOL_AVG, POOL_MAX
 from btjit.kernels.micro import MR
 
 from btjit.graph import trace as T
-from btjit.graph.numpy_fns import flatten as np_flatten, repeat
+from btjit.graph.numpy_fns import flatten as np_flatten
 from btjit.graph.numpy_more import pad as np_pad
 
 
@@ -335,52 +335,6 @@ def _adaptive(fn, mode, x, output_size, nd):
     return x
 
 
-def interpolate(x, size=None, scale_factor=None, mode="nearest", align_corners=None, recompute_scale_factor=None):
-    """torch.nn.functional.interpolate of x (N, C, L) or (N, C, H, W) to `size` or by `scale_factor` (an int or
-    float, or one per spatial axis), in mode "nearest" (torch's source pixel floor(i * in / out); whole factors
-    repeat each pixel), "nearest-exact", "linear" (1-d) or "bilinear" (2-d), with torch's align_corners. Each
-    axis is a gather of the source pixels (and, linear, a weighted sum of two), so its gradient sums back."""
-    x = T.lift(x)
-    nd = x.ndim - 2
-    modes = {"nearest": (1, 2), "nearest-exact": (1, 2), "linear": (1,), "bilinear": (2,)}
-    if nd not in modes.get(mode, ()) or (size is None) == (scale_factor is None):
-        _fail("interpolate", f"needs (N, C, L) or (N, C, H, W), one of size and scale_factor, and a mode of "
-                             f"{', '.join(f'{k!r} ({chr(47).join(map(str, v))}-d)' for k, v in modes.items())} "
-                             f"(got mode={mode!r})", x)
-    if align_corners is not None and mode.startswith("nearest"):
-        _fail("interpolate", f"align_corners only goes with the linear modes (as torch), got mode={mode!r}", x)
-    if size is not None:
-        want, sf = _tuple("interpolate", size, nd, "size"), (None,) * nd
-    else:
-        sf = (scale_factor,) * nd if isinstance(scale_factor, (int, float, np.number)) else tuple(scale_factor)
-        if len(sf) != nd or not all(f > 0 for f in sf):
-            _fail("interpolate", f"scale_factor {scale_factor!r} must be positive, one or one per spatial axis", x)
-        want = tuple(int(np.floor(n * float(f))) for n, f in zip(x.shape[2:], sf))
-        sf = (None,) * nd if recompute_scale_factor else sf
-    if min(want) < 1:
-        _fail("interpolate", f"gives an output of size {want}", x)
-    for k, (o, n, f) in enumerate(zip(want, x.shape[2:], sf)):
-        ax = (slice(None),) * (2 + k)
-        if mode == "nearest" and o % n == 0:
-            x = repeat(x, o // n, axis=2 + k) if o != n else x
-            continue
-        scale = n / o if f is None else 1.0 / float(f)   # torch's area_pixel_compute_scale
-        dst = np.arange(o, dtype=np.float64)
-        if mode.startswith("nearest"):
-            src = np.floor((dst + (0.5 if mode == "nearest-exact" else 0.0)) * scale)
-            x = x[ax + (np.minimum(src.astype(np.int64), n - 1),)]
-            continue
-        if align_corners:
-            src = dst * ((n - 1) / (o - 1) if o > 1 else 0.0)
-        else:
-            src = np.maximum((dst + 0.5) * scale - 0.5, 0.0)
-        i0 = np.minimum(src.astype(np.int64), n - 1)
-        i1 = np.minimum(i0 + 1, n - 1)
-        lam = (src - i0).reshape((o,) + (1,) * (nd - 1 - k))
-        x = x[ax + (i0,)] * (1.0 - lam) + x[ax + (i1,)] * lam
-    return x
-
-
 TORCH_PAD = {"constant": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
 
 
@@ -393,16 +347,6 @@ def pad(x, pad, mode="constant", value=0.0):
                      f"{tuple(TORCH_PAD)} (got {mode!r})", x)
     pairs = [tuple(pad[i:i + 2]) for i in range(0, len(pad), 2)][::-1]
     return np_pad(x, [(0, 0)] * (x.ndim - len(pairs)) + pairs, TORCH_PAD[mode], value)
-
-
-def pixel_shuffle(x, upscale_factor):
-    """torch.nn.functional.pixel_shuffle: (N, C*r*r, H, W) -> (N, C, H*r, W*r)."""
-    x, r = T.lift(x), int(upscale_factor)
-    if x.ndim != 4 or r < 1 or x.shape[1] % (r * r):
-        _fail("pixel_shuffle", f"needs (N, C*{r}*{r}, H, W)", x)
-    N, C, H, W = x.shape
-    y = T.transpose(T.reshape(x, (N, C // (r * r), r, r, H, W)), (0, 1, 4, 2, 5, 3))
-    return T.reshape(y, (N, C // (r * r), H * r, W * r))
 
 
 def flatten(x, start_dim=1, end_dim=-1):
