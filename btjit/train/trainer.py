@@ -22,7 +22,6 @@ import numpy as np
 
 import btjit
 from btjit.kernels.library import LIBRARY
-from btjit.optim.base import fmt
 from btjit.train import arrays
 from btjit.train import checkpoint as ckpt_mod
 from btjit.train import data as data_mod
@@ -32,7 +31,7 @@ from btjit.train import usermodel
 from btjit.train.checkpoint import CheckpointError
 from btjit.train.config import Config, ModelConfig
 from btjit.train.runparts import (CONFIG_FILE, METRICS, Result, TrainError, build_program, check_world_size,
-                                  first_nonfinite, make_optimizer, seeds, set_threads)
+                                  first_nonfinite, make_optimizer, optim_line, seeds, set_threads)
 
 __all__ = ["CONFIG_FILE", "METRICS", "MAX_SKIPS", "Result", "TrainError", "Trainer", "build_program",
            "check_world_size", "first_nonfinite", "make_optimizer", "seeds", "set_threads", "trim_metrics"]
@@ -104,8 +103,13 @@ class Trainer:
         check_world_size(ck, 1)
         self._load_program_state(ck)
         self.rng = ckpt_mod.rng_from_state(ck.meta["rng_state"])
+        self._restore_run_state(ck)
+
+    def _restore_run_state(self, ck):   # the loop's state besides the program and the batch RNG
         self.step, self.last_ckpt, self.best = ck.step, ck.path, ck.meta.get("best")
         self.log_losses = [float(v) for v in ck.meta.get("log_losses", [])]
+        if "sample_rng_state" in ck.meta:
+            self.sample_rng = ckpt_mod.rng_from_state(ck.meta["sample_rng_state"])
 
     def _load_program_state(self, ck):
         state = {k: v for k, v in ck.state.items() if not k.startswith("dist/")}
@@ -184,7 +188,7 @@ class Trainer:
             ver = metadata.version("btjit")
         except metadata.PackageNotFoundError:
             ver = "dev"
-        p, t, o = self.prog, self.cfg.train, self.cfg.optim
+        p, t = self.prog, self.cfg.train
         tr, cs = getattr(p, "trace_seconds", 0.0), getattr(p, "compile_seconds", 0.0)
         plan = getattr(p, "plan_seconds", None)
         times = f"trace {tr:.2f} s + " + (f"plan {plan:.2f} s + " if plan is not None else "") + \
@@ -196,18 +200,7 @@ class Trainer:
                   (f", products {p.precision}" if getattr(p, "precision", "fp32") != "fp32" else ""))
         self.echo(f"model: {self.model.arch} | {p.n_params:,} params | arena {p.arena_bytes / 1e6:.2f} MB")
         self.echo(self.ds.describe())
-        accum = f" x {t.grad_accum} micro-batches = {t.batch_size * t.grad_accum}" if t.grad_accum > 1 else ""
-        opt = getattr(p, "optimizer", None)
-        if o.file or o.name not in ("sgd", "adam", "adamw"):    # the optimizer's own hyper-parameters
-            hp = "".join(f" {k} {fmt(v)}" for k, v in (opt.hp if opt else {}).items()
-                         if k not in ("lr", "weight_decay"))
-        else:
-            hp = f" momentum {o.momentum:g}" if o.name == "sgd" else f" betas {tuple(o.betas)} eps {o.eps:g}"
-        name = f"{type(opt).__name__} ({Path(o.file).name})" if o.file and opt else o.name
-        groups = f" groups {len(opt.groups)}" if opt and opt.groups else ""
-        self.echo(f"optim: {name} {sched_mod.describe(self.cfg)}{hp}" +
-                  f" weight_decay {o.weight_decay:g}{groups}" + (f" clip_norm {o.clip_norm:g}" if o.clip_norm else "") +
-                  f" | batch {t.batch_size}{accum} | {t.steps} steps | seed {t.seed}")
+        self.echo(optim_line(self.cfg, getattr(p, "optimizer", None)))
         self.echo(f"program: {times}")
         where = f"resumed from {self.last_ckpt.name} at step {self.step}" if self.resumed else "new run"
         self.echo(f"run dir: {self.run_dir} ({where})")
@@ -243,7 +236,8 @@ class Trainer:
 
     def meta(self) -> dict:
         """The metadata of a checkpoint written now."""
-        return {"rng_state": ckpt_mod.rng_state(self.rng), "config": self.cfg.to_dict(),
+        return {"rng_state": ckpt_mod.rng_state(self.rng), "sample_rng_state": ckpt_mod.rng_state(self.sample_rng),
+                "config": self.cfg.to_dict(),
                 "vocab": self.ds.vocab.chars, "data": self.ds.name, "n_params": int(self.prog.n_params),
                 "best": self.best, "log_losses": list(self.log_losses),
                 **({"model_file": self.model_file.meta()} if self.model_file else {}),
