@@ -5,10 +5,14 @@
 # measures anything.
 import shutil
 
+import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from btjit.cli import cli
-from test_cli import assert_error
+from btjit.train import arrays as A
+from btjit.train import config as C
+from btjit.train.data import DataError
 from textdata import words
 
 
@@ -44,3 +48,33 @@ def test_a_resumed_run_prints_the_samples_of_an_uninterrupted_one(tmp_path):
     a, b = samples(whole.output), samples(resumed.output)
     assert sorted(a) == [2, 4] and sorted(b) == [4] and a[2] != a[4]
     assert b[4] == a[4]
+
+
+def write_npz(tmp_path, y_train, y_val=None):
+    rng = np.random.default_rng(0)
+    n = len(y_train)
+    f = tmp_path / "d.npz"
+    np.savez(f, x_train=rng.random((n, 4), np.float32), y_train=np.asarray(y_train),
+             x_val=rng.random((3, 4), np.float32), y_val=np.asarray([0, 1, 2] if y_val is None else y_val))
+    cfg = C.loads(f'[model]\nkind = "python"\nfile = "m.py"\n[data]\nformat = "arrays"\npath = "{f}"\n')
+    return f, cfg
+
+
+@pytest.mark.parametrize("y_train,y_val,key,top", [
+    ([0, 1, 10**9, 2], None, "y_train", "1,000,000,000"),          # would build a billion class labels
+    ([0, 1, 2, 1], [0, 2**40, 1], "y_val", "1,099,511,627,776"),    # would wrap to class 0 as int32
+    ([0, 1, 2, 70000], None, "y_train", "70,000"),
+])
+def test_a_class_id_far_beyond_the_samples_is_named(tmp_path, y_train, y_val, key, top):
+    f, cfg = write_npz(tmp_path, np.asarray(y_train, np.int64), y_val if y_val is None else np.asarray(y_val))
+    with pytest.raises(DataError) as e:
+        A.load(cfg)
+    msg = str(e.value)
+    assert msg.startswith(f"{f}: {key} holds class id {top}") and "class ids 0..K-1" in msg and "\n" not in msg
+
+
+def test_class_ids_up_to_the_sample_count_or_the_cap_still_load(tmp_path):
+    f, cfg = write_npz(tmp_path, np.asarray([0, 5, 6, 1]))           # 7 classes for 7 samples
+    assert A.load(cfg).classes == 7
+    f, cfg = write_npz(tmp_path, np.asarray([0, A.MAX_CLASSES - 1, 2, 1], np.uint32))
+    assert A.load(cfg).classes == A.MAX_CLASSES
