@@ -268,6 +268,10 @@ def bench(suite, only, peers, threads, reps, steps, json_path, markdown, use_com
         raise CLIError(f"--suite {suite!r} is not one of: {', '.join(suites.SUITES)}")
     if steps is not None and steps < 1:
         raise CLIError(f"--steps must be >= 1, got {steps}")
+    if reps < 1:
+        raise CLIError(f"--reps must be >= 1, got {reps}")
+    if threads is not None and threads < 0:
+        raise CLIError(f"--threads must be >= 0, got {threads}")
     if profile:
         from btjit.bench.btjit_impl import profile as run_profile
         from btjit.host.threads import cores

@@ -13,6 +13,7 @@ from btjit.cli import cli
 from btjit.train import arrays as A
 from btjit.train import config as C
 from btjit.train.data import DataError
+from test_cli import assert_error
 from textdata import words
 
 
@@ -78,3 +79,26 @@ def test_class_ids_up_to_the_sample_count_or_the_cap_still_load(tmp_path):
     assert A.load(cfg).classes == 7
     f, cfg = write_npz(tmp_path, np.asarray([0, A.MAX_CLASSES - 1, 2, 1], np.uint32))
     assert A.load(cfg).classes == A.MAX_CLASSES
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    """Any measurement fails the test: the checks must come first."""
+    from btjit.bench import footprint, harness, scale_suite
+
+    def measured(*a, **k):
+        raise AssertionError("a benchmark ran")
+    monkeypatch.setattr(scale_suite, "sgemm_peak_gflops", measured)
+    monkeypatch.setattr(harness, "measure", measured)
+    monkeypatch.setattr(footprint, "measure_export", measured)
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--reps", "0"], ["--reps must be >= 1, got 0"]),
+    (["--threads", "-2"], ["--threads must be >= 0, got -2"]),
+    (["--suite", "scale", "--only", "S1,S9"], ["unknown size(s) S9", "E6, S1, S2, S3, S4"]),
+    (["--suite", "footprint", "--only", "E6b1"], ["unknown workload(s) E6b1", "E1, E6b64"]),
+    (["--only", "E9", "--peers", "none"], ["unknown workload(s) ['E9']"]),
+])
+def test_bench_refuses_bad_options_before_measuring(no_measuring, args, needles):
+    assert_error(run("bench", *args), *needles)
