@@ -2,8 +2,10 @@
 # leave: a resumed run prints the samples an uninterrupted one prints (the samples' RNG is in the checkpoint); an
 # .npz whose integer targets hold an id far beyond its samples (a stray label) is one error naming the key, not a
 # model of a billion outputs; `btjit bench` refuses --reps 0, negative --threads and an unknown --only before it
-# measures anything.
+# measures anything; NaN or inf in a key that must be >= 0 is a config error; a run whose params diverge before
+# a sample stops with one line, as at a checkpoint.
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +17,8 @@ from btjit.train import config as C
 from btjit.train.data import DataError
 from test_cli import assert_error
 from textdata import words
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*args):
@@ -102,3 +106,16 @@ def no_measuring(monkeypatch):
 ])
 def test_bench_refuses_bad_options_before_measuring(no_measuring, args, needles):
     assert_error(run("bench", *args), *needles)
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("weight_decay", "nan", "optim.weight_decay must be >= 0 and finite, got nan"),    # was: NaN params
+    ("clip_value", "nan", "optim.clip_value must be >= 0 and finite, got nan"),        # was: a model-file error
+    ("clip_norm", "inf", "optim.clip_norm must be >= 0 and finite, got inf"),
+    ("lr_min", "-1e-4", "optim.lr_min must be >= 0, got -0.0001"),
+])
+def test_nan_or_inf_in_a_non_negative_key_is_named(key, value, needle):
+    with pytest.raises(C.ConfigError) as e:
+        C.loads(f"[optim]\n{key} = {value}\n")
+    assert needle in str(e.value)
+

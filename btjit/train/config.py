@@ -267,8 +267,8 @@ def validate(cfg: Config, source: str = "config") -> None:
                 bad(f"{sec}.{key} must be >= 1, got {getattr(getattr(cfg, sec), key)}")
     for sec, keys in NON_NEGATIVE.items():
         for key in keys:
-            if getattr(getattr(cfg, sec), key) < 0:
-                bad(f"{sec}.{key} must be >= 0, got {getattr(getattr(cfg, sec), key)}")
+            if not 0 <= (v := getattr(getattr(cfg, sec), key)) < float("inf"):     # NaN and inf too
+                bad(f"{sec}.{key} must be >= 0{'' if v < 0 else ' and finite'}, got {v}")
     m, o = cfg.model, cfg.optim
     if m.kind in ("gpt", "nanogpt", "transformer") and m.n_embd % m.n_head != 0:
         bad(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
