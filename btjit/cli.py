@@ -23,8 +23,9 @@ class CLIError(Exception):
 
 def _known_errors():
     from btjit.train.trainer import TrainError
+    from btjit.train.sampling import SampleError
     from btjit.train.usermodel import ModelFileError
-    return (ConfigError, DataError, CheckpointError, TrainError, CLIError, ModelFileError)
+    return (ConfigError, DataError, CheckpointError, TrainError, CLIError, ModelFileError, SampleError)
 
 
 class BtjitGroup(click.Group):

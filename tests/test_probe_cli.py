@@ -15,6 +15,7 @@ from btjit.cli import cli
 from btjit.train import arrays as A
 from btjit.train import config as C
 from btjit.train.data import DataError
+from btjit.train.sampling import SampleError, pick
 from test_cli import assert_error
 from textdata import words
 
@@ -119,3 +120,18 @@ def test_nan_or_inf_in_a_non_negative_key_is_named(key, value, needle):
         C.loads(f"[optim]\n{key} = {value}\n")
     assert needle in str(e.value)
 
+
+def test_logits_that_cannot_be_sampled_are_a_sample_error():
+    rng = np.random.default_rng(0)
+    assert pick(np.array([-np.inf, 0.0, -np.inf]), rng) == 1
+    for bad in ([np.nan, 0.0], [np.inf, 0.0], [-np.inf, -np.inf]):
+        with pytest.raises(SampleError, match="logits are not finite"):
+            pick(np.array(bad), rng)
+
+
+def test_a_run_that_diverges_before_a_sample_stops_with_one_line(tmp_path):
+    res = run("train", ROOT / "examples" / "mymodel.toml", "--threads", "1", "--out", tmp_path / "r",
+              "--set", "train.steps=3", "--set", "train.sample_interval=1", "--set", "optim.lr=1e30")
+    assert_error(res, "cannot sample at step 1: the model's logits are not finite (NaN)",
+                 "No checkpoint was saved yet")
+    assert not list((tmp_path / "r").glob("*.npz"))

@@ -69,8 +69,7 @@ class Trainer:
         self._build_program()
         self.accum = sched_mod.Accumulator(self.prog)
         self.step, self.last_ckpt, self.best = 0, None, None   # best: {"step", "val_loss"} of best.npz
-        self.log_losses = []            # the losses since the last progress line (checkpointed: --resume logs
-        #                                 the same means as an uninterrupted run)
+        self.log_losses = []            # the losses since the last progress line (checkpointed, for --resume)
         if self.resumed:
             self._restore(self.resumed)
         self.sampler = None
@@ -226,13 +225,18 @@ class Trainer:
         return float(np.mean(losses))
 
     def sample(self) -> str:
-        from btjit.train.sampling import Sampler
+        from btjit.train.sampling import Sampler, SampleError
         if self.sampler is None:
             self.sampler = Sampler(self.model, self.ds.vocab, self.prog.params, self.cfg.train.dtype,
                                    self.prog.buffers)
         else:
             self.sampler.set_params(self.prog.params, self.prog.buffers)
-        return self.sampler.generate("", self.cfg.train.sample_chars, self.sample_rng)
+        try:
+            return self.sampler.generate("", self.cfg.train.sample_chars, self.sample_rng)
+        except SampleError as e:                  # diverged: one line, as save()'s check of the params
+            bad = first_nonfinite(self.prog.params)
+            raise TrainError(f"cannot sample at step {self.step}: {e}{f' ({bad} is not finite)' if bad else ''}; "
+                             f"not saved. {self._last_good()}") from None
 
     def meta(self) -> dict:
         """The metadata of a checkpoint written now."""
@@ -260,8 +264,7 @@ class Trainer:
     def save(self) -> Path:
         bad = first_nonfinite(self.prog.params)
         if bad is not None:
-            raise TrainError(f"parameter {bad} is not finite at step {self.step}; not saved. "
-                             f"{self._last_good()}")
+            raise TrainError(f"parameter {bad} is not finite at step {self.step}; not saved. {self._last_good()}")
         meta = self.meta()
         try:
             path = ckpt_mod.save(self.run_dir, self.step, self.prog.state_dict(), meta,
@@ -273,9 +276,7 @@ class Trainer:
         return path
 
     def _last_good(self) -> str:
-        if self.last_ckpt is None:
-            return "No checkpoint was saved yet."
-        return f"Last good checkpoint: {self.last_ckpt}"
+        return f"Last good checkpoint: {self.last_ckpt}" if self.last_ckpt else "No checkpoint was saved yet."
 
     def _nonfinite(self, loss) -> None:
         bad = first_nonfinite(self.prog.grads)
