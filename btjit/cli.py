@@ -287,11 +287,17 @@ def bench(suite, only, peers, threads, reps, steps, json_path, markdown, use_com
     click.echo(format_table(rows, markdown=markdown, command=report.command_line()))
 
 
+def _old_data_file(name):
+    """The data file of a checkpoint older than its "data_file" entry: its data name when that is a file here."""
+    return name if name and not name.startswith("<") and Path(name).is_file() else None
+
+
 @cli.command("export")
 @click.argument("source", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--data", "data_path", type=click.Path(path_type=Path),
-              help="The data the model's batches are shaped by (default: as `btjit train` finds it).")
+              help="The data the model's batches are shaped by (default: the file the run read, else as `btjit train` "
+                   "finds it).")
 @debug_option
 def export_cmd(source, out, data_path, debug):
     """Write a model's training program as a native library dir OUT (btjit.runtime.load, examples/c/train.c).
@@ -315,6 +321,8 @@ def export_cmd(source, out, data_path, debug):
         vocab = data_mod.Vocab(ck.meta["vocab"])
         model_file = usermodel.from_checkpoint(ck) if cfg.model.kind == "python" else None
         optim_file = cfg.optim.file and usermodel.from_checkpoint(ck, "optimizer")
+    if ck is not None and data_path is None:        # the file the run read (its --data, or data.path)
+        data_path = ck.meta.get("data_file") or (None if cfg.data.path else _old_data_file(ck.meta.get("data")))
     ds = arrays.load(cfg, data_path, vocab)                 # any format
     model = model_for(cfg.model, len(ds.vocab), model_file, cfg.data.format)
     x, y = ds.batch("train", cfg.train.batch_size, np.random.default_rng(0))

@@ -3,7 +3,8 @@
 # .npz whose integer targets hold an id far beyond its samples (a stray label) is one error naming the key, not a
 # model of a billion outputs; `btjit bench` refuses --reps 0, negative --threads and an unknown --only before it
 # measures anything; NaN or inf in a key that must be >= 0 is a config error; a run whose params diverge before
-# a sample stops with one line, as at a checkpoint.
+# a sample stops with one line, as at a checkpoint; `btjit export RUN` reads the file the run was trained on.
+import json
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from click.testing import CliRunner
 
 from btjit.cli import cli
 from btjit.train import arrays as A
+from btjit.train import checkpoint as K
 from btjit.train import config as C
 from btjit.train.data import DataError
 from btjit.train.sampling import SampleError, pick
@@ -135,3 +137,17 @@ def test_a_run_that_diverges_before_a_sample_stops_with_one_line(tmp_path):
     assert_error(res, "cannot sample at step 1: the model's logits are not finite (NaN)",
                  "No checkpoint was saved yet")
     assert not list((tmp_path / "r").glob("*.npz"))
+
+
+def test_export_of_a_run_trained_on_its_own_file_reads_that_file(tmp_path, monkeypatch):
+    """`btjit export RUN OUT` without --data shapes the program by the file the run read (its --data), from any
+    dir; it was the bundled corpus, whose characters are not in the run's vocabulary."""
+    (tmp_path / "c.toml").write_text(BIGRAM)
+    (tmp_path / "w.txt").write_text(words())
+    res = run("train", tmp_path / "c.toml", "--data", tmp_path / "w.txt", "--threads", "1", "--out", tmp_path / "r")
+    assert res.exit_code == 0, res.output
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    res = run("export", tmp_path / "r", tmp_path / "e")
+    assert res.exit_code == 0 and "exported makemore bigram" in res.output, res.output
+    assert json.loads((tmp_path / "e" / "vocab.json").read_text()) == K.load(tmp_path / "r" / "best.npz").meta["vocab"]

@@ -64,6 +64,7 @@ class Trainer:
         self.threads = set_threads(threads if threads is not None else t.threads)
         vocab = data_mod.Vocab(self.resumed.meta["vocab"]) if self.resumed else None
         self.ds = arrays.load(cfg, data_path, vocab)         # any format (the text ones: data_mod.load)
+        self.data_file = str(Path(f).resolve()) if (f := cfg.data.path if data_path is None else data_path) else None
         self.param_rng, self.rng, _, self.sample_rng = seeds(t.seed)
         self.lr_at = sched_mod.for_config(cfg)
         self._build_program()
@@ -241,7 +242,7 @@ class Trainer:
     def meta(self) -> dict:
         """The metadata of a checkpoint written now."""
         return {"rng_state": ckpt_mod.rng_state(self.rng), "sample_rng_state": ckpt_mod.rng_state(self.sample_rng),
-                "config": self.cfg.to_dict(),
+                "config": self.cfg.to_dict(), "data_file": self.data_file,   # the file read (btjit export's default)
                 "vocab": self.ds.vocab.chars, "data": self.ds.name, "n_params": int(self.prog.n_params),
                 "best": self.best, "log_losses": list(self.log_losses),
                 **({"model_file": self.model_file.meta()} if self.model_file else {}),
@@ -333,8 +334,7 @@ class Trainer:
             self.echo(f"step {0:>{width}}: val loss {val:.4f}{self._acc()[0]}")
             self.log(event="val", step=0, val_loss=val, **self._acc()[1])
         if self.step >= t.steps:
-            self.echo(f"already at step {self.step} of {t.steps}: nothing to do "
-                      f"(raise train.steps to train further)")
+            self.echo(f"already at step {self.step} of {t.steps}: nothing to do (raise train.steps to train further)")
             return Result(self.step, self.last_ckpt)
         t_start, losses, step_time, timed, skips = time.perf_counter(), self.log_losses, 0.0, 0, 0
         first = self.step
