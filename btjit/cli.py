@@ -99,6 +99,7 @@ def train(config, data_path, out, overrides, resume, threads, distributed, debug
     run_dir = out if out is not None else Path("runs") / config.stem
     hint = ["btjit", "train", str(config)] + [f"--set={s}" for s in overrides]
     hint += ["--data", str(data_path)] if data_path is not None else []
+    hint += ["--threads", str(threads)] if threads is not None else []      # replicas: the same sums on resume
     hint += ["--out", str(out)] if out is not None else []
     hint += ["--distributed"] if distributed else []
     hint += ["--resume"]

@@ -3,7 +3,8 @@
 # .npz whose integer targets hold an id far beyond its samples (a stray label) is one error naming the key, not a
 # model of a billion outputs; `btjit bench` refuses --reps 0, negative --threads and an unknown --only before it
 # measures anything; NaN or inf in a key that must be >= 0 is a config error; a run whose params diverge before
-# a sample stops with one line, as at a checkpoint; `btjit export RUN` reads the file the run was trained on.
+# a sample stops with one line, as at a checkpoint; `btjit export RUN` reads the file the run was trained on; the
+# resume hint keeps --threads, and a resume as another number of data-parallel replicas is noted.
 import json
 import shutil
 from pathlib import Path
@@ -151,3 +152,24 @@ def test_export_of_a_run_trained_on_its_own_file_reads_that_file(tmp_path, monke
     res = run("export", tmp_path / "r", tmp_path / "e")
     assert res.exit_code == 0 and "exported makemore bigram" in res.output, res.output
     assert json.loads((tmp_path / "e" / "vocab.json").read_text()) == K.load(tmp_path / "r" / "best.npz").meta["vocab"]
+
+
+def test_the_resume_hint_keeps_threads_and_another_replica_count_is_noted(tmp_path, monkeypatch):
+    """Two threads train 64 sequences as two data-parallel replicas, whose sums one thread does not reproduce: the
+    line an interrupted run prints to continue it keeps --threads, and a resume on another count says so."""
+    from btjit.train.trainer import Trainer
+    from textdata import corpus, tiny_config, write_run_files
+    cfg, data, _ = write_run_files(tmp_path, tiny_config(steps=6, batch_size=64), corpus())
+    monkeypatch.setattr(Trainer, "_stop_requested", lambda self, stop: self.step == 3)     # as a Ctrl+C there
+    res = run("train", cfg, "--data", data, "--threads", "2", "--out", tmp_path / "r")
+    assert res.exit_code == 0 and "(2 data-parallel replicas)" in res.output, res.output
+    hint = [line for line in res.output.splitlines() if line.startswith("interrupted at step 3")]
+    assert hint and "--threads 2" in hint[0] and hint[0].endswith("--resume"), res.output
+    monkeypatch.undo()
+    res = run("train", cfg, "--data", data, "--threads", "1", "--out", tmp_path / "r", "--resume")
+    assert res.exit_code == 0, res.output
+    assert ("note: ckpt_00000003.npz was trained with 2 data-parallel replica(s), this run continues in 1 (see "
+            "--threads): it will not be bit-identical to an uninterrupted run") in res.output
+    res = run("train", cfg, "--data", data, "--threads", "1", "--out", tmp_path / "r", "--resume",
+              "--set", "train.steps=8")                          # ckpt_00000006.npz: one replica
+    assert res.exit_code == 0 and "note:" not in res.output, res.output

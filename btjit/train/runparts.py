@@ -1,7 +1,7 @@
 """The pieces of a `btjit train` run that stand outside the Trainer: TrainError and Result, the run's file names,
 threads and seeds (set_threads, seeds), the optimizer and the traced training program of a config (make_optimizer,
 build_program: also `btjit export`'s), the non-finite check, the world-size check of a resume and the banner's
-optimizer line (optim_line).
+optimizer line (optim_line), the notes of a resume that cannot be bit-exact (resume_notes).
 btjit.train.trainer re-exports all of them.
 """
 from __future__ import annotations
@@ -105,3 +105,15 @@ def optim_line(cfg, opt) -> str:
     return (f"optim: {name} {schedule.describe(cfg)}{hp} weight_decay {o.weight_decay:g}{groups}" +
             (f" clip_norm {o.clip_norm:g}" if o.clip_norm else "") +
             f" | batch {t.batch_size}{accum} | {t.steps} steps | seed {t.seed}")
+
+
+def resume_notes(ck, cfg, replicas: int) -> list[str]:
+    """The notes of a --resume that cannot end bit-identical to an uninterrupted run: the checkpoint was trained
+    in another train.dtype or train.precision, or as another number of data-parallel replicas (--threads)."""
+    saved, now = ck.meta.get("config", {}).get("train", {}), cfg.to_dict()["train"]
+    diff = [(f"train.{k} = {saved[k]!r}", repr(now[k])) for k in ("dtype", "precision")
+            if k in saved and saved[k] != now[k]]
+    if ck.meta.get("replicas", replicas) != replicas:       # the batch cut into other shards: other sums
+        diff.append((f"{ck.meta['replicas']} data-parallel replica(s)", f"{replicas} (see --threads)"))
+    return [f"note: {ck.path.name} was trained with {a}, this run continues in {b}: it will not be bit-identical to an "
+            f"uninterrupted run" for a, b in diff]

@@ -31,7 +31,7 @@ from btjit.train import usermodel
 from btjit.train.checkpoint import CheckpointError
 from btjit.train.config import Config, ModelConfig
 from btjit.train.runparts import (CONFIG_FILE, METRICS, Result, TrainError, build_program, check_world_size,
-                                  first_nonfinite, make_optimizer, optim_line, seeds, set_threads)
+                                  first_nonfinite, make_optimizer, optim_line, resume_notes, seeds, set_threads)
 
 __all__ = ["CONFIG_FILE", "METRICS", "MAX_SKIPS", "Result", "TrainError", "Trainer", "build_program",
            "check_world_size", "first_nonfinite", "make_optimizer", "seeds", "set_threads", "trim_metrics"]
@@ -113,11 +113,8 @@ class Trainer:
 
     def _load_program_state(self, ck):
         state = {k: v for k, v in ck.state.items() if not k.startswith("dist/")}
-        saved, now = ck.meta.get("config", {}).get("train", {}), self.cfg.to_dict()["train"]
-        for k in ("dtype", "precision"):
-            if k in saved and saved[k] != now[k]:
-                self.echo(f"note: {ck.path.name} was trained with train.{k} = {saved[k]!r}, this run continues in "
-                          f"{now[k]!r}: it will not be bit-identical to an uninterrupted run")
+        for note in resume_notes(ck, self.cfg, getattr(self.prog, "replicas", 1)):
+            self.echo(note)
         try:
             ckpt_mod.check_compatible(ckpt_mod.Checkpoint(ck.path, ck.step, state, ck.meta), self.prog.state_dict())
         except CheckpointError as e:            # the model was checked (_find_checkpoint): the optimizer changed?
@@ -244,7 +241,7 @@ class Trainer:
         return {"rng_state": ckpt_mod.rng_state(self.rng), "sample_rng_state": ckpt_mod.rng_state(self.sample_rng),
                 "config": self.cfg.to_dict(), "data_file": self.data_file,   # the file read (btjit export's default)
                 "vocab": self.ds.vocab.chars, "data": self.ds.name, "n_params": int(self.prog.n_params),
-                "best": self.best, "log_losses": list(self.log_losses),
+                "best": self.best, "log_losses": list(self.log_losses), "replicas": getattr(self.prog, "replicas", 1),
                 **({"model_file": self.model_file.meta()} if self.model_file else {}),
                 **({"optimizer_file": self.optim_file.meta()} if self.optim_file else {})}
 
