@@ -4,7 +4,8 @@
 # model of a billion outputs; `btjit bench` refuses --reps 0, negative --threads and an unknown --only before it
 # measures anything; NaN or inf in a key that must be >= 0 is a config error; a run whose params diverge before
 # a sample stops with one line, as at a checkpoint; `btjit export RUN` reads the file the run was trained on; the
-# resume hint keeps --threads, and a resume as another number of data-parallel replicas is noted.
+# resume hint keeps --threads, and a resume as another number of data-parallel replicas is noted; NaN float
+# targets in an .npz are named.
 import json
 import shutil
 from pathlib import Path
@@ -173,3 +174,12 @@ def test_the_resume_hint_keeps_threads_and_another_replica_count_is_noted(tmp_pa
     res = run("train", cfg, "--data", data, "--threads", "1", "--out", tmp_path / "r", "--resume",
               "--set", "train.steps=8")                          # ckpt_00000006.npz: one replica
     assert res.exit_code == 0 and "note:" not in res.output, res.output
+
+
+def test_non_finite_float_targets_are_named(tmp_path):
+    y = np.ones((6, 2))
+    y[4, 1] = np.nan
+    f, cfg = write_npz(tmp_path, y, np.ones((3, 2)))
+    with pytest.raises(DataError) as e:
+        A.load(cfg)
+    assert str(e.value) == f"{f}: y_train holds non-finite targets (first at sample 4)"

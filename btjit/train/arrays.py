@@ -60,6 +60,9 @@ def _y(name, key, a, n):
             raise DataError(f"{name}: {key} holds class id {int(a.max()):,}: integer targets are class ids 0..K-1 "
                             f"(float targets for regression)")
         return a.astype(np.int32)
+    if not np.all(np.isfinite(a)):
+        first = int(np.argwhere(~np.isfinite(a))[0][0])
+        raise DataError(f"{name}: {key} holds non-finite targets (first at sample {first})")
     return a
 
 
