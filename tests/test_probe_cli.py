@@ -5,7 +5,7 @@
 # measures anything; NaN or inf in a key that must be >= 0 is a config error; a run whose params diverge before
 # a sample stops with one line, as at a checkpoint; `btjit export RUN` reads the file the run was trained on; the
 # resume hint keeps --threads, and a resume as another number of data-parallel replicas is noted; NaN float
-# targets in an .npz are named.
+# targets in an .npz are named; a --resume that reads another data file than the checkpoint's is noted.
 import json
 import shutil
 from pathlib import Path
@@ -183,3 +183,18 @@ def test_non_finite_float_targets_are_named(tmp_path):
     with pytest.raises(DataError) as e:
         A.load(cfg)
     assert str(e.value) == f"{f}: y_train holds non-finite targets (first at sample 4)"
+
+
+def test_a_resume_on_another_data_file_is_noted(tmp_path, monkeypatch):
+    (tmp_path / "c.toml").write_text(BIGRAM)
+    (tmp_path / "w.txt").write_text(words())
+    (tmp_path / "copy.txt").write_text(words())
+    args = ("train", tmp_path / "c.toml", "--threads", "1", "--out", tmp_path / "r")
+    assert run(*args, "--data", tmp_path / "w.txt", "--set", "train.steps=2").exit_code == 0
+    monkeypatch.chdir(tmp_path)                                 # the same file by another name: no note
+    res = run(*args, "--data", "w.txt", "--resume", "--set", "train.steps=3")
+    assert res.exit_code == 0 and "note:" not in res.output, res.output
+    res = run(*args, "--data", tmp_path / "copy.txt", "--resume")
+    assert res.exit_code == 0, res.output
+    assert f"note: ckpt_00000003.npz was trained on {tmp_path / 'w.txt'}; this run reads {tmp_path / 'copy.txt'}" \
+        in res.output

@@ -65,6 +65,9 @@ class Trainer:
         vocab = data_mod.Vocab(self.resumed.meta["vocab"]) if self.resumed else None
         self.ds = arrays.load(cfg, data_path, vocab)         # any format (the text ones: data_mod.load)
         self.data_file = str(Path(f).resolve()) if (f := cfg.data.path if data_path is None else data_path) else None
+        if self.resumed and (was := self.resumed.meta.get("data_file", self.data_file)) != self.data_file:   # --data?
+            self.echo(f"note: {self.resumed.path.name} was trained on {was or self.resumed.meta.get('data')}; "
+                      f"this run reads {self.data_file or self.ds.name}")
         self.param_rng, self.rng, _, self.sample_rng = seeds(t.seed)
         self.lr_at = sched_mod.for_config(cfg)
         self._build_program()
