@@ -5,7 +5,8 @@
 # measures anything; NaN or inf in a key that must be >= 0 is a config error; a run whose params diverge before
 # a sample stops with one line, as at a checkpoint; `btjit export RUN` reads the file the run was trained on; the
 # resume hint keeps --threads, and a resume as another number of data-parallel replicas is noted; NaN float
-# targets in an .npz are named; a --resume that reads another data file than the checkpoint's is noted.
+# targets in an .npz are named; a --resume that reads another data file than the checkpoint's is noted; a model
+# file and an optimizer file of one name are refused.
 import json
 import shutil
 from pathlib import Path
@@ -198,3 +199,14 @@ def test_a_resume_on_another_data_file_is_noted(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     assert f"note: ckpt_00000003.npz was trained on {tmp_path / 'w.txt'}; this run reads {tmp_path / 'copy.txt'}" \
         in res.output
+
+
+def test_a_model_file_and_an_optimizer_file_of_one_name_are_a_config_error(tmp_path):
+    """Both are copied into the run dir by their names: the second overwrote the first, and --resume then read
+    the optimizer as the model."""
+    (tmp_path / "c.toml").write_text('[model]\nkind = "python"\nfile = "a/net.py"\n[optim]\nfile = "b/net.py"\n')
+    with pytest.raises(C.ConfigError, match="model.file and optim.file are both named net.py: their copies in the "
+                                            "run dir would clash"):
+        C.load(tmp_path / "c.toml")
+    (tmp_path / "c.toml").write_text('[model]\nkind = "python"\nfile = "a/net.py"\n[optim]\nfile = "b/opt.py"\n')
+    assert C.load(tmp_path / "c.toml").optim.file.endswith("opt.py")

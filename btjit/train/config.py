@@ -295,6 +295,8 @@ def validate(cfg: Config, source: str = "config") -> None:
         bad('model.kind = "python" needs model.file, the path of your model file (e.g. file = "mymodel.py")')
     if m.kind != "python" and m.file is not None:
         bad(f'model.file is only used with model.kind = "python" (this config has kind = "{m.kind}")')
+    if m.file and o.file and Path(m.file).name == Path(o.file).name:       # their copies in the run dir
+        bad(f"model.file and optim.file are both named {Path(o.file).name}: their copies in the run dir would clash")
     if not o.lr > 0.0 or o.lr == float("inf"):
         bad(f"optim.lr must be a positive number, got {o.lr}")
     if not 0.0 <= o.momentum < 1.0:
