@@ -159,6 +159,8 @@ def sample(ckpt, prompt, n_chars, temperature, top_k, seed, debug):
         raise CLIError(f"--temperature must be >= 0, got {temperature}")
     if top_k < 0:
         raise CLIError(f"--top-k must be >= 0, got {top_k}")
+    if seed is not None and seed < 0:               # numpy's seeds are >= 0
+        raise CLIError(f"--seed must be >= 0, got {seed}")
     ck = _load_checkpoint(ckpt)
     try:
         cfg = Config.from_dict(ck.meta["config"], source=f"config in {ck.path}")

@@ -6,7 +6,7 @@
 # a sample stops with one line, as at a checkpoint; `btjit export RUN` reads the file the run was trained on; the
 # resume hint keeps --threads, and a resume as another number of data-parallel replicas is noted; NaN float
 # targets in an .npz are named; a --resume that reads another data file than the checkpoint's is noted; a model
-# file and an optimizer file of one name are refused.
+# file and an optimizer file of one name are refused; `btjit sample --seed -1` is an error naming the option.
 import json
 import shutil
 from pathlib import Path
@@ -210,3 +210,7 @@ def test_a_model_file_and_an_optimizer_file_of_one_name_are_a_config_error(tmp_p
         C.load(tmp_path / "c.toml")
     (tmp_path / "c.toml").write_text('[model]\nkind = "python"\nfile = "a/net.py"\n[optim]\nfile = "b/opt.py"\n')
     assert C.load(tmp_path / "c.toml").optim.file.endswith("opt.py")
+
+
+def test_sample_refuses_a_negative_seed_by_name(tmp_path):
+    assert_error(run("sample", tmp_path / "none.npz", "--seed", "-1"), "--seed must be >= 0, got -1")
