@@ -334,7 +334,11 @@ def export_cmd(source, out, data_path, debug):
     if ck is not None:
         prog.load_state_dict({k: v for k, v in ck.state.items() if not k.startswith("dist/")})
         prog.lr = schedule.for_config(cfg)(ck.step)
-    path = prog.export(out, {"vocab.json": json.dumps(ds.vocab.chars).encode()})
+    from btjit.export.build import ExportError
+    try:
+        path = prog.export(out, {"vocab.json": json.dumps(ds.vocab.chars).encode()})
+    except ExportError as e:
+        raise CLIError(str(e)) from None
     click.echo(f"exported {model.arch} ({prog.n_params:,} params" + (f", step {ck.step}" if ck else "") +
                f", lr {prog.lr:g}, batch {tuple(x.shape)}) to {path}: load it with btjit.runtime.load({str(path)!r}),"
                f" or from C (examples/c/train.c)")

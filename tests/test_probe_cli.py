@@ -6,7 +6,8 @@
 # a sample stops with one line, as at a checkpoint; `btjit export RUN` reads the file the run was trained on; the
 # resume hint keeps --threads, and a resume as another number of data-parallel replicas is noted; NaN float
 # targets in an .npz are named; a --resume that reads another data file than the checkpoint's is noted; a model
-# file and an optimizer file of one name are refused; `btjit sample --seed -1` is an error naming the option.
+# file and an optimizer file of one name are refused; `btjit sample --seed -1` is an error naming the option; an
+# export refuses to replace a dir that is not an earlier export (a run dir, a project).
 import json
 import shutil
 from pathlib import Path
@@ -214,3 +215,41 @@ def test_a_model_file_and_an_optimizer_file_of_one_name_are_a_config_error(tmp_p
 
 def test_sample_refuses_a_negative_seed_by_name(tmp_path):
     assert_error(run("sample", tmp_path / "none.npz", "--seed", "-1"), "--seed must be >= 0, got -1")
+
+
+def tiny_program():
+    import btjit
+    rng = np.random.default_rng(0)
+    p = {"w": rng.standard_normal((4, 3)).astype(np.float32)}
+    x, y = rng.standard_normal((8, 4)).astype(np.float32), rng.integers(0, 3, 8).astype(np.int32)
+    return btjit.trace(lambda p, x, y: btjit.cross_entropy(x @ p["w"], y), p, x, y,
+                       optimizer=btjit.optim.SGD(lr=0.1), threads=1)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_an_export_never_replaces_a_dir_of_other_files(tmp_path):
+    """An export replaces its dir whole: into a run dir (`btjit export RUN RUN`) or a project dir it deleted
+    everything there; it replaces only a new or empty dir or an earlier export."""
+    from btjit.export.build import ExportError
+    prog = tiny_program()
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match=r"proj is not an earlier export \(no btjit manifest.json\) and holds 1 "
+                                          r"file\(s\) \(notes.txt\), which an export would delete"):
+        prog.export(tmp_path / "proj")
+    assert [p.name for p in (tmp_path / "proj").iterdir()] == ["notes.txt"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ExportError, match="is a file, not a dir"):
+        prog.export(tmp_path / "file")
+    (tmp_path / "empty").mkdir()
+    prog.export(tmp_path / "empty")
+    prog.export(tmp_path / "empty")                                  # an earlier export: replaced
+    assert (tmp_path / "empty" / "manifest.json").exists()
+    (tmp_path / "c.toml").write_text(BIGRAM)
+    (tmp_path / "w.txt").write_text(words())
+    res = run("train", tmp_path / "c.toml", "--data", tmp_path / "w.txt", "--threads", "1", "--out", tmp_path / "r")
+    assert res.exit_code == 0, res.output
+    before = sorted(p.name for p in (tmp_path / "r").iterdir())
+    assert_error(run("export", tmp_path / "r", tmp_path / "r"), "is not an earlier export",
+                 "(best.npz, ckpt_00000002.npz, ckpt_00000004.npz, ...)")
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == before
