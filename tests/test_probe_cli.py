@@ -7,7 +7,8 @@
 # resume hint keeps --threads, and a resume as another number of data-parallel replicas is noted; NaN float
 # targets in an .npz are named; a --resume that reads another data file than the checkpoint's is noted; a model
 # file and an optimizer file of one name are refused; `btjit sample --seed -1` is an error naming the option; an
-# export refuses to replace a dir that is not an earlier export (a run dir, a project).
+# export refuses to replace a dir that is not an earlier export (a run dir, a project); a new run over one that
+# saved no checkpoint starts its own metrics log.
 import json
 import shutil
 from pathlib import Path
@@ -253,3 +254,27 @@ def test_an_export_never_replaces_a_dir_of_other_files(tmp_path):
     assert_error(run("export", tmp_path / "r", tmp_path / "r"), "is not an earlier export",
                  "(best.npz, ckpt_00000002.npz, ckpt_00000004.npz, ...)")
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == before
+
+
+def test_a_new_run_over_a_failed_one_starts_its_own_metrics_log(tmp_path):
+    """A run that stopped before its first checkpoint leaves its metrics.jsonl; the same command run again (a new
+    run: there is nothing to resume) appended to it, so the log held both runs' steps. Now it is moved aside."""
+    args = ("train", ROOT / "examples" / "mymodel.toml", "--threads", "1", "--out", tmp_path / "r",
+            "--set", "train.steps=3", "--set", "train.log_interval=1")
+    assert_error(run(*args, "--set", "optim.lr=1e38"), "loss is nan at step 2", "No checkpoint was saved yet")
+    failed = (tmp_path / "r" / "metrics.jsonl").read_text()
+    res = run(*args)
+    assert res.exit_code == 0 and "moved it to metrics.jsonl.1" in res.output, res.output
+    assert (tmp_path / "r" / "metrics.jsonl.1").read_text() == failed
+    events = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["step"]) for e in events if e["event"] in ("val", "train")] == \
+        [("val", 0), ("train", 1), ("train", 2), ("train", 3), ("val", 3)]
+
+
+def test_trimming_the_metrics_log_skips_lines_that_are_not_events(tmp_path):
+    from btjit.train.rundir import trim_metrics
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"event": "train", "step": 1}\n[1, 2]\n{"event": "train", "step": 3}\n{"event": "tr')
+    trim_metrics(log, 2)
+    assert log.read_text() == '{"event": "train", "step": 1}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]

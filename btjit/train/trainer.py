@@ -134,8 +134,7 @@ class Trainer:
         for f in (self.model_file, self.optim_file):
             if f:
                 f.copy_into(self.run_dir)
-        if resume:
-            trim_metrics(self.metrics_path, self.step)
+        rundir.start_metrics(self.metrics_path, self.step if resume else None, self.echo)
         (self.run_dir / CONFIG_FILE).write_text(
             "# resolved config of this run, written by `btjit train`\n" + self.cfg.to_toml())
 
