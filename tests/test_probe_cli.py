@@ -8,7 +8,7 @@
 # targets in an .npz are named; a --resume that reads another data file than the checkpoint's is noted; a model
 # file and an optimizer file of one name are refused; `btjit sample --seed -1` is an error naming the option; an
 # export refuses to replace a dir that is not an earlier export (a run dir, a project); a new run over one that
-# saved no checkpoint starts its own metrics log.
+# saved no checkpoint starts its own metrics log; a file that is not an .npz is named as such.
 import json
 import shutil
 from pathlib import Path
@@ -278,3 +278,20 @@ def test_trimming_the_metrics_log_skips_lines_that_are_not_events(tmp_path):
     trim_metrics(log, 2)
     assert log.read_text() == '{"event": "train", "step": 1}\n'
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
+@pytest.mark.parametrize("content", ["npy", "text"])
+def test_a_file_that_is_not_an_npz_is_named_as_such(tmp_path, content):
+    """An .npy file (np.load returns an array) was a TypeError about context managers; a text file, numpy's words
+    about pickled data."""
+    f = tmp_path / "d.npz"
+    if content == "npy":
+        with open(f, "wb") as fh:
+            np.save(fh, np.zeros(3))
+    else:
+        f.write_text("x,y\n1,2\n")
+    cfg = C.loads(f'[model]\nkind = "python"\nfile = "m.py"\n[data]\nformat = "arrays"\npath = "{f}"\n')
+    with pytest.raises(DataError, match=r"d.npz: not a readable .npz file \(ValueError: not an .npz \(zip\) file\)"):
+        A.load(cfg)
+    with pytest.raises(K.CorruptCheckpoint, match=r"is truncated or damaged \(ValueError: not an .npz \(zip\) file\)"):
+        K.load(f)

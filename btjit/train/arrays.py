@@ -32,6 +32,9 @@ def _read_npz(p: Path) -> dict:
     if not p.exists():
         raise DataError(f"data file not found: {p}")
     try:
+        with open(p, "rb") as f:
+            if f.read(2) != b"PK":              # np.load would read it as .npy or pickled data: say what it is
+                raise ValueError("not an .npz (zip) file")
         with np.load(p, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
