@@ -8,7 +8,8 @@
 # targets in an .npz are named; a --resume that reads another data file than the checkpoint's is noted; a model
 # file and an optimizer file of one name are refused; `btjit sample --seed -1` is an error naming the option; an
 # export refuses to replace a dir that is not an earlier export (a run dir, a project); a new run over one that
-# saved no checkpoint starts its own metrics log; a file that is not an .npz is named as such.
+# saved no checkpoint starts its own metrics log; a file that is not an .npz is named as such; a run never
+# overwrites a config.toml it did not write.
 import json
 import shutil
 from pathlib import Path
@@ -295,3 +296,17 @@ def test_a_file_that_is_not_an_npz_is_named_as_such(tmp_path, content):
         A.load(cfg)
     with pytest.raises(K.CorruptCheckpoint, match=r"is truncated or damaged \(ValueError: not an .npz \(zip\) file\)"):
         K.load(f)
+
+
+def test_a_run_never_overwrites_a_config_toml_it_did_not_write(tmp_path, monkeypatch):
+    """`btjit train config.toml --out .` replaced the user's config (comments and all) with the resolved one."""
+    (tmp_path / "config.toml").write_text("# mine\n" + BIGRAM)
+    (tmp_path / "w.txt").write_text(words())
+    monkeypatch.chdir(tmp_path)
+    assert_error(run("train", "config.toml", "--data", "w.txt", "--out", "."),
+                 "run dir . holds a config.toml that btjit did not write")
+    assert (tmp_path / "config.toml").read_text() == "# mine\n" + BIGRAM
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml", "w.txt"]       # no lock file left
+    assert run("train", "config.toml", "--data", "w.txt", "--out", "r", "--threads", "1").exit_code == 0
+    res = run("train", "r/config.toml", "--data", "w.txt", "--out", "r", "--resume", "--set", "train.steps=5")
+    assert res.exit_code == 0 and "resumed from ckpt_00000004.npz" in res.output, res.output

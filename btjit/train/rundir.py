@@ -20,6 +20,7 @@ from pathlib import Path
 from btjit.train import checkpoint as ckpt_mod
 
 LOCK_FILE = "train.lock"
+CONFIG_FILE, CONFIG_HEADER = "config.toml", "# resolved config of this run, written by `btjit train`\n"
 
 
 class RunDirError(Exception):
@@ -123,6 +124,10 @@ def prepare(run_dir: Path, resume: bool) -> RunDirLock:
         raise RunDirError(f"--out {run_dir} is a file, not a directory")
     if resume and not run_dir.is_dir():
         raise RunDirError(f"--resume: run dir {run_dir} does not exist")
+    own = run_dir / CONFIG_FILE               # a run writes its resolved config there: never over the user's file
+    if own.is_file() and not own.read_text(encoding="utf-8", errors="replace").startswith(CONFIG_HEADER):
+        raise RunDirError(f"run dir {run_dir} holds a {CONFIG_FILE} that btjit did not write, which a run would "
+                          f"overwrite with its resolved config: give another --out DIR")
     created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

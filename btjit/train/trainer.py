@@ -135,8 +135,7 @@ class Trainer:
             if f:
                 f.copy_into(self.run_dir)
         rundir.start_metrics(self.metrics_path, self.step if resume else None, self.echo)
-        (self.run_dir / CONFIG_FILE).write_text(
-            "# resolved config of this run, written by `btjit train`\n" + self.cfg.to_toml())
+        (self.run_dir / CONFIG_FILE).write_text(rundir.CONFIG_HEADER + self.cfg.to_toml())
 
     def _find_checkpoint(self):
         ck, skipped = ckpt_mod.latest_valid(self.run_dir)
