@@ -9,7 +9,7 @@
 # file and an optimizer file of one name are refused; `btjit sample --seed -1` is an error naming the option; an
 # export refuses to replace a dir that is not an earlier export (a run dir, a project); a new run over one that
 # saved no checkpoint starts its own metrics log; a file that is not an .npz is named as such; a run never
-# overwrites a config.toml it did not write.
+# overwrites a config.toml it did not write, or a model file of the user's own.
 import json
 import shutil
 from pathlib import Path
@@ -310,3 +310,17 @@ def test_a_run_never_overwrites_a_config_toml_it_did_not_write(tmp_path, monkeyp
     assert run("train", "config.toml", "--data", "w.txt", "--out", "r", "--threads", "1").exit_code == 0
     res = run("train", "r/config.toml", "--data", "w.txt", "--out", "r", "--resume", "--set", "train.steps=5")
     assert res.exit_code == 0 and "resumed from ckpt_00000004.npz" in res.output, res.output
+
+
+def test_a_run_never_overwrites_a_model_file_of_the_users_own(tmp_path):
+    """The run's copy of the model file goes into --out: over a different file of that name in a dir of the user's
+    own files (no config.toml of a run) it is refused; an earlier run's copy is replaced."""
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "mymodel.py").write_text("# my other model\n")
+    args = ("train", ROOT / "examples" / "mymodel.toml", "--threads", "1", "--set", "train.steps=2")
+    assert_error(run(*args, "--out", tmp_path / "proj"), "mymodel.py is another file than", "give another --out DIR")
+    assert (tmp_path / "proj" / "mymodel.py").read_text() == "# my other model\n"
+    assert run(*args, "--out", tmp_path / "r", "--set", "optim.lr=1e38", "--set", "train.steps=3").exit_code != 0
+    (tmp_path / "r" / "mymodel.py").write_text("# the failed run's copy, edited\n")
+    assert run(*args, "--out", tmp_path / "r").exit_code == 0
+    assert (tmp_path / "r" / "mymodel.py").read_text() == (ROOT / "examples" / "mymodel.py").read_text()
