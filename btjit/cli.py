@@ -23,8 +23,9 @@ class CLIError(Exception):
 
 def _known_errors():
     from btjit.train.trainer import TrainError
+    from btjit.train.sampling import SampleError
     from btjit.train.usermodel import ModelFileError
-    return (ConfigError, DataError, CheckpointError, TrainError, CLIError, ModelFileError)
+    return (ConfigError, DataError, CheckpointError, TrainError, CLIError, ModelFileError, SampleError)
 
 
 class BtjitGroup(click.Group):
@@ -99,6 +100,7 @@ def train(config, data_path, out, overrides, resume, threads, distributed, debug
     run_dir = out if out is not None else Path("runs") / config.stem
     hint = ["btjit", "train", str(config)] + [f"--set={s}" for s in overrides]
     hint += ["--data", str(data_path)] if data_path is not None else []
+    hint += ["--threads", str(threads)] if threads is not None else []      # replicas: the same sums on resume
     hint += ["--out", str(out)] if out is not None else []
     hint += ["--distributed"] if distributed else []
     hint += ["--resume"]
@@ -158,6 +160,8 @@ def sample(ckpt, prompt, n_chars, temperature, top_k, seed, debug):
         raise CLIError(f"--temperature must be >= 0, got {temperature}")
     if top_k < 0:
         raise CLIError(f"--top-k must be >= 0, got {top_k}")
+    if seed is not None and seed < 0:               # numpy's seeds are >= 0
+        raise CLIError(f"--seed must be >= 0, got {seed}")
     ck = _load_checkpoint(ckpt)
     try:
         cfg = Config.from_dict(ck.meta["config"], source=f"config in {ck.path}")
@@ -269,6 +273,10 @@ def bench(suite, only, peers, threads, reps, steps, json_path, markdown, use_com
         raise CLIError(f"--suite {suite!r} is not one of: {', '.join(suites.SUITES)}")
     if steps is not None and steps < 1:
         raise CLIError(f"--steps must be >= 1, got {steps}")
+    if reps < 1:
+        raise CLIError(f"--reps must be >= 1, got {reps}")
+    if threads is not None and threads < 0:
+        raise CLIError(f"--threads must be >= 0, got {threads}")
     if profile:
         from btjit.bench.btjit_impl import profile as run_profile
         from btjit.host.threads import cores
@@ -283,11 +291,17 @@ def bench(suite, only, peers, threads, reps, steps, json_path, markdown, use_com
     click.echo(format_table(rows, markdown=markdown, command=report.command_line()))
 
 
+def _old_data_file(name):
+    """The data file of a checkpoint older than its "data_file" entry: its data name when that is a file here."""
+    return name if name and not name.startswith("<") and Path(name).is_file() else None
+
+
 @cli.command("export")
 @click.argument("source", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--data", "data_path", type=click.Path(path_type=Path),
-              help="The data the model's batches are shaped by (default: as `btjit train` finds it).")
+              help="The data the model's batches are shaped by (default: the file the run read, else as `btjit train` "
+                   "finds it).")
 @debug_option
 def export_cmd(source, out, data_path, debug):
     """Write a model's training program as a native library dir OUT (btjit.runtime.load, examples/c/train.c).
@@ -311,6 +325,8 @@ def export_cmd(source, out, data_path, debug):
         vocab = data_mod.Vocab(ck.meta["vocab"])
         model_file = usermodel.from_checkpoint(ck) if cfg.model.kind == "python" else None
         optim_file = cfg.optim.file and usermodel.from_checkpoint(ck, "optimizer")
+    if ck is not None and data_path is None:        # the file the run read (its --data, or data.path)
+        data_path = ck.meta.get("data_file") or (None if cfg.data.path else _old_data_file(ck.meta.get("data")))
     ds = arrays.load(cfg, data_path, vocab)                 # any format
     model = model_for(cfg.model, len(ds.vocab), model_file, cfg.data.format)
     x, y = ds.batch("train", cfg.train.batch_size, np.random.default_rng(0))
@@ -319,7 +335,11 @@ def export_cmd(source, out, data_path, debug):
     if ck is not None:
         prog.load_state_dict({k: v for k, v in ck.state.items() if not k.startswith("dist/")})
         prog.lr = schedule.for_config(cfg)(ck.step)
-    path = prog.export(out, {"vocab.json": json.dumps(ds.vocab.chars).encode()})
+    from btjit.export.build import ExportError
+    try:
+        path = prog.export(out, {"vocab.json": json.dumps(ds.vocab.chars).encode()})
+    except ExportError as e:
+        raise CLIError(str(e)) from None
     click.echo(f"exported {model.arch} ({prog.n_params:,} params" + (f", step {ck.step}" if ck else "") +
                f", lr {prog.lr:g}, batch {tuple(x.shape)}) to {path}: load it with btjit.runtime.load({str(path)!r}),"
                f" or from C (examples/c/train.c)")

@@ -128,6 +128,10 @@ def measure_export(wid, reps, tmp: Path) -> list:
 
 def run(only=None, peers=None, reps=5, progress=lambda s: None) -> list:
     wids = [w.strip() for w in only.split(",")] if only else list(WORKLOADS)
+    unknown = [w for w in wids if w not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown workload(s) {', '.join(unknown)} for the footprint suite (known: "
+                         f"{', '.join(WORKLOADS)})")
     impls = ["btjit"] + [p for p in (peers.split(",") if peers else ["torch", "jax"]) if p and p != "none"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="btjit_footprint_") as tmp:

@@ -154,6 +154,9 @@ def run(only=None, impls=None, threads=1, reps=5, compile=False, progress=lambda
     from btjit.bench.footprint import timed_run
     from btjit.bench.run_one import thread_env
     sizes = [s.strip() for s in only.split(",")] if only else list(SIZES)
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        raise ValueError(f"unknown size(s) {', '.join(unknown)} for the scale suite (known: {', '.join(SIZES)})")
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
     if precision == "bf16":     # btjit in bf16 and in float32, torch under autocast

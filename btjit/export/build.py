@@ -212,6 +212,25 @@ def _stand_ins(objs) -> str:
     return "\n" + "\n".join(out) + "\n"
 
 
+def _check_replaceable(out: Path) -> None:
+    """An export replaces `out` whole: only a new or empty dir, or an earlier export (its manifest.json), never a dir
+    of other files (a run dir, a project) or a file."""
+    if out.is_dir():
+        try:
+            m = json.loads((out / "manifest.json").read_text())
+            if isinstance(m, dict) and "format" in m and "kind" in m:
+                return
+        except (OSError, ValueError):
+            pass
+        held = sorted(p.name for p in out.iterdir())
+        if held:
+            raise ExportError(f"{out} is not an earlier export (no btjit manifest.json) and holds {len(held)} "
+                              f"file(s) ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}), which an export "
+                              f"would delete: give a new or empty dir")
+    elif out.exists():
+        raise ExportError(f"{out} is a file, not a dir: give a new or empty dir")
+
+
 def _build(out: Path, program_c: str, header: str, objects: list, blas, files: dict, manifest: dict,
            after_link=None) -> Path:
     """Compile and link into a fresh dir beside `out` (then after_link(dir)), write the data files and the
@@ -220,6 +239,7 @@ def _build(out: Path, program_c: str, header: str, objects: list, blas, files: d
     if not cc:
         raise ExportError("exporting needs a C compiler: none of $CC, cc, gcc, clang was found")
     out = Path(out)
+    _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

@@ -18,6 +18,7 @@ from btjit.train.data import Corpus, DataError, Split, Vocab, split_point
 DIGITS = Corpus("digits.u8.gz", "68aea062d35a127749050fa0e52dca09d6569ac08092c925610e0954e172dde2",
                 "scikit-learn's 8x8 digits")
 KEYS = ("x_train", "y_train", "x_val", "y_val")
+MAX_CLASSES = 65536     # class ids beyond both this and the sample count are an error (an out-of-range label)
 
 
 def digits() -> tuple[np.ndarray, np.ndarray]:
@@ -31,6 +32,9 @@ def _read_npz(p: Path) -> dict:
     if not p.exists():
         raise DataError(f"data file not found: {p}")
     try:
+        with open(p, "rb") as f:
+            if f.read(2) != b"PK":              # np.load would read it as .npy or pickled data: say what it is
+                raise ValueError("not an .npz (zip) file")
         with np.load(p, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
@@ -55,8 +59,26 @@ def _y(name, key, a, n):
     if a.dtype.kind in "iu":
         if a.ndim != 1 or (a.size and a.min() < 0):
             raise DataError(f"{name}: {key}: integer class ids must be a 1-d array of values >= 0")
+        if a.size and int(a.max()) > np.iinfo(np.int32).max:
+            raise DataError(f"{name}: {key} holds class id {int(a.max()):,}: integer targets are class ids 0..K-1 "
+                            f"(float targets for regression)")
         return a.astype(np.int32)
+    if not np.all(np.isfinite(a)):
+        first = int(np.argwhere(~np.isfinite(a))[0][0])
+        raise DataError(f"{name}: {key} holds non-finite targets (first at sample {first})")
     return a
+
+
+def _check_class_ids(name, ys, n):
+    """Integer targets are class ids 0..K-1, K = the largest + 1 (the model's cfg.vocab_size outputs): an id far
+    beyond both the samples and MAX_CLASSES is an error naming its key, not a model of K outputs."""
+    ids = [(int(y.max()), k) for k, y in ys if y.dtype.kind == "i" and y.size]
+    if not ids:
+        return
+    top, key = max(ids)
+    if top + 1 > max(n, MAX_CLASSES):
+        raise DataError(f"{name}: {key} holds class id {top:,}, which would make a model of {top + 1:,} outputs for "
+                        f"{n:,} samples; integer targets are class ids 0..K-1 (float targets for regression)")
 
 
 def read_arrays(path, corpus, val_fraction, seed):
@@ -85,14 +107,16 @@ def read_arrays(path, corpus, val_fraction, seed):
         missing = [k for k in KEYS if k not in d]
         raise DataError(f"{name}: missing key {missing[0]}: an arrays file holds {', '.join(KEYS)} (or x and y, "
                         f"split by data.val_fraction); it has {', '.join(sorted(d)) or 'nothing'}")
-    splits = []
+    splits, ykeys = [], []
     for x, y, what in parts:
         kx, ky = ("x", "y") if "x" in d and "x_train" not in d else (f"x_{what}", f"y_{what}")
         x = _x(name, kx, x)
         splits.append(Split(x, _y(name, ky, y, len(x))))
+        ykeys.append(ky)
         if not len(x):
             raise DataError(f"{name}: the {what} split is empty ({kx})")
     tr, va = splits
+    _check_class_ids(name, [(ky, s.y) for (ky, s) in zip(ykeys, splits)], len(tr) + len(va))
     if tr.x.shape[1:] != va.x.shape[1:] or tr.y.shape[1:] != va.y.shape[1:] or tr.y.dtype.kind != va.y.dtype.kind:
         raise DataError(f"{name}: x_val, y_val must hold samples like x_train, y_train: shapes {va.x.shape[1:]}, "
                         f"{va.y.shape[1:]} ({va.y.dtype}) against {tr.x.shape[1:]}, {tr.y.shape[1:]} ({tr.y.dtype})")

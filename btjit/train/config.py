@@ -267,8 +267,8 @@ def validate(cfg: Config, source: str = "config") -> None:
                 bad(f"{sec}.{key} must be >= 1, got {getattr(getattr(cfg, sec), key)}")
     for sec, keys in NON_NEGATIVE.items():
         for key in keys:
-            if getattr(getattr(cfg, sec), key) < 0:
-                bad(f"{sec}.{key} must be >= 0, got {getattr(getattr(cfg, sec), key)}")
+            if not 0 <= (v := getattr(getattr(cfg, sec), key)) < float("inf"):     # NaN and inf too
+                bad(f"{sec}.{key} must be >= 0{'' if v < 0 else ' and finite'}, got {v}")
     m, o = cfg.model, cfg.optim
     if m.kind in ("gpt", "nanogpt", "transformer") and m.n_embd % m.n_head != 0:
         bad(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
@@ -295,6 +295,8 @@ def validate(cfg: Config, source: str = "config") -> None:
         bad('model.kind = "python" needs model.file, the path of your model file (e.g. file = "mymodel.py")')
     if m.kind != "python" and m.file is not None:
         bad(f'model.file is only used with model.kind = "python" (this config has kind = "{m.kind}")')
+    if m.file and o.file and Path(m.file).name == Path(o.file).name:       # their copies in the run dir
+        bad(f"model.file and optim.file are both named {Path(o.file).name}: their copies in the run dir would clash")
     if not o.lr > 0.0 or o.lr == float("inf"):
         bad(f"optim.lr must be a positive number, got {o.lr}")
     if not 0.0 <= o.momentum < 1.0:

@@ -262,8 +262,7 @@ class DistributedTrainer(Trainer):
             else:
                 self.echo(f"note: {ck.path.name} has no {ef.kind} error-feedback state for ratio {ef.ratio:g}; "
                           f"it restarts with one dense step")
-        self.step, self.last_ckpt, self.best = ck.step, ck.path, ck.meta.get("best")
-        self.log_losses = [float(v) for v in ck.meta.get("log_losses", [])]
+        self._restore_run_state(ck)
 
     def _write_run_files(self, resume):
         if self.is_root:

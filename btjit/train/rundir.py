@@ -20,6 +20,7 @@ from pathlib import Path
 from btjit.train import checkpoint as ckpt_mod
 
 LOCK_FILE = "train.lock"
+CONFIG_FILE, CONFIG_HEADER = "config.toml", "# resolved config of this run, written by `btjit train`\n"
 
 
 class RunDirError(Exception):
@@ -123,6 +124,10 @@ def prepare(run_dir: Path, resume: bool) -> RunDirLock:
         raise RunDirError(f"--out {run_dir} is a file, not a directory")
     if resume and not run_dir.is_dir():
         raise RunDirError(f"--resume: run dir {run_dir} does not exist")
+    own = run_dir / CONFIG_FILE               # a run writes its resolved config there: never over the user's file
+    if own.is_file() and not own.read_text(encoding="utf-8", errors="replace").startswith(CONFIG_HEADER):
+        raise RunDirError(f"run dir {run_dir} holds a {CONFIG_FILE} that btjit did not write, which a run would "
+                          f"overwrite with its resolved config: give another --out DIR")
     created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -139,7 +144,8 @@ def prepare(run_dir: Path, resume: bool) -> RunDirLock:
 
 
 def trim_metrics(path: Path, step: int) -> None:
-    """On resume: drop log events after the checkpoint's step (they will be logged again)."""
+    """On resume: drop log events after the checkpoint's step (they will be logged again). The trimmed log replaces
+    the file by a rename: a crash meanwhile leaves it whole."""
     if not path.exists():
         return
     keep = []
@@ -147,6 +153,22 @@ def trim_metrics(path: Path, step: int) -> None:
         try:
             if json.loads(line).get("step", 0) <= step:
                 keep.append(line)
-        except ValueError:
+        except (ValueError, AttributeError):
             pass
-    path.write_text("".join(l + "\n" for l in keep))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(l + "\n" for l in keep))
+    os.replace(tmp, path)
+
+
+def start_metrics(path: Path, resume_step: int | None, echo) -> None:
+    """The metrics log as a run starts: with --resume, trimmed to the checkpoint's step (resume_step); a new run's
+    starts empty, the log of an earlier run there (one that saved no checkpoint: prepare() refuses the others)
+    moved aside to metrics.jsonl.N, not appended to."""
+    if resume_step is not None:
+        trim_metrics(path, resume_step)
+    elif path.exists() and path.stat().st_size:
+        n = 1
+        while path.with_name(f"{path.name}.{n}").exists():
+            n += 1
+        os.replace(path, path.with_name(f"{path.name}.{n}"))
+        echo(f"note: {path.parent} holds the log of an earlier run without checkpoints: moved it to {path.name}.{n}")

@@ -1,6 +1,7 @@
 """The pieces of a `btjit train` run that stand outside the Trainer: TrainError and Result, the run's file names,
 threads and seeds (set_threads, seeds), the optimizer and the traced training program of a config (make_optimizer,
-build_program: also `btjit export`'s), the non-finite check and the world-size check of a resume.
+build_program: also `btjit export`'s), the non-finite check, the world-size check of a resume and the banner's
+optimizer line (optim_line), the notes of a resume that cannot be bit-exact (resume_notes).
 btjit.train.trainer re-exports all of them.
 """
 from __future__ import annotations
@@ -88,3 +89,33 @@ def check_world_size(ck, n: int) -> None:
         how = f"mpiexec -n {had} btjit train ... --resume" if had > 1 else "btjit train ... --resume (one process)"
         raise TrainError(f"--resume: {ck.path.name} was written by a run on {had} process(es), this run has {n}; "
                          f"resume it with the same number: {how}")
+
+
+def optim_line(cfg, opt) -> str:
+    """The banner's optimizer line: the optimizer (a user file's class and file), its schedule and hyper-parameters,
+    batch, steps, seed. opt: the program's optimizer (or None)."""
+    from btjit.optim.base import fmt
+    from btjit.train import schedule
+    t, o = cfg.train, cfg.optim
+    accum = f" x {t.grad_accum} micro-batches = {t.batch_size * t.grad_accum}" if t.grad_accum > 1 else ""
+    if o.file or o.name not in ("sgd", "adam", "adamw"):    # the optimizer's own hyper-parameters
+        hp = "".join(f" {k} {fmt(v)}" for k, v in (opt.hp if opt else {}).items() if k not in ("lr", "weight_decay"))
+    else:
+        hp = f" momentum {o.momentum:g}" if o.name == "sgd" else f" betas {tuple(o.betas)} eps {o.eps:g}"
+    name = f"{type(opt).__name__} ({Path(o.file).name})" if o.file and opt else o.name
+    groups = f" groups {len(opt.groups)}" if opt and opt.groups else ""
+    return (f"optim: {name} {schedule.describe(cfg)}{hp} weight_decay {o.weight_decay:g}{groups}" +
+            (f" clip_norm {o.clip_norm:g}" if o.clip_norm else "") +
+            f" | batch {t.batch_size}{accum} | {t.steps} steps | seed {t.seed}")
+
+
+def resume_notes(ck, cfg, replicas: int) -> list[str]:
+    """The notes of a --resume that cannot end bit-identical to an uninterrupted run: the checkpoint was trained
+    in another train.dtype or train.precision, or as another number of data-parallel replicas (--threads)."""
+    saved, now = ck.meta.get("config", {}).get("train", {}), cfg.to_dict()["train"]
+    diff = [(f"train.{k} = {saved[k]!r}", repr(now[k])) for k in ("dtype", "precision")
+            if k in saved and saved[k] != now[k]]
+    if ck.meta.get("replicas", replicas) != replicas:       # the batch cut into other shards: other sums
+        diff.append((f"{ck.meta['replicas']} data-parallel replica(s)", f"{replicas} (see --threads)"))
+    return [f"note: {ck.path.name} was trained with {a}, this run continues in {b}: it will not be bit-identical to an "
+            f"uninterrupted run" for a, b in diff]

@@ -11,9 +11,17 @@ from btjit.train.data import PAD, DataError, Vocab
 from btjit.train.registry import Model, model_for  # noqa: F401  (model_for: its old home)
 
 
+class SampleError(ValueError):
+    """The model's logits cannot be sampled from (NaN, +inf, or all -inf: its params have diverged)."""
+
+
 def pick(logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.0, top_k: int = 0) -> int:
-    """One token id from a (V,) logits row. temperature 0 = greedy; top_k 0 = all tokens."""
+    """One token id from a (V,) logits row. temperature 0 = greedy; top_k 0 = all tokens. -inf logits are tokens
+    that cannot follow; NaN or +inf, or no finite logit, is a SampleError."""
     z = np.asarray(logits, dtype=np.float64)
+    if np.isnan(z).any() or np.isposinf(z).any() or not np.isfinite(z).any():
+        what = "NaN" if np.isnan(z).any() else "+inf" if np.isposinf(z).any() else "-inf only"
+        raise SampleError(f"the model's logits are not finite ({what}): its parameters have diverged")
     if temperature == 0.0:
         return int(np.argmax(z))
     z = z / temperature

@@ -22,7 +22,6 @@ import numpy as np
 
 import btjit
 from btjit.kernels.library import LIBRARY
-from btjit.optim.base import fmt
 from btjit.train import arrays
 from btjit.train import checkpoint as ckpt_mod
 from btjit.train import data as data_mod
@@ -32,7 +31,7 @@ from btjit.train import usermodel
 from btjit.train.checkpoint import CheckpointError
 from btjit.train.config import Config, ModelConfig
 from btjit.train.runparts import (CONFIG_FILE, METRICS, Result, TrainError, build_program, check_world_size,
-                                  first_nonfinite, make_optimizer, seeds, set_threads)
+                                  first_nonfinite, make_optimizer, optim_line, resume_notes, seeds, set_threads)
 
 __all__ = ["CONFIG_FILE", "METRICS", "MAX_SKIPS", "Result", "TrainError", "Trainer", "build_program",
            "check_world_size", "first_nonfinite", "make_optimizer", "seeds", "set_threads", "trim_metrics"]
@@ -65,13 +64,16 @@ class Trainer:
         self.threads = set_threads(threads if threads is not None else t.threads)
         vocab = data_mod.Vocab(self.resumed.meta["vocab"]) if self.resumed else None
         self.ds = arrays.load(cfg, data_path, vocab)         # any format (the text ones: data_mod.load)
+        self.data_file = str(Path(f).resolve()) if (f := cfg.data.path if data_path is None else data_path) else None
+        if self.resumed and (was := self.resumed.meta.get("data_file", self.data_file)) != self.data_file:   # --data?
+            self.echo(f"note: {self.resumed.path.name} was trained on {was or self.resumed.meta.get('data')}; "
+                      f"this run reads {self.data_file or self.ds.name}")
         self.param_rng, self.rng, _, self.sample_rng = seeds(t.seed)
         self.lr_at = sched_mod.for_config(cfg)
         self._build_program()
         self.accum = sched_mod.Accumulator(self.prog)
         self.step, self.last_ckpt, self.best = 0, None, None   # best: {"step", "val_loss"} of best.npz
-        self.log_losses = []            # the losses since the last progress line (checkpointed: --resume logs
-        #                                 the same means as an uninterrupted run)
+        self.log_losses = []            # the losses since the last progress line (checkpointed, for --resume)
         if self.resumed:
             self._restore(self.resumed)
         self.sampler = None
@@ -104,16 +106,18 @@ class Trainer:
         check_world_size(ck, 1)
         self._load_program_state(ck)
         self.rng = ckpt_mod.rng_from_state(ck.meta["rng_state"])
+        self._restore_run_state(ck)
+
+    def _restore_run_state(self, ck):   # the loop's state besides the program and the batch RNG
         self.step, self.last_ckpt, self.best = ck.step, ck.path, ck.meta.get("best")
         self.log_losses = [float(v) for v in ck.meta.get("log_losses", [])]
+        if "sample_rng_state" in ck.meta:
+            self.sample_rng = ckpt_mod.rng_from_state(ck.meta["sample_rng_state"])
 
     def _load_program_state(self, ck):
         state = {k: v for k, v in ck.state.items() if not k.startswith("dist/")}
-        saved, now = ck.meta.get("config", {}).get("train", {}), self.cfg.to_dict()["train"]
-        for k in ("dtype", "precision"):
-            if k in saved and saved[k] != now[k]:
-                self.echo(f"note: {ck.path.name} was trained with train.{k} = {saved[k]!r}, this run continues in "
-                          f"{now[k]!r}: it will not be bit-identical to an uninterrupted run")
+        for note in resume_notes(ck, self.cfg, getattr(self.prog, "replicas", 1)):
+            self.echo(note)
         try:
             ckpt_mod.check_compatible(ckpt_mod.Checkpoint(ck.path, ck.step, state, ck.meta), self.prog.state_dict())
         except CheckpointError as e:            # the model was checked (_find_checkpoint): the optimizer changed?
@@ -130,10 +134,8 @@ class Trainer:
         for f in (self.model_file, self.optim_file):
             if f:
                 f.copy_into(self.run_dir)
-        if resume:
-            trim_metrics(self.metrics_path, self.step)
-        (self.run_dir / CONFIG_FILE).write_text(
-            "# resolved config of this run, written by `btjit train`\n" + self.cfg.to_toml())
+        rundir.start_metrics(self.metrics_path, self.step if resume else None, self.echo)
+        (self.run_dir / CONFIG_FILE).write_text(rundir.CONFIG_HEADER + self.cfg.to_toml())
 
     def _find_checkpoint(self):
         ck, skipped = ckpt_mod.latest_valid(self.run_dir)
@@ -184,7 +186,7 @@ class Trainer:
             ver = metadata.version("btjit")
         except metadata.PackageNotFoundError:
             ver = "dev"
-        p, t, o = self.prog, self.cfg.train, self.cfg.optim
+        p, t = self.prog, self.cfg.train
         tr, cs = getattr(p, "trace_seconds", 0.0), getattr(p, "compile_seconds", 0.0)
         plan = getattr(p, "plan_seconds", None)
         times = f"trace {tr:.2f} s + " + (f"plan {plan:.2f} s + " if plan is not None else "") + \
@@ -196,18 +198,7 @@ class Trainer:
                   (f", products {p.precision}" if getattr(p, "precision", "fp32") != "fp32" else ""))
         self.echo(f"model: {self.model.arch} | {p.n_params:,} params | arena {p.arena_bytes / 1e6:.2f} MB")
         self.echo(self.ds.describe())
-        accum = f" x {t.grad_accum} micro-batches = {t.batch_size * t.grad_accum}" if t.grad_accum > 1 else ""
-        opt = getattr(p, "optimizer", None)
-        if o.file or o.name not in ("sgd", "adam", "adamw"):    # the optimizer's own hyper-parameters
-            hp = "".join(f" {k} {fmt(v)}" for k, v in (opt.hp if opt else {}).items()
-                         if k not in ("lr", "weight_decay"))
-        else:
-            hp = f" momentum {o.momentum:g}" if o.name == "sgd" else f" betas {tuple(o.betas)} eps {o.eps:g}"
-        name = f"{type(opt).__name__} ({Path(o.file).name})" if o.file and opt else o.name
-        groups = f" groups {len(opt.groups)}" if opt and opt.groups else ""
-        self.echo(f"optim: {name} {sched_mod.describe(self.cfg)}{hp}" +
-                  f" weight_decay {o.weight_decay:g}{groups}" + (f" clip_norm {o.clip_norm:g}" if o.clip_norm else "") +
-                  f" | batch {t.batch_size}{accum} | {t.steps} steps | seed {t.seed}")
+        self.echo(optim_line(self.cfg, getattr(p, "optimizer", None)))
         self.echo(f"program: {times}")
         where = f"resumed from {self.last_ckpt.name} at step {self.step}" if self.resumed else "new run"
         self.echo(f"run dir: {self.run_dir} ({where})")
@@ -233,19 +224,25 @@ class Trainer:
         return float(np.mean(losses))
 
     def sample(self) -> str:
-        from btjit.train.sampling import Sampler
+        from btjit.train.sampling import Sampler, SampleError
         if self.sampler is None:
             self.sampler = Sampler(self.model, self.ds.vocab, self.prog.params, self.cfg.train.dtype,
                                    self.prog.buffers)
         else:
             self.sampler.set_params(self.prog.params, self.prog.buffers)
-        return self.sampler.generate("", self.cfg.train.sample_chars, self.sample_rng)
+        try:
+            return self.sampler.generate("", self.cfg.train.sample_chars, self.sample_rng)
+        except SampleError as e:                  # diverged: one line, as save()'s check of the params
+            bad = first_nonfinite(self.prog.params)
+            raise TrainError(f"cannot sample at step {self.step}: {e}{f' ({bad} is not finite)' if bad else ''}; "
+                             f"not saved. {self._last_good()}") from None
 
     def meta(self) -> dict:
         """The metadata of a checkpoint written now."""
-        return {"rng_state": ckpt_mod.rng_state(self.rng), "config": self.cfg.to_dict(),
+        return {"rng_state": ckpt_mod.rng_state(self.rng), "sample_rng_state": ckpt_mod.rng_state(self.sample_rng),
+                "config": self.cfg.to_dict(), "data_file": self.data_file,   # the file read (btjit export's default)
                 "vocab": self.ds.vocab.chars, "data": self.ds.name, "n_params": int(self.prog.n_params),
-                "best": self.best, "log_losses": list(self.log_losses),
+                "best": self.best, "log_losses": list(self.log_losses), "replicas": getattr(self.prog, "replicas", 1),
                 **({"model_file": self.model_file.meta()} if self.model_file else {}),
                 **({"optimizer_file": self.optim_file.meta()} if self.optim_file else {})}
 
@@ -266,8 +263,7 @@ class Trainer:
     def save(self) -> Path:
         bad = first_nonfinite(self.prog.params)
         if bad is not None:
-            raise TrainError(f"parameter {bad} is not finite at step {self.step}; not saved. "
-                             f"{self._last_good()}")
+            raise TrainError(f"parameter {bad} is not finite at step {self.step}; not saved. {self._last_good()}")
         meta = self.meta()
         try:
             path = ckpt_mod.save(self.run_dir, self.step, self.prog.state_dict(), meta,
@@ -279,9 +275,7 @@ class Trainer:
         return path
 
     def _last_good(self) -> str:
-        if self.last_ckpt is None:
-            return "No checkpoint was saved yet."
-        return f"Last good checkpoint: {self.last_ckpt}"
+        return f"Last good checkpoint: {self.last_ckpt}" if self.last_ckpt else "No checkpoint was saved yet."
 
     def _nonfinite(self, loss) -> None:
         bad = first_nonfinite(self.prog.grads)
@@ -338,8 +332,7 @@ class Trainer:
             self.echo(f"step {0:>{width}}: val loss {val:.4f}{self._acc()[0]}")
             self.log(event="val", step=0, val_loss=val, **self._acc()[1])
         if self.step >= t.steps:
-            self.echo(f"already at step {self.step} of {t.steps}: nothing to do "
-                      f"(raise train.steps to train further)")
+            self.echo(f"already at step {self.step} of {t.steps}: nothing to do (raise train.steps to train further)")
             return Result(self.step, self.last_ckpt)
         t_start, losses, step_time, timed, skips = time.perf_counter(), self.log_losses, 0.0, 0, 0
         first = self.step

@@ -45,8 +45,13 @@ class ModelFile:
         return {"name": self.name, "sha256": self.sha256, "source": self.source}
 
     def copy_into(self, run_dir) -> Path:
+        """Copy the source into the run dir; another file of its name is replaced only in a run dir (an earlier
+        run's copy, its config.toml beside it), never in a dir of the user's own files."""
         dst = Path(run_dir) / self.name
-        if not dst.exists() or dst.read_text(encoding="utf-8") != self.source:
+        if not dst.exists() or dst.read_text(encoding="utf-8", errors="replace") != self.source:
+            if dst.exists() and not (Path(run_dir) / "config.toml").is_file():
+                raise ModelFileError(f"{dst} is another file than {self.path}, and a run keeps its copy of "
+                                     f"{self.name} there: give another --out DIR")
             dst.write_text(self.source, encoding="utf-8")
         return dst
 
