@@ -8,6 +8,7 @@ import pytest
 import btjit
 
 torch = pytest.importorskip("torch")
+from torch_models import sgd_steps_as_torch  # noqa: E402
 F = torch.nn.functional
 rng = np.random.default_rng(0)
 CW = rng.uniform(0.05, 2, 5)                                   # class weights, some well below 1
@@ -77,15 +78,8 @@ def test_a_mixup_cnn_trains_as_torch():
         onehot = np.eye(5)[y]
         batches.append((lam * x + (1 - lam) * x[::-1], lam * onehot + (1 - lam) * onehot[::-1]))
     prog = btjit.trace(loss, params, *batches[0], optimizer=btjit.optim.SGD(0.1, momentum=0.9), dtype="float64")
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    for x, t in batches:
-        opt.zero_grad()
-        want = F.cross_entropy(net(torch.tensor(x)), torch.tensor(t), label_smoothing=0.1)
-        want.backward()
-        opt.step()
-        assert prog.step(x, t) == pytest.approx(want.item(), rel=1e-10)
-    for k, v in net.named_parameters():
-        np.testing.assert_allclose(prog.params[k], v.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=k)
+    sgd_steps_as_torch(prog, net, batches,
+                       lambda x, t: F.cross_entropy(net(torch.tensor(x)), torch.tensor(t), label_smoothing=0.1))
 
 
 @pytest.mark.parametrize("call,message", [

@@ -8,6 +8,7 @@ import pytest
 import btjit
 
 torch = pytest.importorskip("torch")
+from torch_models import sgd_steps_as_torch  # noqa: E402
 F = torch.nn.functional
 
 CASES = [  # name, btjit fn, torch fn (of one array)
@@ -70,15 +71,7 @@ def test_a_shufflenet_unit_with_lrn_trains_as_torch():
     rng = np.random.default_rng(1)
     data = [(rng.normal(size=(4, 6, 8, 8)), rng.integers(0, 3, 4).astype(np.int32)) for _ in range(3)]
     prog = btjit.trace(loss, params, *data[0], optimizer=btjit.optim.SGD(0.1, momentum=0.9), dtype="float64")
-    opt = torch.optim.SGD(mods.parameters(), lr=0.1, momentum=0.9)
-    for x, y in data:
-        opt.zero_grad()
-        want = F.cross_entropy(tnet(torch.tensor(x)), torch.tensor(y).long())
-        want.backward()
-        opt.step()
-        assert prog.step(x, y) == pytest.approx(want.item(), rel=1e-10)
-    for k, v in mods.named_parameters():
-        np.testing.assert_allclose(prog.params[k], v.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=k)
+    sgd_steps_as_torch(prog, mods, data, lambda x, y: F.cross_entropy(tnet(torch.tensor(x)), torch.tensor(y).long()))
 
 
 @pytest.mark.parametrize("call,message", [

@@ -40,3 +40,19 @@ def mlp_loss(P, x, y):
 
 def tensors(params, dtype=torch.float32):
     return {k: torch.tensor(v, dtype=dtype, requires_grad=True) for k, v in params.items()}
+
+
+def sgd_steps_as_torch(prog, module, batches, torch_loss, lr=0.1, momentum=0.9):
+    """Step prog (traced with btjit.optim.SGD(lr, momentum=momentum), float64) and module under torch.optim.SGD over
+    the batches: each step's loss as torch_loss(*batch)'s to 1e-10, the params after them to 1e-9."""
+    import numpy as np
+    import pytest
+    opt = torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum)
+    for batch in batches:
+        opt.zero_grad()
+        want = torch_loss(*batch)
+        want.backward()
+        opt.step()
+        assert prog.step(*batch) == pytest.approx(want.item(), rel=1e-10)
+    for k, v in module.named_parameters():
+        np.testing.assert_allclose(prog.params[k], v.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=k)
