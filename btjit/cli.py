@@ -82,7 +82,8 @@ def cli(debug):
               help="Train on this UTF-8 file (default: [data] path, else the bundled [data] corpus).")
 @click.option("--out", type=click.Path(path_type=Path), help="Run dir (default: runs/<config stem>).")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Override a config value (a TOML value), e.g. --set train.steps=100. Repeatable.")
+              help="Override a config value (a TOML value), e.g. --set train.steps=100, or a key of a table in a "
+                   "section, e.g. --set optim.hp.beta2=0.95. Repeatable.")
 @click.option("--resume", is_flag=True, help="Continue from the latest valid checkpoint of the run dir.")
 @click.option("--threads", type=int,
               help="Threads (overrides train.threads; 0 = $BTJIT_NUM_THREADS or every core, the default).")

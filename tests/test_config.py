@@ -223,6 +223,17 @@ def test_overrides_are_toml_values(tmp_path):
     assert c.train.on_nonfinite == "skip"
 
 
+def test_an_override_reaches_a_key_of_a_table_in_a_section(tmp_path):
+    """--set optim.hp.beta2=0.95 sets one key of [optim.hp], keeping the table's others."""
+    p = tmp_path / "c.toml"
+    p.write_text('[optim]\nname = "lion"\n[optim.hp]\nbeta1 = 0.8\n')
+    c = C.load(p, ["optim.hp.beta2=0.95"])
+    assert c.optim.hp == {"beta1": 0.8, "beta2": 0.95}
+    assert C.load(tmp_path / "c.toml", ["optim.hp.beta1=0.7"]).optim.hp == {"beta1": 0.7}
+    with pytest.raises(ConfigError, match=r"optim.name is not a table"):
+        C.load(p, ["optim.name.x=1"])
+
+
 @pytest.mark.parametrize("item,needle", [
     ("train.steps", "expected section.key=value"),
     ("steps=3", "must be section.key"),
@@ -230,6 +241,8 @@ def test_overrides_are_toml_values(tmp_path):
     ("train.stepz=3", "unknown key train.stepz"),
     ("train.steps=abc", "train.steps: expected integer, got 'abc'"),
     ("train.steps=0", "train.steps must be >= 1"),
+    ("train.steps.x=1", "train.steps: expected integer"),
+    ("train.foo.x=1", "unknown key train.foo"),
 ])
 def test_bad_overrides(tmp_path, item, needle):
     assert needle in err("", [item], tmp_path)

@@ -356,15 +356,16 @@ def _parse_toml(text: str, source: str) -> dict:
 
 
 def parse_override(item: str) -> tuple[str, str, object]:
-    """'train.steps=100' -> ('train', 'steps', 100). The value is a TOML value; a bare word that is
-    not valid TOML (e.g. data.path=names.txt) is taken as a string."""
+    """'train.steps=100' -> ('train', 'steps', 100); 'optim.hp.beta2=0.95' -> ('optim', 'hp.beta2', 0.95), a key
+    of a table in the section. The value is a TOML value; a bare word that is not valid TOML (e.g.
+    data.path=names.txt) is taken as a string."""
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected section.key=value")
     lhs, rhs = item.split("=", 1)
     lhs = lhs.strip()
-    if lhs.count(".") != 1 or not all(lhs.split(".")):
-        raise ConfigError(f"--set {item!r}: the key must be section.key, e.g. train.steps")
-    sec, key = lhs.split(".")
+    if lhs.count(".") < 1 or not all(lhs.split(".")):
+        raise ConfigError(f"--set {item!r}: the key must be section.key (or section.table.key), e.g. train.steps")
+    sec, key = lhs.split(".", 1)
     try:
         value = tomllib.loads(f"v = {rhs.strip()}")["v"]
     except tomllib.TOMLDecodeError:
@@ -385,10 +386,15 @@ def load(path, overrides=()) -> Config:
         sec, key, value = parse_override(item)
         if sec not in SECTIONS:
             raise ConfigError(f"--set {item!r}: unknown section [{sec}]; allowed: {', '.join(SECTIONS)}")
-        table = d.setdefault(sec, {})
+        *inner, last = key.split(".")
+        path, table = [sec], d.setdefault(sec, {})
+        for name in inner:
+            if not isinstance(table, dict):
+                break
+            path, table = path + [name], table.setdefault(name, {})
         if not isinstance(table, dict):
-            raise ConfigError(f"{p}: [{sec}] must be a table")
-        table[key] = value
+            raise ConfigError(f"--set {item!r}: {'.'.join(path)} is not a table in {p}")
+        table[last] = value
     cfg = _build(d, str(p))
     for sec in (cfg.model, cfg.optim):
         if sec.file is not None:
