@@ -138,6 +138,8 @@ def test_own_keys_cfg_arguments_and_a_text_model(tmp_path):
      ["init.py:9: init_params(cfg, rng) raised AttributeError: cfg has no key 'hiden'", "hidden, vocab_size"]),
     ("ints.py", EXAMPLE.replace('"b": np.zeros(H, np.float32)', '"b": np.zeros(H, np.int64)'),
      ["ints.py: init_params(cfg, rng) must return a dict of name -> numpy float array; 'b' is a ndarray of int64"]),
+    ("nan.py", EXAMPLE.replace('"b": np.zeros(H, np.float32)', '"b": np.full(H, np.nan, np.float32)'),
+     ["nan.py: init_params(cfg, rng) returned 'b' with non-finite values (first at index (0,))"]),
     ("imports.py", "import numpy\nx = 1 / 0\n", ["imports.py:2: executing the model file raised ZeroDivisionError"]),
     ("shape.py", EXAMPLE.replace('    return btjit.stack(hs, 1) @ p["head"]',
                                  '    return (btjit.stack(hs, 1) @ p["head"])[:, 0]')

@@ -209,5 +209,8 @@ def functions(mf: ModelFile, cfg):
                 what = f"{type(v).__name__}" + (f" of {v.dtype}" if isinstance(v, np.ndarray) else "")
                 raise ModelFileError(f"{mf.name}: init_params(cfg, rng) must return a dict of name -> numpy float "
                                      f"array; {k!r} is a {what}")
+            if not np.isfinite(v).all():
+                raise ModelFileError(f"{mf.name}: init_params(cfg, rng) returned {k!r} with non-finite values "
+                                     f"(first at index {tuple(map(int, np.argwhere(~np.isfinite(v))[0]))})")
         return params
     return init_params, _with_cfg(m.loss, 3, cfg), _with_cfg(m.logits, 2, cfg)
