@@ -202,6 +202,9 @@ def test_a_resume_on_another_data_file_is_noted(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     assert f"note: ckpt_00000003.npz was trained on {tmp_path / 'w.txt'}; this run reads {tmp_path / 'copy.txt'}" \
         in res.output
+    res = run(*args, "--resume", "--set", "train.steps=5")      # no --data: the file the run read
+    assert res.exit_code == 0 and f"note: --resume reads {tmp_path / 'copy.txt'}, the --data file" in res.output, \
+        res.output
 
 
 def test_a_model_file_and_an_optimizer_file_of_one_name_are_a_config_error(tmp_path):

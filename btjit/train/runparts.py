@@ -1,7 +1,8 @@
 """The pieces of a `btjit train` run that stand outside the Trainer: TrainError and Result, the run's file names,
 threads and seeds (set_threads, seeds), the optimizer and the traced training program of a config (make_optimizer,
 build_program: also `btjit export`'s), the non-finite check, the world-size check of a resume and the banner's
-optimizer line (optim_line), the notes of a resume that cannot be bit-exact (resume_notes).
+optimizer line (optim_line), the notes of a resume that cannot be bit-exact (resume_notes), the data file a run
+reads (data_file).
 btjit.train.trainer re-exports all of them.
 """
 from __future__ import annotations
@@ -119,3 +120,19 @@ def resume_notes(ck, cfg, replicas: int) -> list[str]:
         diff.append((f"{ck.meta['replicas']} data-parallel replica(s)", f"{replicas} (see --threads)"))
     return [f"note: {ck.path.name} was trained with {a}, this run continues in {b}: it will not be bit-identical to an "
             f"uninterrupted run" for a, b in diff]
+
+
+def data_file(ck, cfg, data_path, echo) -> str | None:
+    """The data file a run reads, resolved (None: the bundled corpus): --data (data_path), else data.path; on
+    --resume without either, the file the checkpoint's run read (noted). Another file than the checkpoint's is
+    noted."""
+    read = ck.meta.get("data_file") if ck else None
+    if data_path is None and not cfg.data.path and read and Path(read).is_file():
+        echo(f"note: --resume reads {read}, the --data file {ck.path.name} was trained on")
+        return read
+    f = cfg.data.path if data_path is None else data_path
+    f = str(Path(f).resolve()) if f else None
+    if ck and ck.meta.get("data_file", f) != f:
+        echo(f"note: {ck.path.name} was trained on {ck.meta.get('data_file') or ck.meta.get('data')}; this run reads "
+             f"{f or 'the bundled corpus'}")
+    return f

@@ -31,7 +31,8 @@ from btjit.train import usermodel
 from btjit.train.checkpoint import CheckpointError
 from btjit.train.config import Config, ModelConfig
 from btjit.train.runparts import (CONFIG_FILE, METRICS, Result, TrainError, build_program, check_world_size,
-                                  first_nonfinite, make_optimizer, optim_line, resume_notes, seeds, set_threads)
+                                  data_file, first_nonfinite, make_optimizer, optim_line, resume_notes, seeds,
+                                  set_threads)
 
 __all__ = ["CONFIG_FILE", "METRICS", "MAX_SKIPS", "Result", "TrainError", "Trainer", "build_program",
            "check_world_size", "first_nonfinite", "make_optimizer", "seeds", "set_threads", "trim_metrics"]
@@ -63,11 +64,9 @@ class Trainer:
                                                                     self.echo, "optimizer")
         self.threads = set_threads(threads if threads is not None else t.threads)
         vocab = data_mod.Vocab(self.resumed.meta["vocab"]) if self.resumed else None
-        self.ds = arrays.load(cfg, data_path, vocab)         # any format (the text ones: data_mod.load)
-        self.data_file = str(Path(f).resolve()) if (f := cfg.data.path if data_path is None else data_path) else None
-        if self.resumed and (was := self.resumed.meta.get("data_file", self.data_file)) != self.data_file:   # --data?
-            self.echo(f"note: {self.resumed.path.name} was trained on {was or self.resumed.meta.get('data')}; "
-                      f"this run reads {self.data_file or self.ds.name}")
+        self.data_file = data_file(self.resumed, cfg, data_path, self.echo)
+        read = data_path if data_path is not None or cfg.data.path else self.data_file
+        self.ds = arrays.load(cfg, read, vocab)              # any format (the text ones: data_mod.load)
         self.param_rng, self.rng, _, self.sample_rng = seeds(t.seed)
         self.lr_at = sched_mod.for_config(cfg)
         self._build_program()
