@@ -81,10 +81,11 @@ def entry(ap, na, iap, nia, rp):
 
 
 def _plant_stale_entry(cache_dir):
-    """Write a wrong k_unary entry under the current library's name and compile it into the cache (an index
-    for the very signature btjit uses), as an older btjit or a hand edit would have left it."""
+    """Write a wrong k_reduce entry (one the program below uses: its sum) under the current library's name and
+    compile it into the cache (an index for the very signature btjit uses), as an older btjit or a hand edit would
+    have left it."""
     from btjit.kernels import library
-    path = Path(cache_dir) / f"lib-{library.library_key()}" / "k_unary_f64.py"
+    path = Path(cache_dir) / f"lib-{library.library_key()}" / "k_reduce_f64.py"
     path.parent.mkdir(parents=True)
     path.write_text(STALE_ENTRY)
     code = textwrap.dedent(f"""
