@@ -27,7 +27,7 @@ __all__ += ["topk", "sort", "argsort", "floor", "ceil", "round", "trunc", "remai
             "cumsum", "cumprod", "diff"]
 __all__ += ["linear", "einsum", "rand", "randn", "bernoulli"]
 __all__ += ["outer"]
-__all__ += ["unfold", "fold", "pixel_unshuffle", "channel_shuffle", "local_response_norm"]
+__all__ += ["unfold", "fold", "pixel_unshuffle", "channel_shuffle", "local_response_norm", "lp_pool1d", "lp_pool2d"]
 __all__ += ["min", "argmax", "argmin", "prod", "expand_dims", "squeeze", "tril", "triu", "zeros_like", "ones_like",
             "full_like", "moveaxis", "take_along_axis", "sign", "logaddexp", "tile"]
 __all__ += ["pairwise_distance", "margin_ranking_loss", "triplet_margin_loss", "hinge_embedding_loss",

@@ -26,8 +26,8 @@ from btjit.graph.torch_fns import (cat, celu, cosine_similarity, einsum, glu, ha
 from btjit.graph.torch_losses import (cosine_embedding_loss, gaussian_nll_loss, hardshrink, hinge_embedding_loss,
                                      margin_ranking_loss, pairwise_distance, poisson_nll_loss, soft_margin_loss,
                                      softshrink, tanhshrink, triplet_margin_loss)
-from btjit.graph.vision_fns import (channel_shuffle, fold, interpolate, local_response_norm, pixel_shuffle,
-                                    pixel_unshuffle, unfold)
+from btjit.graph.vision_fns import (channel_shuffle, fold, interpolate, local_response_norm, lp_pool1d, lp_pool2d,
+                                    pixel_shuffle, pixel_unshuffle, unfold)
 from btjit.core.program import Program
 from btjit.core.tracing import trace
 from btjit.scalar.front import trace_scalar

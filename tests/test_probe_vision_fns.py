@@ -29,6 +29,10 @@ CASES = [  # name, btjit fn, torch fn (of one array)
      lambda x: F.local_response_norm(x, 5, alpha=1e-3, beta=0.75, k=2.0)),
     ("local_response_norm (N, C, L)", lambda x: btjit.local_response_norm(x[:, :, 0], 3, alpha=0.5),
      lambda x: F.local_response_norm(x[:, :, 0], 3, alpha=0.5)),
+    ("lp_pool2d", lambda x: btjit.lp_pool2d(x, 2, 3, stride=2), lambda x: F.lp_pool2d(x, 2, 3, stride=2)),
+    ("lp_pool2d p 3, ceil_mode", lambda x: btjit.lp_pool2d(x * x + 0.1, 3, (2, 3), ceil_mode=True),
+     lambda x: F.lp_pool2d(x * x + 0.1, 3, (2, 3), ceil_mode=True)),
+    ("lp_pool1d", lambda x: btjit.lp_pool1d(x[:, :, 0], 2, 3), lambda x: F.lp_pool1d(x[:, :, 0], 2, 3)),
 ]
 
 

@@ -1,15 +1,15 @@
 """More of torch.nn.functional's image functions, built from the op table's im2col / col2im and the tracer's
 reshapes, transposes, gathers and poolings: unfold and fold (the patches as columns and their sum back into an
-image), interpolate (nearest, linear, bilinear), pixel_shuffle / pixel_unshuffle, channel_shuffle (ShuffleNet)
-and local_response_norm (AlexNet, GoogLeNet). Bad arguments raise a TraceError naming the function, the shapes
-and the user's line."""
+image), interpolate (nearest, linear, bilinear), pixel_shuffle / pixel_unshuffle, channel_shuffle (ShuffleNet),
+local_response_norm (AlexNet, GoogLeNet) and lp_pool1d / lp_pool2d. Bad arguments raise a TraceError naming the
+function, the shapes and the user's line."""
 from __future__ import annotations
 
 import numpy as np
 
 from btjit.graph import trace as T
-from btjit.graph.numpy_fns import repeat
-from btjit.graph.conv_fns import _fail, _out, _tuple, avg_pool2d, pad
+from btjit.graph.numpy_fns import repeat, sign
+from btjit.graph.conv_fns import _fail, _out, _tuple, avg_pool1d, avg_pool2d, pad
 
 
 def _geometry(fn, kernel_size, dilation, padding, stride):
@@ -136,3 +136,21 @@ def pixel_shuffle(x, upscale_factor):
     N, C, H, W = x.shape
     y = T.transpose(T.reshape(x, (N, C // (r * r), r, r, H, W)), (0, 1, 4, 2, 5, 3))
     return T.reshape(y, (N, C // (r * r), H * r, W * r))
+
+
+def lp_pool2d(x, norm_type, kernel_size, stride=None, ceil_mode=False):
+    """torch.nn.functional.lp_pool2d: (sum of x^p over each window)^(1/p), as torch computes it (the windows' mean
+    of x^p times their size; p = inf is max_pool2d's)."""
+    kh, kw = _tuple("lp_pool2d", kernel_size, 2, "kernel_size")
+    return _lp(avg_pool2d(T.lift(x) ** float(norm_type), (kh, kw), stride, 0, ceil_mode), norm_type, kh * kw)
+
+
+def lp_pool1d(x, norm_type, kernel_size, stride=None, ceil_mode=False):
+    """torch.nn.functional.lp_pool1d: lp_pool2d's rule over windows of the last axis."""
+    k, = _tuple("lp_pool1d", kernel_size, 1, "kernel_size")
+    return _lp(avg_pool1d(T.lift(x) ** float(norm_type), k, stride, 0, ceil_mode), norm_type, k)
+
+
+def _lp(mean, p, n):
+    """torch's tail of lp_pool: (sign(m) relu(|m|) n)^(1/p) of the windows' means m of x^p."""
+    return (sign(mean) * T.relu(T.abs(mean)) * float(n)) ** (1.0 / float(p))
