@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from btjit.train import config as C
+from btjit.train import config_rules
 from btjit.train import data as D
 from btjit.train.data import DataError
 
@@ -121,7 +122,7 @@ def test_damaged_bundled_corpus_is_a_data_error(monkeypatch):
 
 
 def test_corpus_choices_agree_with_the_config():
-    assert C.CHOICES[("data", "corpus")] == D.CORPUS_NAMES
+    assert config_rules.CHOICES[("data", "corpus")] == D.CORPUS_NAMES
     with pytest.raises(DataError, match='corpus = "tinyshakespeare" is running text.*"names" or "pydoc"'):
         D.load(C.loads('[model]\nkind = "mlp"\n[data]\nformat = "lines"\ncorpus = "tinyshakespeare"\n'))
 
