@@ -2,7 +2,8 @@
 data and the bundled corpora (data.py), model files (usermodel.py) and the built-in models' registry (registry.py),
 the training loop (trainer.py; its small pieces: runparts.py), reading the files a run is given (files.py), LR
 schedules and gradient accumulation (schedule.py), checkpoints and run dirs (checkpoint.py, rundir.py), sampling
-(sampling.py) and data-parallel training over MPI (distributed.py, compress.py; mpilaunch.py starts such a run from Python).
+(sampling.py) and data-parallel training over MPI (distributed.py, compress.py; mpilaunch.py starts such a run
+from Python).
 
     from btjit.train import train
     result = train(cfg, "runs/x")          # a Result; raises TrainError & co. with one-line messages
