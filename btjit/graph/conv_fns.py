@@ -1,8 +1,8 @@
 """The public convolution and pooling functions (btjit.conv2d, conv1d, conv_transpose2d, conv_transpose1d,
 max_pool2d, avg_pool2d, max_pool1d, avg_pool1d, the adaptive avg / max pools 1d and 2d, pad, flatten), with
 torch.nn.functional's semantics, built from the op table's conv_gemm / im2col / col2im / pool2d entries
-(graph/ops/conv.py, graph/ops/pool.py) and the tracer's matmul, reshape and transpose. Bad arguments raise a TraceError naming the
-function, the shapes and the user's line."""
+(graph/ops/conv.py, graph/ops/pool.py) and the tracer's matmul, reshape and transpose. Bad arguments raise a
+TraceError naming the function, the shapes and the user's line."""
 from __future__ import annotations
 
 import numpy as np

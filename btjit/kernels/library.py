@@ -8,9 +8,9 @@ arenas and the row. The one fixed executor (btjit/executor.py) calls entries by 
 dtype, so a new program, optimizer or shape loads the entries it needs (ms each) and compiles none that
 another program compiled before. Entries an `ensure` call finds missing compile first (btjit/kernels/schedule.py:
 in this process and in worker processes over the cores), then load from the disk cache like every other entry
-(so a first run computes exactly what later ones do). Only the generated attention kernels (btjit/kernels/attn_lanes.py) are entries per (T, hs): LLVM IR
-compiled by llvmlite in this process (~0.3 s each), their object code cached as `<entry>.o` in the library
-dir and loaded into MCJIT engines (btjit/kernels/objcode.py).
+(so a first run computes exactly what later ones do). Only the generated attention kernels
+(btjit/kernels/attn_lanes.py) are entries per (T, hs): LLVM IR compiled by llvmlite in this process (~0.3 s each),
+their object code cached as `<entry>.o` in the library dir and loaded into MCJIT engines (btjit/kernels/objcode.py).
 
 Faults: a corrupt or stale cache entry is discarded and compiled again, an unwritable cache dir compiles in
 memory -- each with a warning, never a wrong result. `python -m btjit.kernels ENTRY...` compiles entries
