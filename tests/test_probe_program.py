@@ -132,3 +132,14 @@ def test_views_copy_into_the_arena(tmp_path):
     for k, v in prog.state_dict().items():
         np.testing.assert_array_equal(rt.state_dict()[k], v, err_msg=k)
     assert rt.step(*_data(seed=3)) == prog.step(*_data(seed=3))
+
+
+def test_the_lr_of_a_program_without_an_optimizer_says_so():
+    fwd = btjit.trace(_loss, {"w": np.ones((4, 3)), "b": np.zeros(3)}, *_data(), buffers={"rm": np.zeros(3)})
+    for use in (lambda: fwd.lr, lambda: setattr(fwd, "lr", 0.1)):
+        with pytest.raises(AttributeError, match="prog.lr: this program was traced without an optimizer"):
+            use()
+    assert not hasattr(fwd, "lr")
+    prog = _prog()
+    prog.lr = 0.25
+    assert prog.lr == 0.25 and prog.hp["lr"] == 0.25

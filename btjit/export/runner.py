@@ -137,11 +137,17 @@ class Runner:
     # ------------------------------------------------------------------ state
     @property
     def lr(self) -> float:
-        return float(self.a[self._hyper["lr"]])
+        return float(self.a[self._lr_slot()])
 
     @lr.setter
     def lr(self, v):
-        self.a[self._hyper["lr"]] = v
+        self.a[self._lr_slot()] = v
+
+    def _lr_slot(self):
+        if "lr" not in self._hyper:
+            raise AttributeError("prog.lr: this program was traced without an optimizer, so it has no learning "
+                                 "rate (pass optimizer= to btjit.trace)")
+        return self._hyper["lr"]
 
     @property
     def last_step_skipped(self) -> bool:
