@@ -51,15 +51,25 @@ def _padded(n, dtype):
 
 
 class Views(Named):
-    """A program's named arena views (prog.params, prog.buffers). `views[name] = array` copies the array's values
-    into the arena, as torch's load_state_dict does (replacing the dict's entry would leave the program reading
-    the old values); an unknown name or another shape is an error naming both."""
-
-    def __init__(self, views, noun):
-        super().__init__(views, noun)           # noun: "param" or "buffer"
+    """A program's named arena views (prog.params, buffers, grads, outputs, opt_state[s]). `views[name] = array`
+    (and views.update) copies the array's values into the arena, as torch's load_state_dict does (replacing the
+    dict's entry would leave the program reading the old values); an unknown name or another shape is an error
+    naming both; the names are the program's: deleting one is an error."""
 
     def __setitem__(self, name, value):
         if np.shape(value) != self[name].shape:      # self[name]: an unknown name is Named's error
-            raise ValueError(f"prog.{self._noun}s[{name!r}] = an array of shape {np.shape(value)}: the {self._noun} "
+            raise ValueError(f"{self._where}[{name!r}] = an array of shape {np.shape(value)}: the {self._noun} "
                              f"has shape {self[name].shape}")
         self[name][...] = value
+
+    def update(self, other=(), **kw):
+        for k, v in (other.items() if hasattr(other, "items") else other):
+            self[k] = v
+        for k, v in kw.items():
+            self[k] = v
+
+    def _fixed(self, *_):
+        raise TypeError(f"{self._where} holds the program's {self._noun}s (views into its arena): none can be "
+                        f"removed or added; assign values with {self._where}[name] = array")
+
+    __delitem__ = pop = popitem = clear = setdefault = _fixed

@@ -23,7 +23,7 @@ from btjit.kernels import amx, bf16
 from btjit.kernels.common import SPLIT
 from btjit.kernels.rng import KEY_REPLICA
 from btjit.kernels.library import LIBRARY
-from btjit.export.runner import Named, Runner
+from btjit.export.runner import Runner
 
 _threads.set_num_threads(_threads.default_threads())   # every core the process may run on (btjit/host/threads.py)
 
@@ -86,11 +86,11 @@ class Program(Runner):
             (p.off[v.id] if off is None else off):][:v.size].reshape(v.shape)
         self.params = Views({k: view(v) for k, v in graph.params.items()}, "param")
         self.buffers = Views({k: view(v) for k, v in graph.buffers.items()}, "buffer")
-        self.grads = Named({k: view(v, p.param_off[k] + p.params_span[1]) for k, v in graph.params.items()}, "grad")
+        self.grads = Views({k: view(v, p.param_off[k] + p.params_span[1]) for k, v in graph.params.items()}, "grad")
         self._in_shards = [[view(v, r=r) for v in graph.inputs] for r in range(replicas)]   # batch slots
         self._in = self._in_shards[0]
         self.inputs = dict(zip(graph.input_names, self._in))
-        self.outputs = {k: view(v) for k, v in graph.outputs.items()}
+        self.outputs = Views({k: view(v) for k, v in graph.outputs.items()}, "output")
         self._in_types = [((v.shape[0] * replicas,) + v.shape[1:] if replicas > 1 else v.shape,
                            np.dtype(np.int32) if v.dtype == "i32" else self.dtype) for v in graph.inputs]
         for k, v in ({} if share else {**init_params, **(init_buffers or {})}).items():

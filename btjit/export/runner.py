@@ -137,11 +137,17 @@ class Runner:
     # ------------------------------------------------------------------ state
     @property
     def lr(self) -> float:
-        return float(self.a[self._hyper["lr"]])
+        return float(self.a[self._lr_slot()])
 
     @lr.setter
     def lr(self, v):
-        self.a[self._hyper["lr"]] = v
+        self.a[self._lr_slot()] = v
+
+    def _lr_slot(self):
+        if "lr" not in self._hyper:
+            raise AttributeError("prog.lr: this program was traced without an optimizer, so it has no learning "
+                                 "rate (pass optimizer= to btjit.trace)")
+        return self._hyper["lr"]
 
     @property
     def last_step_skipped(self) -> bool:
@@ -173,16 +179,18 @@ class Runner:
     def opt_state(self) -> dict:
         """{state name: {param name: its state}}: views into the arena (state j of a param lies (2 + j) params
         spans after it, of the param's shape or the one init gave it)."""
+        from btjit.core.arena import Views          # (numpy only; a module that imports this one)
         base = self.a.__array_interface__["data"][0]
         out = Named({}, "optimizer state", "prog.opt_state")
         for j, (name, _) in enumerate(self._state):
             odd = self._state_shapes.get(name[len("opt/"):], {})
-            views = out[name[len("opt/"):]] = Named({}, "param", f"prog.opt_state[{name[len('opt/'):]!r}]")
+            views = {}
             for k, v in self.params.items():
                 shape = odd.get(k, v.shape)
                 if shape is not None:
                     o = (v.__array_interface__["data"][0] - base) // v.itemsize + (2 + j) * self._span
                     views[k] = self.a[o:o + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+            out[name[len("opt/"):]] = Views(views, "param", f"prog.opt_state[{name[len('opt/'):]!r}]")
         return out
 
     def state_dict(self) -> dict:
@@ -200,6 +208,22 @@ class Runner:
                       if k not in ("step", "clip_scale"))
 
     def load_state_dict(self, d: dict):
+        """Load what state_dict() returned (of a program of the same model: any batch size, threads or dtype --
+        the values are cast). Every param and buffer must be there with its shape; the optimizer's state must be
+        there whole or not at all (a dict of params only, e.g. a forward program's, leaves it as it is); a
+        param/, buffer/ or (with an optimizer) opt/ name the program does not have is an error naming it."""
+        state = self._state_views()
+        known = {f"param/{k}" for k in self.params} | {f"buffer/{k}" for k in self.buffers} | set(state) | \
+            {"opt/step", "opt/hyper"}
+        prefixes = ("param/", "buffer/", "opt/") if self.has_optimizer else ("param/", "buffer/")
+        extra = sorted(k for k in d if isinstance(k, str) and k.startswith(prefixes) and k not in known)
+        if extra:
+            raise ValueError(f"the state dict has {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}, which "
+                             f"this program does not (another model or optimizer?); it has: {', '.join(sorted(known))}")
+        missing = [k for k in state if k not in d]
+        if missing and len(missing) < len(state):
+            raise ValueError(f"optimizer state {missing[0]!r}: the state dict has "
+                             f"{', '.join(k for k in state if k in d)} but not {', '.join(missing)}")
         for kind, views in (("param", self.params), ("buffer", self.buffers)):
             for k, v in views.items():
                 if f"{kind}/{k}" not in d:
@@ -207,18 +231,23 @@ class Runner:
                 src = np.asarray(d[f"{kind}/{k}"])
                 if src.shape != v.shape:
                     raise ValueError(f"{kind} {k!r}: the state dict has shape {src.shape}, the program {v.shape}")
-                v[...] = src
-        for k, v in self._state_views().items():
+        for k, v in state.items():
+            if k in d and np.shape(d[k]) != v.shape:
+                raise ValueError(f"optimizer state {k!r}: the state dict has shape {np.shape(d[k])}, the program "
+                                 f"{v.shape} (another model, or params in another order or groups?)")
+        if "opt/hyper" in d and "step" in self._hyper and np.shape(d["opt/hyper"]) != (len(self._hyper_slots()),):
+            raise ValueError(f"opt/hyper: the state dict has {np.size(d['opt/hyper'])} hyper-parameters, the "
+                             f"program {len(self._hyper_slots())} (another optimizer or other param groups)")
+        for kind, views in (("param", self.params), ("buffer", self.buffers)):   # checked: nothing half loaded
+            for k, v in views.items():
+                v[...] = d[f"{kind}/{k}"]
+        for k, v in state.items():
             if k in d:
                 v[...] = d[k]
         if "opt/step" in d:
             self.step_count = int(d["opt/step"])
         if "opt/hyper" in d and "step" in self._hyper:
-            slots = self._hyper_slots()
-            if np.shape(d["opt/hyper"]) != (len(slots),):
-                raise ValueError(f"opt/hyper: the state dict has {np.size(d['opt/hyper'])} hyper-parameters, the "
-                                 f"program {len(slots)} (another optimizer or other param groups)")
-            self.a[slots] = d["opt/hyper"]
+            self.a[self._hyper_slots()] = d["opt/hyper"]
 
     @property
     def n_params(self) -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from btjit.core.arena import Views
 from btjit.export.runner import Runner
 
 FORMAT = 1                      # the export format this runtime reads (btjit/export.py writes it)
@@ -167,11 +168,11 @@ class Exported(Runner):
         def view(s):
             arena = self.ia if s["dtype"] == "int32" else self.a
             return arena[s["offset"]:s["offset"] + int(np.prod(s["shape"], dtype=np.int64))].reshape(s["shape"])
-        self.params = {k: view(s) for k, s in m["params"].items()}
-        self.grads = {k: view(s) for k, s in m["grads"].items()}
-        self.buffers = {k: view(s) for k, s in m.get("buffers", {}).items()}
+        self.params = Views({k: view(s) for k, s in m["params"].items()}, "param")
+        self.grads = Views({k: view(s) for k, s in m["grads"].items()}, "grad")
+        self.buffers = Views({k: view(s) for k, s in m.get("buffers", {}).items()}, "buffer")
         self.has_assigns = bool(m.get("assigns"))
-        self.outputs = {k: view(s) for k, s in m["outputs"].items()}
+        self.outputs = Views({k: view(s) for k, s in m["outputs"].items()}, "output")
         self._in = [view(s) for s in m["inputs"]]
         self.input_names = [s["name"] for s in m["inputs"]]
         self.inputs = dict(zip(self.input_names, self._in))
