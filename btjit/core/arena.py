@@ -1,13 +1,13 @@
 """A program's arena memory: the 64-byte aligned float arena at the start of an anonymous mapping that reserves
 address space for the eval programs sharing it (`arena`), and the aligned row arrays it falls back to
-(`aligned_rows`, also the scratch arena of Program.profile), and the named views into it that prog.params and
-prog.buffers are (`Views`: assigning an entry copies into the arena).
+(`aligned_rows`, also the scratch arena of Program.profile); and the named views into it (`Named`, a dict whose
+missing key is an error naming the known ones; `Views`, what prog.params, buffers, grads, outputs and opt_state[s]
+are: assigning an entry copies into the arena), a traced program's and btjit.runtime's alike. numpy only.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from btjit.export.runner import Named
 
 
 RESERVE = 1 << 30      # bytes of address space past a program's arena kept for its prog.eval programs
@@ -48,6 +48,24 @@ def _padded(n, dtype):
     itemsize = np.dtype(dtype).itemsize
     per = 64 // itemsize
     return itemsize, per, -(-n // per) * per
+
+
+class Named(dict):
+    """A dict whose missing key is a KeyError naming it and the known keys: `where` is how the user wrote the dict
+    (prog.grads, p), `noun` what its entries are (param, buffer, state)."""
+
+    def __init__(self, entries, noun, where=None):
+        super().__init__(entries)
+        self._noun, self._where = noun, where or f"prog.{noun}s"
+
+    def __missing__(self, name):
+        known = ", ".join(map(str, self)) or "none"
+        raise UnknownName(f"{self._where}[{name!r}]: no such {self._noun} (known: {known})")
+
+
+class UnknownName(KeyError):
+    """A missing key of a Named dict (a KeyError whose str is its message, not the message's repr)."""
+    __str__ = Exception.__str__
 
 
 class Views(Named):

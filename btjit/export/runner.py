@@ -2,30 +2,14 @@
 
 `Runner` holds the per-step Python path -- the batch checks and their messages, the index-check flag, the
 hyper-parameter slots (lr, `hp`), the optimizer state views and state_dict -- over attributes its subclass
-sets (listed in the class docstring). It imports numpy only: `btjit.runtime` uses it without numba.
+sets (listed in the class docstring). It imports numpy only (and btjit/core/arena.py's views): `btjit.runtime`
+uses it without numba.
 """
 from __future__ import annotations
 
 import numpy as np
 
-
-
-class Named(dict):
-    """A dict whose missing key is a KeyError naming it and the known keys: `where` is how the user wrote the dict
-    (prog.grads, p), `noun` what its entries are (param, buffer, state)."""
-
-    def __init__(self, entries, noun, where=None):
-        super().__init__(entries)
-        self._noun, self._where = noun, where or f"prog.{noun}s"
-
-    def __missing__(self, name):
-        known = ", ".join(map(str, self)) or "none"
-        raise UnknownName(f"{self._where}[{name!r}]: no such {self._noun} (known: {known})")
-
-
-class UnknownName(KeyError):
-    """A missing key of a Named dict (a KeyError whose str is its message, not the message's repr)."""
-    __str__ = Exception.__str__
+from btjit.core.arena import Named, Views
 
 
 def allowed(hi, ok) -> str:
@@ -179,7 +163,6 @@ class Runner:
     def opt_state(self) -> dict:
         """{state name: {param name: its state}}: views into the arena (state j of a param lies (2 + j) params
         spans after it, of the param's shape or the one init gave it)."""
-        from btjit.core.arena import Views          # (numpy only; a module that imports this one)
         base = self.a.__array_interface__["data"][0]
         out = Named({}, "optimizer state", "prog.opt_state")
         for j, (name, _) in enumerate(self._state):
