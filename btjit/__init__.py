@@ -35,10 +35,16 @@ __all__ += ["pairwise_distance", "margin_ranking_loss", "triplet_margin_loss", "
             "softshrink", "hardshrink"]
 
 
+SUBMODULES = ("testing", "runtime", "micrograd")     # btjit.testing.check_grads(...) after a plain `import btjit`
+
+
 def __getattr__(name):
     if name in __all__:
         from btjit import _api
         return getattr(_api, name)
+    if name in SUBMODULES:
+        import importlib
+        return importlib.import_module(f"btjit.{name}")
     raise AttributeError(f"module 'btjit' has no attribute {name!r}")
 
 

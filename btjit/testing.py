@@ -13,6 +13,7 @@ def check_grads(fn, params, *batch, eps=1e-6, rtol=1e-6, atol=1e-9, directions=2
     """For each parameter: compare <grad, d> with (f(p + eps d) - f(p - eps d)) / 2 eps along random unit
     directions d. Returns the largest relative error; raises AssertionError naming the parameter."""
     params = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    batch = tuple(np.asarray(b, np.float64) if np.asarray(b).dtype.kind == "f" else b for b in batch)   # float32 x
     prog = trace(fn, params, *batch, dtype="float64", grad=True)
     prog.value_and_grad(*batch)
     prog.step_count = 0        # every evaluation at step 0: the same random numbers (a dropout's mask)

@@ -118,3 +118,13 @@ def test_tensor_unfold_windows_as_torch(args):
         np.testing.assert_allclose(grad, xt.grad.numpy(), rtol=1e-12, atol=1e-14)
     with pytest.raises(btjit.TraceError, match="unfold: size 10 and step 1"):
         btjit.trace(lambda p: p["x"].unfold(2, 10, 1).sum(), {"x": x}, grad=True)
+
+
+def test_public_submodules_are_attributes_after_import_btjit():
+    # the README's btjit.testing.check_grads(loss_fn, params, *batch) with only `import btjit` (a fresh interpreter)
+    import subprocess
+    import sys
+    code = ("import btjit, numpy as np; print(btjit.testing.check_grads(lambda p: (p['w'] ** 2).sum(), "
+            "{'w': np.ones(3)}) < 1e-6, btjit.runtime.load.__name__, btjit.micrograd.Value.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["True", "load", "Value"], out.stderr[-2000:]

@@ -53,6 +53,14 @@ def test_tensor_api_composites_gradcheck():
     check_grads(f, params, np.array([[1, 2], [6, 1], [0, 0]], np.int32))
 
 
+def test_check_grads_takes_float32_params_and_batch():
+    # the README's call: check_grads(loss_fn, params, *batch) on the float32 arrays the notebook example makes
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(size=(4, 3)).astype(np.float32), "b": np.zeros(3, np.float32)}
+    x, y = rng.normal(size=(8, 4)).astype(np.float32), rng.integers(0, 3, 8).astype(np.int32)
+    assert check_grads(lambda p, x, y: btjit.cross_entropy(x @ p["w"] + p["b"], y), params, x, y) < 1e-5
+
+
 # ----------------------------------------------------------------------------- planner
 def _prog(B=8):
     from btjit.models import gpt
