@@ -1,14 +1,11 @@
 """A program's arena memory: the 64-byte aligned float arena at the start of an anonymous mapping that reserves
 address space for the eval programs sharing it (`arena`), and the aligned row arrays it falls back to
-(`aligned_rows`, also the scratch arena of Program.profile); and the named views into it (`Named`, a dict whose
-missing key is an error naming the known ones; `Views`, what prog.params, buffers, grads, outputs and opt_state[s]
-are: assigning an entry copies into the arena), a traced program's and btjit.runtime's alike. numpy only.
+(`aligned_rows`, also the scratch arena of Program.profile). The named views into it (prog.params, ...) are
+btjit/export/runner.py's.
 """
 from __future__ import annotations
 
 import numpy as np
-
-
 
 RESERVE = 1 << 30      # bytes of address space past a program's arena kept for its prog.eval programs
 
@@ -48,46 +45,3 @@ def _padded(n, dtype):
     itemsize = np.dtype(dtype).itemsize
     per = 64 // itemsize
     return itemsize, per, -(-n // per) * per
-
-
-class Named(dict):
-    """A dict whose missing key is a KeyError naming it and the known keys: `where` is how the user wrote the dict
-    (prog.grads, p), `noun` what its entries are (param, buffer, state)."""
-
-    def __init__(self, entries, noun, where=None):
-        super().__init__(entries)
-        self._noun, self._where = noun, where or f"prog.{noun}s"
-
-    def __missing__(self, name):
-        known = ", ".join(map(str, self)) or "none"
-        raise UnknownName(f"{self._where}[{name!r}]: no such {self._noun} (known: {known})")
-
-
-class UnknownName(KeyError):
-    """A missing key of a Named dict (a KeyError whose str is its message, not the message's repr)."""
-    __str__ = Exception.__str__
-
-
-class Views(Named):
-    """A program's named arena views (prog.params, buffers, grads, outputs, opt_state[s]). `views[name] = array`
-    (and views.update) copies the array's values into the arena, as torch's load_state_dict does (replacing the
-    dict's entry would leave the program reading the old values); an unknown name or another shape is an error
-    naming both; the names are the program's: deleting one is an error."""
-
-    def __setitem__(self, name, value):
-        if np.shape(value) != self[name].shape:      # self[name]: an unknown name is Named's error
-            raise ValueError(f"{self._where}[{name!r}] = an array of shape {np.shape(value)}: the {self._noun} "
-                             f"has shape {self[name].shape}")
-        self[name][...] = value
-
-    def update(self, other=(), **kw):
-        for k, v in (other.items() if hasattr(other, "items") else other):
-            self[k] = v
-        for k, v in kw.items():
-            self[k] = v
-
-    def _fixed(self, *_):
-        raise TypeError(f"{self._where} holds the program's {self._noun}s (views into its arena): none can be "
-                        f"removed or added; assign values with {self._where}[name] = array")
-
-    __delitem__ = pop = popitem = clear = setdefault = _fixed

@@ -16,14 +16,14 @@ from btjit.graph.ir import np_dtype
 from btjit.graph.lower import Lowering, assign_rows, lower_eqns
 from btjit.graph.memory import Shared, plan as make_plan, storage_roots
 from btjit.core import executor as X
-from btjit.core.arena import Views, aligned_rows as _aligned_rows, arena as _arena
+from btjit.core.arena import aligned_rows as _aligned_rows, arena as _arena
 from btjit.core.bounds import index_bounds as _index_bounds
 from btjit.host import threads as _threads
 from btjit.kernels import amx, bf16
 from btjit.kernels.common import SPLIT
 from btjit.kernels.rng import KEY_REPLICA
 from btjit.kernels.library import LIBRARY
-from btjit.export.runner import Runner
+from btjit.export.runner import Runner, Views
 
 _threads.set_num_threads(_threads.default_threads())   # every core the process may run on (btjit/host/threads.py)
 

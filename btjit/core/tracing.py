@@ -20,7 +20,7 @@ from btjit.graph.ops import TABLE
 from btjit.host import threads as _threads
 from btjit.optim.build import Update
 from btjit.optim.inplace import assign_in_place
-from btjit.core.arena import Named
+from btjit.export.runner import Named
 from btjit.core.program import Program
 
 

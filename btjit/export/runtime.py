@@ -21,8 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from btjit.core.arena import Views
-from btjit.export.runner import Runner
+from btjit.export.runner import Runner, Views
 
 FORMAT = 1                      # the export format this runtime reads (btjit/export.py writes it)
 _c = ctypes.c_void_p, ctypes.c_int64
