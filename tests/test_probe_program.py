@@ -143,3 +143,24 @@ def test_the_lr_of_a_program_without_an_optimizer_says_so():
     prog = _prog()
     prog.lr = 0.25
     assert prog.lr == 0.25 and prog.hp["lr"] == 0.25
+
+
+def test_an_optimizer_state_of_params_in_another_order_is_refused():
+    """The opt/ blocks hold each param's state in the arena's order: a program traced with the params dict in
+    another order would take w's moments for b's. The state dict says where each param's state lies (opt/order,
+    numbers) and such a load is refused, loading nothing; in the same order it loads exactly."""
+    a = _trained()
+    d = a.state_dict()
+    assert d["opt/order"].dtype == np.int64 and all(np.isfinite(v).all() for v in d.values())
+    rng = np.random.default_rng(1)
+    swapped = btjit.trace(_loss, {"b": np.zeros(3), "w": rng.normal(size=(4, 3))}, *_data(),
+                          buffers={"rm": np.zeros(3)}, optimizer=btjit.optim.AdamW(lr=0.05))
+    before = swapped.state_dict()
+    with pytest.raises(ValueError, match=r"saved from a program holding the params in another order"):
+        swapped.load_state_dict(d)
+    assert all(np.array_equal(v, before[k]) for k, v in swapped.state_dict().items())     # nothing loaded
+    same = _prog()
+    same.load_state_dict(d)
+    for s in ("exp_avg", "exp_avg_sq"):
+        for k in ("w", "b"):
+            np.testing.assert_array_equal(same.opt_state[s][k], a.opt_state[s][k])

@@ -224,10 +224,17 @@ class Runner:
         d = {f"param/{k}": v.copy() for k, v in self.params.items()}
         d.update({f"buffer/{k}": v.copy() for k, v in self.buffers.items()})
         d.update({k: v.copy() for k, v in self._state_views().items()})
+        if self._state:
+            d["opt/order"] = self._state_order()
         d["opt/step"] = np.array(self.step_count, np.int64)
         if "step" in self._hyper:
             d["opt/hyper"] = self.a[self._hyper_slots()].astype(np.float64)
         return d
+
+    def _state_order(self) -> np.ndarray:
+        """Where each param's state lies in the opt/ blocks: the arena rank of each param, by sorted name."""
+        at = sorted(self.params, key=lambda k: self.params[k].__array_interface__["data"][0])
+        return np.array([at.index(k) for k in sorted(self.params)], np.int64)
 
     def _hyper_slots(self):
         """The slots of every hyper-parameter a user may set (as torch keeps them in its param_groups)."""
@@ -241,12 +248,16 @@ class Runner:
         param/, buffer/ or (with an optimizer) opt/ name the program does not have is an error naming it."""
         state = self._state_views()
         known = {f"param/{k}" for k in self.params} | {f"buffer/{k}" for k in self.buffers} | set(state) | \
-            {"opt/step", "opt/hyper"}
+            {"opt/step", "opt/hyper", "opt/order"}
         prefixes = ("param/", "buffer/", "opt/") if self.has_optimizer else ("param/", "buffer/")
         extra = sorted(k for k in d if isinstance(k, str) and k.startswith(prefixes) and k not in known)
         if extra:
             raise ValueError(f"the state dict has {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}, which "
                              f"this program does not (another model or optimizer?); it has: {', '.join(sorted(known))}")
+        if state and "opt/order" in d and not np.array_equal(d["opt/order"], self._state_order()):
+            raise ValueError("the optimizer state was saved from a program holding the params in another order (a "
+                             "params dict in another order, or other param groups): each param's state would land on "
+                             "another's; trace this program with the params dict in the order of the saving one")
         missing = [k for k in state if k not in d]
         if missing and len(missing) < len(state):
             raise ValueError(f"optimizer state {missing[0]!r}: the state dict has "
