@@ -292,11 +292,6 @@ def bench(suite, only, peers, threads, reps, steps, json_path, markdown, use_com
     click.echo(format_table(rows, markdown=markdown, command=report.command_line()))
 
 
-def _old_data_file(name):
-    """The data file of a checkpoint older than its "data_file" entry: its data name when that is a file here."""
-    return name if name and not name.startswith("<") and Path(name).is_file() else None
-
-
 @cli.command("export")
 @click.argument("source", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
@@ -312,7 +307,7 @@ def export_cmd(source, out, data_path, debug):
     import numpy as np
     from btjit.train import arrays, config as config_mod, data as data_mod, schedule, usermodel
     from btjit.train.registry import model_for
-    from btjit.train.trainer import build_program, seeds, set_threads
+    from btjit.train.runparts import build_program, recorded_data_file, seeds, set_threads
     set_threads(1)                                  # an export is one thread
     ck = None
     if source.suffix == ".toml":
@@ -326,8 +321,8 @@ def export_cmd(source, out, data_path, debug):
         vocab = data_mod.Vocab(ck.meta["vocab"])
         model_file = usermodel.from_checkpoint(ck) if cfg.model.kind == "python" else None
         optim_file = cfg.optim.file and usermodel.from_checkpoint(ck, "optimizer")
-    if ck is not None and data_path is None:        # the file the run read (its --data, or data.path)
-        data_path = ck.meta.get("data_file") or (None if cfg.data.path else _old_data_file(ck.meta.get("data")))
+    if ck is not None and data_path is None and not cfg.data.path:     # the file the run read (its --data)
+        data_path = recorded_data_file(ck)
     ds = arrays.load(cfg, data_path, vocab)                 # any format
     model = model_for(cfg.model, len(ds.vocab), model_file, cfg.data.format)
     x, y = ds.batch("train", cfg.train.batch_size, np.random.default_rng(0))

@@ -54,7 +54,14 @@ def whole(n):
         return None
 
 
-_CHOSEN: list = []    # btjit.set_num_threads's count: the default of programs traced without threads=
+_chosen = None    # btjit.set_num_threads's count: the default of programs traced without threads=
+
+
+def _count(n) -> int:
+    """n threads (0 = every core) as a count numba's pool can run: an error for anything but a whole n >= 0."""
+    if whole(n) is None or n < 0:
+        raise ValueError(f"threads must be a whole number >= 0 (0 = every core), got {n!r}")
+    return max(1, min(whole(n) or cores(), numba.config.NUMBA_NUM_THREADS))
 
 
 def resolve(n=None) -> int:
@@ -63,11 +70,8 @@ def resolve(n=None) -> int:
     must not change the next program's default). The numba pool grows to n if it is smaller."""
     if n is None:
         pool = numba.get_num_threads()
-        return min(_CHOSEN[-1], pool) if _CHOSEN else pool
-    if whole(n) is None or n < 0:
-        raise ValueError(f"threads must be a whole number >= 0 (0 = every core), got {n!r}")
-    n = whole(n)
-    n = max(1, min(n or cores(), numba.config.NUMBA_NUM_THREADS))
+        return pool if _chosen is None else min(_chosen, pool)
+    n = _count(n)
     if n > numba.get_num_threads():
         numba.set_num_threads(n)
     return n
@@ -108,11 +112,9 @@ def set_num_threads(n: int = 0) -> int:
     """Use n threads (0 = all cores) for programs traced from now on; returns n used. The parallelism is all
     numba's thread pool: large GEMMs are split into one single-threaded BLAS call per thread, and OpenBLAS
     itself stays at 1 thread (its spinning threads beside numba's pool cost 30x on 2 cores, measured)."""
-    if whole(n) is None or n < 0:
-        raise ValueError(f"threads must be a whole number >= 0 (0 = every core), got {n!r}")
-    n = max(1, min(whole(n) or cores(), numba.config.NUMBA_NUM_THREADS))
+    global _chosen
+    n = _chosen = _count(n)
     numba.set_num_threads(n)
-    _CHOSEN[:] = [n]
     set_blas_threads(1)
     return n
 

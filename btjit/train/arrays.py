@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from btjit.train import data
+from btjit.train import data, files
 from btjit.train.data import Corpus, DataError, Split, Vocab, split_point
 
 DIGITS = Corpus("digits.u8.gz", "68aea062d35a127749050fa0e52dca09d6569ac08092c925610e0954e172dde2",
@@ -32,11 +32,7 @@ def _read_npz(p: Path) -> dict:
     if not p.exists():
         raise DataError(f"data file not found: {p}")
     try:
-        with open(p, "rb") as f:
-            if f.read(2) != b"PK":              # np.load would read it as .npy or pickled data: say what it is
-                raise ValueError("not an .npz (zip) file")
-        with np.load(p, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
+        return files.npz_arrays(p)
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
         raise DataError(f"{p}: not a readable .npz file ({type(e).__name__}: {e})") from None
 

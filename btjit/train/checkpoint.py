@@ -146,11 +146,7 @@ def load(path) -> Checkpoint:
     files.check_file(path, CheckpointError, f"checkpoint not found: {path}",
                      f"checkpoint path is a directory: {path} (give a ckpt_*.npz file)")
     try:
-        with open(path, "rb") as f:
-            if f.read(2) != b"PK":              # np.load would read it as .npy or pickled data: say what it is
-                raise ValueError("not an .npz (zip) file")
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
+        arrays = files.npz_arrays(path)
     except Exception as e:  # zipfile / numpy raise many types on damaged input
         raise CorruptCheckpoint(f"checkpoint {path} is truncated or damaged "
                                 f"({type(e).__name__}: {e})") from None

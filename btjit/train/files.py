@@ -1,6 +1,6 @@
 """Reading the files a run is given (the config, the user's model and optimizer files, data, checkpoints): one
 readable error per problem -- missing, a directory, unreadable, not UTF-8 -- raised as the caller's error class
-with the caller's words.
+with the caller's words; an .npz's arrays (npz_arrays), for data files and checkpoints alike.
 """
 from __future__ import annotations
 
@@ -34,3 +34,14 @@ def read_text(p: Path, error, missing: str, directory: str, not_utf8: str, unrea
         raise error(not_utf8) from None
     except OSError as e:
         raise error(f"{unreadable}: {e.strerror}") from None
+
+
+def npz_arrays(p: Path) -> dict:
+    """The arrays of the .npz at p (no pickled objects). ValueError for a file that is not a zip (np.load would read
+    an .npy or pickled data instead: say what it is); numpy's and zipfile's errors for a damaged one."""
+    import numpy as np
+    with open(p, "rb") as f:
+        if f.read(2) != b"PK":
+            raise ValueError("not an .npz (zip) file")
+    with np.load(p, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}

@@ -2,7 +2,7 @@
 threads and seeds (set_threads, seeds), the optimizer and the traced training program of a config (make_optimizer,
 build_program: also `btjit export`'s), the non-finite check, the world-size check of a resume and the banner's
 optimizer line (optim_line), the notes of a resume that cannot be bit-exact (resume_notes), the data file a run
-reads (data_file).
+reads (data_file, recorded_data_file: also `btjit export`'s).
 btjit.train.trainer re-exports all of them.
 """
 from __future__ import annotations
@@ -122,12 +122,19 @@ def resume_notes(ck, cfg, replicas: int) -> list[str]:
             f"uninterrupted run" for a, b in diff]
 
 
+def recorded_data_file(ck) -> str | None:
+    """The data file the checkpoint's run read, where it still is (its data_file; a checkpoint older than that entry:
+    its data name when that is a file here); None for a bundled corpus."""
+    name = ck.meta.get("data_file") or ck.meta.get("data")
+    return name if name and not name.startswith("<") and Path(name).is_file() else None
+
+
 def data_file(ck, cfg, data_path, echo) -> str | None:
     """The data file a run reads, resolved (None: the bundled corpus): --data (data_path), else data.path; on
     --resume without either, the file the checkpoint's run read (noted). Another file than the checkpoint's is
     noted."""
-    read = ck.meta.get("data_file") if ck else None
-    if data_path is None and not cfg.data.path and read and Path(read).is_file():
+    read = recorded_data_file(ck) if ck else None
+    if data_path is None and not cfg.data.path and read:
         echo(f"note: --resume reads {read}, the --data file {ck.path.name} was trained on")
         return read
     f = cfg.data.path if data_path is None else data_path
