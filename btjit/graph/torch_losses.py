@@ -33,8 +33,7 @@ def pairwise_distance(x1, x2, p=2.0, eps=1e-6, keepdim=False):
     """||x1 - x2 + eps||_p over the last axis, as torch's."""
     d = abs(lift(x1) - lift(x2) + float(eps))
     p = float(p)
-    out = sqrt(sum(d * d, -1, keepdims=keepdim)) if p == 2.0 else sum(d ** p, -1, keepdims=keepdim) ** (1.0 / p)
-    return out
+    return sqrt(sum(d * d, -1, keepdims=keepdim)) if p == 2.0 else sum(d ** p, -1, keepdims=keepdim) ** (1.0 / p)
 
 
 def _labels(fn, x, y):
