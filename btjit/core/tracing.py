@@ -17,7 +17,9 @@ from btjit.graph import (autodiff, fuse, fuse_act, fuse_ew, numpy_fns, numpy_mor
 from btjit.graph.ir import Graph, verify
 from btjit.graph.memory import pin
 from btjit.graph.ops import TABLE
+from btjit.graph.ops.winograd import use_winograd
 from btjit.host import threads as _threads
+from btjit.kernels.common import MAX_THREADS
 from btjit.optim.build import Update
 from btjit.optim.inplace import assign_in_place
 from btjit.export.runner import Named
@@ -165,6 +167,8 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
                               stacklevel=2)
     else:
         grads = {}
+    n_threads = _threads.resolve(threads)
+    use_winograd(g, min(max(1, n_threads // replicas), MAX_THREADS))     # the threads a replica's rows split over
     pinned = pin(g, grads)
     g.n_backward = len(g.eqns)
     if update:
@@ -176,7 +180,6 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         autodiff.eliminate_dead_code(g, live)
     assign_in_place(g, pinned)
     verify(g, TABLE)
-    n_threads = _threads.resolve(threads)
     prog = Program(g, params, update, clip_norm, skip_nonfinite, pinned, time.perf_counter() - t0, replicas,
                    n_threads, seed, buffers, _share, precision, _defer_kernels)
     # eval: a data-parallel step's on one replica's threads

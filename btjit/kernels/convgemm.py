@@ -16,10 +16,11 @@ _g16, _g8 = micro((16,), gathered=True), micro((8,), gathered=True)
 
 
 @njit(**FM)
-def _gtile(a, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, O, obias, acc, tst, relu):
+def _gtile(a, b, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, O, obias, acc, tst, relu):
     """C[r, :O] = [bias +] [C +] sum over the loop nest of A(r, .) B(., :O) for MR gathered rows (micro.micro's
     gathered form), in column blocks of 48 / 32 / 16 / 8 (O a multiple of 8: no block overlaps another, so
-    acc > 0 may add to C); tst > 0: stored transposed, C[r, c] at a[oC + c*tst + r]; relu > 0: relu of it."""
+    acc > 0 may add to C); tst > 0: stored transposed, C[r, c] at a[oC + c*tst + r]; relu > 0: relu of it.
+    A, C and the bias are in array a, B in b."""
     c0 = 0
     while c0 < O:
         rem = O - c0
@@ -28,13 +29,13 @@ def _gtile(a, tab, oA, oB, ldb, oC, ldc, n1, s1, n2, s2, n3, s3, O, obias, acc, 
         orr = oC + c0 if acc > 0 else 0
         oc = oC + c0 * tst if tst > 0 else oC + c0
         if w == 48:
-            _g48(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst, relu)
+            _g48(a, b, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst, relu)
         elif w == 32:
-            _g32(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst, relu)
+            _g32(a, b, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst, relu)
         elif w == 16:
-            _g16(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst, relu)
+            _g16(a, b, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst, relu)
         else:
-            _g8(a, a, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst, relu)
+            _g8(a, b, tab, oA, oB + c0, ldb, oc, ldc, n1, s1, n2, s2, n3, s3, ob, orr, tst, relu)
         c0 += w
 
 
@@ -86,7 +87,7 @@ def conv_part(a, r, part, nparts):
                 lo, hi = max(0, -((y1 - pt) // dh)), min(kh - 1, (pt + vh - 1 - y0) // dh)   # window rows
                 i0, i1 = (kh - 1 - hi, kh - lo) if flip else (lo, hi + 1)
                 i1 = max(i0, i1)
-            _gtile(a, tab, ox + base + i0 * s1, ob + i0 * kw * C * O, O, at, O, i1 - i0, s1, n2, s2, n3, s3, O, obias,
+            _gtile(a, a, tab, ox + base + i0 * s1, ob + i0 * kw * C * O, O, at, O, i1 - i0, s1, n2, s2, n3, s3, O, obias,
                    0, P if tout else 0, relu)
         return
     K = C * kh * kw         # dW (Kpad, O) = patches^T @ dy: a row per tap (rows K.. repeat tap K-1), by images
@@ -106,7 +107,7 @@ def conv_part(a, r, part, nparts):
                         w, v = 0, v + 1
                         if v == n2:
                             v, u = 0, u + 1
-            _gtile(a, tab, ox + n0 * sN, ob + n0 * P * O, O, oc + blk * MR * O, O, ni, sN, OH, sh * sH, OW, sw * sW,
+            _gtile(a, a, tab, ox + n0 * sN, ob + n0 * P * O, O, oc + blk * MR * O, O, ni, sN, OH, sh * sH, OW, sw * sW,
                    O, 0, n0, 0, 0)
 
 

@@ -16,11 +16,11 @@ import numba
 import numpy as np
 
 from btjit.kernels import (amx, attention, attn_kept, attn_lanes, attn_loops, bf16, common, conv, convgemm, elementwise,
-                           fused, layout, linalg, micro, nn, norm, objcode, optim, reduce, rng, tiles)
+                           fused, layout, linalg, micro, nn, norm, objcode, optim, reduce, rng, tiles, winograd)
 from btjit.kernels.common import ROW, ROWS
 
 MODULES = (elementwise, layout, fused, reduce, linalg, nn, norm, optim, attn_loops, attention, attn_kept, rng, conv,
-           convgemm, bf16, amx)
+           convgemm, winograd, bf16, amx)
 STATIC = [(m.__name__, n) for m in MODULES for n in sorted(vars(m)) if n in ROWS]
 GENERATED = attn_lanes.KERNEL_NAMES             # entries per (T, hs), float32 only
 F32_ONLY = {n for m, n in STATIC if m in (bf16.__name__, amx.__name__)}   # bf16 products: float32 arenas only

@@ -1,0 +1,105 @@
+"""Winograd convolutions: the op table's wino / wino_wgrad entries (kernels/winograd.py's k_wino) and
+use_winograd, the pass that puts them in place of a float32 program's 3x3, stride-1 implicit-GEMM convolutions
+(conv_gemm: the forward and the input gradient; conv_wgrad: the weight gradient) where they are measured faster.
+Same inputs, attributes and first output as the op they replace (their VJP rules and fusions are conv_gemm's,
+applied before the pass); their other outputs are the weights' transforms and the rows' scratch."""
+from __future__ import annotations
+
+from btjit.graph.ir import Eqn
+from btjit.graph.ops.conv import _cg, _cg_dims, _conv_gemm_ref, _conv_gemm_rule, _conv_wgrad_ref
+from btjit.graph.ops.matmul import par_gemm
+from btjit.graph.optable import TABLE, Case, F, op
+from btjit.kernels.micro import MR
+from btjit.kernels.winograd import WBUF, wino_parts, wino_scratch
+
+MIN_MACS = 1 << 22      # below this many multiply-adds (all images) the implicit GEMM, whose set-up is smaller
+
+
+def _dims(x_shape, wt_shape, a):
+    N, C, H, W = _cg_dims(x_shape, a)
+    return N, C, H, W, wt_shape[1]
+
+
+def _kernel_layout(a):
+    """(nhwc, taps) of k_wino for conv_gemm's attrs: x NHWC only for nhwc 1; taps (i, j, c) for nhwc 1 and 2."""
+    return int(a["nhwc"] == 1), int(a["nhwc"] != 0)
+
+
+def _scratch(mode, N, C, H, W, O, a):
+    """Floats of the row's scratch: enough for every count of parts it may split into."""
+    nhwc = _kernel_layout(a)[0] if mode == 0 else 0
+    return max(p * wino_scratch(mode, C, H, W, O, a["oh"], a["ow"], nhwc, a["tout"], p)
+               for p in range(1, wino_parts(mode, N, C) + 1))
+
+
+def eligible(x_shape, O, a, threads) -> bool:
+    """A 3x3 window at stride 1, no dilation; both channel counts multiples of MR, at least 32 (fewer: the
+    products' steps too short for the transforms to pay) and at most WBUF / 16; an image per thread at least
+    (a row splits over the images) and MIN_MACS multiply-adds a thread. Measured against the implicit GEMM
+    (znver4, one and two threads, a 3x3 convolution's forward and both gradients): 1.05-1.47x faster on 10
+    shapes inside the rule (8 to 64 images of 4x4 to 30x30, 32 to 256 channels), 0.6-0.98x on 11 outside it."""
+    N, C, H, W = _cg_dims(x_shape, a)
+    return ((a["kh"], a["kw"], a["sh"], a["sw"], a["dh"], a["dw"]) == (3, 3, 1, 1, 1, 1)
+            and C % MR == 0 and O % MR == 0 and 32 <= min(C, O) and 16 * max(C, O) <= WBUF
+            and N >= threads and N * a["oh"] * a["ow"] * C * O * 9 >= MIN_MACS * threads)
+
+
+def use_winograd(graph, threads) -> None:
+    """conv_gemm and conv_wgrad eqns of a float32 graph run on `threads` -> wino and wino_wgrad where eligible."""
+    if graph.float_dtype != "f32" or graph.precision != "fp32":
+        return
+    for i, e in enumerate(graph.eqns):
+        if e.op in ("conv_gemm", "conv_wgrad") and eligible(e.ins[0].shape, e.ins[1].shape[1], e.attrs, threads):
+            name = "wino" if e.op == "conv_gemm" else "wino_wgrad"
+            types = TABLE[name].infer([(v.shape, v.dtype) for v in e.ins], e.attrs, graph.float_dtype)
+            graph.eqns[i] = Eqn(name, e.ins, (e.outs[0],) + tuple(graph.new_var(*t) for t in types[1:]), e.attrs,
+                                e.src)
+
+
+def _wino_rule(types, attrs, fd):
+    N, C, H, W, O = _dims(types[0][0], types[1][0], attrs)
+    return _conv_gemm_rule(types, attrs, fd) + [((16 * C * O,), fd), ((_scratch(0, N, C, H, W, O, attrs),), fd)]
+
+
+def _wgrad_rule(types, attrs, fd):
+    N, C, H, W = _cg_dims(types[0][0], attrs)
+    O = types[1][0][1]
+    return [((9 * C, O), fd), ((_scratch(1, N, C, H, W, O, attrs),), fd)]
+
+
+def _parts(L, mode, N, C, O, a):
+    macs = N * a["oh"] * a["ow"] * C * O * 9
+    return min(L.threads, wino_parts(mode, N, C)) if par_gemm(macs, L.threads) else 1
+
+
+def _lower(mode):
+    def lower(e, L):
+        X, B = e.ins[:2]
+        a = e.attrs
+        N, C, H, W, O = _dims(X.shape, B.shape if mode == 0 else (0, B.shape[1]), a)
+        nhwc, taps = _kernel_layout(a) if mode == 0 else (0, 0)
+        parts = _parts(L, mode, N, C, O, a)
+        common = dict(ox=L.off(X), oscr=L.off(e.outs[-1]), N=N, C=C, H=H, W=W, O=O, OH=a["oh"], OW=a["ow"], nhwc=nhwc,
+                      taps=taps, flip=a["flip"], tout=a["tout"] if mode == 0 else 0,
+                      relu=int(a.get("relu", 0)) if mode == 0 else 0)
+        sc = wino_scratch(mode, C, H, W, O, a["oh"], a["ow"], nhwc, common["tout"], parts)
+        rows = [L.row("k_wino", split=parts, mode=mode, oin=L.off(e.outs[1]) if mode == 0 else L.off(B),
+                      oout=L.off(e.outs[0]), obias=L.off(e.ins[2]) if len(e.ins) == 3 else 0, sc=sc, **common)]
+        if mode == 0:       # the weights' transforms first
+            rows.insert(0, L.row("k_wino", mode=2, oin=L.off(B), oout=L.off(e.outs[1]), obias=0, sc=0, **common))
+        return rows
+    return lower
+
+
+def _wgrad_ref(xs, a):
+    return (_conv_wgrad_ref(xs, a)[0][:9 * xs[0].shape[1]],)     # (9*C is a whole number of MR rows)
+
+
+_cases = [((F(2, 8, 6, 7), F(72, 8)), _cg(3, 3, 4, 5, tout=1)),                    # NCHW in, (N, O, OH, OW) out
+          ((F(2, 8, 7, 6), F(72, 16), F(16)), dict(_cg(3, 3, 5, 4, nhwc=2), relu=1)),   # taps (i, j, c), bias, relu
+          ((F(2, 6, 7, 8), F(72, 8)), _cg(3, 3, 4, 5, nhwc=1, flip=1, tout=1))]      # NHWC in, flipped: an input grad
+op("wino", infer=_wino_rule, ref=_conv_gemm_ref, lower=_lower(0), internal=True,
+   cases=[Case(s, a) for s, a in _cases])
+op("wino_wgrad", infer=_wgrad_rule, ref=_wgrad_ref, lower=_lower(1), internal=True,
+   cases=[Case((s[0], F(s[0][1][0] * a["oh"] * a["ow"], s[1][1][1])), dict(a, tout=0, relu=0, nhwc=0))
+          for s, a in _cases[:2]])

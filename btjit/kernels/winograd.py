@@ -1,0 +1,320 @@
+# Winograd F(2x2, 3x3) convolutions (Lavin and Gray, arXiv 1509.09308): a 3x3, stride-1 convolution as 16
+# products of (tiles x C) by (C x O) -- 16 multiply-adds per 2x2 output tile and channel pair instead of 36 --
+# on the register micro-kernels (btjit/kernels/micro.py's gathered form), between transforms of the 4x4 input
+# tiles (B^T d B), of the weights (G g G^T) and of the 16 products (A^T m A):
+#   B^T = [[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]]
+#   G   = [[1, 0, 0], [1/2, 1/2, 1/2], [1/2, -1/2, 1/2], [0, 0, 1]]
+#   A^T = [[1, 1, 1, 0], [0, 1, -1, -1]]
+# The weight gradient is the same products' adjoint: dU = sum over tiles of (B^T d B) (x) (A dY A^T), dW = G^T dU G.
+# Tiles go in blocks whose transforms and products live in a stack buffer (stores there alias no load from the
+# arena, so every transform vectorizes without copies); an NCHW image is first transposed to pixel rows
+# (channels inner), so each transform runs along a contiguous row of channels. Hot loops index slices by their
+# range variable alone (an offset index costs numba's negative-index test: a gather per load).
+# graph/ops/winograd.py puts these kernels in place of the implicit GEMMs where they are measured faster.
+from numba import carray, njit
+
+from btjit.kernels.common import FM, MAX_THREADS, cvt, part_of, row, stack_buf, transpose
+from btjit.kernels.convgemm import _gtile
+from btjit.kernels.micro import MR
+
+WBUF = 8192       # elements of a tile's stack buffer: its 16 rows of up to 512 channels
+PAD = 16          # elements between the blocks' tiles: their rows' strides not a multiple of 4 KB (L1 set conflicts)
+
+
+def wino_tb(C, O):
+    """Tiles per block: the block's transforms and products, 16*tb*(C + O) elements in the arena, ~384 KB."""
+    return max(MR, min(128, 6144 // (C + O) // MR * MR))
+
+
+def wino_parts(mode, N, C):
+    """The most parts a row splits into: images (mode 0), blocks of MR channels (mode 1)."""
+    return 1 if mode == 2 else min(MAX_THREADS, N if mode == 0 else C // MR)
+
+
+def wino_chans(C, parts, j):
+    """[c0, c1): part j's channels of a weight gradient row in `parts` parts (whole blocks of MR)."""
+    nb = C // MR
+    return j * nb // parts * MR, (j + 1) * nb // parts * MR
+
+
+def wino_scratch(mode, C, H, W, O, OH, OW, nhwc, tout, parts):
+    """Elements of one part's arena scratch in a row of `parts` parts: the image as pixel rows (NCHW input), the
+    output image before its transpose (mode 0, tout), the block's input transforms and products (or dy's
+    transforms), dU (mode 1), a tile over the edge and a zero row."""
+    if mode == 2:
+        return 0
+    cp = C if mode == 0 else -(-(C // MR) // parts) * MR        # the part's most channels
+    return (H * W * cp if nhwc == 0 else 0) + (OH * OW * O if mode == 0 and tout else 0) + \
+        wino_tb(C, O) * (16 * (cp + O) + 2 * PAD) + (16 * cp * O if mode == 1 else 0) + 17 * max(C, O) + 16
+
+
+_tb, _chans = njit(inline="always")(wino_tb), njit(inline="always")(wino_chans)
+
+
+@njit(**FM)
+def _zero(a, o, n):
+    z = cvt(a, 0.0)
+    v = a[o:o + n]
+    for i in range(n):
+        v[i] = z
+
+
+@njit(**FM)
+def _tile_in(a, src, ps, H, W, oz, opatch, h0, w0, C, ov):
+    """The 4x4 input tile at pixel (h0, w0) of the pixel rows at src (pixel (h, w) at src + (h*W + w)*ps, C
+    channels) transformed, B^T d B, into its 16 rows of C at ov (row k at ov + k*C): made in a stack buffer,
+    then copied in one pass. A tile over the edge is first gathered at opatch (zeros outside H x W: row oz)."""
+    sb = carray(stack_buf(a, WBUF), (WBUF,))
+    q = ps
+    if h0 + 3 >= H or w0 + 3 >= W:
+        for k in range(16):
+            h, w = h0 + k // 4, w0 + k % 4
+            o = src + (h * W + w) * ps if h < H and w < W else oz
+            d, p = a[o:o + C], a[opatch + k * C:opatch + (k + 1) * C]
+            for c in range(C):
+                p[c] = d[c]
+        src, W, h0, w0, q = opatch, 4, 0, 0, C
+    o = src + (h0 * W + w0) * q
+    d00, d01, d02, d03 = a[o:], a[o + q:], a[o + 2 * q:], a[o + 3 * q:]
+    o += W * q
+    d10, d11, d12, d13 = a[o:], a[o + q:], a[o + 2 * q:], a[o + 3 * q:]
+    o += W * q
+    d20, d21, d22, d23 = a[o:], a[o + q:], a[o + 2 * q:], a[o + 3 * q:]
+    o += W * q
+    d30, d31, d32, d33 = a[o:], a[o + q:], a[o + 2 * q:], a[o + 3 * q:]
+    v00, v01, v02, v03 = sb, sb[C:], sb[2 * C:], sb[3 * C:]
+    v10, v11, v12, v13 = sb[4 * C:], sb[5 * C:], sb[6 * C:], sb[7 * C:]
+    v20, v21, v22, v23 = sb[8 * C:], sb[9 * C:], sb[10 * C:], sb[11 * C:]
+    v30, v31, v32, v33 = sb[12 * C:], sb[13 * C:], sb[14 * C:], sb[15 * C:]
+    for c in range(C):
+        e0, e1, e2, e3 = d00[c] - d02[c], d10[c] - d12[c], d20[c] - d22[c], d30[c] - d32[c]   # column 0 of d B
+        v00[c], v10[c], v20[c], v30[c] = e0 - e2, e1 + e2, e2 - e1, e1 - e3                     # B^T of it
+        e0, e1, e2, e3 = d01[c] + d02[c], d11[c] + d12[c], d21[c] + d22[c], d31[c] + d32[c]
+        v01[c], v11[c], v21[c], v31[c] = e0 - e2, e1 + e2, e2 - e1, e1 - e3
+        e0, e1, e2, e3 = d02[c] - d01[c], d12[c] - d11[c], d22[c] - d21[c], d32[c] - d31[c]
+        v02[c], v12[c], v22[c], v32[c] = e0 - e2, e1 + e2, e2 - e1, e1 - e3
+        e0, e1, e2, e3 = d01[c] - d03[c], d11[c] - d13[c], d21[c] - d23[c], d31[c] - d33[c]
+        v03[c], v13[c], v23[c], v33[c] = e0 - e2, e1 + e2, e2 - e1, e1 - e3
+    _out(a, ov, sb, 16 * C)
+
+
+@njit(**FM)
+def _out(a, o, sb, n):
+    """a[o:o+n] = sb[:n] (the stack buffer's rows into the arena, in one pass)."""
+    v = a[o:o + n]
+    for k in range(n):
+        v[k] = sb[k]
+
+
+@njit(**FM)
+def _tile_out(a, om, O, dst, OW, h0, w0, OH, ob, relu, opatch):
+    """The 16 product rows of O at om (row k at om + k*O) of one tile back to its 2x2 outputs, A^T m A + the bias
+    row at ob [relu], stored as pixel rows at dst (pixel (h, w) at dst + (h*OW + w)*O); over the edge made at
+    opatch first and only the pixels inside OH x OW stored. The rows are read from a stack buffer's copy."""
+    sb = carray(stack_buf(a, WBUF), (WBUF,))
+    m = a[om:om + 16 * O]
+    for k in range(16 * O):
+        sb[k] = m[k]
+    om = 0
+    edge = h0 + 1 >= OH or w0 + 1 >= OW
+    o = opatch if edge else dst + (h0 * OW + w0) * O
+    y00, y01 = a[o:], a[o + O:]
+    o = opatch + 2 * O if edge else dst + ((h0 + 1) * OW + w0) * O
+    y10, y11 = a[o:], a[o + O:]
+    m00, m01, m02, m03 = sb[om:], sb[om + O:], sb[om + 2 * O:], sb[om + 3 * O:]
+    m10, m11, m12, m13 = sb[om + 4 * O:], sb[om + 5 * O:], sb[om + 6 * O:], sb[om + 7 * O:]
+    m20, m21, m22, m23 = sb[om + 8 * O:], sb[om + 9 * O:], sb[om + 10 * O:], sb[om + 11 * O:]
+    m30, m31, m32, m33 = sb[om + 12 * O:], sb[om + 13 * O:], sb[om + 14 * O:], sb[om + 15 * O:]
+    b = a[ob:ob + O]
+    z = cvt(a, 0.0)
+    for c in range(O):
+        u0, u1, u2, u3 = m00[c] + m10[c] + m20[c], m01[c] + m11[c] + m21[c], m02[c] + m12[c] + m22[c], \
+            m03[c] + m13[c] + m23[c]
+        v0, v1, v2, v3 = m10[c] - m20[c] - m30[c], m11[c] - m21[c] - m31[c], m12[c] - m22[c] - m32[c], \
+            m13[c] - m23[c] - m33[c]
+        t00, t01, t10, t11 = u0 + u1 + u2 + b[c], u1 - u2 - u3 + b[c], v0 + v1 + v2 + b[c], v1 - v2 - v3 + b[c]
+        if relu:
+            t00, t01, t10, t11 = max(t00, z), max(t01, z), max(t10, z), max(t11, z)
+        y00[c], y01[c], y10[c], y11[c] = t00, t01, t10, t11
+    if edge:
+        for k in range(4):
+            h, w = h0 + k // 2, w0 + k % 2
+            if h < OH and w < OW:
+                y, p = a[dst + (h * OW + w) * O:], a[opatch + k * O:]
+                for c in range(O):
+                    y[c] = p[c]
+
+
+@njit(**FM)
+def _tile_dy(a, src, OH, OW, O, oz, h0, w0, ot):
+    """The 2x2 output gradient at (h0, w0) of the pixel rows at src (zeros outside OH x OW: the row at oz) as its
+    16 rows A dY A^T of O at ot (row k at ot + k*O), made in a stack buffer."""
+    sb = carray(stack_buf(a, WBUF), (WBUF,))
+    o0 = src + (h0 * OW + w0) * O
+    o1 = o0 + O if w0 + 1 < OW else oz
+    o2 = o0 + OW * O if h0 + 1 < OH else oz
+    o3 = o0 + (OW + 1) * O if h0 + 1 < OH and w0 + 1 < OW else oz
+    y00, y01, y10, y11 = a[o0:o0 + O], a[o1:o1 + O], a[o2:o2 + O], a[o3:o3 + O]
+    z00, z01, z02, z03 = sb, sb[O:], sb[2 * O:], sb[3 * O:]
+    z10, z11, z12, z13 = sb[4 * O:], sb[5 * O:], sb[6 * O:], sb[7 * O:]
+    z20, z21, z22, z23 = sb[8 * O:], sb[9 * O:], sb[10 * O:], sb[11 * O:]
+    z30, z31, z32, z33 = sb[12 * O:], sb[13 * O:], sb[14 * O:], sb[15 * O:]
+    for c in range(O):      # each row's columns (y_0, y_0 + y_1, y_0 - y_1, -y_1): p of row 0, q of row 1
+        p0, q0 = y00[c], y10[c]
+        p1, q1 = y00[c] + y01[c], y10[c] + y11[c]
+        p2, q2 = y00[c] - y01[c], y10[c] - y11[c]
+        p3, q3 = -y01[c], -y11[c]
+        z00[c], z01[c], z02[c], z03[c] = p0, p1, p2, p3
+        z10[c], z11[c], z12[c], z13[c] = p0 + q0, p1 + q1, p2 + q2, p3 + q3
+        z20[c], z21[c], z22[c], z23[c] = p0 - q0, p1 - q1, p2 - q2, p3 - q3
+        z30[c], z31[c], z32[c], z33[c] = -q0, -q1, -q2, -q3
+    _out(a, ot, sb, 16 * O)
+
+
+@njit(**FM)
+def _wrow(ow, C, O, taps, flip, c, i, j):
+    """The offset of row (c, i, j) of wt (9*C, O) at ow in the taps' order (0: (c, i, j); 1: (i, j, c)), flipped."""
+    ii, jj = (2 - i, 2 - j) if flip else (i, j)
+    return ow + ((c * 9 + ii * 3 + jj) if taps == 0 else ((ii * 3 + jj) * C + c)) * O
+
+
+@njit(**FM)
+def _weights(a, ow, ou, C, O, taps, flip):
+    """U[k] (C, O) at ou = G g G^T of each (c, o) filter g of wt (9*C, O) at ow, rows in the taps' order;
+    flip: the filter reversed (a transposed convolution's). A channel's 16 rows made in a stack buffer, then
+    copied."""
+    sb = carray(stack_buf(a, WBUF), (WBUF,))
+    h = cvt(a, 0.5)
+    for c in range(C):
+        g00, g01, g02 = a[_wrow(ow, C, O, taps, flip, c, 0, 0):], a[_wrow(ow, C, O, taps, flip, c, 0, 1):], \
+            a[_wrow(ow, C, O, taps, flip, c, 0, 2):]
+        g10, g11, g12 = a[_wrow(ow, C, O, taps, flip, c, 1, 0):], a[_wrow(ow, C, O, taps, flip, c, 1, 1):], \
+            a[_wrow(ow, C, O, taps, flip, c, 1, 2):]
+        g20, g21, g22 = a[_wrow(ow, C, O, taps, flip, c, 2, 0):], a[_wrow(ow, C, O, taps, flip, c, 2, 1):], \
+            a[_wrow(ow, C, O, taps, flip, c, 2, 2):]
+        u00, u01, u02, u03 = sb, sb[O:], sb[2 * O:], sb[3 * O:]
+        u10, u11, u12, u13 = sb[4 * O:], sb[5 * O:], sb[6 * O:], sb[7 * O:]
+        u20, u21, u22, u23 = sb[8 * O:], sb[9 * O:], sb[10 * O:], sb[11 * O:]
+        u30, u31, u32, u33 = sb[12 * O:], sb[13 * O:], sb[14 * O:], sb[15 * O:]
+        for o in range(O):          # the rows of G g: g_0, (g_0 + g_1 + g_2)/2, (g_0 - g_1 + g_2)/2, g_2; then G^T
+            e0, e1, e2 = g00[o], g01[o], g02[o]
+            u00[o], u01[o], u02[o], u03[o] = e0, h * (e0 + e1 + e2), h * (e0 - e1 + e2), e2
+            e0, e1, e2 = h * (g00[o] + g10[o] + g20[o]), h * (g01[o] + g11[o] + g21[o]), h * (g02[o] + g12[o] + g22[o])
+            u10[o], u11[o], u12[o], u13[o] = e0, h * (e0 + e1 + e2), h * (e0 - e1 + e2), e2
+            e0, e1, e2 = h * (g00[o] - g10[o] + g20[o]), h * (g01[o] - g11[o] + g21[o]), h * (g02[o] - g12[o] + g22[o])
+            u20[o], u21[o], u22[o], u23[o] = e0, h * (e0 + e1 + e2), h * (e0 - e1 + e2), e2
+            e0, e1, e2 = g20[o], g21[o], g22[o]
+            u30[o], u31[o], u32[o], u33[o] = e0, h * (e0 + e1 + e2), h * (e0 - e1 + e2), e2
+        for k in range(16):
+            _out(a, ou + (k * C + c) * O, sb[k * O:], O)
+
+
+@njit(**FM)
+def _dweights(a, odu, odw, C, O, c0, cp, taps):
+    """dW rows of channels c0 .. c0+cp-1 (in the taps' order) = G^T dU G of dU (16, cp, O) at odu: a channel's nine
+    rows made in a stack buffer, then copied."""
+    sb = carray(stack_buf(a, WBUF), (WBUF,))
+    h = cvt(a, 0.5)
+    for c in range(cp):
+        u = odu + c * O
+        s = cp * O
+        u00, u01, u02, u03 = a[u:], a[u + s:], a[u + 2 * s:], a[u + 3 * s:]
+        u10, u11, u12, u13 = a[u + 4 * s:], a[u + 5 * s:], a[u + 6 * s:], a[u + 7 * s:]
+        u20, u21, u22, u23 = a[u + 8 * s:], a[u + 9 * s:], a[u + 10 * s:], a[u + 11 * s:]
+        u30, u31, u32, u33 = a[u + 12 * s:], a[u + 13 * s:], a[u + 14 * s:], a[u + 15 * s:]
+        w00, w01, w02, w10, w11, w12 = sb, sb[O:], sb[2 * O:], sb[3 * O:], sb[4 * O:], sb[5 * O:]
+        w20, w21, w22 = sb[6 * O:], sb[7 * O:], sb[8 * O:]
+        for o in range(O):          # G^T of (dU G) = (u0 + (u1 + u2)/2, (u1 - u2)/2, (u1 + u2)/2 + u3) per row
+            t00, t01, t02 = u00[o] + h * (u01[o] + u02[o]), h * (u01[o] - u02[o]), h * (u01[o] + u02[o]) + u03[o]
+            t10, t11, t12 = u10[o] + h * (u11[o] + u12[o]), h * (u11[o] - u12[o]), h * (u11[o] + u12[o]) + u13[o]
+            t20, t21, t22 = u20[o] + h * (u21[o] + u22[o]), h * (u21[o] - u22[o]), h * (u21[o] + u22[o]) + u23[o]
+            t30, t31, t32 = u30[o] + h * (u31[o] + u32[o]), h * (u31[o] - u32[o]), h * (u31[o] + u32[o]) + u33[o]
+            w00[o], w10[o], w20[o] = t00 + h * (t10 + t20), h * (t10 - t20), h * (t10 + t20) + t30
+            w01[o], w11[o], w21[o] = t01 + h * (t11 + t21), h * (t11 - t21), h * (t11 + t21) + t31
+            w02[o], w12[o], w22[o] = t02 + h * (t12 + t22), h * (t12 - t22), h * (t12 + t22) + t32
+        for i in range(3):
+            for j in range(3):
+                _out(a, _wrow(odw, C, O, taps, 0, c0 + c, i, j), sb[(3 * i + j) * O:], O)
+
+
+@njit(**FM)
+def _gemms(a, tab, oA, ka, rs, ks, K, oB, kb, ldb, oC, kc, ldc, rows, O, acc):
+    """The 16 products of a block, k < 16: C_k [+]= A_k @ B_k, with A_k (rows, K) at oA + k*ka (A_k(r, s) at
+    + r*rs + s*ks), B_k (K, O) at oB + k*kb (row s at + s*ldb), C_k (rows, O) at oC + k*kc (row r at + r*ldc);
+    rows in whole MR blocks (those past `rows` are the block's spare rows)."""
+    for k in range(16):
+        for r0 in range(0, rows, MR):
+            for q in range(MR):
+                tab[q] = (r0 + q) * rs
+            _gtile(a, a, tab, oA + k * ka, oB + k * kb, ldb, oC + k * kc + r0 * ldc, ldc, 1, 0, 1, 0, K, ks, O, 0,
+                   acc, 0, 0)
+
+
+@row("mode ox oin oout obias oscr N C H W O OH OW nhwc taps flip tout relu sc")
+@njit(**FM)
+def k_wino(a, ia, r):
+    """Winograd F(2x2, 3x3) convolution, stride 1, no dilation (padding made beforehand): x (N, C, H, W) at ox
+    (nhwc 1: (N, H, W, C)), OH = H - 2, OW = W - 2, C and O multiples of MR, at most WBUF / 16.
+    mode 2: U (16, C, O) at oout = the weights' transforms of wt (9*C, O) at oin, rows in the taps' order (taps 0:
+    (c, i, j); 1: (i, j, c)); flip 1: each filter reversed (a transposed convolution).
+    mode 0: y at oout = [bias at obias +] the convolution of x by the filters whose transforms U are at oin, as
+    pixel rows (N*OH*OW, O), or (N, O, OH, OW) with tout 1; relu 1: relu of it.
+    mode 1: dW (9*C, O) at oout = the weight gradient from dy (N*OH*OW, O) at oin, rows in the taps' order.
+    Part j of a split row: its images (mode 0) or its blocks of MR channels (mode 1), with sc elements of scratch
+    at oscr + j*sc (wino_scratch)."""
+    mode = r[1]; ox = r[2]; oin = r[3]; oout = r[4]; obias = r[5]; oscr = r[6]; N = r[7]; C = r[8]; H = r[9]
+    W = r[10]; O = r[11]; OH = r[12]; OW = r[13]; nhwc = r[14]; taps = r[15]; flip = r[16]; tout = r[17]
+    relu = r[18]; sc = r[19]
+    if mode == 2:
+        _weights(a, oin, oout, C, O, taps, flip)
+        return
+    j, n = part_of(r)
+    tab = carray(stack_buf(r, MR), (MR,))
+    TW = (OW + 1) // 2
+    NT = (OH + 1) // 2 * TW
+    if mode == 0:
+        cp, c0, n0, n1 = C, 0, j * N // n, (j + 1) * N // n
+    else:
+        c0, c1 = _chans(C, n, j)
+        cp, n0, n1 = c1 - c0, 0, N
+    tb = _tb(C, O)              # of the whole row: a part sums its channels' tiles as one thread would (bitwise)
+    oxs = oscr + j * sc                                     # the image as pixel rows (NCHW input)
+    oys = oxs + (H * W * cp if nhwc == 0 else 0)            # the output image's pixel rows (mode 0, tout)
+    ov = oys + (OH * OW * O if mode == 0 and tout else 0)   # the block's input transforms (tile-major)
+    sv, sm = 16 * cp + PAD, 16 * O + PAD                    # tile strides of the two
+    om = ov + tb * sv                                       # its products (mode 0) or dy's transforms (mode 1)
+    odu = om + tb * sm                                      # dU (mode 1)
+    opatch = odu + (16 * cp * O if mode == 1 else 0)        # a tile over the edge
+    oz = opatch + 16 * max(C, O)                            # a row of zeros
+    _zero(a, oz, max(C, O) + 16)
+    _zero(a, ov, tb * sv)               # the spare rows of a block's last MR tiles: no NaN, no denormal
+    if mode == 1:
+        _zero(a, odu, 16 * cp * O)
+    cur = -1                    # the image whose pixel rows are at oxs (NCHW input)
+    for t0 in range(n0 * NT, n1 * NT, tb):      # blocks of tb tiles, over the images' edges
+        tn = min(tb, n1 * NT - t0)
+        for tl in range(tn):
+            img = (t0 + tl) // NT
+            ty = (t0 + tl - img * NT) // TW
+            h0, w0 = 2 * ty, 2 * (t0 + tl - img * NT - ty * TW)
+            if nhwc == 0 and img != cur:
+                transpose(a, ox + (img * C + c0) * H * W, a, oxs, cp, H * W)
+                cur = img
+            src, ps = (oxs, cp) if nhwc == 0 else (ox + img * H * W * C + c0, C)
+            _tile_in(a, src, ps, H, W, oz, opatch, h0, w0, cp, ov + tl * sv)
+            if mode == 1:
+                _tile_dy(a, oin + img * OH * OW * O, OH, OW, O, oz, h0, w0, om + tl * sm)
+        if mode == 1:               # dU[k] += V[:, k]^T @ Z[:, k]
+            _gemms(a, tab, ov, cp, 1, sv, tn, om, O, sm, odu, cp * O, O, cp, O, 1)
+            continue
+        _gemms(a, tab, ov, cp, sv, 1, cp, oin, C * O, O, om, O, sm, tn, O, 0)   # M[tl, k] = V[tl, k] @ U[k]
+        for tl in range(tn):        # then each tile's outputs; an image's last one moves it to y (tout)
+            img = (t0 + tl) // NT
+            tt = t0 + tl - img * NT
+            ty = tt // TW
+            _tile_out(a, om + tl * sm, O, oys if tout else oout + img * OH * OW * O, OW, 2 * ty,
+                      2 * (tt - ty * TW), OH, obias if obias > 0 else oz, relu, opatch)
+            if tout and tt == NT - 1:
+                transpose(a, oys, a, oout + img * O * OH * OW, OH * OW, O)
+    if mode == 1:
+        _dweights(a, odu, oout, C, O, c0, cp, taps)

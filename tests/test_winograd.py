@@ -1,0 +1,137 @@
+"""Winograd F(2x2, 3x3) convolutions (k_wino): where a float32 program's 3x3 stride-1 convolutions use them, their
+forward and both gradients against the float64 program (direct implicit GEMMs), edge tiles of odd sizes, threads
+bitwise, the kernel's three modes on every layout against numpy, and an export run bitwise."""
+import numpy as np
+import pytest
+
+import btjit
+from btjit.graph.ops.winograd import eligible
+from btjit.kernels.common import PART, ROW, SPLIT
+from btjit.kernels.winograd import k_wino, wino_parts, wino_scratch
+from btjit.testing import split_kernels
+
+
+def net(p, x, y):           # the pytorch/examples MNIST net's two convolutions, a padded one first (edge tiles)
+    h = btjit.relu(btjit.conv2d(x * p["s"], p["w1"], p["b1"], padding=1))
+    h = btjit.relu(btjit.conv2d(h, p["w2"], p["b2"]))
+    return btjit.cross_entropy(btjit.flatten(btjit.adaptive_avg_pool2d(h, 1)), y)
+
+
+def params(rng, C=32):
+    return {"s": rng.uniform(0.5, 1.5, size=(1, C, 1, 1)), "w1": rng.normal(size=(32, C, 3, 3)) * 0.1,
+            "b1": rng.normal(size=32) * 0.1, "w2": rng.normal(size=(64, 32, 3, 3)) * 0.1, "b2": np.zeros(64)}
+
+
+def ops(prog):
+    return [e.op for e in prog.graph.eqns]
+
+
+def test_winograd_forward_and_gradients_match_the_direct_float64_program():
+    rng = np.random.default_rng(0)
+    p = params(rng)
+    x, y = rng.normal(size=(6, 32, 11, 9)), rng.integers(0, 64, 6).astype(np.int32)   # 11 x 9: odd edge tiles
+    p32 = {k: v.astype(np.float32) for k, v in p.items()}
+    f32 = btjit.trace(net, p32, x.astype(np.float32), y, grad=True, threads=1)
+    f64 = btjit.trace(net, p, x, y, grad=True, dtype="float64", threads=1)
+    assert ops(f32).count("wino") == 4 and ops(f32).count("wino_wgrad") == 2, ops(f32)      # forwards and dx's
+    assert "wino" not in ops(f64) and "conv_gemm" in ops(f64)
+    l32, l64 = f32.value_and_grad(x.astype(np.float32), y), f64.value_and_grad(x, y)
+    assert abs(l32 - l64) <= 1e-5 * abs(l64)
+    for k in p:
+        g32, g64 = f32.grads[k], f64.grads[k]
+        assert np.abs(g32 - g64).max() <= 2e-5 * np.abs(g64).max(), k
+
+
+def test_winograd_rows_split_over_threads_bitwise():
+    rng = np.random.default_rng(1)
+    p = {k: v.astype(np.float32) for k, v in params(rng).items()}
+    x, y = rng.normal(size=(8, 32, 12, 12)).astype(np.float32), rng.integers(0, 64, 8).astype(np.int32)
+    runs = []
+    for threads in (1, 2):
+        prog = btjit.trace(net, p, x, y, grad=True, threads=threads)
+        assert "wino_wgrad" in ops(prog)
+        runs.append((prog.value_and_grad(x, y), {k: prog.grads[k].copy() for k in p}, split_kernels(prog)))
+    (l1, g1, k1), (l2, g2, k2) = runs
+    assert l1 == l2 and all(np.array_equal(g1[k], g2[k]) for k in g1)
+    assert not k1 and k2.get("k_wino") == 2
+
+
+def test_the_rule_keeps_small_and_other_convolutions_on_the_implicit_gemm():
+    a = dict(kh=3, kw=3, sh=1, sw=1, dh=1, dw=1, oh=24, ow=24, nhwc=0, flip=0, tout=1)
+    assert eligible((64, 32, 26, 26), 64, a, 1) and eligible((64, 32, 26, 26), 64, a, 2)
+    assert not eligible((64, 16, 26, 26), 64, a, 1)                   # 16 channels: steps too short
+    assert not eligible((1, 32, 26, 26), 64, a, 2)                    # fewer images than threads
+    assert not eligible((64, 32, 26, 26), 64, dict(a, sh=2, sw=2, oh=12, ow=12), 1)
+    assert not eligible((64, 32, 28, 28), 64, dict(a, kh=5, kw=5), 1)
+    assert not eligible((2, 32, 4, 4), 32, dict(a, oh=2, ow=2), 1)    # too little work
+    rng = np.random.default_rng(2)
+    p = {k: v.astype(np.float32) for k, v in params(rng).items()}
+    x, y = rng.normal(size=(6, 32, 11, 9)).astype(np.float32), rng.integers(0, 64, 6).astype(np.int32)
+    assert "wino" not in ops(btjit.trace(net, p, x, y, grad=True, precision="bf16"))
+
+
+def _conv_ref(x, w):        # x (N, C, H, W), w (O, C, 3, 3): the valid cross-correlation (torch's conv2d)
+    OH, OW = x.shape[2] - 2, x.shape[3] - 2
+    return sum(np.einsum("nchw,oc->nohw", x[:, :, i:i + OH, j:j + OW], w[:, :, i, j]) for i in range(3)
+               for j in range(3))
+
+
+@pytest.mark.parametrize("dtype,N,C,H,W,O,nhwc,tout,relu,bias,flip,taps,parts", [
+    ("float64", 2, 8, 6, 6, 8, 0, 1, 0, 1, 0, 0, 1), ("float64", 3, 16, 7, 9, 24, 1, 0, 1, 1, 1, 1, 2),
+    ("float32", 4, 32, 13, 12, 16, 1, 1, 0, 0, 1, 0, 3), ("float64", 2, 8, 5, 5, 8, 1, 1, 0, 0, 0, 0, 1)])
+def test_kernel_modes_on_every_layout_against_numpy(dtype, N, C, H, W, O, nhwc, tout, relu, bias, flip, taps, parts):
+    """mode 2 (weights), 0 (forward: NCHW or NHWC in, pixel rows or NCHW out, bias, relu, flipped filters) and 1
+    (weight gradient, taps in both orders), each row run in `parts` parts one after another."""
+    rng = np.random.default_rng(N * C + H)
+    x, w, b = rng.normal(size=(N, C, H, W)), rng.normal(size=(O, C, 3, 3)), rng.normal(size=O)
+    OH, OW = H - 2, W - 2
+    dy = rng.normal(size=(N, OH, OW, O))
+    wt = (w.transpose(1, 2, 3, 0) if taps == 0 else w.transpose(2, 3, 1, 0)).reshape(9 * C, O)
+    sc = max(wino_scratch(m, C, H, W, O, OH, OW, nhwc if m == 0 else 0, tout, parts) for m in (0, 1))
+    blocks = {"x": (x.transpose(0, 2, 3, 1) if nhwc else x).ravel(), "wt": wt.ravel(), "u": 16 * C * O,
+              "y": N * O * OH * OW, "b": b, "dy": dy.ravel(), "dw": 9 * C * O, "scr": parts * sc}
+    off, pos = {}, 64
+    for k, v in blocks.items():
+        off[k] = pos
+        pos += (np.size(v) if not isinstance(v, int) else v) + 64
+    a, ia = np.full(pos, np.nan, dtype), np.zeros(4, np.int32)      # NaN around and in the scratch: nothing read
+    for k, v in blocks.items():
+        if not isinstance(v, int):
+            a[off[k]:off[k] + v.size] = v
+
+    def run(mode, oin, oout, n):
+        for j in range(n):
+            r = np.zeros(ROW, np.int64)
+            r[1:20] = [mode, off["x"], oin, oout, off["b"] if bias else 0, off["scr"], N, C, H, W, O, OH, OW,
+                       nhwc if mode == 0 else 0, taps, flip, tout, relu,
+                       wino_scratch(mode, C, H, W, O, OH, OW, nhwc if mode == 0 else 0, tout, n)]
+            r[PART], r[SPLIT] = j, n
+            k_wino(a, ia, r)
+    run(2, off["wt"], off["u"], 1)
+    run(0, off["u"], off["y"], min(parts, wino_parts(0, N, C)))
+    got = a[off["y"]:off["y"] + N * O * OH * OW]
+    got = got.reshape(N, O, OH, OW) if tout else got.reshape(N, OH, OW, O).transpose(0, 3, 1, 2)
+    want = _conv_ref(x, w[:, :, ::-1, ::-1] if flip else w) + (b[None, :, None, None] if bias else 0)
+    want = np.maximum(want, 0) if relu else want
+    tol = 1e-12 if dtype == "float64" else 2e-6
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
+    if nhwc:                # the weight gradient reads NCHW x: its own row below
+        a[off["x"]:off["x"] + x.size] = x.ravel()
+    run(1, off["dy"], off["dw"], min(parts, wino_parts(1, N, C)))
+    dw = np.zeros((O, C, 3, 3))
+    for i in range(3):
+        for j in range(3):
+            dw[:, :, i, j] = np.einsum("nchw,nhwo->oc", x[:, :, i:i + OH, j:j + OW], dy)
+    want = (dw.transpose(1, 2, 3, 0) if taps == 0 else dw.transpose(2, 3, 1, 0)).reshape(9 * C, O)
+    got = a[off["dw"]:off["dw"] + 9 * C * O].reshape(9 * C, O)
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
+
+
+def test_a_winograd_program_exports_and_runs_bitwise(tmp_path):
+    from test_export import _exports_run_bitwise
+    rng = np.random.default_rng(4)
+    p = {k: v.astype(np.float32) for k, v in params(rng).items()}
+    data = [(rng.normal(size=(6, 32, 11, 9)).astype(np.float32), rng.integers(0, 64, 6).astype(np.int32))
+            for _ in range(3)]
+    prog = btjit.trace(net, p, *data[0], optimizer=btjit.optim.AdamW(lr=1e-2), threads=1)
+    _exports_run_bitwise(tmp_path, [("wino", prog, data, "k_wino")])
