@@ -7,7 +7,7 @@ import pytest
 import btjit
 from btjit.graph.ops.winograd import eligible
 from btjit.kernels.common import PART, ROW, SPLIT
-from btjit.kernels.winograd import k_wino, wino_parts, wino_scratch
+from btjit.kernels.winograd import k_wino, k_wino_dw, wino_parts, wino_scratch
 from btjit.testing import split_kernels
 
 
@@ -80,14 +80,16 @@ def _conv_ref(x, w):        # x (N, C, H, W), w (O, C, 3, 3): the valid cross-co
     ("float64", 2, 8, 6, 6, 8, 0, 1, 0, 1, 0, 0, 1), ("float64", 3, 16, 7, 9, 24, 1, 0, 1, 1, 1, 1, 2),
     ("float32", 4, 32, 13, 12, 16, 1, 1, 0, 0, 1, 0, 3), ("float64", 2, 8, 5, 5, 8, 1, 1, 0, 0, 0, 0, 1)])
 def test_kernel_modes_on_every_layout_against_numpy(dtype, N, C, H, W, O, nhwc, tout, relu, bias, flip, taps, parts):
-    """mode 2 (weights), 0 (forward: NCHW or NHWC in, pixel rows or NCHW out, bias, relu, flipped filters) and 1
-    (weight gradient, taps in both orders), each row run in `parts` parts one after another."""
+    """k_wino's weights (mode 1) and forward (mode 0: NCHW or NHWC in, pixel rows or NCHW out, bias, relu, flipped
+    filters), k_wino_dw (the weight gradient, taps in both orders), each row run in `parts` parts one after
+    another."""
     rng = np.random.default_rng(N * C + H)
     x, w, b = rng.normal(size=(N, C, H, W)), rng.normal(size=(O, C, 3, 3)), rng.normal(size=O)
     OH, OW = H - 2, W - 2
     dy = rng.normal(size=(N, OH, OW, O))
     wt = (w.transpose(1, 2, 3, 0) if taps == 0 else w.transpose(2, 3, 1, 0)).reshape(9 * C, O)
-    sc = max(wino_scratch(m, C, H, W, O, OH, OW, nhwc if m == 0 else 0, tout, parts) for m in (0, 1))
+    sc = max(wino_scratch(False, C, H, W, O, OH, OW, nhwc, tout, parts), wino_scratch(True, C, H, W, O, OH, OW, 0, 0,
+                                                                                      parts))
     blocks = {"x": (x.transpose(0, 2, 3, 1) if nhwc else x).ravel(), "wt": wt.ravel(), "u": 16 * C * O,
               "y": N * O * OH * OW, "b": b, "dy": dy.ravel(), "dw": 9 * C * O, "scr": parts * sc}
     off, pos = {}, 64
@@ -99,16 +101,17 @@ def test_kernel_modes_on_every_layout_against_numpy(dtype, N, C, H, W, O, nhwc, 
         if not isinstance(v, int):
             a[off[k]:off[k] + v.size] = v
 
-    def run(mode, oin, oout, n):
+    def run(kernel, n, *args):
         for j in range(n):
             r = np.zeros(ROW, np.int64)
-            r[1:20] = [mode, off["x"], oin, oout, off["b"] if bias else 0, off["scr"], N, C, H, W, O, OH, OW,
-                       nhwc if mode == 0 else 0, taps, flip, tout, relu,
-                       wino_scratch(mode, C, H, W, O, OH, OW, nhwc if mode == 0 else 0, tout, n)]
+            r[1:1 + len(args)] = args
             r[PART], r[SPLIT] = j, n
-            k_wino(a, ia, r)
-    run(2, off["wt"], off["u"], 1)
-    run(0, off["u"], off["y"], min(parts, wino_parts(0, N, C)))
+            kernel(a, ia, r)
+    geom = (off["scr"], N, C, H, W, O, OH, OW, nhwc, taps, flip, tout, relu)
+    run(k_wino, 1, 1, off["x"], off["wt"], off["u"], 0, *geom, 0)
+    p0 = min(parts, wino_parts(False, N, C))
+    run(k_wino, p0, 0, off["x"], off["u"], off["y"], off["b"] if bias else 0, *geom,
+        wino_scratch(False, C, H, W, O, OH, OW, nhwc, tout, p0))
     got = a[off["y"]:off["y"] + N * O * OH * OW]
     got = got.reshape(N, O, OH, OW) if tout else got.reshape(N, OH, OW, O).transpose(0, 3, 1, 2)
     want = _conv_ref(x, w[:, :, ::-1, ::-1] if flip else w) + (b[None, :, None, None] if bias else 0)
@@ -117,7 +120,9 @@ def test_kernel_modes_on_every_layout_against_numpy(dtype, N, C, H, W, O, nhwc, 
     assert np.abs(got - want).max() <= tol * np.abs(want).max()
     if nhwc:                # the weight gradient reads NCHW x: its own row below
         a[off["x"]:off["x"] + x.size] = x.ravel()
-    run(1, off["dy"], off["dw"], min(parts, wino_parts(1, N, C)))
+    p1 = min(parts, wino_parts(True, N, C))
+    run(k_wino_dw, p1, off["x"], off["dy"], off["dw"], off["scr"], N, C, H, W, O, OH, OW, taps,
+        wino_scratch(True, C, H, W, O, OH, OW, 0, 0, p1))
     dw = np.zeros((O, C, 3, 3))
     for i in range(3):
         for j in range(3):

@@ -6,14 +6,17 @@
 #   G   = [[1, 0, 0], [1/2, 1/2, 1/2], [1/2, -1/2, 1/2], [0, 0, 1]]
 #   A^T = [[1, 1, 1, 0], [0, 1, -1, -1]]
 # The weight gradient is the same products' adjoint: dU = sum over tiles of (B^T d B) (x) (A dY A^T), dW = G^T dU G.
-# Tiles go in blocks whose transforms and products live in a stack buffer (stores there alias no load from the
-# arena, so every transform vectorizes without copies); an NCHW image is first transposed to pixel rows
-# (channels inner), so each transform runs along a contiguous row of channels. Hot loops index slices by their
-# range variable alone (an offset index costs numba's negative-index test: a gather per load).
+# Tiles go in blocks whose transforms and products stay in L2 (a part's arena scratch, tile-major, their strides
+# off multiples of 4 KB); each tile's transform is made in a stack buffer (its stores alias no load from the
+# arena, so the loop vectorizes with no runtime checks), then copied out in one pass. An NCHW image is first
+# transposed to pixel rows (channels inner), so every transform runs along a contiguous row of channels. Hot
+# loops index typed pointers (common.fptr) by their range variable alone (an offset index into a slice costs
+# numba's negative-index test: a gather per load). k_wino_dw, the weight gradient, is its own entry (two entries
+# compile in parallel: 4.5 and 2.7 s here, against 8.3 s as one).
 # graph/ops/winograd.py puts these kernels in place of the implicit GEMMs where they are measured faster.
 from numba import carray, njit
 
-from btjit.kernels.common import FM, MAX_THREADS, cvt, part_of, row, stack_buf, transpose
+from btjit.kernels.common import FM, MAX_THREADS, cvt, fptr, part_of, row, stack_buf, transpose
 from btjit.kernels.convgemm import _gtile
 from btjit.kernels.micro import MR
 
@@ -26,9 +29,9 @@ def wino_tb(C, O):
     return max(MR, min(128, 6144 // (C + O) // MR * MR))
 
 
-def wino_parts(mode, N, C):
-    """The most parts a row splits into: images (mode 0), blocks of MR channels (mode 1)."""
-    return 1 if mode == 2 else min(MAX_THREADS, N if mode == 0 else C // MR)
+def wino_parts(dw, N, C):
+    """The most parts a row splits into: images (k_wino), blocks of MR channels (dw: k_wino_dw)."""
+    return min(MAX_THREADS, C // MR if dw else N)
 
 
 def wino_chans(C, parts, j):
@@ -37,15 +40,13 @@ def wino_chans(C, parts, j):
     return j * nb // parts * MR, (j + 1) * nb // parts * MR
 
 
-def wino_scratch(mode, C, H, W, O, OH, OW, nhwc, tout, parts):
-    """Elements of one part's arena scratch in a row of `parts` parts: the image as pixel rows (NCHW input), the
-    output image before its transpose (mode 0, tout), the block's input transforms and products (or dy's
-    transforms), dU (mode 1), a tile over the edge and a zero row."""
-    if mode == 2:
-        return 0
-    cp = C if mode == 0 else -(-(C // MR) // parts) * MR        # the part's most channels
-    return (H * W * cp if nhwc == 0 else 0) + (OH * OW * O if mode == 0 and tout else 0) + \
-        wino_tb(C, O) * (16 * (cp + O) + 2 * PAD) + (16 * cp * O if mode == 1 else 0) + 17 * max(C, O) + 16
+def wino_scratch(dw, C, H, W, O, OH, OW, nhwc, tout, parts):
+    """Elements of one part's arena scratch in a k_wino row (dw: k_wino_dw) of `parts` parts (_layout): the image
+    as pixel rows (NCHW input), the output image before its transpose (tout), the block's input transforms and
+    products (or dy's transforms), dU (dw), a tile over the edge and a zero row."""
+    cp = -(-(C // MR) // parts) * MR if dw else C       # the part's most channels
+    return (H * W * cp if nhwc == 0 else 0) + (OH * OW * O if tout else 0) + \
+        wino_tb(C, O) * (16 * (cp + O) + 2 * PAD) + (16 * cp * O if dw else 0) + 17 * max(C, O) + 16
 
 
 _tb, _chans = njit(inline="always")(wino_tb), njit(inline="always")(wino_chans)
@@ -70,22 +71,22 @@ def _tile_in(a, src, ps, H, W, oz, opatch, h0, w0, C, ov):
         for k in range(16):
             h, w = h0 + k // 4, w0 + k % 4
             o = src + (h * W + w) * ps if h < H and w < W else oz
-            d, p = a[o:o + C], a[opatch + k * C:opatch + (k + 1) * C]
+            d, p = fptr(a, o), fptr(a, opatch + k * C)
             for c in range(C):
                 p[c] = d[c]
         src, W, h0, w0, q = opatch, 4, 0, 0, C
     o = src + (h0 * W + w0) * q
-    d00, d01, d02, d03 = a[o:], a[o + q:], a[o + 2 * q:], a[o + 3 * q:]
+    d00, d01, d02, d03 = fptr(a, o), fptr(a, o + q), fptr(a, o + 2 * q), fptr(a, o + 3 * q)
     o += W * q
-    d10, d11, d12, d13 = a[o:], a[o + q:], a[o + 2 * q:], a[o + 3 * q:]
+    d10, d11, d12, d13 = fptr(a, o), fptr(a, o + q), fptr(a, o + 2 * q), fptr(a, o + 3 * q)
     o += W * q
-    d20, d21, d22, d23 = a[o:], a[o + q:], a[o + 2 * q:], a[o + 3 * q:]
+    d20, d21, d22, d23 = fptr(a, o), fptr(a, o + q), fptr(a, o + 2 * q), fptr(a, o + 3 * q)
     o += W * q
-    d30, d31, d32, d33 = a[o:], a[o + q:], a[o + 2 * q:], a[o + 3 * q:]
-    v00, v01, v02, v03 = sb, sb[C:], sb[2 * C:], sb[3 * C:]
-    v10, v11, v12, v13 = sb[4 * C:], sb[5 * C:], sb[6 * C:], sb[7 * C:]
-    v20, v21, v22, v23 = sb[8 * C:], sb[9 * C:], sb[10 * C:], sb[11 * C:]
-    v30, v31, v32, v33 = sb[12 * C:], sb[13 * C:], sb[14 * C:], sb[15 * C:]
+    d30, d31, d32, d33 = fptr(a, o), fptr(a, o + q), fptr(a, o + 2 * q), fptr(a, o + 3 * q)
+    v00, v01, v02, v03 = fptr(sb, 0), fptr(sb, C), fptr(sb, 2 * C), fptr(sb, 3 * C)
+    v10, v11, v12, v13 = fptr(sb, 4 * C), fptr(sb, 5 * C), fptr(sb, 6 * C), fptr(sb, 7 * C)
+    v20, v21, v22, v23 = fptr(sb, 8 * C), fptr(sb, 9 * C), fptr(sb, 10 * C), fptr(sb, 11 * C)
+    v30, v31, v32, v33 = fptr(sb, 12 * C), fptr(sb, 13 * C), fptr(sb, 14 * C), fptr(sb, 15 * C)
     for c in range(C):
         e0, e1, e2, e3 = d00[c] - d02[c], d10[c] - d12[c], d20[c] - d22[c], d30[c] - d32[c]   # column 0 of d B
         v00[c], v10[c], v20[c], v30[c] = e0 - e2, e1 + e2, e2 - e1, e1 - e3                     # B^T of it
@@ -100,8 +101,8 @@ def _tile_in(a, src, ps, H, W, oz, opatch, h0, w0, C, ov):
 
 @njit(**FM)
 def _out(a, o, sb, n):
-    """a[o:o+n] = sb[:n] (the stack buffer's rows into the arena, in one pass)."""
-    v = a[o:o + n]
+    """a[o:o+n] = sb[:n] (a stack buffer's rows into the arena, in one pass)."""
+    v = fptr(a, o)
     for k in range(n):
         v[k] = sb[k]
 
@@ -112,20 +113,20 @@ def _tile_out(a, om, O, dst, OW, h0, w0, OH, ob, relu, opatch):
     row at ob [relu], stored as pixel rows at dst (pixel (h, w) at dst + (h*OW + w)*O); over the edge made at
     opatch first and only the pixels inside OH x OW stored. The rows are read from a stack buffer's copy."""
     sb = carray(stack_buf(a, WBUF), (WBUF,))
-    m = a[om:om + 16 * O]
+    m = fptr(a, om)
     for k in range(16 * O):
         sb[k] = m[k]
     om = 0
     edge = h0 + 1 >= OH or w0 + 1 >= OW
     o = opatch if edge else dst + (h0 * OW + w0) * O
-    y00, y01 = a[o:], a[o + O:]
+    y00, y01 = fptr(a, o), fptr(a, o + O)
     o = opatch + 2 * O if edge else dst + ((h0 + 1) * OW + w0) * O
-    y10, y11 = a[o:], a[o + O:]
-    m00, m01, m02, m03 = sb[om:], sb[om + O:], sb[om + 2 * O:], sb[om + 3 * O:]
-    m10, m11, m12, m13 = sb[om + 4 * O:], sb[om + 5 * O:], sb[om + 6 * O:], sb[om + 7 * O:]
-    m20, m21, m22, m23 = sb[om + 8 * O:], sb[om + 9 * O:], sb[om + 10 * O:], sb[om + 11 * O:]
-    m30, m31, m32, m33 = sb[om + 12 * O:], sb[om + 13 * O:], sb[om + 14 * O:], sb[om + 15 * O:]
-    b = a[ob:ob + O]
+    y10, y11 = fptr(a, o), fptr(a, o + O)
+    m00, m01, m02, m03 = fptr(sb, om), fptr(sb, om + O), fptr(sb, om + 2 * O), fptr(sb, om + 3 * O)
+    m10, m11, m12, m13 = fptr(sb, om + 4 * O), fptr(sb, om + 5 * O), fptr(sb, om + 6 * O), fptr(sb, om + 7 * O)
+    m20, m21, m22, m23 = fptr(sb, om + 8 * O), fptr(sb, om + 9 * O), fptr(sb, om + 10 * O), fptr(sb, om + 11 * O)
+    m30, m31, m32, m33 = fptr(sb, om + 12 * O), fptr(sb, om + 13 * O), fptr(sb, om + 14 * O), fptr(sb, om + 15 * O)
+    b = fptr(a, ob)
     z = cvt(a, 0.0)
     for c in range(O):
         u0, u1, u2, u3 = m00[c] + m10[c] + m20[c], m01[c] + m11[c] + m21[c], m02[c] + m12[c] + m22[c], \
@@ -140,7 +141,7 @@ def _tile_out(a, om, O, dst, OW, h0, w0, OH, ob, relu, opatch):
         for k in range(4):
             h, w = h0 + k // 2, w0 + k % 2
             if h < OH and w < OW:
-                y, p = a[dst + (h * OW + w) * O:], a[opatch + k * O:]
+                y, p = fptr(a, dst + (h * OW + w) * O), fptr(a, opatch + k * O)
                 for c in range(O):
                     y[c] = p[c]
 
@@ -154,11 +155,11 @@ def _tile_dy(a, src, OH, OW, O, oz, h0, w0, ot):
     o1 = o0 + O if w0 + 1 < OW else oz
     o2 = o0 + OW * O if h0 + 1 < OH else oz
     o3 = o0 + (OW + 1) * O if h0 + 1 < OH and w0 + 1 < OW else oz
-    y00, y01, y10, y11 = a[o0:o0 + O], a[o1:o1 + O], a[o2:o2 + O], a[o3:o3 + O]
-    z00, z01, z02, z03 = sb, sb[O:], sb[2 * O:], sb[3 * O:]
-    z10, z11, z12, z13 = sb[4 * O:], sb[5 * O:], sb[6 * O:], sb[7 * O:]
-    z20, z21, z22, z23 = sb[8 * O:], sb[9 * O:], sb[10 * O:], sb[11 * O:]
-    z30, z31, z32, z33 = sb[12 * O:], sb[13 * O:], sb[14 * O:], sb[15 * O:]
+    y00, y01, y10, y11 = fptr(a, o0), fptr(a, o1), fptr(a, o2), fptr(a, o3)
+    z00, z01, z02, z03 = fptr(sb, 0), fptr(sb, O), fptr(sb, 2 * O), fptr(sb, 3 * O)
+    z10, z11, z12, z13 = fptr(sb, 4 * O), fptr(sb, 5 * O), fptr(sb, 6 * O), fptr(sb, 7 * O)
+    z20, z21, z22, z23 = fptr(sb, 8 * O), fptr(sb, 9 * O), fptr(sb, 10 * O), fptr(sb, 11 * O)
+    z30, z31, z32, z33 = fptr(sb, 12 * O), fptr(sb, 13 * O), fptr(sb, 14 * O), fptr(sb, 15 * O)
     for c in range(O):      # each row's columns (y_0, y_0 + y_1, y_0 - y_1, -y_1): p of row 0, q of row 1
         p0, q0 = y00[c], y10[c]
         p1, q1 = y00[c] + y01[c], y10[c] + y11[c]
@@ -181,32 +182,21 @@ def _wrow(ow, C, O, taps, flip, c, i, j):
 @njit(**FM)
 def _weights(a, ow, ou, C, O, taps, flip):
     """U[k] (C, O) at ou = G g G^T of each (c, o) filter g of wt (9*C, O) at ow, rows in the taps' order;
-    flip: the filter reversed (a transposed convolution's). A channel's 16 rows made in a stack buffer, then
-    copied."""
-    sb = carray(stack_buf(a, WBUF), (WBUF,))
+    flip: the filter reversed (a transposed convolution's). Scalar: C*O filters once a step."""
     h = cvt(a, 0.5)
+    s = C * O
     for c in range(C):
-        g00, g01, g02 = a[_wrow(ow, C, O, taps, flip, c, 0, 0):], a[_wrow(ow, C, O, taps, flip, c, 0, 1):], \
-            a[_wrow(ow, C, O, taps, flip, c, 0, 2):]
-        g10, g11, g12 = a[_wrow(ow, C, O, taps, flip, c, 1, 0):], a[_wrow(ow, C, O, taps, flip, c, 1, 1):], \
-            a[_wrow(ow, C, O, taps, flip, c, 1, 2):]
-        g20, g21, g22 = a[_wrow(ow, C, O, taps, flip, c, 2, 0):], a[_wrow(ow, C, O, taps, flip, c, 2, 1):], \
-            a[_wrow(ow, C, O, taps, flip, c, 2, 2):]
-        u00, u01, u02, u03 = sb, sb[O:], sb[2 * O:], sb[3 * O:]
-        u10, u11, u12, u13 = sb[4 * O:], sb[5 * O:], sb[6 * O:], sb[7 * O:]
-        u20, u21, u22, u23 = sb[8 * O:], sb[9 * O:], sb[10 * O:], sb[11 * O:]
-        u30, u31, u32, u33 = sb[12 * O:], sb[13 * O:], sb[14 * O:], sb[15 * O:]
-        for o in range(O):          # the rows of G g: g_0, (g_0 + g_1 + g_2)/2, (g_0 - g_1 + g_2)/2, g_2; then G^T
-            e0, e1, e2 = g00[o], g01[o], g02[o]
-            u00[o], u01[o], u02[o], u03[o] = e0, h * (e0 + e1 + e2), h * (e0 - e1 + e2), e2
-            e0, e1, e2 = h * (g00[o] + g10[o] + g20[o]), h * (g01[o] + g11[o] + g21[o]), h * (g02[o] + g12[o] + g22[o])
-            u10[o], u11[o], u12[o], u13[o] = e0, h * (e0 + e1 + e2), h * (e0 - e1 + e2), e2
-            e0, e1, e2 = h * (g00[o] - g10[o] + g20[o]), h * (g01[o] - g11[o] + g21[o]), h * (g02[o] - g12[o] + g22[o])
-            u20[o], u21[o], u22[o], u23[o] = e0, h * (e0 + e1 + e2), h * (e0 - e1 + e2), e2
-            e0, e1, e2 = g20[o], g21[o], g22[o]
-            u30[o], u31[o], u32[o], u33[o] = e0, h * (e0 + e1 + e2), h * (e0 - e1 + e2), e2
-        for k in range(16):
-            _out(a, ou + (k * C + c) * O, sb[k * O:], O)
+        for o in range(O):
+            u = ou + c * O + o
+            for i in range(3):      # row i of g times G^T into rows 0, 1 (for now) and 3 of G g G^T
+                g0 = a[_wrow(ow, C, O, taps, flip, c, i, 0) + o]
+                g1 = a[_wrow(ow, C, O, taps, flip, c, i, 1) + o]
+                g2 = a[_wrow(ow, C, O, taps, flip, c, i, 2) + o]
+                v = u + 4 * (3 if i == 2 else i) * s
+                a[v], a[v + s], a[v + 2 * s], a[v + 3 * s] = g0, h * (g0 + g1 + g2), h * (g0 - g1 + g2), g2
+            for k in range(4):      # rows 1 and 2 of G g from its rows 0 and 3 and g's row 1 (held in row 1)
+                r0, r1, r3 = a[u + k * s], a[u + (4 + k) * s], a[u + (12 + k) * s]
+                a[u + (4 + k) * s], a[u + (8 + k) * s] = h * (r0 + r1 + r3), h * (r0 - r1 + r3)
 
 
 @njit(**FM)
@@ -218,12 +208,13 @@ def _dweights(a, odu, odw, C, O, c0, cp, taps):
     for c in range(cp):
         u = odu + c * O
         s = cp * O
-        u00, u01, u02, u03 = a[u:], a[u + s:], a[u + 2 * s:], a[u + 3 * s:]
-        u10, u11, u12, u13 = a[u + 4 * s:], a[u + 5 * s:], a[u + 6 * s:], a[u + 7 * s:]
-        u20, u21, u22, u23 = a[u + 8 * s:], a[u + 9 * s:], a[u + 10 * s:], a[u + 11 * s:]
-        u30, u31, u32, u33 = a[u + 12 * s:], a[u + 13 * s:], a[u + 14 * s:], a[u + 15 * s:]
-        w00, w01, w02, w10, w11, w12 = sb, sb[O:], sb[2 * O:], sb[3 * O:], sb[4 * O:], sb[5 * O:]
-        w20, w21, w22 = sb[6 * O:], sb[7 * O:], sb[8 * O:]
+        u00, u01, u02, u03 = fptr(a, u), fptr(a, u + s), fptr(a, u + 2 * s), fptr(a, u + 3 * s)
+        u10, u11, u12, u13 = fptr(a, u + 4 * s), fptr(a, u + 5 * s), fptr(a, u + 6 * s), fptr(a, u + 7 * s)
+        u20, u21, u22, u23 = fptr(a, u + 8 * s), fptr(a, u + 9 * s), fptr(a, u + 10 * s), fptr(a, u + 11 * s)
+        u30, u31, u32, u33 = fptr(a, u + 12 * s), fptr(a, u + 13 * s), fptr(a, u + 14 * s), fptr(a, u + 15 * s)
+        w00, w01, w02, w10, w11, w12 = fptr(sb, 0), fptr(sb, O), fptr(sb, 2 * O), fptr(sb, 3 * O), fptr(sb, 4 * O), \
+            fptr(sb, 5 * O)
+        w20, w21, w22 = fptr(sb, 6 * O), fptr(sb, 7 * O), fptr(sb, 8 * O)
         for o in range(O):          # G^T of (dU G) = (u0 + (u1 + u2)/2, (u1 - u2)/2, (u1 + u2)/2 + u3) per row
             t00, t01, t02 = u00[o] + h * (u01[o] + u02[o]), h * (u01[o] - u02[o]), h * (u01[o] + u02[o]) + u03[o]
             t10, t11, t12 = u10[o] + h * (u11[o] + u12[o]), h * (u11[o] - u12[o]), h * (u11[o] + u12[o]) + u13[o]
@@ -234,7 +225,7 @@ def _dweights(a, odu, odw, C, O, c0, cp, taps):
             w02[o], w12[o], w22[o] = t02 + h * (t12 + t22), h * (t12 - t22), h * (t12 + t22) + t32
         for i in range(3):
             for j in range(3):
-                _out(a, _wrow(odw, C, O, taps, 0, c0 + c, i, j), sb[(3 * i + j) * O:], O)
+                _out(a, _wrow(odw, C, O, taps, 0, c0 + c, i, j), fptr(sb, (3 * i + j) * O), O)
 
 
 @njit(**FM)
@@ -250,71 +241,100 @@ def _gemms(a, tab, oA, ka, rs, ks, K, oB, kb, ldb, oC, kc, ldc, rows, O, acc):
                    acc, 0, 0)
 
 
+@njit(**FM)
+def _layout(C, O, H, W, OH, OW, cp, nhwc, ys, dus, oscr):
+    """(tb, oxs, oys, ov, sv, om, sm, odu, opatch, oz): a part's scratch at oscr -- the image as pixel rows (NCHW
+    input), the output image's pixel rows (ys), a block of tb tiles' input transforms (tile stride sv) and its
+    products or dy's transforms (sm), dU (dus elements), a tile over the edge, a zero row -- zeroed where read
+    before written (a block's spare rows: no NaN, no denormal)."""
+    tb = _tb(C, O)          # of the whole row: a part sums its channels' tiles as one thread would (bitwise)
+    oys = oscr + (H * W * cp if nhwc == 0 else 0)
+    ov = oys + ys
+    sv, sm = 16 * cp + PAD, 16 * O + PAD
+    om = ov + tb * sv
+    odu = om + tb * sm
+    opatch = odu + dus
+    return tb, oscr, oys, ov, sv, om, sm, odu, opatch, opatch + 16 * max(C, O)
+
+
+@njit(**FM)
+def _tile(a, t, NT, TW, nhwc, ox, oxs, C, H, W, c0, cp, cur):
+    """(img, h0, w0, src, ps, cur) of the block's tile t (of NT an image, TW a row): its image, first pixel, and
+    where that image's pixel rows are (an NCHW image transposed to oxs when first met: cur is the one there)."""
+    img = t // NT
+    ty = (t - img * NT) // TW
+    if nhwc == 0 and img != cur:
+        transpose(a, ox + (img * C + c0) * H * W, a, oxs, cp, H * W)
+    src, ps = (oxs, cp) if nhwc == 0 else (ox + img * H * W * C + c0, C)
+    return img, 2 * ty, 2 * (t - img * NT - ty * TW), src, ps, img
+
+
 @row("mode ox oin oout obias oscr N C H W O OH OW nhwc taps flip tout relu sc")
 @njit(**FM)
 def k_wino(a, ia, r):
     """Winograd F(2x2, 3x3) convolution, stride 1, no dilation (padding made beforehand): x (N, C, H, W) at ox
     (nhwc 1: (N, H, W, C)), OH = H - 2, OW = W - 2, C and O multiples of MR, at most WBUF / 16.
-    mode 2: U (16, C, O) at oout = the weights' transforms of wt (9*C, O) at oin, rows in the taps' order (taps 0:
+    mode 1: U (16, C, O) at oout = the weights' transforms of wt (9*C, O) at oin, rows in the taps' order (taps 0:
     (c, i, j); 1: (i, j, c)); flip 1: each filter reversed (a transposed convolution).
     mode 0: y at oout = [bias at obias +] the convolution of x by the filters whose transforms U are at oin, as
-    pixel rows (N*OH*OW, O), or (N, O, OH, OW) with tout 1; relu 1: relu of it.
-    mode 1: dW (9*C, O) at oout = the weight gradient from dy (N*OH*OW, O) at oin, rows in the taps' order.
-    Part j of a split row: its images (mode 0) or its blocks of MR channels (mode 1), with sc elements of scratch
-    at oscr + j*sc (wino_scratch)."""
+    pixel rows (N*OH*OW, O), or (N, O, OH, OW) with tout 1; relu 1: relu of it. Part j of a split row: its
+    images, with sc elements of scratch at oscr + j*sc (wino_scratch)."""
     mode = r[1]; ox = r[2]; oin = r[3]; oout = r[4]; obias = r[5]; oscr = r[6]; N = r[7]; C = r[8]; H = r[9]
     W = r[10]; O = r[11]; OH = r[12]; OW = r[13]; nhwc = r[14]; taps = r[15]; flip = r[16]; tout = r[17]
     relu = r[18]; sc = r[19]
-    if mode == 2:
+    if mode == 1:
         _weights(a, oin, oout, C, O, taps, flip)
         return
     j, n = part_of(r)
     tab = carray(stack_buf(r, MR), (MR,))
     TW = (OW + 1) // 2
     NT = (OH + 1) // 2 * TW
-    if mode == 0:
-        cp, c0, n0, n1 = C, 0, j * N // n, (j + 1) * N // n
-    else:
-        c0, c1 = _chans(C, n, j)
-        cp, n0, n1 = c1 - c0, 0, N
-    tb = _tb(C, O)              # of the whole row: a part sums its channels' tiles as one thread would (bitwise)
-    oxs = oscr + j * sc                                     # the image as pixel rows (NCHW input)
-    oys = oxs + (H * W * cp if nhwc == 0 else 0)            # the output image's pixel rows (mode 0, tout)
-    ov = oys + (OH * OW * O if mode == 0 and tout else 0)   # the block's input transforms (tile-major)
-    sv, sm = 16 * cp + PAD, 16 * O + PAD                    # tile strides of the two
-    om = ov + tb * sv                                       # its products (mode 0) or dy's transforms (mode 1)
-    odu = om + tb * sm                                      # dU (mode 1)
-    opatch = odu + (16 * cp * O if mode == 1 else 0)        # a tile over the edge
-    oz = opatch + 16 * max(C, O)                            # a row of zeros
+    n0, n1 = j * N // n, (j + 1) * N // n
+    tb, oxs, oys, ov, sv, om, sm, _, opatch, oz = _layout(C, O, H, W, OH, OW, C, nhwc, OH * OW * O if tout else 0,
+                                                          0, oscr + j * sc)
     _zero(a, oz, max(C, O) + 16)
-    _zero(a, ov, tb * sv)               # the spare rows of a block's last MR tiles: no NaN, no denormal
-    if mode == 1:
-        _zero(a, odu, 16 * cp * O)
-    cur = -1                    # the image whose pixel rows are at oxs (NCHW input)
+    _zero(a, ov, tb * sv)
+    cur = -1
     for t0 in range(n0 * NT, n1 * NT, tb):      # blocks of tb tiles, over the images' edges
         tn = min(tb, n1 * NT - t0)
         for tl in range(tn):
-            img = (t0 + tl) // NT
-            ty = (t0 + tl - img * NT) // TW
-            h0, w0 = 2 * ty, 2 * (t0 + tl - img * NT - ty * TW)
-            if nhwc == 0 and img != cur:
-                transpose(a, ox + (img * C + c0) * H * W, a, oxs, cp, H * W)
-                cur = img
-            src, ps = (oxs, cp) if nhwc == 0 else (ox + img * H * W * C + c0, C)
-            _tile_in(a, src, ps, H, W, oz, opatch, h0, w0, cp, ov + tl * sv)
-            if mode == 1:
-                _tile_dy(a, oin + img * OH * OW * O, OH, OW, O, oz, h0, w0, om + tl * sm)
-        if mode == 1:               # dU[k] += V[:, k]^T @ Z[:, k]
-            _gemms(a, tab, ov, cp, 1, sv, tn, om, O, sm, odu, cp * O, O, cp, O, 1)
-            continue
-        _gemms(a, tab, ov, cp, sv, 1, cp, oin, C * O, O, om, O, sm, tn, O, 0)   # M[tl, k] = V[tl, k] @ U[k]
+            img, h0, w0, src, ps, cur = _tile(a, t0 + tl, NT, TW, nhwc, ox, oxs, C, H, W, 0, C, cur)
+            _tile_in(a, src, ps, H, W, oz, opatch, h0, w0, C, ov + tl * sv)
+        _gemms(a, tab, ov, C, sv, 1, C, oin, C * O, O, om, O, sm, tn, O, 0)     # M[tl, k] = V[tl, k] @ U[k]
         for tl in range(tn):        # then each tile's outputs; an image's last one moves it to y (tout)
             img = (t0 + tl) // NT
             tt = t0 + tl - img * NT
-            ty = tt // TW
-            _tile_out(a, om + tl * sm, O, oys if tout else oout + img * OH * OW * O, OW, 2 * ty,
-                      2 * (tt - ty * TW), OH, obias if obias > 0 else oz, relu, opatch)
+            h0, w0 = 2 * (tt // TW), 2 * (tt % TW)
+            _tile_out(a, om + tl * sm, O, oys if tout else oout + img * OH * OW * O, OW, h0, w0, OH,
+                      obias if obias > 0 else oz, relu, opatch)
             if tout and tt == NT - 1:
                 transpose(a, oys, a, oout + img * O * OH * OW, OH * OW, O)
-    if mode == 1:
-        _dweights(a, odu, oout, C, O, c0, cp, taps)
+
+
+@row("ox ody odw oscr N C H W O OH OW taps sc")
+@njit(**FM)
+def k_wino_dw(a, ia, r):
+    """The weight gradient of k_wino's convolution: dW (9*C, O) at odw, rows in the taps' order (0: (c, i, j);
+    1: (i, j, c)), from x (N, C, H, W) at ox and dy (N*OH*OW, O) at ody: dU[k] = the sum over the tiles of
+    V[:, k]^T Z[:, k] (the input tiles' and dy's transforms), then G^T dU G. Part j of a split row: its blocks of
+    MR channels, with sc elements of scratch at oscr + j*sc (wino_scratch)."""
+    ox = r[1]; ody = r[2]; odw = r[3]; oscr = r[4]; N = r[5]; C = r[6]; H = r[7]; W = r[8]; O = r[9]; OH = r[10]
+    OW = r[11]; taps = r[12]; sc = r[13]
+    j, n = part_of(r)
+    tab = carray(stack_buf(r, MR), (MR,))
+    TW = (OW + 1) // 2
+    NT = (OH + 1) // 2 * TW
+    c0, c1 = _chans(C, n, j)
+    cp = c1 - c0
+    tb, oxs, _, ov, sv, om, sm, odu, opatch, oz = _layout(C, O, H, W, OH, OW, cp, 0, 0, 16 * cp * O, oscr + j * sc)
+    _zero(a, oz, max(C, O) + 16)
+    _zero(a, odu, 16 * cp * O)
+    cur = -1
+    for t0 in range(0, N * NT, tb):
+        tn = min(tb, N * NT - t0)
+        for tl in range(tn):
+            img, h0, w0, src, ps, cur = _tile(a, t0 + tl, NT, TW, 0, ox, oxs, C, H, W, c0, cp, cur)
+            _tile_in(a, src, ps, H, W, oz, opatch, h0, w0, cp, ov + tl * sv)
+            _tile_dy(a, ody + img * OH * OW * O, OH, OW, O, oz, h0, w0, om + tl * sm)
+        _gemms(a, tab, ov, cp, 1, sv, tn, om, O, sm, odu, cp * O, O, cp, O, 1)    # dU[k] += V[:, k]^T @ Z[:, k]
+    _dweights(a, odu, odw, C, O, c0, cp, taps)

@@ -25,11 +25,11 @@ def _kernel_layout(a):
     return int(a["nhwc"] == 1), int(a["nhwc"] != 0)
 
 
-def _scratch(mode, N, C, H, W, O, a):
+def _scratch(dw, N, C, H, W, O, a):
     """Floats of the row's scratch: enough for every count of parts it may split into."""
-    nhwc = _kernel_layout(a)[0] if mode == 0 else 0
-    return max(p * wino_scratch(mode, C, H, W, O, a["oh"], a["ow"], nhwc, a["tout"], p)
-               for p in range(1, wino_parts(mode, N, C) + 1))
+    nhwc, tout = (0, 0) if dw else (_kernel_layout(a)[0], a["tout"])
+    return max(p * wino_scratch(dw, C, H, W, O, a["oh"], a["ow"], nhwc, tout, p)
+               for p in range(1, wino_parts(dw, N, C) + 1))
 
 
 def eligible(x_shape, O, a, threads) -> bool:
@@ -58,37 +58,44 @@ def use_winograd(graph, threads) -> None:
 
 def _wino_rule(types, attrs, fd):
     N, C, H, W, O = _dims(types[0][0], types[1][0], attrs)
-    return _conv_gemm_rule(types, attrs, fd) + [((16 * C * O,), fd), ((_scratch(0, N, C, H, W, O, attrs),), fd)]
+    return _conv_gemm_rule(types, attrs, fd) + [((16 * C * O,), fd), ((_scratch(False, N, C, H, W, O, attrs),), fd)]
 
 
 def _wgrad_rule(types, attrs, fd):
     N, C, H, W = _cg_dims(types[0][0], attrs)
     O = types[1][0][1]
-    return [((9 * C, O), fd), ((_scratch(1, N, C, H, W, O, attrs),), fd)]
+    return [((9 * C, O), fd), ((_scratch(True, N, C, H, W, O, attrs),), fd)]
 
 
-def _parts(L, mode, N, C, O, a):
+def _parts(L, dw, N, C, O, a):
     macs = N * a["oh"] * a["ow"] * C * O * 9
-    return min(L.threads, wino_parts(mode, N, C)) if par_gemm(macs, L.threads) else 1
+    return min(L.threads, wino_parts(dw, N, C)) if par_gemm(macs, L.threads) else 1
 
 
-def _lower(mode):
-    def lower(e, L):
-        X, B = e.ins[:2]
-        a = e.attrs
-        N, C, H, W, O = _dims(X.shape, B.shape if mode == 0 else (0, B.shape[1]), a)
-        nhwc, taps = _kernel_layout(a) if mode == 0 else (0, 0)
-        parts = _parts(L, mode, N, C, O, a)
-        common = dict(ox=L.off(X), oscr=L.off(e.outs[-1]), N=N, C=C, H=H, W=W, O=O, OH=a["oh"], OW=a["ow"], nhwc=nhwc,
-                      taps=taps, flip=a["flip"], tout=a["tout"] if mode == 0 else 0,
-                      relu=int(a.get("relu", 0)) if mode == 0 else 0)
-        sc = wino_scratch(mode, C, H, W, O, a["oh"], a["ow"], nhwc, common["tout"], parts)
-        rows = [L.row("k_wino", split=parts, mode=mode, oin=L.off(e.outs[1]) if mode == 0 else L.off(B),
-                      oout=L.off(e.outs[0]), obias=L.off(e.ins[2]) if len(e.ins) == 3 else 0, sc=sc, **common)]
-        if mode == 0:       # the weights' transforms first
-            rows.insert(0, L.row("k_wino", mode=2, oin=L.off(B), oout=L.off(e.outs[1]), obias=0, sc=0, **common))
-        return rows
-    return lower
+def _lower(e, L):
+    """The weights' transforms, then the convolution split over the images."""
+    X, B = e.ins[:2]
+    a = e.attrs
+    N, C, H, W, O = _dims(X.shape, B.shape, a)
+    nhwc, taps = _kernel_layout(a)
+    parts = _parts(L, False, N, C, O, a)
+    common = dict(ox=L.off(X), oscr=L.off(e.outs[-1]), N=N, C=C, H=H, W=W, O=O, OH=a["oh"], OW=a["ow"], nhwc=nhwc,
+                  taps=taps, flip=a["flip"], tout=a["tout"], relu=int(a.get("relu", 0)))
+    return [L.row("k_wino", mode=1, oin=L.off(B), oout=L.off(e.outs[1]), obias=0, sc=0, **common),
+            L.row("k_wino", split=parts, mode=0, oin=L.off(e.outs[1]), oout=L.off(e.outs[0]),
+                  obias=L.off(e.ins[2]) if len(e.ins) == 3 else 0,
+                  sc=wino_scratch(False, C, H, W, O, a["oh"], a["ow"], nhwc, a["tout"], parts), **common)]
+
+
+def _lower_dw(e, L):
+    X, G = e.ins
+    a = e.attrs
+    N, C, H, W = _cg_dims(X.shape, a)
+    O = G.shape[1]
+    parts = _parts(L, True, N, C, O, a)
+    return [L.row("k_wino_dw", split=parts, ox=L.off(X), ody=L.off(G), odw=L.off(e.outs[0]), oscr=L.off(e.outs[1]),
+                  N=N, C=C, H=H, W=W, O=O, OH=a["oh"], OW=a["ow"], taps=0,
+                  sc=wino_scratch(True, C, H, W, O, a["oh"], a["ow"], 0, 0, parts))]
 
 
 def _wgrad_ref(xs, a):
@@ -98,8 +105,8 @@ def _wgrad_ref(xs, a):
 _cases = [((F(2, 8, 6, 7), F(72, 8)), _cg(3, 3, 4, 5, tout=1)),                    # NCHW in, (N, O, OH, OW) out
           ((F(2, 8, 7, 6), F(72, 16), F(16)), dict(_cg(3, 3, 5, 4, nhwc=2), relu=1)),   # taps (i, j, c), bias, relu
           ((F(2, 6, 7, 8), F(72, 8)), _cg(3, 3, 4, 5, nhwc=1, flip=1, tout=1))]      # NHWC in, flipped: an input grad
-op("wino", infer=_wino_rule, ref=_conv_gemm_ref, lower=_lower(0), internal=True,
+op("wino", infer=_wino_rule, ref=_conv_gemm_ref, lower=_lower, internal=True,
    cases=[Case(s, a) for s, a in _cases])
-op("wino_wgrad", infer=_wgrad_rule, ref=_wgrad_ref, lower=_lower(1), internal=True,
+op("wino_wgrad", infer=_wgrad_rule, ref=_wgrad_ref, lower=_lower_dw, internal=True,
    cases=[Case((s[0], F(s[0][1][0] * a["oh"] * a["ow"], s[1][1][1])), dict(a, tout=0, relu=0, nhwc=0))
           for s, a in _cases[:2]])
