@@ -80,9 +80,8 @@ def _conv_ref(x, w):        # x (N, C, H, W), w (O, C, 3, 3): the valid cross-co
     ("float64", 2, 8, 6, 6, 8, 0, 1, 0, 1, 0, 0, 1), ("float64", 3, 16, 7, 9, 24, 1, 0, 1, 1, 1, 1, 2),
     ("float32", 4, 32, 13, 12, 16, 1, 1, 0, 0, 1, 0, 3), ("float64", 2, 8, 5, 5, 8, 1, 1, 0, 0, 0, 0, 1)])
 def test_kernel_modes_on_every_layout_against_numpy(dtype, N, C, H, W, O, nhwc, tout, relu, bias, flip, taps, parts):
-    """k_wino's weights (mode 1) and forward (mode 0: NCHW or NHWC in, pixel rows or NCHW out, bias, relu, flipped
-    filters), k_wino_dw (the weight gradient, taps in both orders), each row run in `parts` parts one after
-    another."""
+    """k_wino (the forward: NCHW or NHWC in, pixel rows or NCHW out, bias, relu, flipped filters) and k_wino_dw
+    (the weight gradient, taps in both orders), each row run in `parts` parts one after another."""
     rng = np.random.default_rng(N * C + H)
     x, w, b = rng.normal(size=(N, C, H, W)), rng.normal(size=(O, C, 3, 3)), rng.normal(size=O)
     OH, OW = H - 2, W - 2
@@ -90,7 +89,7 @@ def test_kernel_modes_on_every_layout_against_numpy(dtype, N, C, H, W, O, nhwc, 
     wt = (w.transpose(1, 2, 3, 0) if taps == 0 else w.transpose(2, 3, 1, 0)).reshape(9 * C, O)
     sc = max(wino_scratch(False, C, H, W, O, OH, OW, nhwc, tout, parts), wino_scratch(True, C, H, W, O, OH, OW, 0, 0,
                                                                                       parts))
-    blocks = {"x": (x.transpose(0, 2, 3, 1) if nhwc else x).ravel(), "wt": wt.ravel(), "u": 16 * C * O,
+    blocks = {"x": (x.transpose(0, 2, 3, 1) if nhwc else x).ravel(), "wt": wt.ravel(),
               "y": N * O * OH * OW, "b": b, "dy": dy.ravel(), "dw": 9 * C * O, "scr": parts * sc}
     off, pos = {}, 64
     for k, v in blocks.items():
@@ -107,11 +106,9 @@ def test_kernel_modes_on_every_layout_against_numpy(dtype, N, C, H, W, O, nhwc, 
             r[1:1 + len(args)] = args
             r[PART], r[SPLIT] = j, n
             kernel(a, ia, r)
-    geom = (off["scr"], N, C, H, W, O, OH, OW, nhwc, taps, flip, tout, relu)
-    run(k_wino, 1, 1, off["x"], off["wt"], off["u"], 0, *geom, 0)
     p0 = min(parts, wino_parts(False, N, C))
-    run(k_wino, p0, 0, off["x"], off["u"], off["y"], off["b"] if bias else 0, *geom,
-        wino_scratch(False, C, H, W, O, OH, OW, nhwc, tout, p0))
+    run(k_wino, p0, off["x"], off["wt"], off["y"], off["b"] if bias else 0, off["scr"], N, C, H, W, O, OH, OW, nhwc,
+        taps, flip, tout, relu, wino_scratch(False, C, H, W, O, OH, OW, nhwc, tout, p0))
     got = a[off["y"]:off["y"] + N * O * OH * OW]
     got = got.reshape(N, O, OH, OW) if tout else got.reshape(N, OH, OW, O).transpose(0, 3, 1, 2)
     want = _conv_ref(x, w[:, :, ::-1, ::-1] if flip else w) + (b[None, :, None, None] if bias else 0)

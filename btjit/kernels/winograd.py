@@ -12,7 +12,7 @@
 # transposed to pixel rows (channels inner), so every transform runs along a contiguous row of channels. Hot
 # loops index typed pointers (common.fptr) by their range variable alone (an offset index into a slice costs
 # numba's negative-index test: a gather per load). k_wino_dw, the weight gradient, is its own entry (two entries
-# compile in parallel: 4.5 and 2.7 s here, against 8.3 s as one).
+# compile in parallel: 4.9 and 2.6 s here, against 8.3 s as one).
 # graph/ops/winograd.py puts these kernels in place of the implicit GEMMs where they are measured faster.
 from numba import carray, njit
 
@@ -43,10 +43,10 @@ def wino_chans(C, parts, j):
 def wino_scratch(dw, C, H, W, O, OH, OW, nhwc, tout, parts):
     """Elements of one part's arena scratch in a k_wino row (dw: k_wino_dw) of `parts` parts (_layout): the image
     as pixel rows (NCHW input), the output image before its transpose (tout), the block's input transforms and
-    products (or dy's transforms), dU (dw), a tile over the edge and a zero row."""
+    products (or dy's transforms), U (or dU), a tile over the edge and a zero row."""
     cp = -(-(C // MR) // parts) * MR if dw else C       # the part's most channels
     return (H * W * cp if nhwc == 0 else 0) + (OH * OW * O if tout else 0) + \
-        wino_tb(C, O) * (16 * (cp + O) + 2 * PAD) + (16 * cp * O if dw else 0) + 17 * max(C, O) + 16
+        wino_tb(C, O) * (16 * (cp + O) + 2 * PAD) + 16 * cp * O + 17 * max(C, O) + 16
 
 
 _tb, _chans = njit(inline="always")(wino_tb), njit(inline="always")(wino_chans)
@@ -182,21 +182,32 @@ def _wrow(ow, C, O, taps, flip, c, i, j):
 @njit(**FM)
 def _weights(a, ow, ou, C, O, taps, flip):
     """U[k] (C, O) at ou = G g G^T of each (c, o) filter g of wt (9*C, O) at ow, rows in the taps' order;
-    flip: the filter reversed (a transposed convolution's). Scalar: C*O filters once a step."""
+    flip: the filter reversed (a transposed convolution's). A channel's 16 rows made in a stack buffer, then
+    copied (stored in place, 16 rows C*O apart, their lines conflicted in L1: 50x slower at 64 channels)."""
+    sb = carray(stack_buf(a, WBUF), (WBUF,))
     h = cvt(a, 0.5)
-    s = C * O
     for c in range(C):
-        for o in range(O):
-            u = ou + c * O + o
-            for i in range(3):      # row i of g times G^T into rows 0, 1 (for now) and 3 of G g G^T
-                g0 = a[_wrow(ow, C, O, taps, flip, c, i, 0) + o]
-                g1 = a[_wrow(ow, C, O, taps, flip, c, i, 1) + o]
-                g2 = a[_wrow(ow, C, O, taps, flip, c, i, 2) + o]
-                v = u + 4 * (3 if i == 2 else i) * s
-                a[v], a[v + s], a[v + 2 * s], a[v + 3 * s] = g0, h * (g0 + g1 + g2), h * (g0 - g1 + g2), g2
-            for k in range(4):      # rows 1 and 2 of G g from its rows 0 and 3 and g's row 1 (held in row 1)
-                r0, r1, r3 = a[u + k * s], a[u + (4 + k) * s], a[u + (12 + k) * s]
-                a[u + (4 + k) * s], a[u + (8 + k) * s] = h * (r0 + r1 + r3), h * (r0 - r1 + r3)
+        g00, g01, g02 = fptr(a, _wrow(ow, C, O, taps, flip, c, 0, 0)), fptr(a, _wrow(ow, C, O, taps, flip, c, 0, 1)), \
+            fptr(a, _wrow(ow, C, O, taps, flip, c, 0, 2))
+        g10, g11, g12 = fptr(a, _wrow(ow, C, O, taps, flip, c, 1, 0)), fptr(a, _wrow(ow, C, O, taps, flip, c, 1, 1)), \
+            fptr(a, _wrow(ow, C, O, taps, flip, c, 1, 2))
+        g20, g21, g22 = fptr(a, _wrow(ow, C, O, taps, flip, c, 2, 0)), fptr(a, _wrow(ow, C, O, taps, flip, c, 2, 1)), \
+            fptr(a, _wrow(ow, C, O, taps, flip, c, 2, 2))
+        u00, u01, u02, u03 = fptr(sb, 0), fptr(sb, O), fptr(sb, 2 * O), fptr(sb, 3 * O)
+        u10, u11, u12, u13 = fptr(sb, 4 * O), fptr(sb, 5 * O), fptr(sb, 6 * O), fptr(sb, 7 * O)
+        u20, u21, u22, u23 = fptr(sb, 8 * O), fptr(sb, 9 * O), fptr(sb, 10 * O), fptr(sb, 11 * O)
+        u30, u31, u32, u33 = fptr(sb, 12 * O), fptr(sb, 13 * O), fptr(sb, 14 * O), fptr(sb, 15 * O)
+        for o in range(O):          # the rows of G g: g_0, (g_0 + g_1 + g_2)/2, (g_0 - g_1 + g_2)/2, g_2; then G^T
+            e0, e1, e2 = g00[o], g01[o], g02[o]
+            u00[o], u01[o], u02[o], u03[o] = e0, h * (e0 + e1 + e2), h * (e0 - e1 + e2), e2
+            e0, e1, e2 = h * (g00[o] + g10[o] + g20[o]), h * (g01[o] + g11[o] + g21[o]), h * (g02[o] + g12[o] + g22[o])
+            u10[o], u11[o], u12[o], u13[o] = e0, h * (e0 + e1 + e2), h * (e0 - e1 + e2), e2
+            e0, e1, e2 = h * (g00[o] - g10[o] + g20[o]), h * (g01[o] - g11[o] + g21[o]), h * (g02[o] - g12[o] + g22[o])
+            u20[o], u21[o], u22[o], u23[o] = e0, h * (e0 + e1 + e2), h * (e0 - e1 + e2), e2
+            e0, e1, e2 = g20[o], g21[o], g22[o]
+            u30[o], u31[o], u32[o], u33[o] = e0, h * (e0 + e1 + e2), h * (e0 - e1 + e2), e2
+        for k in range(16):
+            _out(a, ou + (k * C + c) * O, fptr(sb, k * O), O)
 
 
 @njit(**FM)
@@ -242,18 +253,17 @@ def _gemms(a, tab, oA, ka, rs, ks, K, oB, kb, ldb, oC, kc, ldc, rows, O, acc):
 
 
 @njit(**FM)
-def _layout(C, O, H, W, OH, OW, cp, nhwc, ys, dus, oscr):
-    """(tb, oxs, oys, ov, sv, om, sm, odu, opatch, oz): a part's scratch at oscr -- the image as pixel rows (NCHW
+def _layout(C, O, H, W, OH, OW, cp, nhwc, ys, us, oscr):
+    """(tb, oxs, oys, ov, sv, om, sm, ou, opatch, oz): a part's scratch at oscr -- the image as pixel rows (NCHW
     input), the output image's pixel rows (ys), a block of tb tiles' input transforms (tile stride sv) and its
-    products or dy's transforms (sm), dU (dus elements), a tile over the edge, a zero row -- zeroed where read
-    before written (a block's spare rows: no NaN, no denormal)."""
+    products or dy's transforms (sm), U or dU (us elements), a tile over the edge, a zero row."""
     tb = _tb(C, O)          # of the whole row: a part sums its channels' tiles as one thread would (bitwise)
     oys = oscr + (H * W * cp if nhwc == 0 else 0)
     ov = oys + ys
     sv, sm = 16 * cp + PAD, 16 * O + PAD
     om = ov + tb * sv
     odu = om + tb * sm
-    opatch = odu + dus
+    opatch = odu + us
     return tb, oscr, oys, ov, sv, om, sm, odu, opatch, opatch + 16 * max(C, O)
 
 
@@ -269,29 +279,27 @@ def _tile(a, t, NT, TW, nhwc, ox, oxs, C, H, W, c0, cp, cur):
     return img, 2 * ty, 2 * (t - img * NT - ty * TW), src, ps, img
 
 
-@row("mode ox oin oout obias oscr N C H W O OH OW nhwc taps flip tout relu sc")
+@row("ox ow oy obias oscr N C H W O OH OW nhwc taps flip tout relu sc")
 @njit(**FM)
 def k_wino(a, ia, r):
     """Winograd F(2x2, 3x3) convolution, stride 1, no dilation (padding made beforehand): x (N, C, H, W) at ox
-    (nhwc 1: (N, H, W, C)), OH = H - 2, OW = W - 2, C and O multiples of MR, at most WBUF / 16.
-    mode 1: U (16, C, O) at oout = the weights' transforms of wt (9*C, O) at oin, rows in the taps' order (taps 0:
-    (c, i, j); 1: (i, j, c)); flip 1: each filter reversed (a transposed convolution).
-    mode 0: y at oout = [bias at obias +] the convolution of x by the filters whose transforms U are at oin, as
-    pixel rows (N*OH*OW, O), or (N, O, OH, OW) with tout 1; relu 1: relu of it. Part j of a split row: its
-    images, with sc elements of scratch at oscr + j*sc (wino_scratch)."""
-    mode = r[1]; ox = r[2]; oin = r[3]; oout = r[4]; obias = r[5]; oscr = r[6]; N = r[7]; C = r[8]; H = r[9]
-    W = r[10]; O = r[11]; OH = r[12]; OW = r[13]; nhwc = r[14]; taps = r[15]; flip = r[16]; tout = r[17]
-    relu = r[18]; sc = r[19]
-    if mode == 1:
-        _weights(a, oin, oout, C, O, taps, flip)
-        return
+    (nhwc 1: (N, H, W, C)) by wt (9*C, O) at ow, rows in the taps' order (taps 0: (c, i, j); 1: (i, j, c); flip 1:
+    each filter reversed, a transposed convolution), OH = H - 2, OW = W - 2, C and O multiples of MR, at most
+    WBUF / 16: y at oy = [bias at obias +] the convolution, as pixel rows (N*OH*OW, O), or (N, O, OH, OW) with
+    tout 1; relu 1: relu of it. Part j of a split row: its images, with sc elements of scratch at oscr + j*sc
+    (wino_scratch), where it first makes its own copy of the weights' transforms U (16, C, O): no cache line of U
+    moves between the cores from one step to the next (one copy written by one thread and read by both took
+    ~0.7 ms for 64 x 64 channels on two cores of this machine, a third of the convolution)."""
+    ox = r[1]; ow = r[2]; oy = r[3]; obias = r[4]; oscr = r[5]; N = r[6]; C = r[7]; H = r[8]; W = r[9]; O = r[10]
+    OH = r[11]; OW = r[12]; nhwc = r[13]; taps = r[14]; flip = r[15]; tout = r[16]; relu = r[17]; sc = r[18]
     j, n = part_of(r)
     tab = carray(stack_buf(r, MR), (MR,))
     TW = (OW + 1) // 2
     NT = (OH + 1) // 2 * TW
     n0, n1 = j * N // n, (j + 1) * N // n
-    tb, oxs, oys, ov, sv, om, sm, _, opatch, oz = _layout(C, O, H, W, OH, OW, C, nhwc, OH * OW * O if tout else 0,
-                                                          0, oscr + j * sc)
+    tb, oxs, oys, ov, sv, om, sm, ou, opatch, oz = _layout(C, O, H, W, OH, OW, C, nhwc, OH * OW * O if tout else 0,
+                                                           16 * C * O, oscr + j * sc)
+    _weights(a, ow, ou, C, O, taps, flip)
     _zero(a, oz, max(C, O) + 16)
     _zero(a, ov, tb * sv)
     cur = -1
@@ -300,15 +308,15 @@ def k_wino(a, ia, r):
         for tl in range(tn):
             img, h0, w0, src, ps, cur = _tile(a, t0 + tl, NT, TW, nhwc, ox, oxs, C, H, W, 0, C, cur)
             _tile_in(a, src, ps, H, W, oz, opatch, h0, w0, C, ov + tl * sv)
-        _gemms(a, tab, ov, C, sv, 1, C, oin, C * O, O, om, O, sm, tn, O, 0)     # M[tl, k] = V[tl, k] @ U[k]
+        _gemms(a, tab, ov, C, sv, 1, C, ou, C * O, O, om, O, sm, tn, O, 0)     # M[tl, k] = V[tl, k] @ U[k]
         for tl in range(tn):        # then each tile's outputs; an image's last one moves it to y (tout)
             img = (t0 + tl) // NT
             tt = t0 + tl - img * NT
             h0, w0 = 2 * (tt // TW), 2 * (tt % TW)
-            _tile_out(a, om + tl * sm, O, oys if tout else oout + img * OH * OW * O, OW, h0, w0, OH,
+            _tile_out(a, om + tl * sm, O, oys if tout else oy + img * OH * OW * O, OW, h0, w0, OH,
                       obias if obias > 0 else oz, relu, opatch)
             if tout and tt == NT - 1:
-                transpose(a, oys, a, oout + img * O * OH * OW, OH * OW, O)
+                transpose(a, oys, a, oy + img * O * OH * OW, OH * OW, O)
 
 
 @row("ox ody odw oscr N C H W O OH OW taps sc")

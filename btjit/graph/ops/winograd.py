@@ -2,7 +2,7 @@
 use_winograd, the pass that puts them in place of a float32 program's 3x3, stride-1 implicit-GEMM convolutions
 (conv_gemm: the forward and the input gradient; conv_wgrad: the weight gradient) where they are measured faster.
 Same inputs, attributes and first output as the op they replace (their VJP rules and fusions are conv_gemm's,
-applied before the pass); their other outputs are the weights' transforms and the rows' scratch."""
+applied before the pass); their second output is the rows' scratch."""
 from __future__ import annotations
 
 from btjit.graph.ir import Eqn
@@ -58,7 +58,7 @@ def use_winograd(graph, threads) -> None:
 
 def _wino_rule(types, attrs, fd):
     N, C, H, W, O = _dims(types[0][0], types[1][0], attrs)
-    return _conv_gemm_rule(types, attrs, fd) + [((16 * C * O,), fd), ((_scratch(False, N, C, H, W, O, attrs),), fd)]
+    return _conv_gemm_rule(types, attrs, fd) + [((_scratch(False, N, C, H, W, O, attrs),), fd)]
 
 
 def _wgrad_rule(types, attrs, fd):
@@ -73,18 +73,16 @@ def _parts(L, dw, N, C, O, a):
 
 
 def _lower(e, L):
-    """The weights' transforms, then the convolution split over the images."""
     X, B = e.ins[:2]
     a = e.attrs
     N, C, H, W, O = _dims(X.shape, B.shape, a)
     nhwc, taps = _kernel_layout(a)
     parts = _parts(L, False, N, C, O, a)
-    common = dict(ox=L.off(X), oscr=L.off(e.outs[-1]), N=N, C=C, H=H, W=W, O=O, OH=a["oh"], OW=a["ow"], nhwc=nhwc,
-                  taps=taps, flip=a["flip"], tout=a["tout"], relu=int(a.get("relu", 0)))
-    return [L.row("k_wino", mode=1, oin=L.off(B), oout=L.off(e.outs[1]), obias=0, sc=0, **common),
-            L.row("k_wino", split=parts, mode=0, oin=L.off(e.outs[1]), oout=L.off(e.outs[0]),
-                  obias=L.off(e.ins[2]) if len(e.ins) == 3 else 0,
-                  sc=wino_scratch(False, C, H, W, O, a["oh"], a["ow"], nhwc, a["tout"], parts), **common)]
+    sc = wino_scratch(False, C, H, W, O, a["oh"], a["ow"], nhwc, a["tout"], parts)
+    return [L.row("k_wino", split=parts, ox=L.off(X), ow=L.off(B), oy=L.off(e.outs[0]),
+                  obias=L.off(e.ins[2]) if len(e.ins) == 3 else 0, oscr=L.off(e.outs[1]), N=N, C=C, H=H, W=W, O=O,
+                  OH=a["oh"], OW=a["ow"], nhwc=nhwc, taps=taps, flip=a["flip"], tout=a["tout"],
+                  relu=int(a.get("relu", 0)), sc=sc)]
 
 
 def _lower_dw(e, L):
