@@ -36,8 +36,9 @@ def eligible(x_shape, O, a, threads) -> bool:
     """A 3x3 window at stride 1, no dilation; both channel counts multiples of MR, at least 32 (fewer: the
     products' steps too short for the transforms to pay) and at most WBUF / 16; an image per thread at least
     (a row splits over the images) and MIN_MACS multiply-adds a thread. Measured against the implicit GEMM
-    (znver4, one and two threads, a 3x3 convolution's forward and both gradients): 1.05-1.47x faster on 10
-    shapes inside the rule (8 to 64 images of 4x4 to 30x30, 32 to 256 channels), 0.6-0.98x on 11 outside it."""
+    (znver4; a 3x3 convolution's forward and both gradients, docs/benchmarks.md): 1.04-1.62x faster on one thread
+    and 1.12-1.45x on two inside the rule (1 to 64 images of 4x4 to 26x26, 32 to 128 channels); 0.60-0.98x with
+    8 or 16 channels."""
     N, C, H, W = _cg_dims(x_shape, a)
     return ((a["kh"], a["kw"], a["sh"], a["sw"], a["dh"], a["dw"]) == (3, 3, 1, 1, 1, 1)
             and C % MR == 0 and O % MR == 0 and 32 <= min(C, O) and 16 * max(C, O) <= WBUF
