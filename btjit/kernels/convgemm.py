@@ -87,8 +87,8 @@ def conv_part(a, r, part, nparts):
                 lo, hi = max(0, -((y1 - pt) // dh)), min(kh - 1, (pt + vh - 1 - y0) // dh)   # window rows
                 i0, i1 = (kh - 1 - hi, kh - lo) if flip else (lo, hi + 1)
                 i1 = max(i0, i1)
-            _gtile(a, a, tab, ox + base + i0 * s1, ob + i0 * kw * C * O, O, at, O, i1 - i0, s1, n2, s2, n3, s3, O, obias,
-                   0, P if tout else 0, relu)
+            _gtile(a, a, tab, ox + base + i0 * s1, ob + i0 * kw * C * O, O, at, O, i1 - i0, s1, n2, s2, n3, s3, O,
+                   obias, 0, P if tout else 0, relu)
         return
     K = C * kh * kw         # dW (Kpad, O) = patches^T @ dy: a row per tap (rows K.. repeat tap K-1), by images
     nblk = (K + MR - 1) // MR

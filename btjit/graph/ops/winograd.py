@@ -12,7 +12,7 @@ from btjit.graph.optable import TABLE, Case, F, op
 from btjit.kernels.micro import MR
 from btjit.kernels.winograd import WBUF, wino_parts, wino_scratch
 
-MIN_MACS = 1 << 22      # below this many multiply-adds (all images) the implicit GEMM, whose set-up is smaller
+MIN_MACS = 1 << 22      # below this many multiply-adds a thread the implicit GEMM, whose set-up is smaller
 
 
 def _dims(x_shape, wt_shape, a):
@@ -97,15 +97,11 @@ def _lower_dw(e, L):
                   sc=wino_scratch(True, C, H, W, O, a["oh"], a["ow"], 0, 0, parts))]
 
 
-def _wgrad_ref(xs, a):
-    return (_conv_wgrad_ref(xs, a)[0][:9 * xs[0].shape[1]],)     # (9*C is a whole number of MR rows)
-
-
 _cases = [((F(2, 8, 6, 7), F(72, 8)), _cg(3, 3, 4, 5, tout=1)),                    # NCHW in, (N, O, OH, OW) out
           ((F(2, 8, 7, 6), F(72, 16), F(16)), dict(_cg(3, 3, 5, 4, nhwc=2), relu=1)),   # taps (i, j, c), bias, relu
           ((F(2, 6, 7, 8), F(72, 8)), _cg(3, 3, 4, 5, nhwc=1, flip=1, tout=1))]      # NHWC in, flipped: an input grad
 op("wino", infer=_wino_rule, ref=_conv_gemm_ref, lower=_lower, internal=True,
    cases=[Case(s, a) for s, a in _cases])
-op("wino_wgrad", infer=_wgrad_rule, ref=_wgrad_ref, lower=_lower_dw, internal=True,
+op("wino_wgrad", infer=_wgrad_rule, ref=_conv_wgrad_ref, lower=_lower_dw, internal=True,
    cases=[Case((s[0], F(s[0][1][0] * a["oh"] * a["ow"], s[1][1][1])), dict(a, tout=0, relu=0, nhwc=0))
           for s, a in _cases[:2]])
