@@ -312,6 +312,20 @@ tile8, tile16, tile16_relu = _tile(8), _tile(16), _tile(16, masked=True)
 
 
 @njit(**FM)
+def fill_n(d, v, m):
+    """d[:m] = v (d an array or a typed pointer, common.fptr)."""
+    for j in range(m):
+        d[j] = v
+
+
+@njit(**FM)
+def copy_n(d, x, m):
+    """d[:m] = x[:m] (arrays or typed pointers; into or out of a stack buffer, the loop vectorizes unchecked)."""
+    for j in range(m):
+        d[j] = x[j]
+
+
+@njit(**FM)
 def transpose(src, osrc, dst, odst, R, C, omask=-1):
     """The (R, C) row-major matrix at src[osrc:] into (C, R) at dst[odst:] (arrays of one dtype; the two
     must not overlap): 16 x 16 register tiles (3x the speed of element loops), the last tile of each row

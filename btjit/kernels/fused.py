@@ -24,7 +24,7 @@ import math
 import numpy as np
 from numba import carray, njit
 
-from btjit.kernels.common import FM, ferf, fexp, fptr, ftanh, part_of, prefetch, row, stack_buf
+from btjit.kernels.common import FM, copy_n, ferf, fexp, fill_n, fptr, ftanh, part_of, prefetch, row, stack_buf
 from btjit.kernels.rng import fill, first, key
 from btjit.kernels.elementwise import (B_ADD, B_DIV, B_EQ, B_GE, B_GELU_GRAD, B_GT, B_LE, B_LT, B_MAX, B_MIN, B_MUL,
                                        B_NE, B_POW, B_RELU_GRAD, B_SIGMOID_GRAD, B_SILU_GRAD, B_SUB, B_TANH_GRAD,
@@ -48,18 +48,6 @@ RSIZE = BLOCK * (NREG + 1)   # and one scratch register (in-place destinations, 
 
 _z, _one = np.float32(0.0), np.float32(1.0)
 _BIG = np.float32(3.0e38)
-
-
-@njit(**FM)
-def _fill(d, v, m):
-    for j in range(m):
-        d[j] = v
-
-
-@njit(**FM)
-def _copy(d, x, m):
-    for j in range(m):
-        d[j] = x[j]
 
 
 @njit(**FM)
@@ -369,7 +357,7 @@ def _blocks(a, ia, r, lo, hi):
                 base = r[2 + xr] + i0 * P[s] + i1 * P[s + 1] + i2 * P[s + 2] + j0 * P[s + 3]
                 st = P[s + 3]
                 if st == 0:
-                    _fill(d, a[base], m)
+                    fill_n(d, a[base], m)
                 else:
                     for j in range(m):
                         d[j] = a[base + j * st]
@@ -379,7 +367,7 @@ def _blocks(a, ia, r, lo, hi):
                 fill(R[dr * BLOCK:] if dr >= 0 else a[_off(P, r, dr, i0, i1, i2, j0):], m, e, yr, k0, k1, c2, c3)
             elif op == LOADC:                # a scalar operand xr: its register filled once, for any block
                 if b == lo:
-                    _fill(d, a[r[2 + xr]], min(BLOCK, n3))
+                    fill_n(d, a[r[2 + xr]], min(BLOCK, n3))
             elif op == WHERE:
                 _where(d, _at(a, R, P, r, xr, i0, i1, i2, j0), _at(a, R, P, r, yr, i0, i1, i2, j0),
                        _at(a, R, P, r, zr, i0, i1, i2, j0), m)
@@ -402,7 +390,7 @@ def _blocks(a, ia, r, lo, hi):
                 else:
                     _op(op, s, x, y, m)
                 if inplace:
-                    _copy(d, s, m)          # not _op(U_COPY, ..): a literal op compiles _op again
+                    copy_n(d, s, m)         # not _op(U_COPY, ..): a literal op compiles _op again
         jb += 1
         if jb == nb3:
             jb, i2 = 0, i2 + 1

@@ -16,7 +16,7 @@
 # graph/ops/winograd.py puts these kernels in place of the implicit GEMMs where they are measured faster.
 from numba import carray, njit
 
-from btjit.kernels.common import FM, MAX_THREADS, cvt, fptr, part_of, row, stack_buf, transpose
+from btjit.kernels.common import FM, MAX_THREADS, copy_n, cvt, fill_n, fptr, part_of, row, stack_buf, transpose
 from btjit.kernels.convgemm import _gtile
 from btjit.kernels.micro import MR
 
@@ -50,14 +50,6 @@ def wino_scratch(dw, C, H, W, O, OH, OW, nhwc, tout, parts):
 
 
 _tb, _chans = njit(inline="always")(wino_tb), njit(inline="always")(wino_chans)
-
-
-@njit(**FM)
-def _zero(a, o, n):
-    z = cvt(a, 0.0)
-    v = a[o:o + n]
-    for i in range(n):
-        v[i] = z
 
 
 @njit(**FM)
@@ -96,15 +88,7 @@ def _tile_in(a, src, ps, H, W, oz, opatch, h0, w0, C, ov):
         v02[c], v12[c], v22[c], v32[c] = e0 - e2, e1 + e2, e2 - e1, e1 - e3
         e0, e1, e2, e3 = d01[c] - d03[c], d11[c] - d13[c], d21[c] - d23[c], d31[c] - d33[c]
         v03[c], v13[c], v23[c], v33[c] = e0 - e2, e1 + e2, e2 - e1, e1 - e3
-    _out(a, ov, sb, 16 * C)
-
-
-@njit(**FM)
-def _out(a, o, sb, n):
-    """a[o:o+n] = sb[:n] (a stack buffer's rows into the arena, in one pass)."""
-    v = fptr(a, o)
-    for k in range(n):
-        v[k] = sb[k]
+    copy_n(fptr(a, ov), sb, 16 * C)
 
 
 @njit(**FM)
@@ -113,19 +97,16 @@ def _tile_out(a, om, O, dst, OW, h0, w0, OH, ob, relu, opatch):
     row at ob [relu], stored as pixel rows at dst (pixel (h, w) at dst + (h*OW + w)*O); over the edge made at
     opatch first and only the pixels inside OH x OW stored. The rows are read from a stack buffer's copy."""
     sb = carray(stack_buf(a, WBUF), (WBUF,))
-    m = fptr(a, om)
-    for k in range(16 * O):
-        sb[k] = m[k]
-    om = 0
+    copy_n(sb, fptr(a, om), 16 * O)
     edge = h0 + 1 >= OH or w0 + 1 >= OW
     o = opatch if edge else dst + (h0 * OW + w0) * O
     y00, y01 = fptr(a, o), fptr(a, o + O)
     o = opatch + 2 * O if edge else dst + ((h0 + 1) * OW + w0) * O
     y10, y11 = fptr(a, o), fptr(a, o + O)
-    m00, m01, m02, m03 = fptr(sb, om), fptr(sb, om + O), fptr(sb, om + 2 * O), fptr(sb, om + 3 * O)
-    m10, m11, m12, m13 = fptr(sb, om + 4 * O), fptr(sb, om + 5 * O), fptr(sb, om + 6 * O), fptr(sb, om + 7 * O)
-    m20, m21, m22, m23 = fptr(sb, om + 8 * O), fptr(sb, om + 9 * O), fptr(sb, om + 10 * O), fptr(sb, om + 11 * O)
-    m30, m31, m32, m33 = fptr(sb, om + 12 * O), fptr(sb, om + 13 * O), fptr(sb, om + 14 * O), fptr(sb, om + 15 * O)
+    m00, m01, m02, m03 = fptr(sb, 0), fptr(sb, O), fptr(sb, 2 * O), fptr(sb, 3 * O)
+    m10, m11, m12, m13 = fptr(sb, 4 * O), fptr(sb, 5 * O), fptr(sb, 6 * O), fptr(sb, 7 * O)
+    m20, m21, m22, m23 = fptr(sb, 8 * O), fptr(sb, 9 * O), fptr(sb, 10 * O), fptr(sb, 11 * O)
+    m30, m31, m32, m33 = fptr(sb, 12 * O), fptr(sb, 13 * O), fptr(sb, 14 * O), fptr(sb, 15 * O)
     b = fptr(a, ob)
     z = cvt(a, 0.0)
     for c in range(O):
@@ -169,7 +150,7 @@ def _tile_dy(a, src, OH, OW, O, oz, h0, w0, ot):
         z10[c], z11[c], z12[c], z13[c] = p0 + q0, p1 + q1, p2 + q2, p3 + q3
         z20[c], z21[c], z22[c], z23[c] = p0 - q0, p1 - q1, p2 - q2, p3 - q3
         z30[c], z31[c], z32[c], z33[c] = -q0, -q1, -q2, -q3
-    _out(a, ot, sb, 16 * O)
+    copy_n(fptr(a, ot), sb, 16 * O)
 
 
 @njit(**FM)
@@ -207,7 +188,7 @@ def _weights(a, ow, ou, C, O, taps, flip):
             e0, e1, e2 = g20[o], g21[o], g22[o]
             u30[o], u31[o], u32[o], u33[o] = e0, h * (e0 + e1 + e2), h * (e0 - e1 + e2), e2
         for k in range(16):
-            _out(a, ou + (k * C + c) * O, fptr(sb, k * O), O)
+            copy_n(fptr(a, ou + (k * C + c) * O), fptr(sb, k * O), O)
 
 
 @njit(**FM)
@@ -236,7 +217,7 @@ def _dweights(a, odu, odw, C, O, c0, cp, taps):
             w02[o], w12[o], w22[o] = t02 + h * (t12 + t22), h * (t12 - t22), h * (t12 + t22) + t32
         for i in range(3):
             for j in range(3):
-                _out(a, _wrow(odw, C, O, taps, 0, c0 + c, i, j), fptr(sb, (3 * i + j) * O), O)
+                copy_n(fptr(a, _wrow(odw, C, O, taps, 0, c0 + c, i, j)), fptr(sb, (3 * i + j) * O), O)
 
 
 @njit(**FM)
@@ -300,8 +281,8 @@ def k_wino(a, ia, r):
     tb, oxs, oys, ov, sv, om, sm, ou, opatch, oz = _layout(C, O, H, W, OH, OW, C, nhwc, OH * OW * O if tout else 0,
                                                            16 * C * O, oscr + j * sc)
     _weights(a, ow, ou, C, O, taps, flip)
-    _zero(a, oz, max(C, O) + 16)
-    _zero(a, ov, tb * sv)
+    fill_n(fptr(a, oz), cvt(a, 0.0), max(C, O) + 16)
+    fill_n(fptr(a, ov), cvt(a, 0.0), tb * sv)
     cur = -1
     for t0 in range(n0 * NT, n1 * NT, tb):      # blocks of tb tiles, over the images' edges
         tn = min(tb, n1 * NT - t0)
@@ -335,8 +316,8 @@ def k_wino_dw(a, ia, r):
     c0, c1 = _chans(C, n, j)
     cp = c1 - c0
     tb, oxs, _, ov, sv, om, sm, odu, opatch, oz = _layout(C, O, H, W, OH, OW, cp, 0, 0, 16 * cp * O, oscr + j * sc)
-    _zero(a, oz, max(C, O) + 16)
-    _zero(a, odu, 16 * cp * O)
+    fill_n(fptr(a, oz), cvt(a, 0.0), max(C, O) + 16)
+    fill_n(fptr(a, odu), cvt(a, 0.0), 16 * cp * O)
     cur = -1
     for t0 in range(0, N * NT, tb):
         tn = min(tb, N * NT - t0)
