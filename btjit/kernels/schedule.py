@@ -31,7 +31,8 @@ def workers(n) -> int:
 HEAVY = {"k_attn_bl_move": 1, "k_ew_program": 5, "k_attn_bwd_flash": 6, "k_attn_fwd_flash": 4, "k_attn_bwd_bl": 4,
          "k_attn_fwd_bl": 4, "k_matmul": 4, "k_matmul_micro": 3, "k_attn_bwd_kept": 3, "k_attn_fwd_kept": 3,
          "k_strided": 3, "k_binary": 3, "k_attn_bwd": 3, "k_reduce": 2, "k_unary": 2, "k_ce_fwd": 0.7,
-         "k_layernorm_bwd": 0.5, "k_matmul_bf16": 3, "k_matmul_amx": 3, "k_conv": 3}
+         "k_layernorm_bwd": 0.5, "k_matmul_bf16": 3, "k_matmul_amx": 3, "k_conv": 3, "k_conv_dy": 3, "k_pool2d": 2.5,
+         "k_wino": 7, "k_wino_dw": 5}
 
 
 def _cost(entries) -> float:

@@ -1,5 +1,5 @@
 """Winograd convolutions: the op table's wino / wino_wgrad entries (kernels/winograd.py's k_wino) and
-use_winograd, the pass that puts them in place of a float32 program's 3x3, stride-1 implicit-GEMM convolutions
+use_winograd, the pass that puts them in place of a float32 program's 3x3 and 5x5, stride-1 implicit-GEMM convolutions
 (conv_gemm: the forward and the input gradient; conv_wgrad: the weight gradient) where they are measured faster.
 Same inputs, attributes and first output as the op they replace (their VJP rules and fusions are conv_gemm's,
 applied before the pass); their second output is the rows' scratch."""
@@ -28,21 +28,22 @@ def _kernel_layout(a):
 def _scratch(dw, N, C, H, W, O, a):
     """Floats of the row's scratch: enough for every count of parts it may split into."""
     nhwc, tout = (0, 0) if dw else (_kernel_layout(a)[0], a["tout"])
-    return max(p * wino_scratch(dw, C, H, W, O, a["oh"], a["ow"], nhwc, tout, p)
+    return max(p * wino_scratch(dw, a["kh"], C, H, W, O, a["oh"], a["ow"], nhwc, tout, p)
                for p in range(1, wino_parts(dw, N, C) + 1))
 
 
 def eligible(x_shape, O, a, threads) -> bool:
-    """A 3x3 window at stride 1, no dilation; both channel counts multiples of MR, at least 32 (fewer: the
-    products' steps too short for the transforms to pay) and at most WBUF / 16; an image per thread at least
+    """A 3x3 or 5x5 window at stride 1, no dilation; both channel counts multiples of MR, at least 32 (fewer: the
+    products' steps too short for the transforms to pay) and at most WBUF / T; an image per thread at least
     (a row splits over the images) and MIN_MACS multiply-adds a thread. Measured against the implicit GEMM
     (znver4; a 3x3 convolution's forward and both gradients, docs/benchmarks.md): 1.04-1.62x faster on one thread
     and 1.12-1.45x on two inside the rule (1 to 64 images of 4x4 to 26x26, 32 to 128 channels); 0.60-0.98x with
     8 or 16 channels."""
     N, C, H, W = _cg_dims(x_shape, a)
-    return ((a["kh"], a["kw"], a["sh"], a["sw"], a["dh"], a["dw"]) == (3, 3, 1, 1, 1, 1)
-            and C % MR == 0 and O % MR == 0 and 32 <= min(C, O) and 16 * max(C, O) <= WBUF
-            and N >= threads and N * a["oh"] * a["ow"] * C * O * 9 >= MIN_MACS * threads)
+    r = a["kh"]
+    return (r in (3, 5) and (a["kw"], a["sh"], a["sw"], a["dh"], a["dw"]) == (r, 1, 1, 1, 1)
+            and C % MR == 0 and O % MR == 0 and 32 <= min(C, O) and (r + 1) ** 2 * max(C, O) <= WBUF
+            and N >= threads and N * a["oh"] * a["ow"] * C * O * r * r >= MIN_MACS * threads)
 
 
 def use_winograd(graph, threads) -> None:
@@ -65,11 +66,11 @@ def _wino_rule(types, attrs, fd):
 def _wgrad_rule(types, attrs, fd):
     N, C, H, W = _cg_dims(types[0][0], attrs)
     O = types[1][0][1]
-    return [((9 * C, O), fd), ((_scratch(True, N, C, H, W, O, attrs),), fd)]
+    return [((attrs["kh"] * attrs["kw"] * C, O), fd), ((_scratch(True, N, C, H, W, O, attrs),), fd)]
 
 
 def _parts(L, dw, N, C, O, a):
-    macs = N * a["oh"] * a["ow"] * C * O * 9
+    macs = N * a["oh"] * a["ow"] * C * O * a["kh"] * a["kw"]
     return min(L.threads, wino_parts(dw, N, C)) if par_gemm(macs, L.threads) else 1
 
 
@@ -79,11 +80,11 @@ def _lower(e, L):
     N, C, H, W, O = _dims(X.shape, B.shape, a)
     nhwc, taps = _kernel_layout(a)
     parts = _parts(L, False, N, C, O, a)
-    sc = wino_scratch(False, C, H, W, O, a["oh"], a["ow"], nhwc, a["tout"], parts)
+    sc = wino_scratch(False, a["kh"], C, H, W, O, a["oh"], a["ow"], nhwc, a["tout"], parts)
     return [L.row("k_wino", split=parts, ox=L.off(X), ow=L.off(B), oy=L.off(e.outs[0]),
                   obias=L.off(e.ins[2]) if len(e.ins) == 3 else 0, oscr=L.off(e.outs[1]), N=N, C=C, H=H, W=W, O=O,
                   OH=a["oh"], OW=a["ow"], nhwc=nhwc, taps=taps, flip=a["flip"], tout=a["tout"],
-                  relu=int(a.get("relu", 0)), sc=sc)]
+                  relu=int(a.get("relu", 0)), sc=sc, r=a["kh"])]
 
 
 def _lower_dw(e, L):
@@ -93,15 +94,17 @@ def _lower_dw(e, L):
     O = G.shape[1]
     parts = _parts(L, True, N, C, O, a)
     return [L.row("k_wino_dw", split=parts, ox=L.off(X), ody=L.off(G), odw=L.off(e.outs[0]), oscr=L.off(e.outs[1]),
-                  N=N, C=C, H=H, W=W, O=O, OH=a["oh"], OW=a["ow"], taps=0,
-                  sc=wino_scratch(True, C, H, W, O, a["oh"], a["ow"], 0, 0, parts))]
+                  N=N, C=C, H=H, W=W, O=O, OH=a["oh"], OW=a["ow"], taps=0, r=a["kh"],
+                  sc=wino_scratch(True, a["kh"], C, H, W, O, a["oh"], a["ow"], 0, 0, parts))]
 
 
 _cases = [((F(2, 8, 6, 7), F(72, 8)), _cg(3, 3, 4, 5, tout=1)),                    # NCHW in, (N, O, OH, OW) out
           ((F(2, 8, 7, 6), F(72, 16), F(16)), dict(_cg(3, 3, 5, 4, nhwc=2), relu=1)),   # taps (i, j, c), bias, relu
-          ((F(2, 6, 7, 8), F(72, 8)), _cg(3, 3, 4, 5, nhwc=1, flip=1, tout=1))]      # NHWC in, flipped: an input grad
+          ((F(2, 6, 7, 8), F(72, 8)), _cg(3, 3, 4, 5, nhwc=1, flip=1, tout=1)),     # NHWC in, flipped: an input grad
+          ((F(2, 8, 9, 8), F(200, 16), F(16)), dict(_cg(5, 5, 5, 4, nhwc=2), relu=1)),  # 5x5, edge tiles
+          ((F(1, 9, 10, 8), F(200, 8)), _cg(5, 5, 5, 6, nhwc=1, flip=1, tout=1))]
 op("wino", infer=_wino_rule, ref=_conv_gemm_ref, lower=_lower, internal=True,
    cases=[Case(s, a) for s, a in _cases])
 op("wino_wgrad", infer=_wgrad_rule, ref=_conv_wgrad_ref, lower=_lower_dw, internal=True,
    cases=[Case((s[0], F(s[0][1][0] * a["oh"] * a["ow"], s[1][1][1])), dict(a, tout=0, relu=0, nhwc=0))
-          for s, a in _cases[:2]])
+          for s, a in _cases[:2] + _cases[3:4]])

@@ -1,0 +1,268 @@
+"""The tile transforms of kernels/winograd.py's convolutions (Lavin and Gray, arXiv 1509.09308): a 2x2 output tile
+from an input tile of (r+1) x (r+1) pixels, T = (r+1)^2 rows, for r x r windows --
+  F(2x2, 3x3): B^T = [[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], A^T = [[1, 1, 1, 0], [0, 1, -1, -1]],
+               written out element by element (_in3, _out3, _dy3);
+  F(2x2, 5x5): on the points 0, 1, -1, 2, -2 and infinity, B^T = [[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0],
+               [0, 4, -4, -1, 1, 0], [0, -2, -1, 2, 1, 0], [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]],
+               A^T = [[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 1]], each 2-D transform two passes of its 1-D one
+               (_bt, _at, _a): the columns from the arena into the stack buffer, then the rows out of it (_in5, _out5,
+               _dy5).
+The input tile B^T d B (tile_in), the products' A^T m A to outputs (tile_out), the output gradient's A dY A^T
+(tile_dy). Every transform runs along rows of channels (pixel rows, channels inner) and through the one stack
+buffer of its function (common.stack_buf: its loops load from the arena and store to the stack, or the reverse,
+so they vectorize with no runtime alias checks)."""
+from numba import carray, njit
+
+from btjit.kernels.common import FM, copy_n, cvt, fptr, stack_buf
+
+WBUF = 8192       # elements of a stack buffer: a tile's T rows of up to WBUF / T channels
+
+
+@njit(**FM)
+def _edge_out(a, dst, OW, h0, w0, OH, O, opatch):
+    """The 2x2 outputs made at opatch (row k at opatch + k*O) of a tile over the edge: those inside OH x OW to dst."""
+    for k in range(4):
+        h, w = h0 + k // 2, w0 + k % 2
+        if h < OH and w < OW:
+            copy_n(fptr(a, dst + (h * OW + w) * O), fptr(a, opatch + k * O), O)
+
+
+@njit(**FM)
+def _in3(a, src, ps, H, W, oz, opatch, h0, w0, C, ov):
+    """The 4x4 input tile at pixel (h0, w0) of the pixel rows at src (pixel (h, w) at src + (h*W + w)*ps, C
+    channels) transformed, B^T d B, into its 16 rows of C at ov (row k at ov + k*C): made in a stack buffer,
+    then copied in one pass. A tile over the edge is first gathered at opatch (zeros outside H x W: row oz)."""
+    sb = carray(stack_buf(a, WBUF), (WBUF,))
+    q = ps
+    if h0 + 3 >= H or w0 + 3 >= W:
+        for k in range(16):
+            h, w = h0 + k // 4, w0 + k % 4
+            o = src + (h * W + w) * ps if h < H and w < W else oz
+            d, p = fptr(a, o), fptr(a, opatch + k * C)
+            for c in range(C):
+                p[c] = d[c]
+        src, W, h0, w0, q = opatch, 4, 0, 0, C
+    o = src + (h0 * W + w0) * q
+    d00, d01, d02, d03 = fptr(a, o), fptr(a, o + q), fptr(a, o + 2 * q), fptr(a, o + 3 * q)
+    o += W * q
+    d10, d11, d12, d13 = fptr(a, o), fptr(a, o + q), fptr(a, o + 2 * q), fptr(a, o + 3 * q)
+    o += W * q
+    d20, d21, d22, d23 = fptr(a, o), fptr(a, o + q), fptr(a, o + 2 * q), fptr(a, o + 3 * q)
+    o += W * q
+    d30, d31, d32, d33 = fptr(a, o), fptr(a, o + q), fptr(a, o + 2 * q), fptr(a, o + 3 * q)
+    v00, v01, v02, v03 = fptr(sb, 0), fptr(sb, C), fptr(sb, 2 * C), fptr(sb, 3 * C)
+    v10, v11, v12, v13 = fptr(sb, 4 * C), fptr(sb, 5 * C), fptr(sb, 6 * C), fptr(sb, 7 * C)
+    v20, v21, v22, v23 = fptr(sb, 8 * C), fptr(sb, 9 * C), fptr(sb, 10 * C), fptr(sb, 11 * C)
+    v30, v31, v32, v33 = fptr(sb, 12 * C), fptr(sb, 13 * C), fptr(sb, 14 * C), fptr(sb, 15 * C)
+    for c in range(C):
+        e0, e1, e2, e3 = d00[c] - d02[c], d10[c] - d12[c], d20[c] - d22[c], d30[c] - d32[c]   # column 0 of d B
+        v00[c], v10[c], v20[c], v30[c] = e0 - e2, e1 + e2, e2 - e1, e1 - e3                     # B^T of it
+        e0, e1, e2, e3 = d01[c] + d02[c], d11[c] + d12[c], d21[c] + d22[c], d31[c] + d32[c]
+        v01[c], v11[c], v21[c], v31[c] = e0 - e2, e1 + e2, e2 - e1, e1 - e3
+        e0, e1, e2, e3 = d02[c] - d01[c], d12[c] - d11[c], d22[c] - d21[c], d32[c] - d31[c]
+        v02[c], v12[c], v22[c], v32[c] = e0 - e2, e1 + e2, e2 - e1, e1 - e3
+        e0, e1, e2, e3 = d01[c] - d03[c], d11[c] - d13[c], d21[c] - d23[c], d31[c] - d33[c]
+        v03[c], v13[c], v23[c], v33[c] = e0 - e2, e1 + e2, e2 - e1, e1 - e3
+    copy_n(fptr(a, ov), sb, 16 * C)
+
+
+@njit(**FM)
+def _out3(a, om, O, dst, OW, h0, w0, OH, ob, relu, opatch):
+    """The 16 product rows of O at om (row k at om + k*O) of one tile back to its 2x2 outputs, A^T m A + the bias
+    row at ob [relu], stored as pixel rows at dst (pixel (h, w) at dst + (h*OW + w)*O); over the edge made at
+    opatch first and only the pixels inside OH x OW stored. The rows are read from a stack buffer's copy."""
+    sb = carray(stack_buf(a, WBUF), (WBUF,))
+    copy_n(sb, fptr(a, om), 16 * O)
+    edge = h0 + 1 >= OH or w0 + 1 >= OW
+    o = opatch if edge else dst + (h0 * OW + w0) * O
+    y00, y01 = fptr(a, o), fptr(a, o + O)
+    o = opatch + 2 * O if edge else dst + ((h0 + 1) * OW + w0) * O
+    y10, y11 = fptr(a, o), fptr(a, o + O)
+    m00, m01, m02, m03 = fptr(sb, 0), fptr(sb, O), fptr(sb, 2 * O), fptr(sb, 3 * O)
+    m10, m11, m12, m13 = fptr(sb, 4 * O), fptr(sb, 5 * O), fptr(sb, 6 * O), fptr(sb, 7 * O)
+    m20, m21, m22, m23 = fptr(sb, 8 * O), fptr(sb, 9 * O), fptr(sb, 10 * O), fptr(sb, 11 * O)
+    m30, m31, m32, m33 = fptr(sb, 12 * O), fptr(sb, 13 * O), fptr(sb, 14 * O), fptr(sb, 15 * O)
+    b = fptr(a, ob)
+    z = cvt(a, 0.0)
+    for c in range(O):
+        u0, u1, u2, u3 = m00[c] + m10[c] + m20[c], m01[c] + m11[c] + m21[c], m02[c] + m12[c] + m22[c], \
+            m03[c] + m13[c] + m23[c]
+        v0, v1, v2, v3 = m10[c] - m20[c] - m30[c], m11[c] - m21[c] - m31[c], m12[c] - m22[c] - m32[c], \
+            m13[c] - m23[c] - m33[c]
+        t00, t01, t10, t11 = u0 + u1 + u2 + b[c], u1 - u2 - u3 + b[c], v0 + v1 + v2 + b[c], v1 - v2 - v3 + b[c]
+        if relu:
+            t00, t01, t10, t11 = max(t00, z), max(t01, z), max(t10, z), max(t11, z)
+        y00[c], y01[c], y10[c], y11[c] = t00, t01, t10, t11
+    if edge:
+        _edge_out(a, dst, OW, h0, w0, OH, O, opatch)
+
+
+@njit(**FM)
+def _dy3(a, src, OH, OW, O, oz, h0, w0, ot):
+    """The 2x2 output gradient at (h0, w0) of the pixel rows at src (zeros outside OH x OW: the row at oz) as its
+    16 rows A dY A^T of O at ot (row k at ot + k*O), made in a stack buffer."""
+    sb = carray(stack_buf(a, WBUF), (WBUF,))
+    o0 = src + (h0 * OW + w0) * O
+    o1 = o0 + O if w0 + 1 < OW else oz
+    o2 = o0 + OW * O if h0 + 1 < OH else oz
+    o3 = o0 + (OW + 1) * O if h0 + 1 < OH and w0 + 1 < OW else oz
+    y00, y01, y10, y11 = fptr(a, o0), fptr(a, o1), fptr(a, o2), fptr(a, o3)
+    z00, z01, z02, z03 = fptr(sb, 0), fptr(sb, O), fptr(sb, 2 * O), fptr(sb, 3 * O)
+    z10, z11, z12, z13 = fptr(sb, 4 * O), fptr(sb, 5 * O), fptr(sb, 6 * O), fptr(sb, 7 * O)
+    z20, z21, z22, z23 = fptr(sb, 8 * O), fptr(sb, 9 * O), fptr(sb, 10 * O), fptr(sb, 11 * O)
+    z30, z31, z32, z33 = fptr(sb, 12 * O), fptr(sb, 13 * O), fptr(sb, 14 * O), fptr(sb, 15 * O)
+    for c in range(O):      # each row's columns (y_0, y_0 + y_1, y_0 - y_1, -y_1): p of row 0, q of row 1
+        p0, q0 = y00[c], y10[c]
+        p1, q1 = y00[c] + y01[c], y10[c] + y11[c]
+        p2, q2 = y00[c] - y01[c], y10[c] - y11[c]
+        p3, q3 = -y01[c], -y11[c]
+        z00[c], z01[c], z02[c], z03[c] = p0, p1, p2, p3
+        z10[c], z11[c], z12[c], z13[c] = p0 + q0, p1 + q1, p2 + q2, p3 + q3
+        z20[c], z21[c], z22[c], z23[c] = p0 - q0, p1 - q1, p2 - q2, p3 - q3
+        z30[c], z31[c], z32[c], z33[c] = -q0, -q1, -q2, -q3
+    copy_n(fptr(a, ot), sb, 16 * O)
+
+
+@njit(**FM)
+def _bt(d0, d1, d2, d3, d4, d5, k2, k4, k5):
+    """B^T of F(2, 5) along a line of six."""
+    e, f = d4 - d2, k2 * (d3 - d1)
+    return (k4 * d0 - k5 * d2 + d4, d3 + d4 - k4 * (d1 + d2), d4 - d3 + k4 * (d1 - d2), e + f, e - f,
+            k4 * d1 - k5 * d3 + d5)
+
+
+@njit(**FM)
+def _at(m0, m1, m2, m3, m4, m5, k2):
+    """A^T of F(2, 5): six to two."""
+    return m0 + m1 + m2 + m3 + m4, m1 - m2 + k2 * (m3 - m4) + m5
+
+
+@njit(**FM)
+def _a(y0, y1, k2):
+    """A of F(2, 5): two to six (the adjoint of _at)."""
+    f = k2 * y1
+    return y0, y0 + y1, y0 - y1, y0 + f, y0 - f, y1
+
+
+
+
+@njit(**FM)
+def _in5(a, src, ps, H, W, oz, opatch, h0, w0, C, ov):
+    """_in3 for F(2x2, 5x5): the 6x6 input tile's 36 rows B^T d B, columns into the stack buffer, then rows to ov."""
+    sb = carray(stack_buf(a, WBUF), (WBUF,))
+    k2, k4, k5 = cvt(a, 2.0), cvt(a, 4.0), cvt(a, 5.0)
+    q = ps
+    if h0 + 5 >= H or w0 + 5 >= W:
+        for k in range(36):
+            h, w = h0 + k // 6, w0 + k % 6
+            o = src + (h * W + w) * ps if h < H and w < W else oz
+            d, p = fptr(a, o), fptr(a, opatch + k * C)
+            for c in range(C):
+                p[c] = d[c]
+        src, W, h0, w0, q = opatch, 6, 0, 0, C
+    s = W * q
+    for j in range(6):
+        o = src + (h0 * W + w0 + j) * q
+        d0, d1, d2, d3, d4, d5 = fptr(a, o), fptr(a, o + s), fptr(a, o + 2 * s), fptr(a, o + 3 * s), \
+            fptr(a, o + 4 * s), fptr(a, o + 5 * s)
+        t0, t1, t2, t3, t4, t5 = fptr(sb, j * C), fptr(sb, (6 + j) * C), fptr(sb, (12 + j) * C), \
+            fptr(sb, (18 + j) * C), fptr(sb, (24 + j) * C), fptr(sb, (30 + j) * C)
+        for c in range(C):
+            t0[c], t1[c], t2[c], t3[c], t4[c], t5[c] = _bt(d0[c], d1[c], d2[c], d3[c], d4[c], d5[c], k2, k4, k5)
+    for i in range(6):
+        o = 6 * i * C
+        s0, s1, s2, s3, s4, s5 = fptr(sb, o), fptr(sb, o + C), fptr(sb, o + 2 * C), fptr(sb, o + 3 * C), \
+            fptr(sb, o + 4 * C), fptr(sb, o + 5 * C)
+        o += ov
+        v0, v1, v2, v3, v4, v5 = fptr(a, o), fptr(a, o + C), fptr(a, o + 2 * C), fptr(a, o + 3 * C), \
+            fptr(a, o + 4 * C), fptr(a, o + 5 * C)
+        for c in range(C):
+            v0[c], v1[c], v2[c], v3[c], v4[c], v5[c] = _bt(s0[c], s1[c], s2[c], s3[c], s4[c], s5[c], k2, k4, k5)
+
+
+@njit(**FM)
+def _out5(a, om, O, dst, OW, h0, w0, OH, ob, relu, opatch):
+    """_out3 for F(2x2, 5x5): the 36 product rows' columns to two rows (A^T m) in the stack buffer, then each of
+    those to two outputs (+ bias [relu])."""
+    sb = carray(stack_buf(a, WBUF), (WBUF,))
+    k2 = cvt(a, 2.0)
+    for j in range(6):
+        o = om + j * O
+        m0, m1, m2, m3, m4, m5 = fptr(a, o), fptr(a, o + 6 * O), fptr(a, o + 12 * O), fptr(a, o + 18 * O), \
+            fptr(a, o + 24 * O), fptr(a, o + 30 * O)
+        u0, u1 = fptr(sb, j * O), fptr(sb, (6 + j) * O)
+        for c in range(O):
+            u0[c], u1[c] = _at(m0[c], m1[c], m2[c], m3[c], m4[c], m5[c], k2)
+    edge = h0 + 1 >= OH or w0 + 1 >= OW
+    b = fptr(a, ob)
+    z = cvt(a, 0.0)
+    for i in range(2):
+        o = opatch + 2 * i * O if edge else dst + ((h0 + i) * OW + w0) * O
+        y0, y1 = fptr(a, o), fptr(a, o + O)
+        o = 6 * i * O
+        s0, s1, s2, s3, s4, s5 = fptr(sb, o), fptr(sb, o + O), fptr(sb, o + 2 * O), fptr(sb, o + 3 * O), \
+            fptr(sb, o + 4 * O), fptr(sb, o + 5 * O)
+        for c in range(O):
+            t0, t1 = _at(s0[c], s1[c], s2[c], s3[c], s4[c], s5[c], k2)
+            t0, t1 = t0 + b[c], t1 + b[c]
+            if relu:
+                t0, t1 = max(t0, z), max(t1, z)
+            y0[c], y1[c] = t0, t1
+    if edge:
+        _edge_out(a, dst, OW, h0, w0, OH, O, opatch)
+
+
+@njit(**FM)
+def _dy5(a, src, OH, OW, O, oz, h0, w0, ot):
+    """_dy3 for F(2x2, 5x5): the 2x2 output gradient's 36 rows A dY A^T at ot (columns, then rows)."""
+    sb = carray(stack_buf(a, WBUF), (WBUF,))
+    k2 = cvt(a, 2.0)
+    o0 = src + (h0 * OW + w0) * O
+    o1 = o0 + O if w0 + 1 < OW else oz
+    o2 = o0 + OW * O if h0 + 1 < OH else oz
+    o3 = o0 + (OW + 1) * O if h0 + 1 < OH and w0 + 1 < OW else oz
+    for j in range(2):
+        y0, y1 = (fptr(a, o0), fptr(a, o2)) if j == 0 else (fptr(a, o1), fptr(a, o3))
+        z0, z1, z2, z3, z4, z5 = fptr(sb, j * O), fptr(sb, (2 + j) * O), fptr(sb, (4 + j) * O), \
+            fptr(sb, (6 + j) * O), fptr(sb, (8 + j) * O), fptr(sb, (10 + j) * O)
+        for c in range(O):
+            z0[c], z1[c], z2[c], z3[c], z4[c], z5[c] = _a(y0[c], y1[c], k2)
+    for i in range(6):
+        p0, p1 = fptr(sb, 2 * i * O), fptr(sb, (2 * i + 1) * O)
+        o = ot + 6 * i * O
+        z0, z1, z2, z3, z4, z5 = fptr(a, o), fptr(a, o + O), fptr(a, o + 2 * O), fptr(a, o + 3 * O), \
+            fptr(a, o + 4 * O), fptr(a, o + 5 * O)
+        for c in range(O):
+            z0[c], z1[c], z2[c], z3[c], z4[c], z5[c] = _a(p0[c], p1[c], k2)
+
+
+@njit(**FM)
+def tile_in(a, r, src, ps, H, W, oz, opatch, h0, w0, C, ov):
+    """The (r+1) x (r+1) input tile at pixel (h0, w0) of the pixel rows at src (pixel (h, w) at src + (h*W + w)*ps,
+    C channels), B^T d B, as its T rows of C at ov (row k at ov + k*C); a tile over the edge first gathered at
+    opatch (zeros outside H x W: the row at oz)."""
+    if r == 3:
+        _in3(a, src, ps, H, W, oz, opatch, h0, w0, C, ov)
+    else:
+        _in5(a, src, ps, H, W, oz, opatch, h0, w0, C, ov)
+
+
+@njit(**FM)
+def tile_out(a, r, om, O, dst, OW, h0, w0, OH, ob, relu, opatch):
+    """The T product rows of O at om (row k at om + k*O) of one tile to its 2x2 outputs, A^T m A + the bias row at
+    ob [relu], stored as pixel rows at dst (pixel (h, w) at dst + (h*OW + w)*O); over the edge made at opatch first
+    and only the pixels inside OH x OW stored."""
+    if r == 3:
+        _out3(a, om, O, dst, OW, h0, w0, OH, ob, relu, opatch)
+    else:
+        _out5(a, om, O, dst, OW, h0, w0, OH, ob, relu, opatch)
+
+
+@njit(**FM)
+def tile_dy(a, r, src, OH, OW, O, oz, h0, w0, ot):
+    """The 2x2 output gradient at (h0, w0) of the pixel rows at src (zeros outside OH x OW: the row at oz) as its
+    T rows A dY A^T of O at ot (row k at ot + k*O)."""
+    if r == 3:
+        _dy3(a, src, OH, OW, O, oz, h0, w0, ot)
+    else:
+        _dy5(a, src, OH, OW, O, oz, h0, w0, ot)
