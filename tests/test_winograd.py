@@ -121,7 +121,7 @@ def test_kernel_modes_on_every_layout_against_numpy(r, dtype, N, C, H, W, O, nhw
     got = got.reshape(N, O, OH, OW) if tout else got.reshape(N, OH, OW, O).transpose(0, 3, 1, 2)
     want = _conv_ref(x, w[:, :, ::-1, ::-1] if flip else w) + (b[None, :, None, None] if bias else 0)
     want = np.maximum(want, 0) if relu else want
-    tol = 1e-12 if dtype == "float64" else 2e-6 if r == 3 else 1e-5     # F(2, 5)'s points +-2 and 1/24: float32 loses more
+    tol = 1e-12 if dtype == "float64" else 2e-6 if r == 3 else 1e-5     # F(2, 5)'s points +-2, 1/24: float32 loses more
     assert np.abs(got - want).max() <= tol * np.abs(want).max()
     if nhwc:                # the weight gradient reads NCHW x: its own row below
         a[off["x"]:off["x"] + x.size] = x.ravel()

@@ -2,13 +2,13 @@
 # convolution (r = 3 or 5) as T = (r+1)^2 products of (tiles x C) by (C x O) -- T multiply-adds per 2x2 output
 # tile and channel pair instead of 4*r*r: 16 for 36, 36 for 100 -- on the register micro-kernels
 # (btjit/kernels/micro.py's gathered form), between transforms of the input tiles (B^T d B), of the weights
-# (G g G^T) and of the T products (A^T m A), in winograd_f23.py and winograd_f25.py. The weight gradient is the
+# (G g G^T: _sandwich) and of the T products (A^T m A), the tiles' in winograd_tiles.py. The weight gradient is the
 # same products' adjoint: dU = sum over tiles of (B^T d B) (x) (A dY A^T), dW = G^T dU G.
 # Tiles go in blocks whose transforms and products stay in L2 (a part's arena scratch, tile-major, their strides
 # off multiples of 4 KB). An NCHW image is first transposed to pixel rows (channels inner), so every transform
 # runs along a contiguous row of channels. Hot loops index typed pointers (common.fptr) by their range variable
 # alone (an offset index into a slice costs numba's negative-index test: a gather per load). k_wino_dw, the weight
-# gradient, is its own entry (two entries compile in parallel: 4.9 and 2.6 s here, against 8.3 s as one).
+# gradient, is its own entry (two entries: ~8 and ~5 s to compile in one process, sharing the transforms).
 # graph/ops/winograd.py puts these kernels in place of the implicit GEMMs where they are measured faster.
 import numpy as np
 from numba import carray, njit
@@ -157,8 +157,8 @@ def k_wino(a, ia, r):
     """Winograd F(2x2, r x r) convolution (r 3 or 5), stride 1, no dilation (padding made beforehand): x (N, C, H, W)
     at ox (nhwc 1: (N, H, W, C)) by wt (r*r*C, O) at ow, rows in the taps' order (taps 0: (c, i, j); 1: (i, j, c);
     flip 1: each filter reversed, a transposed convolution), OH = H - r + 1, OW = W - r + 1, C and O multiples of
-    MR, at most WBUF / T: y at oy = [bias at obias +] the convolution, as pixel rows (N*OH*OW, O), or (N, O, OH, OW) with
-    tout 1; relu 1: relu of it. Part j of a split row: its images, with sc elements of scratch at oscr + j*sc
+    MR, at most WBUF / T: y at oy = [bias at obias +] the convolution, as pixel rows (N*OH*OW, O), or (N, O, OH,
+    OW) with tout 1; relu 1: relu of it. Part j of a split row: its images, with sc elements of scratch at oscr + j*sc
     (wino_scratch), where it first makes its own copy of the weights' transforms U (T, C, O): no cache line of U
     moves between the cores from one step to the next (one copy written by one thread and read by both took
     ~0.7 ms for 64 x 64 channels on two cores of this machine, a third of the convolution)."""

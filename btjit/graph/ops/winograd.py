@@ -38,7 +38,8 @@ def eligible(x_shape, O, a, threads) -> bool:
     (a row splits over the images) and MIN_MACS multiply-adds a thread. Measured against the implicit GEMM
     (znver4; a 3x3 convolution's forward and both gradients, docs/benchmarks.md): 1.04-1.62x faster on one thread
     and 1.12-1.45x on two inside the rule (1 to 64 images of 4x4 to 26x26, 32 to 128 channels); 0.60-0.98x with
-    8 or 16 channels."""
+    8 or 16 channels. A 5x5 one: 1.57-1.85x on one thread, 1.16-1.70x on two (2 to 64 images of 10x10 to 24x24,
+    32 to 64 channels); with 16 channels 1.05-1.34x on one thread but 0.70-0.79x on two, with 8 0.65-0.92x."""
     N, C, H, W = _cg_dims(x_shape, a)
     r = a["kh"]
     return (r in (3, 5) and (a["kw"], a["sh"], a["sw"], a["dh"], a["dw"]) == (r, 1, 1, 1, 1)
