@@ -151,10 +151,10 @@ def _tile(a, t, NT, TW, nhwc, ox, oxs, C, H, W, c0, cp, cur):
     return img, 2 * ty, 2 * (t - img * NT - ty * TW), src, ps, img
 
 
-@row("ox ow oy obias oscr N C H W O OH OW nhwc taps flip tout relu sc r")
+@row("ox ow oy obias oscr N C H W O OH OW nhwc taps flip tout relu sc k")
 @njit(**FM)
 def k_wino(a, ia, r):
-    """Winograd F(2x2, r x r) convolution (r 3 or 5), stride 1, no dilation (padding made beforehand): x (N, C, H, W)
+    """Winograd F(2x2, r x r) convolution (r = k, 3 or 5), stride 1, no dilation (padding made beforehand): x (N, C, H, W)
     at ox (nhwc 1: (N, H, W, C)) by wt (r*r*C, O) at ow, rows in the taps' order (taps 0: (c, i, j); 1: (i, j, c);
     flip 1: each filter reversed, a transposed convolution), OH = H - r + 1, OW = W - r + 1, C and O multiples of
     MR, at most WBUF / T: y at oy = [bias at obias +] the convolution, as pixel rows (N*OH*OW, O), or (N, O, OH,
@@ -193,11 +193,11 @@ def k_wino(a, ia, r):
                 transpose(a, oys, a, oy + img * O * OH * OW, OH * OW, O)
 
 
-@row("ox ody odw oscr N C H W O OH OW taps sc r")
+@row("ox ody odw oscr N C H W O OH OW taps sc k")
 @njit(**FM)
 def k_wino_dw(a, ia, r):
-    """The weight gradient of k_wino's convolution: dW (r*r*C, O) at odw, rows in the taps' order (0: (c, i, j);
-    1: (i, j, c)), from x (N, C, H, W) at ox and dy (N*OH*OW, O) at ody: dU[k] = the sum over the tiles of
+    """The weight gradient of k_wino's convolution (k x k windows): dW (k*k*C, O) at odw, rows in the taps' order
+    (0: (c, i, j); 1: (i, j, c)), from x (N, C, H, W) at ox and dy (N*OH*OW, O) at ody: dU[k] = the sum over the tiles of
     V[:, k]^T Z[:, k] (the input tiles' and dy's transforms), then G^T dU G. Part j of a split row: its blocks of
     MR channels, with sc elements of scratch at oscr + j*sc (wino_scratch)."""
     ox = r[1]; ody = r[2]; odw = r[3]; oscr = r[4]; N = r[5]; C = r[6]; H = r[7]; W = r[8]; O = r[9]; OH = r[10]

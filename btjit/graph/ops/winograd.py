@@ -85,7 +85,7 @@ def _lower(e, L):
     return [L.row("k_wino", split=parts, ox=L.off(X), ow=L.off(B), oy=L.off(e.outs[0]),
                   obias=L.off(e.ins[2]) if len(e.ins) == 3 else 0, oscr=L.off(e.outs[1]), N=N, C=C, H=H, W=W, O=O,
                   OH=a["oh"], OW=a["ow"], nhwc=nhwc, taps=taps, flip=a["flip"], tout=a["tout"],
-                  relu=int(a.get("relu", 0)), sc=sc, r=a["kh"])]
+                  relu=int(a.get("relu", 0)), sc=sc, k=a["kh"])]
 
 
 def _lower_dw(e, L):
@@ -95,7 +95,7 @@ def _lower_dw(e, L):
     O = G.shape[1]
     parts = _parts(L, True, N, C, O, a)
     return [L.row("k_wino_dw", split=parts, ox=L.off(X), ody=L.off(G), odw=L.off(e.outs[0]), oscr=L.off(e.outs[1]),
-                  N=N, C=C, H=H, W=W, O=O, OH=a["oh"], OW=a["ow"], taps=0, r=a["kh"],
+                  N=N, C=C, H=H, W=W, O=O, OH=a["oh"], OW=a["ow"], taps=0, k=a["kh"],
                   sc=wino_scratch(True, a["kh"], C, H, W, O, a["oh"], a["ow"], 0, 0, parts))]
 
 
