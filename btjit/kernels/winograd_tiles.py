@@ -28,27 +28,16 @@ def _edge_out(a, dst, OW, h0, w0, OH, O, opatch):
 
 
 @njit(**FM)
-def _in3(a, src, ps, H, W, oz, opatch, h0, w0, C, ov):
-    """The 4x4 input tile at pixel (h0, w0) of the pixel rows at src (pixel (h, w) at src + (h*W + w)*ps, C
-    channels) transformed, B^T d B, into its 16 rows of C at ov (row k at ov + k*C): made in a stack buffer,
-    then copied in one pass. A tile over the edge is first gathered at opatch (zeros outside H x W: row oz)."""
+def _in3(a, o, q, s, C, ov):
+    """The 4x4 input tile whose pixel (i, j) is the row of C channels at o + i*s + j*q transformed, B^T d B, into
+    its 16 rows of C at ov (row k at ov + k*C): made in a stack buffer, then copied in one pass."""
     sb = carray(stack_buf(a, WBUF), (WBUF,))
-    q = ps
-    if h0 + 3 >= H or w0 + 3 >= W:
-        for k in range(16):
-            h, w = h0 + k // 4, w0 + k % 4
-            o = src + (h * W + w) * ps if h < H and w < W else oz
-            d, p = fptr(a, o), fptr(a, opatch + k * C)
-            for c in range(C):
-                p[c] = d[c]
-        src, W, h0, w0, q = opatch, 4, 0, 0, C
-    o = src + (h0 * W + w0) * q
     d00, d01, d02, d03 = fptr(a, o), fptr(a, o + q), fptr(a, o + 2 * q), fptr(a, o + 3 * q)
-    o += W * q
+    o += s
     d10, d11, d12, d13 = fptr(a, o), fptr(a, o + q), fptr(a, o + 2 * q), fptr(a, o + 3 * q)
-    o += W * q
+    o += s
     d20, d21, d22, d23 = fptr(a, o), fptr(a, o + q), fptr(a, o + 2 * q), fptr(a, o + 3 * q)
-    o += W * q
+    o += s
     d30, d31, d32, d33 = fptr(a, o), fptr(a, o + q), fptr(a, o + 2 * q), fptr(a, o + 3 * q)
     v00, v01, v02, v03 = fptr(sb, 0), fptr(sb, C), fptr(sb, 2 * C), fptr(sb, 3 * C)
     v10, v11, v12, v13 = fptr(sb, 4 * C), fptr(sb, 5 * C), fptr(sb, 6 * C), fptr(sb, 7 * C)
@@ -147,22 +136,12 @@ def _a(y0, y1, k2):
 
 
 @njit(**FM)
-def _in5(a, src, ps, H, W, oz, opatch, h0, w0, C, ov):
+def _in5(a, src, q, s, C, ov):
     """_in3 for F(2x2, 5x5): the 6x6 input tile's 36 rows B^T d B, columns into the stack buffer, then rows to ov."""
     sb = carray(stack_buf(a, WBUF), (WBUF,))
     k2, k4, k5 = cvt(a, 2.0), cvt(a, 4.0), cvt(a, 5.0)
-    q = ps
-    if h0 + 5 >= H or w0 + 5 >= W:
-        for k in range(36):
-            h, w = h0 + k // 6, w0 + k % 6
-            o = src + (h * W + w) * ps if h < H and w < W else oz
-            d, p = fptr(a, o), fptr(a, opatch + k * C)
-            for c in range(C):
-                p[c] = d[c]
-        src, W, h0, w0, q = opatch, 6, 0, 0, C
-    s = W * q
     for j in range(6):
-        o = src + (h0 * W + w0 + j) * q
+        o = src + j * q
         d0, d1, d2, d3, d4, d5 = fptr(a, o), fptr(a, o + s), fptr(a, o + 2 * s), fptr(a, o + 3 * s), \
             fptr(a, o + 4 * s), fptr(a, o + 5 * s)
         t0, t1, t2, t3, t4, t5 = fptr(sb, j * C), fptr(sb, (6 + j) * C), fptr(sb, (12 + j) * C), \
@@ -241,10 +220,17 @@ def tile_in(a, r, src, ps, H, W, oz, opatch, h0, w0, C, ov):
     """The (r+1) x (r+1) input tile at pixel (h0, w0) of the pixel rows at src (pixel (h, w) at src + (h*W + w)*ps,
     C channels), B^T d B, as its T rows of C at ov (row k at ov + k*C); a tile over the edge first gathered at
     opatch (zeros outside H x W: the row at oz)."""
+    n = r + 1
+    if h0 + r >= H or w0 + r >= W:
+        for k in range(n * n):
+            h, w = h0 + k // n, w0 + k % n
+            copy_n(fptr(a, opatch + k * C), fptr(a, src + (h * W + w) * ps if h < H and w < W else oz), C)
+        src, ps, W, h0, w0 = opatch, C, n, 0, 0
+    o = src + (h0 * W + w0) * ps
     if r == 3:
-        _in3(a, src, ps, H, W, oz, opatch, h0, w0, C, ov)
+        _in3(a, o, ps, W * ps, C, ov)
     else:
-        _in5(a, src, ps, H, W, oz, opatch, h0, w0, C, ov)
+        _in5(a, o, ps, W * ps, C, ov)
 
 
 @njit(**FM)
