@@ -351,7 +351,8 @@ def precompile(debug):
     seconds = library.precompile(click.echo)
     t0 = time.perf_counter()
     click.echo(f"GEMM rules: micro-kernels up to B of {gemm_rule.micro_b_max()} floats, B^T on few rows up to "
-               f"{gemm_rule.nt_macs()} multiply-adds ({time.perf_counter() - t0:.1f} s)")
+               f"{gemm_rule.nt_macs()} multiply-adds, chains past 8 MB {'' if gemm_rule.ew_stream() else 'not '}"
+               f"streamed ({time.perf_counter() - t0:.1f} s)")
     click.echo(f"done in {seconds + time.perf_counter() - t0:.1f} s; {len(library.cache_entries())} files in "
                f"{library.cache_dir()}")
 

@@ -17,7 +17,8 @@ calls; the limit is the largest probe up to which gemm_micro_nt takes no longer 
 far together, linalg.NT_MACS if none (Zen 4, OpenBLAS, timed in a loop: 32 x 128 x 64 in 5.4 against
 8.1 us, 8 x 128 x 64 1.4 against 1.9 us). Remembered in `gemm_nt.json`; $BTJIT_NT_MACS overrides.
 The third (bf16_kernel): which entry bf16 products run on, AMX tiles or AVX512-BF16 vectors, remembered in
-`bf16.json`.
+`bf16.json`. The fourth (ew_stream): whether the fused-chain interpreter prefetches all of the next block of a row
+past fused.PF_STREAM bytes, or leaves it to the CPU's prefetchers, remembered in `ew_stream.json`.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import llvmlite.binding as llvm
 import numpy as np
 
 from btjit.kernels.linalg import MICRO_B_MAX as MIN_LIMIT   # floats of B: the micro-kernels' L2-resident range
+from btjit.kernels.fused import MAX_OPERANDS, PF_STREAM
 from btjit.kernels.linalg import NT_MACS
 
 SIZES = (131072, 262144, 524288, 1048576, 2097152)  # floats of B tried
@@ -219,3 +221,44 @@ def measure_bf16() -> dict:
     faster = total[0] < total[1]
     return {"kernel": names[0] if faster else names[1], "us": times,
             "why": f"the tiles {'faster' if faster else 'slower'}: {total[0] * 1e6:.0f} vs {total[1] * 1e6:.0f} us"}
+
+
+_STREAM: list = []
+
+
+def ew_stream() -> int:
+    """The pfs of a k_ew_program row reading more than fused.PF_STREAM bytes: PF_STREAM (the interpreter prefetches
+    the rest of each next block, in shares before each instruction) where measured faster on this machine, else 0
+    (its first lines only: the CPU's prefetchers do the rest). Measured once per machine (`ew_stream.json`):
+    a Lion-like chain over three 4 MB arrays (two of them written, one in place) both ways, best of 7 interleaved
+    calls; streaming is kept only if 5% faster. Zen 4 (znver4): 1.4x slower streaming (a user's Lion on 1M params
+    1.53x AdamW's update streaming, 1.07-1.10x not); znver5: Lion's 1.3-1.45x -> 1.0-1.2x streaming.
+    $BTJIT_EW_STREAM = 0 | 1 chooses."""
+    if not _STREAM:
+        env = os.environ.get("BTJIT_EW_STREAM")
+        if env not in (None, "", "0", "1"):
+            raise ValueError(f"BTJIT_EW_STREAM must be 0 or 1, not {env!r}")
+        _STREAM.append(int(env) * PF_STREAM if env else _remembered("ew_stream.json", "pfs", measure_stream))
+    return _STREAM[0]
+
+
+def measure_stream() -> tuple:
+    """(pfs, [streaming us, not us]) -- see ew_stream."""
+    from btjit.kernels.elementwise import B_ADD, B_MUL, B_SUB
+    from btjit.kernels.fused import BIN, HEAD, WIDTH
+    (fn,) = _entries(("k_ew_program",))
+    n, nops = 1 << 20, 3
+    prog = [[BIN + B_MUL, 0, -1, -2, 0, 0],            # register 0 = x * g; y = r0 - x; x = x + g (in place)
+            [BIN + B_SUB, -3, 0, -1, 0, 0], [BIN + B_ADD, -1, -1, -2, 0, 0]]
+    ia = np.array([len(prog), nops, 1, 1, 1, n] + [0, 0, 0, 1] * nops + sum(prog, []), np.int32)
+    assert len(ia) == HEAD + 4 * nops + WIDTH * len(prog)
+    a = np.random.default_rng(0).standard_normal(64 + 3 * n).astype(np.float32) * np.float32(1e-3)
+    ops = {f"o{k}": 64 + k * n for k in range(nops)}
+    calls = []
+    for pfs in (PF_STREAM, 0):
+        r = _row("k_ew_program", oprog=0, **ops, **{f"o{k}": 0 for k in range(nops, MAX_OPERANDS)}, okey=0, ebase=0,
+                 esize=n, pfs=pfs)
+        args = (a.ctypes.data, a.size, ia.ctypes.data, ia.size, r.ctypes.data)
+        calls.append(lambda args=args, keep=(a, ia, r): fn(*args))
+    best = _race(calls, 7)
+    return (PF_STREAM if best[0] < 0.95 * best[1] else 0), [round(t * 1e6, 1) for t in best]
