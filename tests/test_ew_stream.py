@@ -36,6 +36,12 @@ def test_big_chains_carry_the_rule_and_compute_the_same_bits(monkeypatch):
             prog.step(x)
         runs.append(prog.params["w"].copy())
     assert np.array_equal(*runs)
+    prog = btjit.trace(lambda p, x: btjit.sum(p["w"] * x) ** 2, {"w": x}, x, optimizer=btjit.optim.Lion(lr=1e-3),
+                       threads=1, _defer_kernels=True)     # btjit train's way: the entries loaded together, later
+    assert min(r[PFS] for r in prog.tape if r[0] == OPCODE["k_ew_program"]) == -1          # not set yet
+    from btjit.kernels.library import LIBRARY
+    prog.load_kernels(LIBRARY.ensure("f32", prog.tape[:, 0]))
+    assert {r[PFS] for r in prog.tape if r[0] == OPCODE["k_ew_program"]} == {0}            # the rule (patched: 0)
     monkeypatch.setattr(gemm_rule, "_STREAM", [])      # a small program never asks (nor measures)
     monkeypatch.setattr(gemm_rule, "measure_stream", lambda: pytest.fail("measured for a small program"))
     monkeypatch.setenv("BTJIT_EW_STREAM", "")

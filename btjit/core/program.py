@@ -19,7 +19,7 @@ from btjit.core import executor as X
 from btjit.core.arena import aligned_rows as _aligned_rows, arena as _arena
 from btjit.core.bounds import index_bounds as _index_bounds
 from btjit.host import threads as _threads
-from btjit.kernels import amx, bf16
+from btjit.kernels import amx, bf16, gemm_rule
 from btjit.kernels.common import SPLIT
 from btjit.kernels.rng import KEY_REPLICA
 from btjit.kernels.library import LIBRARY
@@ -103,6 +103,8 @@ class Program(Runner):
         self.trace_seconds = trace_seconds
         self.plan_seconds = time.perf_counter() - t0
         self.kernels = None if defer else LIBRARY.ensure(graph.float_dtype, self.tape[:, 0])  # the entries it runs
+        if not defer:
+            gemm_rule.settle_ew_stream(self.tape)
         self._table = LIBRARY.tables[graph.float_dtype]
         self._out, self._out_var = self.outputs["out"], graph.outputs["out"]
         t1 = time.perf_counter()
@@ -140,6 +142,7 @@ class Program(Runner):
         """The library entries of a program traced with _defer_kernels, loaded by the caller's LIBRARY.ensure
         (`report`, which may have compiled several programs' entries in one parallel batch)."""
         self.kernels, self.compile_seconds = report, self.compile_seconds + report.seconds
+        gemm_rule.settle_ew_stream(self.tape)
 
     def eval_program(self, *batch, defer=False):
         """The program prog.eval runs for batches shaped like `batch` (traced on the first call)."""

@@ -42,7 +42,7 @@ FMA2, FMS2 = 63, 64           # dst = x*y + z*w, x*y - z*w
 HEAD = 6
 PF_LINES = 4         # cache lines of the next block of each operand read in place, prefetched as a block starts
 PF_STREAM = 8 << 20  # ... and all of them if the row reads more than this (past a core's share of L3, 4-5 MB) and its
-                     # row's pfs says so: gemm_rule.ew_stream, measured per machine
+                     # row's pfs says so (> 0: gemm_rule.ew_stream, measured per machine; -1: not yet set, 0: never)
 WIDTH = 6            # ints per instruction
 RSIZE = BLOCK * (NREG + 1)   # and one scratch register (in-place destinations, below)
 

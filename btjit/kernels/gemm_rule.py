@@ -242,6 +242,18 @@ def ew_stream() -> int:
     return _STREAM[0]
 
 
+def settle_ew_stream(tape) -> None:
+    """Set the pfs of the tape's k_ew_program rows lowered with -1 (chains past PF_STREAM bytes) to ew_stream(),
+    once the program's entries are loaded (measuring runs k_ew_program: asked while lowering, it compiled that entry
+    alone before the program's others, ~3 s more for a CNN's first program on an empty cache)."""
+    from btjit.kernels.common import ROWS
+    from btjit.kernels.entries import OPCODE
+    col = 1 + ROWS["k_ew_program"].args.index("pfs")
+    rows = (tape[:, 0] == OPCODE["k_ew_program"]) & (tape[:, col] == -1)
+    if rows.any():
+        tape[rows, col] = ew_stream()
+
+
 def measure_stream() -> tuple:
     """(pfs, [streaming us, not us]) -- see ew_stream."""
     from btjit.kernels.elementwise import B_ADD, B_MUL, B_SUB

@@ -337,7 +337,6 @@ def _lower_ew(e, L):
     inputs (iview: offset and strides each, e.g. a slice's region) then the outputs (oview: output, offset,
     strides each, e.g. a region of a concatenation). A rand member's key block (the only integer input after
     the program) is the row's okey, ebase the row's first element, esize the iteration space's size."""
-    from btjit.kernels import gemm_rule
     from btjit.kernels.fused import MAX_OPERANDS, PF_STREAM
     shape = e.attrs["shape"]
     fins = [v for v in e.ins[1:] if v.dtype != "i32"]
@@ -349,8 +348,8 @@ def _lower_ew(e, L):
     rows = []
     for offs, inner in loop_nest(shape or (1,), opers, 4):
         size = int(np.prod([n for n, _ in inner]))
-        big = size * (8 if e.outs[0].dtype == "f64" else 4) * len(opers) > PF_STREAM    # may stream (measured)
-        pfs = gemm_rule.ew_stream() if big else 0
+        big = size * (8 if e.outs[0].dtype == "f64" else 4) * len(opers) > PF_STREAM    # may stream: the program
+        pfs = -1 if big else 0                            # sets the measured rule once its kernels are loaded
         args = dict(oprog=L.off(e.ins[0]), okey=L.off(keys[0]) if keys else 0, ebase=len(rows) * size,
                     esize=int(np.prod(shape)), pfs=pfs,
                     **{f"o{k}": offs[k] if k < len(offs) else 0 for k in range(MAX_OPERANDS)})
