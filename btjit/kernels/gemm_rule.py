@@ -30,8 +30,9 @@ import time
 import llvmlite.binding as llvm
 import numpy as np
 
+from btjit.kernels.elementwise import B_ADD, B_MUL, B_SUB
+from btjit.kernels.fused import BIN, HEAD, MAX_OPERANDS, PF_STREAM, WIDTH
 from btjit.kernels.linalg import MICRO_B_MAX as MIN_LIMIT   # floats of B: the micro-kernels' L2-resident range
-from btjit.kernels.fused import MAX_OPERANDS, PF_STREAM
 from btjit.kernels.linalg import NT_MACS
 
 SIZES = (131072, 262144, 524288, 1048576, 2097152)  # floats of B tried
@@ -256,8 +257,6 @@ def settle_ew_stream(tape) -> None:
 
 def measure_stream() -> tuple:
     """(pfs, [streaming us, not us]) -- see ew_stream."""
-    from btjit.kernels.elementwise import B_ADD, B_MUL, B_SUB
-    from btjit.kernels.fused import BIN, HEAD, WIDTH
     (fn,) = _entries(("k_ew_program",))
     n, nops = 1 << 20, 3
     prog = [[BIN + B_MUL, 0, -1, -2, 0, 0],            # register 0 = x * g; y = r0 - x; x = x + g (in place)
