@@ -137,10 +137,11 @@ def test_kernel_modes_on_every_layout_against_numpy(r, dtype, N, C, H, W, O, nhw
     assert np.abs(got - want).max() <= tol * np.abs(want).max()
 
 
-def test_a_winograd_program_exports_and_runs_bitwise(tmp_path):
+@pytest.mark.parametrize("r", [3, 5])
+def test_a_winograd_program_exports_and_runs_bitwise(tmp_path, r):
     from test_export import _exports_run_bitwise
     rng = np.random.default_rng(4)
-    p = {k: v.astype(np.float32) for k, v in params(rng).items()}
+    p = {k: v.astype(np.float32) for k, v in params(rng, r=r).items()}
     data = [(rng.normal(size=(6, 32, 11, 9)).astype(np.float32), rng.integers(0, 64, 6).astype(np.int32))
             for _ in range(3)]
     prog = btjit.trace(net, p, *data[0], optimizer=btjit.optim.AdamW(lr=1e-2), threads=1)
