@@ -42,7 +42,7 @@ FMA2, FMS2 = 63, 64           # dst = x*y + z*w, x*y - z*w
 HEAD = 6
 PF_LINES = 4         # cache lines of the next block of each operand read in place, prefetched as a block starts
 PF_STREAM = 8 << 20  # ... and all of them if the row reads more than this (past a core's share of L3, 4-5 MB) and its
-                     # row's pfs says so (> 0: gemm_rule.ew_stream, measured per machine; -1: not yet set, 0: never)
+                     # row's field stream is 1 (gemm_rule.ew_stream, measured per machine; -1: not set yet, 0: never)
 WIDTH = 6            # ints per instruction
 RSIZE = BLOCK * (NREG + 1)   # and one scratch register (in-place destinations, below)
 
@@ -289,7 +289,7 @@ def _prefetch(a, P, r, nops, pick, i0, i1, i2, j0, l0, l1, line):
                 prefetch(a, at + q * line)
 
 
-@row("oprog " + " ".join(f"o{k}" for k in range(MAX_OPERANDS)) + " okey ebase esize pfs")
+@row("oprog " + " ".join(f"o{k}" for k in range(MAX_OPERANDS)) + " okey ebase esize stream")
 @njit(**FM)
 def k_ew_program(a, ia, r):
     """Run the fused elementwise program at ia[r[1]:] (layout in the module docstring) over its iteration
@@ -313,7 +313,7 @@ def _blocks(a, ia, r, lo, hi):
     """Blocks lo .. hi of the row's iteration space (in C order, BLOCK elements along the innermost dim each);
     the scalar operands' registers (LOADC) are filled at the first."""
     oprog = r[1]
-    okey = r[MAX_OPERANDS + 2]; ebase = r[MAX_OPERANDS + 3]; esize = r[MAX_OPERANDS + 4]; pfs = r[MAX_OPERANDS + 5]
+    okey = r[MAX_OPERANDS + 2]; ebase = r[MAX_OPERANDS + 3]; esize = r[MAX_OPERANDS + 4]; stream = r[MAX_OPERANDS + 5]
     P = ia[oprog:]
     ninstr, nops = P[0], P[1]
     n1, n2, n3 = P[3], P[4], P[5]
@@ -338,7 +338,7 @@ def _blocks(a, ia, r, lo, hi):
         if new:
             pick |= np.int64(1) << k
             npick += 1
-    stream = pfs > 0 and n_blocks(ia, r) * BLOCK * a.itemsize * npick > pfs
+    streaming = stream > 0 and n_blocks(ia, r) * BLOCK * a.itemsize * npick > PF_STREAM
     for b in range(lo, hi):
         j0 = jb * BLOCK
         m = min(BLOCK, n3 - j0)
@@ -346,7 +346,7 @@ def _blocks(a, ia, r, lo, hi):
         if pf:                              # the next block's first lines of each operand read in place: a
             _prefetch(a, P, r, nops, pick, i0, i1, i2, j0 + BLOCK, 0, PF_LINES, line)   # block is a 4 KB page,
         for t in range(ninstr):             # where the CPU's own prefetchers stop, and the instructions read the
-            if pf and stream:               # operands in turns; a row streaming from memory fetches the rest
+            if pf and streaming:            # operands in turns; a row streaming from memory fetches the rest
                 l0 = PF_LINES + t * (nl - PF_LINES) // ninstr      # too, a share before each instruction (Lion's
                 l1 = PF_LINES + (t + 1) * (nl - PF_LINES) // ninstr    # update, 1M: 1.3-1.45x -> 1.0-1.2x AdamW;
                 _prefetch(a, P, r, nops, pick, i0, i1, i2, j0 + BLOCK, l0, l1, line)     # 256K: 1.2x slower)

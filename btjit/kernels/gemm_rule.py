@@ -31,7 +31,7 @@ import llvmlite.binding as llvm
 import numpy as np
 
 from btjit.kernels.elementwise import B_ADD, B_MUL, B_SUB
-from btjit.kernels.fused import BIN, HEAD, MAX_OPERANDS, PF_STREAM, WIDTH
+from btjit.kernels.fused import BIN, HEAD, MAX_OPERANDS, WIDTH
 from btjit.kernels.linalg import MICRO_B_MAX as MIN_LIMIT   # floats of B: the micro-kernels' L2-resident range
 from btjit.kernels.linalg import NT_MACS
 
@@ -228,7 +228,7 @@ _STREAM: list = []
 
 
 def ew_stream() -> int:
-    """The pfs of a k_ew_program row reading more than fused.PF_STREAM bytes: PF_STREAM (the interpreter prefetches
+    """The field stream of a k_ew_program row reading more than fused.PF_STREAM bytes: 1 (the interpreter prefetches
     the rest of each next block, in shares before each instruction) where measured faster on this machine, else 0
     (its first lines only: the CPU's prefetchers do the rest). Measured once per machine (`ew_stream.json`):
     a Lion-like chain over three 4 MB arrays (two of them written, one in place) both ways, best of 7 interleaved
@@ -239,24 +239,24 @@ def ew_stream() -> int:
         env = os.environ.get("BTJIT_EW_STREAM")
         if env not in (None, "", "0", "1"):
             raise ValueError(f"BTJIT_EW_STREAM must be 0 or 1, not {env!r}")
-        _STREAM.append(int(env) * PF_STREAM if env else _remembered("ew_stream.json", "pfs", measure_stream))
+        _STREAM.append(int(env) if env else _remembered("ew_stream.json", "stream", measure_stream))
     return _STREAM[0]
 
 
 def settle_ew_stream(tape) -> None:
-    """Set the pfs of the tape's k_ew_program rows lowered with -1 (chains past PF_STREAM bytes) to ew_stream(),
-    once the program's entries are loaded (measuring runs k_ew_program: asked while lowering, it compiled that entry
-    alone before the program's others, ~3 s more for a CNN's first program on an empty cache)."""
+    """Set the field stream of the tape's k_ew_program rows lowered with -1 (chains past fused.PF_STREAM bytes) to
+    ew_stream(), once the program's entries are loaded (measuring runs k_ew_program: asked while lowering, it
+    compiled that entry alone before the program's others, ~3 s more for a CNN's first program on an empty cache)."""
     from btjit.kernels.common import ROWS
     from btjit.kernels.entries import OPCODE
-    col = 1 + ROWS["k_ew_program"].args.index("pfs")
+    col = 1 + ROWS["k_ew_program"].args.index("stream")
     rows = (tape[:, 0] == OPCODE["k_ew_program"]) & (tape[:, col] == -1)
     if rows.any():
         tape[rows, col] = ew_stream()
 
 
 def measure_stream() -> tuple:
-    """(pfs, [streaming us, not us]) -- see ew_stream."""
+    """(stream, [streaming us, not us]) -- see ew_stream."""
     (fn,) = _entries(("k_ew_program",))
     n, nops = 1 << 20, 3
     prog = [[BIN + B_MUL, 0, -1, -2, 0, 0],            # register 0 = x * g; y = r0 - x; x = x + g (in place)
@@ -266,10 +266,10 @@ def measure_stream() -> tuple:
     a = np.random.default_rng(0).standard_normal(64 + 3 * n).astype(np.float32) * np.float32(1e-3)
     ops = {f"o{k}": 64 + k * n for k in range(nops)}
     calls = []
-    for pfs in (PF_STREAM, 0):
+    for stream in (1, 0):
         r = _row("k_ew_program", oprog=0, **ops, **{f"o{k}": 0 for k in range(nops, MAX_OPERANDS)}, okey=0, ebase=0,
-                 esize=n, pfs=pfs)
+                 esize=n, stream=stream)
         args = (a.ctypes.data, a.size, ia.ctypes.data, ia.size, r.ctypes.data)
         calls.append(lambda args=args, keep=(a, ia, r): fn(*args))
     best = _race(calls, 7)
-    return (PF_STREAM if best[0] < 0.95 * best[1] else 0), [round(t * 1e6, 1) for t in best]
+    return int(best[0] < 0.95 * best[1]), [round(t * 1e6, 1) for t in best]

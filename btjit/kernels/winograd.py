@@ -65,8 +65,7 @@ def _sandwich(a, M, src, si, sj, dst, di, dj, O):
     for i in range(m):
         for j in range(n):
             t = fptr(sb, (i * n + j) * O)
-            for o in range(O):
-                t[o] = z
+            fill_n(t, z, O)
             for k in range(n):
                 f, x = cvt(a, M[i, k]), fptr(a, src + k * si + j * sj)
                 if f != z:
@@ -75,8 +74,7 @@ def _sandwich(a, M, src, si, sj, dst, di, dj, O):
     for i in range(m):
         for j in range(m):
             y = fptr(a, dst + i * di + j * dj)
-            for o in range(O):
-                y[o] = z
+            fill_n(y, z, O)
             for k in range(n):
                 f, t = cvt(a, M[j, k]), fptr(sb, (i * n + k) * O)
                 if f != z:
@@ -154,14 +152,15 @@ def _tile(a, t, NT, TW, nhwc, ox, oxs, C, H, W, c0, cp, cur):
 @row("ox ow oy obias oscr N C H W O OH OW nhwc taps flip tout relu sc k")
 @njit(**FM)
 def k_wino(a, ia, r):
-    """Winograd F(2x2, r x r) convolution (r = k, 3 or 5), stride 1, no dilation (padding made beforehand): x (N, C, H, W)
-    at ox (nhwc 1: (N, H, W, C)) by wt (r*r*C, O) at ow, rows in the taps' order (taps 0: (c, i, j); 1: (i, j, c);
-    flip 1: each filter reversed, a transposed convolution), OH = H - r + 1, OW = W - r + 1, C and O multiples of
-    MR, at most WBUF / T: y at oy = [bias at obias +] the convolution, as pixel rows (N*OH*OW, O), or (N, O, OH,
-    OW) with tout 1; relu 1: relu of it. Part j of a split row: its images, with sc elements of scratch at oscr + j*sc
-    (wino_scratch), where it first makes its own copy of the weights' transforms U (T, C, O): no cache line of U
-    moves between the cores from one step to the next (one copy written by one thread and read by both took
-    ~0.7 ms for 64 x 64 channels on two cores of this machine, a third of the convolution)."""
+    """Winograd F(2x2, r x r) convolution (r = k, 3 or 5), stride 1, no dilation (padding made beforehand):
+    x (N, C, H, W) at ox (nhwc 1: (N, H, W, C)) by wt (r*r*C, O) at ow, rows in the taps' order (taps 0:
+    (c, i, j); 1: (i, j, c); flip 1: each filter reversed, a transposed convolution), OH = H - r + 1,
+    OW = W - r + 1, C and O multiples of MR, at most WBUF / T: y at oy = [bias at obias +] the convolution, as
+    pixel rows (N*OH*OW, O), or (N, O, OH, OW) with tout 1; relu 1: relu of it. Part j of a split row: its images,
+    with sc elements of scratch at oscr + j*sc (wino_scratch), where it first makes its own copy of the weights'
+    transforms U (T, C, O): no cache line of U moves between the cores from one step to the next (one copy written
+    by one thread and read by both took ~0.7 ms for 64 x 64 channels on two cores of this machine, a third of the
+    convolution)."""
     ox = r[1]; ow = r[2]; oy = r[3]; obias = r[4]; oscr = r[5]; N = r[6]; C = r[7]; H = r[8]; W = r[9]; O = r[10]
     OH = r[11]; OW = r[12]; nhwc = r[13]; taps = r[14]; flip = r[15]; tout = r[16]; relu = r[17]; sc = r[18]
     k = r[19]
@@ -196,10 +195,10 @@ def k_wino(a, ia, r):
 @row("ox ody odw oscr N C H W O OH OW taps sc k")
 @njit(**FM)
 def k_wino_dw(a, ia, r):
-    """The weight gradient of k_wino's convolution (k x k windows): dW (k*k*C, O) at odw, rows in the taps' order
-    (0: (c, i, j); 1: (i, j, c)), from x (N, C, H, W) at ox and dy (N*OH*OW, O) at ody: dU[k] = the sum over the tiles of
-    V[:, k]^T Z[:, k] (the input tiles' and dy's transforms), then G^T dU G. Part j of a split row: its blocks of
-    MR channels, with sc elements of scratch at oscr + j*sc (wino_scratch)."""
+    """The weight gradient of k_wino's convolution (k x k windows): dW (k*k*C, O) at odw, rows in the taps'
+    order (0: (c, i, j); 1: (i, j, c)), from x (N, C, H, W) at ox and dy (N*OH*OW, O) at ody: dU[k] = the sum over
+    the tiles of V[:, k]^T Z[:, k] (the input tiles' and dy's transforms), then G^T dU G. Part j of a split row: its
+    blocks of MR channels, with sc elements of scratch at oscr + j*sc (wino_scratch)."""
     ox = r[1]; ody = r[2]; odw = r[3]; oscr = r[4]; N = r[5]; C = r[6]; H = r[7]; W = r[8]; O = r[9]; OH = r[10]
     OW = r[11]; taps = r[12]; sc = r[13]; k = r[14]
     T = (k + 1) * (k + 1)

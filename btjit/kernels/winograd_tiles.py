@@ -19,15 +19,6 @@ WBUF = 8192       # elements of a stack buffer: a tile's T rows of up to WBUF / 
 
 
 @njit(**FM)
-def _edge_out(a, dst, OW, h0, w0, OH, O, opatch):
-    """The 2x2 outputs made at opatch (row k at opatch + k*O) of a tile over the edge: those inside OH x OW to dst."""
-    for k in range(4):
-        h, w = h0 + k // 2, w0 + k % 2
-        if h < OH and w < OW:
-            copy_n(fptr(a, dst + (h * OW + w) * O), fptr(a, opatch + k * O), O)
-
-
-@njit(**FM)
 def _in3(a, o, q, s, C, ov):
     """The 4x4 input tile whose pixel (i, j) is the row of C channels at o + i*s + j*q transformed, B^T d B, into
     its 16 rows of C at ov (row k at ov + k*C): made in a stack buffer, then copied in one pass."""
@@ -56,17 +47,13 @@ def _in3(a, o, q, s, C, ov):
 
 
 @njit(**FM)
-def _out3(a, om, O, dst, OW, h0, w0, OH, ob, relu, opatch):
-    """The 16 product rows of O at om (row k at om + k*O) of one tile back to its 2x2 outputs, A^T m A + the bias
-    row at ob [relu], stored as pixel rows at dst (pixel (h, w) at dst + (h*OW + w)*O); over the edge made at
-    opatch first and only the pixels inside OH x OW stored. The rows are read from a stack buffer's copy."""
+def _out3(a, om, O, d, ds, ob, relu):
+    """The 16 product rows of O at om (row k at om + k*O) of one tile to its 2x2 outputs, A^T m A + the bias row at
+    ob [relu], output (i, j) stored at d + i*ds + j*O. The rows are read from a stack buffer's copy."""
     sb = carray(stack_buf(a, WBUF), (WBUF,))
     copy_n(sb, fptr(a, om), 16 * O)
-    edge = h0 + 1 >= OH or w0 + 1 >= OW
-    o = opatch if edge else dst + (h0 * OW + w0) * O
-    y00, y01 = fptr(a, o), fptr(a, o + O)
-    o = opatch + 2 * O if edge else dst + ((h0 + 1) * OW + w0) * O
-    y10, y11 = fptr(a, o), fptr(a, o + O)
+    y00, y01 = fptr(a, d), fptr(a, d + O)
+    y10, y11 = fptr(a, d + ds), fptr(a, d + ds + O)
     m00, m01, m02, m03 = fptr(sb, 0), fptr(sb, O), fptr(sb, 2 * O), fptr(sb, 3 * O)
     m10, m11, m12, m13 = fptr(sb, 4 * O), fptr(sb, 5 * O), fptr(sb, 6 * O), fptr(sb, 7 * O)
     m20, m21, m22, m23 = fptr(sb, 8 * O), fptr(sb, 9 * O), fptr(sb, 10 * O), fptr(sb, 11 * O)
@@ -82,19 +69,13 @@ def _out3(a, om, O, dst, OW, h0, w0, OH, ob, relu, opatch):
         if relu:
             t00, t01, t10, t11 = max(t00, z), max(t01, z), max(t10, z), max(t11, z)
         y00[c], y01[c], y10[c], y11[c] = t00, t01, t10, t11
-    if edge:
-        _edge_out(a, dst, OW, h0, w0, OH, O, opatch)
 
 
 @njit(**FM)
-def _dy3(a, src, OH, OW, O, oz, h0, w0, ot):
-    """The 2x2 output gradient at (h0, w0) of the pixel rows at src (zeros outside OH x OW: the row at oz) as its
-    16 rows A dY A^T of O at ot (row k at ot + k*O), made in a stack buffer."""
+def _dy3(a, o0, o1, o2, o3, O, ot):
+    """The 2x2 output gradient (rows of O at o0, o1 / o2, o3) as its 16 rows A dY A^T of O at ot (row k at ot + k*O),
+    made in a stack buffer."""
     sb = carray(stack_buf(a, WBUF), (WBUF,))
-    o0 = src + (h0 * OW + w0) * O
-    o1 = o0 + O if w0 + 1 < OW else oz
-    o2 = o0 + OW * O if h0 + 1 < OH else oz
-    o3 = o0 + (OW + 1) * O if h0 + 1 < OH and w0 + 1 < OW else oz
     y00, y01, y10, y11 = fptr(a, o0), fptr(a, o1), fptr(a, o2), fptr(a, o3)
     z00, z01, z02, z03 = fptr(sb, 0), fptr(sb, O), fptr(sb, 2 * O), fptr(sb, 3 * O)
     z10, z11, z12, z13 = fptr(sb, 4 * O), fptr(sb, 5 * O), fptr(sb, 6 * O), fptr(sb, 7 * O)
@@ -160,7 +141,7 @@ def _in5(a, src, q, s, C, ov):
 
 
 @njit(**FM)
-def _out5(a, om, O, dst, OW, h0, w0, OH, ob, relu, opatch):
+def _out5(a, om, O, d, ds, ob, relu):
     """_out3 for F(2x2, 5x5): the 36 product rows' columns to two rows (A^T m) in the stack buffer, then each of
     those to two outputs (+ bias [relu])."""
     sb = carray(stack_buf(a, WBUF), (WBUF,))
@@ -172,12 +153,10 @@ def _out5(a, om, O, dst, OW, h0, w0, OH, ob, relu, opatch):
         u0, u1 = fptr(sb, j * O), fptr(sb, (6 + j) * O)
         for c in range(O):
             u0[c], u1[c] = _at(m0[c], m1[c], m2[c], m3[c], m4[c], m5[c], k2)
-    edge = h0 + 1 >= OH or w0 + 1 >= OW
     b = fptr(a, ob)
     z = cvt(a, 0.0)
     for i in range(2):
-        o = opatch + 2 * i * O if edge else dst + ((h0 + i) * OW + w0) * O
-        y0, y1 = fptr(a, o), fptr(a, o + O)
+        y0, y1 = fptr(a, d + i * ds), fptr(a, d + i * ds + O)
         o = 6 * i * O
         s0, s1, s2, s3, s4, s5 = fptr(sb, o), fptr(sb, o + O), fptr(sb, o + 2 * O), fptr(sb, o + 3 * O), \
             fptr(sb, o + 4 * O), fptr(sb, o + 5 * O)
@@ -187,19 +166,13 @@ def _out5(a, om, O, dst, OW, h0, w0, OH, ob, relu, opatch):
             if relu:
                 t0, t1 = max(t0, z), max(t1, z)
             y0[c], y1[c] = t0, t1
-    if edge:
-        _edge_out(a, dst, OW, h0, w0, OH, O, opatch)
 
 
 @njit(**FM)
-def _dy5(a, src, OH, OW, O, oz, h0, w0, ot):
+def _dy5(a, o0, o1, o2, o3, O, ot):
     """_dy3 for F(2x2, 5x5): the 2x2 output gradient's 36 rows A dY A^T at ot (columns, then rows)."""
     sb = carray(stack_buf(a, WBUF), (WBUF,))
     k2 = cvt(a, 2.0)
-    o0 = src + (h0 * OW + w0) * O
-    o1 = o0 + O if w0 + 1 < OW else oz
-    o2 = o0 + OW * O if h0 + 1 < OH else oz
-    o3 = o0 + (OW + 1) * O if h0 + 1 < OH and w0 + 1 < OW else oz
     for j in range(2):
         y0, y1 = (fptr(a, o0), fptr(a, o2)) if j == 0 else (fptr(a, o1), fptr(a, o3))
         z0, z1, z2, z3, z4, z5 = fptr(sb, j * O), fptr(sb, (2 + j) * O), fptr(sb, (4 + j) * O), \
@@ -238,17 +211,28 @@ def tile_out(a, r, om, O, dst, OW, h0, w0, OH, ob, relu, opatch):
     """The T product rows of O at om (row k at om + k*O) of one tile to its 2x2 outputs, A^T m A + the bias row at
     ob [relu], stored as pixel rows at dst (pixel (h, w) at dst + (h*OW + w)*O); over the edge made at opatch first
     and only the pixels inside OH x OW stored."""
+    edge = h0 + 1 >= OH or w0 + 1 >= OW
+    d, ds = (opatch, 2 * O) if edge else (dst + (h0 * OW + w0) * O, OW * O)
     if r == 3:
-        _out3(a, om, O, dst, OW, h0, w0, OH, ob, relu, opatch)
+        _out3(a, om, O, d, ds, ob, relu)
     else:
-        _out5(a, om, O, dst, OW, h0, w0, OH, ob, relu, opatch)
+        _out5(a, om, O, d, ds, ob, relu)
+    if edge:
+        for k in range(4):
+            h, w = h0 + k // 2, w0 + k % 2
+            if h < OH and w < OW:
+                copy_n(fptr(a, dst + (h * OW + w) * O), fptr(a, opatch + k * O), O)
 
 
 @njit(**FM)
 def tile_dy(a, r, src, OH, OW, O, oz, h0, w0, ot):
     """The 2x2 output gradient at (h0, w0) of the pixel rows at src (zeros outside OH x OW: the row at oz) as its
     T rows A dY A^T of O at ot (row k at ot + k*O)."""
+    o0 = src + (h0 * OW + w0) * O
+    o1 = o0 + O if w0 + 1 < OW else oz
+    o2 = o0 + OW * O if h0 + 1 < OH else oz
+    o3 = o0 + (OW + 1) * O if h0 + 1 < OH and w0 + 1 < OW else oz
     if r == 3:
-        _dy3(a, src, OH, OW, O, oz, h0, w0, ot)
+        _dy3(a, o0, o1, o2, o3, O, ot)
     else:
-        _dy5(a, src, OH, OW, O, oz, h0, w0, ot)
+        _dy5(a, o0, o1, o2, o3, O, ot)

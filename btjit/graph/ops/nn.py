@@ -349,9 +349,9 @@ def _lower_ew(e, L):
     for offs, inner in loop_nest(shape or (1,), opers, 4):
         size = int(np.prod([n for n, _ in inner]))
         big = size * (8 if e.outs[0].dtype == "f64" else 4) * len(opers) > PF_STREAM    # may stream: the program
-        pfs = -1 if big else 0                            # sets the measured rule once its kernels are loaded
+        stream = -1 if big else 0                         # sets the measured rule once its kernels are loaded
         args = dict(oprog=L.off(e.ins[0]), okey=L.off(keys[0]) if keys else 0, ebase=len(rows) * size,
-                    esize=int(np.prod(shape)), pfs=pfs,
+                    esize=int(np.prod(shape)), stream=stream,
                     **{f"o{k}": offs[k] if k < len(offs) else 0 for k in range(MAX_OPERANDS)})
         threads = min(L.threads, MAX_THREADS)
         split = threads if size >= PAR_EW_ELEMENTS else 1   # runs of blocks: bitwise equal to one thread
