@@ -233,7 +233,7 @@ def ew_stream() -> int:
     (its first lines only: the CPU's prefetchers do the rest). Measured once per machine (`ew_stream.json`):
     a Lion-like chain over three 4 MB arrays (two of them written, one in place) both ways, best of 7 interleaved
     calls; streaming is kept only if 5% faster. Zen 4 (znver4): 1.4x slower streaming (a user's Lion on 1M params
-    1.53x AdamW's update streaming, 1.07-1.10x not); znver5: Lion's 1.3-1.45x -> 1.0-1.2x streaming.
+    1.48-1.58x AdamW's update streaming, 1.06-1.68x not); znver5: Lion's 1.3-1.45x -> 1.0-1.2x streaming.
     $BTJIT_EW_STREAM = 0 | 1 chooses."""
     if not _STREAM:
         env = os.environ.get("BTJIT_EW_STREAM")
