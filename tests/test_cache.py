@@ -84,6 +84,18 @@ def test_an_older_library_is_removed_when_a_new_one_is_made(tmp_path, monkeypatc
     assert d == tmp_path / f"lib-{library.library_key()}" and d.is_dir() and not old.exists()
 
 
+def test_the_library_key_covers_every_kernel_module_and_the_helpers_they_inline(monkeypatch):
+    """An edit to any file of btjit/kernels -- a kernel's module or a helper module inlined into kernels, as
+    winograd_tiles.py -- names a new library: no process runs entries compiled from the old source."""
+    from btjit.kernels import entries
+    key, read = entries.library_key(), Path.read_bytes
+    for name in ("winograd_tiles.py", "micro.py", "conv.py"):
+        monkeypatch.setattr(Path, "read_bytes", lambda f, n=name: read(f) + (b"#" if f.name == n else b""))
+        assert entries.library_key() != key, name
+    monkeypatch.setattr(Path, "read_bytes", read)
+    assert entries.library_key() == key
+
+
 def test_entries_kept_in_numba_cache_dir_load_without_compiling(tmp_path):
     """With $NUMBA_CACHE_DIR set numba keeps the compiled entries there, not in the library's __pycache__:
     a second process still finds them and compiles (and starts) nothing."""

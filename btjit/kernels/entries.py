@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import inspect
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import numba
 import numpy as np
 
 from btjit.kernels import (amx, attention, attn_kept, attn_lanes, attn_loops, bf16, common, conv, convgemm, elementwise,
-                           fused, layout, linalg, micro, nn, norm, objcode, optim, reduce, rng, tiles, winograd)
+                           fused, layout, linalg, nn, norm, optim, reduce, rng, winograd)
 from btjit.kernels.common import ROW, ROWS
 
 MODULES = (elementwise, layout, fused, reduce, linalg, nn, norm, optim, attn_loops, attention, attn_kept, rng, conv,
@@ -48,9 +47,11 @@ def entry(ap, na, iap, nia, rp):
 
 
 def library_key() -> str:
+    """A hash of the entry template, every module of btjit/kernels (kernels, and the helpers they inline) and the
+    numba, numpy and llvmlite versions."""
     h = hashlib.sha256(_ENTRY.encode())
-    for m in MODULES + (attn_lanes, common, micro, objcode, tiles):
-        h.update(inspect.getsource(m).encode())
+    for f in sorted(Path(common.__file__).parent.glob("*.py")):
+        h.update(f.read_bytes())
     h.update(f"{numba.__version__} {np.__version__} {llvmlite.__version__}".encode())
     return h.hexdigest()[:16]
 

@@ -1,12 +1,13 @@
-"""The tile transforms of kernels/winograd.py's convolutions (Lavin and Gray, arXiv 1509.09308): a 2x2 output tile
-from an input tile of (r+1) x (r+1) pixels, T = (r+1)^2 rows, for r x r windows --
+"""The tile transforms of kernels/winograd.py's convolutions (Lavin and Gray, arXiv 1509.09308): an m x m output tile
+from an input tile of n x n pixels, n = m + r - 1, T = n^2 rows, for r x r windows --
   F(2x2, 3x3): B^T = [[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], A^T = [[1, 1, 1, 0], [0, 1, -1, -1]],
                written out element by element (_in3, _out3, _dy3);
-  F(2x2, 5x5): on the points 0, 1, -1, 2, -2 and infinity, B^T = [[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0],
-               [0, 4, -4, -1, 1, 0], [0, -2, -1, 2, 1, 0], [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]],
-               A^T = [[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 1]], each 2-D transform two passes of its 1-D one
-               (_bt, _at, _a): the columns from the arena into the stack buffer, then the rows out of it (_in5, _out5,
-               _dy5).
+  F(4x4, 3x3) and F(2x2, 5x5), n = 6: on the points 0, 1, -1, 2, -2 and infinity, one B^T = [[4, 0, -5, 0, 1, 0],
+               [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0], [0, -2, -1, 2, 1, 0], [0, 2, -1, -2, 1, 0],
+               [0, 4, 0, -5, 0, 1]]; A^T = [[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 1]] (m = 2) or [[1, 1, 1, 1, 1, 0],
+               [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]] (m = 4); each 2-D transform two passes
+               of its 1-D one (_bt; _at, _a; _at4, _a4): the columns from the arena into the stack buffer, then the
+               rows out of it (_in6, _out6, _dy6).
 The input tile B^T d B (tile_in), the products' A^T m A to outputs (tile_out), the output gradient's A dY A^T
 (tile_dy). Every transform runs along rows of channels (pixel rows, channels inner) and through the one stack
 buffer of its function (common.stack_buf: its loops load from the arena and store to the stack, or the reverse,
@@ -14,6 +15,9 @@ so they vectorize with no runtime alias checks)."""
 from numba import carray, njit
 
 from btjit.kernels.common import FM, copy_n, cvt, fptr, stack_buf
+# F(4, 3)'s 1-D output transforms round as written: under FM's reassociation, numba's in-process code and the object
+# code it caches (what other processes and exports run) rounded _at4's sums differently (1 ulp; znver4)
+EXACT = dict(FM, fastmath=False)
 
 WBUF = 8192       # elements of a stack buffer: a tile's T rows of up to WBUF / T channels
 
@@ -72,11 +76,11 @@ def _out3(a, om, O, d, ds, ob, relu):
 
 
 @njit(**FM)
-def _dy3(a, o0, o1, o2, o3, O, ot):
-    """The 2x2 output gradient (rows of O at o0, o1 / o2, o3) as its 16 rows A dY A^T of O at ot (row k at ot + k*O),
-    made in a stack buffer."""
+def _dy3(a, o, q, s, O, ot):
+    """The 2x2 output gradient (the row of O of pixel (i, j) at o + i*s + j*q) as its 16 rows A dY A^T of O at ot
+    (row k at ot + k*O), made in a stack buffer."""
     sb = carray(stack_buf(a, WBUF), (WBUF,))
-    y00, y01, y10, y11 = fptr(a, o0), fptr(a, o1), fptr(a, o2), fptr(a, o3)
+    y00, y01, y10, y11 = fptr(a, o), fptr(a, o + q), fptr(a, o + s), fptr(a, o + s + q)
     z00, z01, z02, z03 = fptr(sb, 0), fptr(sb, O), fptr(sb, 2 * O), fptr(sb, 3 * O)
     z10, z11, z12, z13 = fptr(sb, 4 * O), fptr(sb, 5 * O), fptr(sb, 6 * O), fptr(sb, 7 * O)
     z20, z21, z22, z23 = fptr(sb, 8 * O), fptr(sb, 9 * O), fptr(sb, 10 * O), fptr(sb, 11 * O)
@@ -95,7 +99,7 @@ def _dy3(a, o0, o1, o2, o3, O, ot):
 
 @njit(**FM)
 def _bt(d0, d1, d2, d3, d4, d5, k2, k4, k5):
-    """B^T of F(2, 5) along a line of six."""
+    """B^T (n = 6) along a line of six."""
     e, f = d4 - d2, k2 * (d3 - d1)
     return (k4 * d0 - k5 * d2 + d4, d3 + d4 - k4 * (d1 + d2), d4 - d3 + k4 * (d1 - d2), e + f, e - f,
             k4 * d1 - k5 * d3 + d5)
@@ -114,11 +118,23 @@ def _a(y0, y1, k2):
     return y0, y0 + y1, y0 - y1, y0 + f, y0 - f, y1
 
 
+@njit(**EXACT)
+def _at4(m0, m1, m2, m3, m4, m5, k2, k4, k8):
+    """A^T of F(4, 3): six to four."""
+    p, q, u, v = m1 + m2, m1 - m2, m3 + m4, m3 - m4
+    return m0 + p + u, q + k2 * v, p + k4 * u, q + k8 * v + m5
+
+
+@njit(**EXACT)
+def _a4(y0, y1, y2, y3, k2, k4, k8):
+    """A of F(4, 3): four to six (the adjoint of _at4)."""
+    e, f, g, h = y0 + y2, y1 + y3, y0 + k4 * y2, k2 * y1 + k8 * y3
+    return y0, e + f, e - f, g + h, g - h, y3
 
 
 @njit(**FM)
-def _in5(a, src, q, s, C, ov):
-    """_in3 for F(2x2, 5x5): the 6x6 input tile's 36 rows B^T d B, columns into the stack buffer, then rows to ov."""
+def _in6(a, src, q, s, C, ov):
+    """_in3 for n = 6: the 6x6 input tile's 36 rows B^T d B, columns into the stack buffer, then rows to ov."""
     sb = carray(stack_buf(a, WBUF), (WBUF,))
     k2, k4, k5 = cvt(a, 2.0), cvt(a, 4.0), cvt(a, 5.0)
     for j in range(6):
@@ -141,98 +157,130 @@ def _in5(a, src, q, s, C, ov):
 
 
 @njit(**FM)
-def _out5(a, om, O, d, ds, ob, relu):
-    """_out3 for F(2x2, 5x5): the 36 product rows' columns to two rows (A^T m) in the stack buffer, then each of
-    those to two outputs (+ bias [relu])."""
+def _out6(a, om, O, d, ds, ob, relu, m):
+    """_out3 for n = 6, m = 2 or 4: the 36 product rows' columns to m rows (A^T m) in the stack buffer (row i,
+    column j at (i*6 + j)*O), then each of those to m outputs (+ bias [relu])."""
     sb = carray(stack_buf(a, WBUF), (WBUF,))
-    k2 = cvt(a, 2.0)
+    k2, k4, k8 = cvt(a, 2.0), cvt(a, 4.0), cvt(a, 8.0)
     for j in range(6):
         o = om + j * O
         m0, m1, m2, m3, m4, m5 = fptr(a, o), fptr(a, o + 6 * O), fptr(a, o + 12 * O), fptr(a, o + 18 * O), \
             fptr(a, o + 24 * O), fptr(a, o + 30 * O)
-        u0, u1 = fptr(sb, j * O), fptr(sb, (6 + j) * O)
-        for c in range(O):
-            u0[c], u1[c] = _at(m0[c], m1[c], m2[c], m3[c], m4[c], m5[c], k2)
+        u0, u1, u2, u3 = fptr(sb, j * O), fptr(sb, (6 + j) * O), fptr(sb, (12 + j) * O), fptr(sb, (18 + j) * O)
+        if m == 2:
+            for c in range(O):
+                u0[c], u1[c] = _at(m0[c], m1[c], m2[c], m3[c], m4[c], m5[c], k2)
+        else:
+            for c in range(O):
+                u0[c], u1[c], u2[c], u3[c] = _at4(m0[c], m1[c], m2[c], m3[c], m4[c], m5[c], k2, k4, k8)
     b = fptr(a, ob)
     z = cvt(a, 0.0)
-    for i in range(2):
-        y0, y1 = fptr(a, d + i * ds), fptr(a, d + i * ds + O)
+    for i in range(m):
         o = 6 * i * O
         s0, s1, s2, s3, s4, s5 = fptr(sb, o), fptr(sb, o + O), fptr(sb, o + 2 * O), fptr(sb, o + 3 * O), \
             fptr(sb, o + 4 * O), fptr(sb, o + 5 * O)
-        for c in range(O):
-            t0, t1 = _at(s0[c], s1[c], s2[c], s3[c], s4[c], s5[c], k2)
-            t0, t1 = t0 + b[c], t1 + b[c]
-            if relu:
-                t0, t1 = max(t0, z), max(t1, z)
-            y0[c], y1[c] = t0, t1
+        o = d + i * ds
+        y0, y1, y2, y3 = fptr(a, o), fptr(a, o + O), fptr(a, o + 2 * O), fptr(a, o + 3 * O)
+        if m == 2:
+            for c in range(O):
+                t0, t1 = _at(s0[c], s1[c], s2[c], s3[c], s4[c], s5[c], k2)
+                t0, t1 = t0 + b[c], t1 + b[c]
+                if relu:
+                    t0, t1 = max(t0, z), max(t1, z)
+                y0[c], y1[c] = t0, t1
+        else:
+            for c in range(O):
+                t0, t1, t2, t3 = _at4(s0[c], s1[c], s2[c], s3[c], s4[c], s5[c], k2, k4, k8)
+                t0, t1, t2, t3 = t0 + b[c], t1 + b[c], t2 + b[c], t3 + b[c]
+                if relu:
+                    t0, t1, t2, t3 = max(t0, z), max(t1, z), max(t2, z), max(t3, z)
+                y0[c], y1[c], y2[c], y3[c] = t0, t1, t2, t3
 
 
 @njit(**FM)
-def _dy5(a, o0, o1, o2, o3, O, ot):
-    """_dy3 for F(2x2, 5x5): the 2x2 output gradient's 36 rows A dY A^T at ot (columns, then rows)."""
+def _dy6(a, o, q, s, O, ot, m):
+    """_dy3 for n = 6, m = 2 or 4: the m x m output gradient's 36 rows A dY A^T at ot (columns into the stack
+    buffer, row i of column j at (i*m + j)*O, then rows)."""
     sb = carray(stack_buf(a, WBUF), (WBUF,))
-    k2 = cvt(a, 2.0)
-    for j in range(2):
-        y0, y1 = (fptr(a, o0), fptr(a, o2)) if j == 0 else (fptr(a, o1), fptr(a, o3))
-        z0, z1, z2, z3, z4, z5 = fptr(sb, j * O), fptr(sb, (2 + j) * O), fptr(sb, (4 + j) * O), \
-            fptr(sb, (6 + j) * O), fptr(sb, (8 + j) * O), fptr(sb, (10 + j) * O)
-        for c in range(O):
-            z0[c], z1[c], z2[c], z3[c], z4[c], z5[c] = _a(y0[c], y1[c], k2)
+    k2, k4, k8 = cvt(a, 2.0), cvt(a, 4.0), cvt(a, 8.0)
+    for j in range(m):
+        y0, y1, y2, y3 = fptr(a, o + j * q), fptr(a, o + s + j * q), fptr(a, o + 2 * s + j * q), \
+            fptr(a, o + 3 * s + j * q)
+        z0, z1, z2, z3, z4, z5 = fptr(sb, j * O), fptr(sb, (m + j) * O), fptr(sb, (2 * m + j) * O), \
+            fptr(sb, (3 * m + j) * O), fptr(sb, (4 * m + j) * O), fptr(sb, (5 * m + j) * O)
+        if m == 2:
+            for c in range(O):
+                z0[c], z1[c], z2[c], z3[c], z4[c], z5[c] = _a(y0[c], y1[c], k2)
+        else:
+            for c in range(O):
+                z0[c], z1[c], z2[c], z3[c], z4[c], z5[c] = _a4(y0[c], y1[c], y2[c], y3[c], k2, k4, k8)
     for i in range(6):
-        p0, p1 = fptr(sb, 2 * i * O), fptr(sb, (2 * i + 1) * O)
-        o = ot + 6 * i * O
-        z0, z1, z2, z3, z4, z5 = fptr(a, o), fptr(a, o + O), fptr(a, o + 2 * O), fptr(a, o + 3 * O), \
-            fptr(a, o + 4 * O), fptr(a, o + 5 * O)
-        for c in range(O):
-            z0[c], z1[c], z2[c], z3[c], z4[c], z5[c] = _a(p0[c], p1[c], k2)
+        p0, p1, p2, p3 = fptr(sb, m * i * O), fptr(sb, (m * i + 1) * O), fptr(sb, (m * i + 2) * O), \
+            fptr(sb, (m * i + 3) * O)
+        o2 = ot + 6 * i * O
+        z0, z1, z2, z3, z4, z5 = fptr(a, o2), fptr(a, o2 + O), fptr(a, o2 + 2 * O), fptr(a, o2 + 3 * O), \
+            fptr(a, o2 + 4 * O), fptr(a, o2 + 5 * O)
+        if m == 2:
+            for c in range(O):
+                z0[c], z1[c], z2[c], z3[c], z4[c], z5[c] = _a(p0[c], p1[c], k2)
+        else:
+            for c in range(O):
+                z0[c], z1[c], z2[c], z3[c], z4[c], z5[c] = _a4(p0[c], p1[c], p2[c], p3[c], k2, k4, k8)
 
 
 @njit(**FM)
-def tile_in(a, r, src, ps, H, W, oz, opatch, h0, w0, C, ov):
-    """The (r+1) x (r+1) input tile at pixel (h0, w0) of the pixel rows at src (pixel (h, w) at src + (h*W + w)*ps,
-    C channels), B^T d B, as its T rows of C at ov (row k at ov + k*C); a tile over the edge first gathered at
-    opatch (zeros outside H x W: the row at oz)."""
-    n = r + 1
-    if h0 + r >= H or w0 + r >= W:
-        for k in range(n * n):
-            h, w = h0 + k // n, w0 + k % n
-            copy_n(fptr(a, opatch + k * C), fptr(a, src + (h * W + w) * ps if h < H and w < W else oz), C)
+def _gather(a, src, ps, H, W, oz, opatch, h0, w0, n, C):
+    """The n x n pixels from (h0, w0) of the pixel rows at src (pixel (h, w) at src + (h*W + w)*ps, C channels) as
+    n*n rows of C at opatch, zeros (the row at oz) outside H x W."""
+    for k in range(n * n):
+        h, w = h0 + k // n, w0 + k % n
+        copy_n(fptr(a, opatch + k * C), fptr(a, src + (h * W + w) * ps if h < H and w < W else oz), C)
+
+
+@njit(**FM)
+def tile_in(a, r, m, src, ps, H, W, oz, opatch, h0, w0, C, ov):
+    """The n x n input tile (n = m + r - 1) at pixel (h0, w0) of the pixel rows at src (pixel (h, w) at
+    src + (h*W + w)*ps, C channels), B^T d B, as its T rows of C at ov (row k at ov + k*C); a tile over the edge
+    first gathered at opatch (zeros outside H x W: the row at oz)."""
+    n = m + r - 1
+    if h0 + n > H or w0 + n > W:
+        _gather(a, src, ps, H, W, oz, opatch, h0, w0, n, C)
         src, ps, W, h0, w0 = opatch, C, n, 0, 0
     o = src + (h0 * W + w0) * ps
-    if r == 3:
+    if n == 4:
         _in3(a, o, ps, W * ps, C, ov)
     else:
-        _in5(a, o, ps, W * ps, C, ov)
+        _in6(a, o, ps, W * ps, C, ov)
 
 
 @njit(**FM)
-def tile_out(a, r, om, O, dst, OW, h0, w0, OH, ob, relu, opatch):
-    """The T product rows of O at om (row k at om + k*O) of one tile to its 2x2 outputs, A^T m A + the bias row at
+def tile_out(a, r, m, om, O, dst, OW, h0, w0, OH, ob, relu, opatch):
+    """The T product rows of O at om (row k at om + k*O) of one tile to its m x m outputs, A^T m A + the bias row at
     ob [relu], stored as pixel rows at dst (pixel (h, w) at dst + (h*OW + w)*O); over the edge made at opatch first
     and only the pixels inside OH x OW stored."""
-    edge = h0 + 1 >= OH or w0 + 1 >= OW
-    d, ds = (opatch, 2 * O) if edge else (dst + (h0 * OW + w0) * O, OW * O)
-    if r == 3:
+    edge = h0 + m > OH or w0 + m > OW
+    d, ds = (opatch, m * O) if edge else (dst + (h0 * OW + w0) * O, OW * O)
+    if r == 3 and m == 2:
         _out3(a, om, O, d, ds, ob, relu)
     else:
-        _out5(a, om, O, d, ds, ob, relu)
+        _out6(a, om, O, d, ds, ob, relu, m)
     if edge:
-        for k in range(4):
-            h, w = h0 + k // 2, w0 + k % 2
+        for k in range(m * m):
+            h, w = h0 + k // m, w0 + k % m
             if h < OH and w < OW:
                 copy_n(fptr(a, dst + (h * OW + w) * O), fptr(a, opatch + k * O), O)
 
 
 @njit(**FM)
-def tile_dy(a, r, src, OH, OW, O, oz, h0, w0, ot):
-    """The 2x2 output gradient at (h0, w0) of the pixel rows at src (zeros outside OH x OW: the row at oz) as its
-    T rows A dY A^T of O at ot (row k at ot + k*O)."""
-    o0 = src + (h0 * OW + w0) * O
-    o1 = o0 + O if w0 + 1 < OW else oz
-    o2 = o0 + OW * O if h0 + 1 < OH else oz
-    o3 = o0 + (OW + 1) * O if h0 + 1 < OH and w0 + 1 < OW else oz
-    if r == 3:
-        _dy3(a, o0, o1, o2, o3, O, ot)
+def tile_dy(a, r, m, src, OH, OW, O, oz, opatch, h0, w0, ot):
+    """The m x m output gradient at (h0, w0) of the pixel rows at src (zeros outside OH x OW: the row at oz) as its
+    T rows A dY A^T of O at ot (row k at ot + k*O); over the edge first gathered at opatch."""
+    if h0 + m > OH or w0 + m > OW:
+        _gather(a, src, O, OH, OW, oz, opatch, h0, w0, m, O)
+        o, s = opatch, m * O
     else:
-        _dy5(a, o0, o1, o2, o3, O, ot)
+        o, s = src + (h0 * OW + w0) * O, OW * O
+    if r == 3 and m == 2:
+        _dy3(a, o, O, s, O, ot)
+    else:
+        _dy6(a, o, O, s, O, ot, m)

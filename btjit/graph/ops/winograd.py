@@ -20,6 +20,15 @@ def _dims(x_shape, wt_shape, a):
     return N, C, H, W, wt_shape[1]
 
 
+def tile_size(a, C, O) -> int:
+    """m of the rows' F(m x m, r x r): 4 for a 3x3 window whose 36 transform rows of channels fit WBUF and whose
+    output needs fewer products in 4x4 tiles than in 2x2 ones (36 multiply-adds per 16 outputs against 16 per 4,
+    the transforms' memory traffic 2.25 rows an output against 4), else 2."""
+    def tiles(m):
+        return -(-a["oh"] // m) * -(-a["ow"] // m)
+    return 4 if a["kh"] == 3 and 36 * max(C, O) <= WBUF and 36 * tiles(4) < 16 * tiles(2) else 2
+
+
 def _kernel_layout(a):
     """(nhwc, taps) of k_wino for conv_gemm's attrs: x NHWC only for nhwc 1; taps (i, j, c) for nhwc 1 and 2."""
     return int(a["nhwc"] == 1), int(a["nhwc"] != 0)
@@ -28,7 +37,7 @@ def _kernel_layout(a):
 def _scratch(dw, N, C, H, W, O, a):
     """Floats of the row's scratch: enough for every count of parts it may split into."""
     nhwc, tout = (0, 0) if dw else (_kernel_layout(a)[0], a["tout"])
-    return max(p * wino_scratch(dw, a["kh"], C, H, W, O, a["oh"], a["ow"], nhwc, tout, p)
+    return max(p * wino_scratch(dw, a["kh"], tile_size(a, C, O), C, H, W, O, a["oh"], a["ow"], nhwc, tout, p)
                for p in range(1, wino_parts(dw, N, C) + 1))
 
 
@@ -81,11 +90,12 @@ def _lower(e, L):
     N, C, H, W, O = _dims(X.shape, B.shape, a)
     nhwc, taps = _kernel_layout(a)
     parts = _parts(L, False, N, C, O, a)
-    sc = wino_scratch(False, a["kh"], C, H, W, O, a["oh"], a["ow"], nhwc, a["tout"], parts)
+    m = tile_size(a, C, O)
+    sc = wino_scratch(False, a["kh"], m, C, H, W, O, a["oh"], a["ow"], nhwc, a["tout"], parts)
     return [L.row("k_wino", split=parts, ox=L.off(X), ow=L.off(B), oy=L.off(e.outs[0]),
                   obias=L.off(e.ins[2]) if len(e.ins) == 3 else 0, oscr=L.off(e.outs[1]), N=N, C=C, H=H, W=W, O=O,
                   OH=a["oh"], OW=a["ow"], nhwc=nhwc, taps=taps, flip=a["flip"], tout=a["tout"],
-                  relu=int(a.get("relu", 0)), sc=sc, k=a["kh"])]
+                  relu=int(a.get("relu", 0)), sc=sc, k=a["kh"], m=m)]
 
 
 def _lower_dw(e, L):
@@ -94,9 +104,10 @@ def _lower_dw(e, L):
     N, C, H, W = _cg_dims(X.shape, a)
     O = G.shape[1]
     parts = _parts(L, True, N, C, O, a)
+    m = tile_size(a, C, O)
     return [L.row("k_wino_dw", split=parts, ox=L.off(X), ody=L.off(G), odw=L.off(e.outs[0]), oscr=L.off(e.outs[1]),
-                  N=N, C=C, H=H, W=W, O=O, OH=a["oh"], OW=a["ow"], taps=0, k=a["kh"],
-                  sc=wino_scratch(True, a["kh"], C, H, W, O, a["oh"], a["ow"], 0, 0, parts))]
+                  N=N, C=C, H=H, W=W, O=O, OH=a["oh"], OW=a["ow"], taps=0, k=a["kh"], m=m,
+                  sc=wino_scratch(True, a["kh"], m, C, H, W, O, a["oh"], a["ow"], 0, 0, parts))]
 
 
 _cases = [((F(2, 8, 6, 7), F(72, 8)), _cg(3, 3, 4, 5, tout=1)),                    # NCHW in, (N, O, OH, OW) out
