@@ -1,7 +1,7 @@
-"""Winograd F(2x2, 3x3), F(4x4, 3x3) and F(2x2, 5x5) convolutions (k_wino): where a float32 program's 3x3 and 5x5 stride-1
-convolutions use them, their
-forward and both gradients against the float64 program (direct implicit GEMMs), edge tiles of odd sizes, threads
-bitwise, the kernel's three modes on every layout against numpy, and an export run bitwise."""
+"""Winograd F(2x2, 3x3), F(4x4, 3x3) and F(2x2, 5x5) convolutions (k_wino): where a float32 program's 3x3 and 5x5
+stride-1 convolutions use them, their forward and both gradients against the float64 program (direct implicit GEMMs),
+edge tiles of odd sizes, threads bitwise, the kernel's three modes on every layout against numpy, and an export run
+bitwise."""
 import numpy as np
 import pytest
 

@@ -156,14 +156,14 @@ def _tile(a, t, m, NT, TW, nhwc, ox, oxs, C, H, W, c0, cp, cur):
 @row("ox ow oy obias oscr N C H W O OH OW nhwc taps flip tout relu sc k m")
 @njit(**FM)
 def k_wino(a, ia, r):
-    """Winograd F(m x m, r x r) convolution (r = k: 3 with m = 2 or 4, 5 with m = 2), stride 1, no dilation
-    (padding made beforehand): x (N, C, H, W) at ox (nhwc 1: (N, H, W, C)) by wt (r*r*C, O) at ow, rows in the taps' order (taps 0:
-    (c, i, j); 1: (i, j, c); flip 1: each filter reversed, a transposed convolution), OH = H - r + 1,
-    OW = W - r + 1, C and O multiples of MR, at most WBUF / T: y at oy = [bias at obias +] the convolution, as
-    pixel rows (N*OH*OW, O), or (N, O, OH, OW) with tout 1; relu 1: relu of it. Part j of a split row: its images,
-    with sc elements of scratch at oscr + j*sc (wino_scratch), where it first makes its own copy of the weights'
-    transforms U (T, C, O): no cache line of U moves between the cores from one step to the next (one copy written
-    by one thread and read by both took ~0.7 ms for 64 x 64 channels on two cores of this machine, a third of the
+    """Winograd F(m x m, r x r) convolution (r = k: 3 with m = 2 or 4, 5 with m = 2), stride 1, no dilation (padding
+    made beforehand): x (N, C, H, W) at ox (nhwc 1: (N, H, W, C)) by wt (r*r*C, O) at ow, rows in the taps' order
+    (taps 0: (c, i, j); 1: (i, j, c); flip 1: each filter reversed, a transposed convolution), OH = H - r + 1, OW =
+    W - r + 1, C and O multiples of MR, at most WBUF / T: y at oy = [bias at obias +] the convolution, as pixel rows
+    (N*OH*OW, O), or (N, O, OH, OW) with tout 1; relu 1: relu of it. Part j of a split row: its images, with sc
+    elements of scratch at oscr + j*sc (wino_scratch), where it first makes its own copy of the weights' transforms
+    U (T, C, O): no cache line of U moves between the cores from one step to the next (one copy written by one
+    thread and read by both took ~0.7 ms for 64 x 64 channels on two cores of this machine, a third of the
     convolution)."""
     ox = r[1]; ow = r[2]; oy = r[3]; obias = r[4]; oscr = r[5]; N = r[6]; C = r[7]; H = r[8]; W = r[9]; O = r[10]
     OH = r[11]; OW = r[12]; nhwc = r[13]; taps = r[14]; flip = r[15]; tout = r[16]; relu = r[17]; sc = r[18]
