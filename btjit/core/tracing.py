@@ -161,6 +161,7 @@ def trace(fn, params, *batch, optimizer=None, clip_norm=None, skip_nonfinite=Fal
         fuse.fuse_scatter_sum(g)
         fuse.fuse_pool_grad(g)
         fuse.fold_transposed_operands(g)
+        fuse.crop_padded_input_grad(g)
         for name in g.params:
             if name not in grads:
                 warnings.warn(f"btjit: parameter {name!r} does not reach the loss; its gradient is always zero",

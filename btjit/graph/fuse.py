@@ -19,6 +19,10 @@ keeps the graph in SSA form and replaces a pattern whose intermediate value is u
                                                   (a convolution followed by a pooling: the pooling's gradient
                                                    made image by image inside the pass that lays out the
                                                    convolution's output gradient, never stored whole)
+  backward: slice(col2im(dcol)), slice(conv_gemm(slice_scatter(dy), flip=1))  ->  the same, cropped
+                                                  (a padded convolution's input gradient: col2im with the crop
+                                                   as padding, the transposed convolution over dy padded less,
+                                                   make the unpadded input's gradient, not the padded one's)
   backward: layernorm_grad(...) -> dx, then add(dx, acc)  ->  layernorm_grad(..., acc)
                                                   (x's other gradient, e.g. from its residual connection,
                                                    added by the LayerNorm backward kernel as it stores)
@@ -187,6 +191,46 @@ def fuse_pool_grad(graph: Graph) -> None:
         types = TABLE["conv_dy"].infer([(v.shape, v.dtype) for v in ins], attrs, graph.float_dtype)
         return Eqn("conv_dy", ins, (*e.outs, graph.new_var(*types[-1])), attrs, e.src)
     _into(graph, "conv_dy", rewrite)
+
+
+def crop_padded_input_grad(graph: Graph) -> None:
+    """backward: slice(dX), the crop of a padded input's gradient dX to the unpadded input's (N, C, H, W) -- which
+    an elementwise chain read row by row (its rows W apart, not merged: blocks of W elements) -> dX made cropped:
+    col2im(dcol) with the crop as its padding (the patches' entries outside dropped); the transposed convolution
+    conv_gemm(slice_scatter(dy), flip=1) over dy padded by the window's reach less what the slice crops."""
+    uses = _uses(graph)
+    made = {o.id: i for i, e in enumerate(graph.eqns) for o in e.outs}
+    new, drop = {}, set()
+    for e in graph.eqns[graph.n_forward:]:
+        d = graph.eqns[made[e.ins[0].id]] if e.op == "slice" and e.ins[0].id in made else None
+        if d is None or d.op not in ("col2im", "conv_gemm") or uses[e.ins[0].id] != 1 or \
+                any(k != 1 for k in e.attrs["steps"]) or e.attrs["starts"][:2] != (0, 0) or \
+                e.outs[0].shape[:2] != e.ins[0].shape[:2]:
+            continue
+        a0, b0 = e.attrs["starts"][2:]
+        h, w = e.outs[0].shape[2:]
+        if d.op == "col2im":
+            new[id(d)] = Eqn("col2im", d.ins, e.outs, dict(d.attrs, x_shape=e.outs[0].shape, ph=d.attrs["ph"] + a0,
+                                                          pw=d.attrs["pw"] + b0), d.src)
+            drop.add(id(e))
+            continue
+        pad = graph.eqns[made[d.ins[0].id]] if d.ins[0].id in made else None
+        if not d.attrs["flip"] or not d.attrs["tout"] or pad is None or pad.op != "slice_scatter" or \
+                uses[pad.outs[0].id] != 1:
+            continue
+        (_, hp, wp, _), (_, t0, l0, _), (_, t1, l1, _) = pad.outs[0].shape, pad.attrs["starts"], pad.attrs["stops"]
+        top, left = t0 - a0, l0 - b0                    # dy's padding before and after, less the crop
+        bottom, right = hp - t1 - (d.attrs["oh"] - a0 - h), wp - l1 - (d.attrs["ow"] - b0 - w)
+        if min(top, left, bottom, right) < 0:
+            continue
+        dy = pad.ins[0]
+        N, oh, ow, O = dy.shape
+        gp = graph.new_var((N, oh + top + bottom, ow + left + right, O), dy.dtype)
+        new[id(pad)] = Eqn("slice_scatter", (dy,), (gp,), dict(pad.attrs, shape=gp.shape, starts=(0, top, left, 0),
+                                                              stops=(N, top + oh, left + ow, O)), pad.src)
+        new[id(d)] = Eqn("conv_gemm", (gp,) + d.ins[1:], e.outs, dict(d.attrs, oh=h, ow=w, pt=top), d.src)
+        drop.add(id(e))
+    graph.eqns = [new.get(id(e), e) for e in graph.eqns if id(e) not in drop]
 
 
 def fold_transposed_operands(graph: Graph) -> None:
