@@ -70,7 +70,9 @@ def test_winograd_rows_split_over_threads_bitwise():
 def test_the_rule_keeps_small_and_other_convolutions_on_the_implicit_gemm():
     a = dict(kh=3, kw=3, sh=1, sw=1, dh=1, dw=1, oh=24, ow=24, nhwc=0, flip=0, tout=1)
     assert eligible((64, 32, 26, 26), 64, a, 1) and eligible((64, 32, 26, 26), 64, a, 2)
-    assert not eligible((64, 16, 26, 26), 64, a, 1)                   # 16 channels: steps too short
+    assert not eligible((64, 16, 26, 26), 64, a, 2)                   # 16 channels: steps too short on two
+    assert eligible((64, 16, 26, 26), 64, a, 1)                       # threads; on one, in 4x4 tiles
+    assert not eligible((64, 16, 8, 8), 64, dict(a, oh=6, ow=6), 1)   # (not in 2x2 ones)
     assert not eligible((1, 32, 26, 26), 64, a, 2)                    # fewer images than threads
     assert not eligible((64, 32, 26, 26), 64, dict(a, sh=2, sw=2, oh=12, ow=12), 1)
     assert eligible((64, 32, 28, 28), 64, dict(a, kh=5, kw=5), 1)

@@ -43,18 +43,20 @@ def _scratch(dw, N, C, H, W, O, a):
 
 def eligible(x_shape, O, a, threads) -> bool:
     """A 3x3 or 5x5 window at stride 1, no dilation; both channel counts multiples of MR, at least 32 (fewer: the
-    products' steps too short for the transforms to pay) and at most WBUF / T; an image per thread at least
-    (a row splits over the images) and MIN_MACS multiply-adds a thread. Measured against the implicit GEMM
-    (znver4; a 3x3 convolution's forward and both gradients, docs/benchmarks.md): 1.04-1.62x faster on one thread
-    and 1.12-1.45x on two inside the rule (1 to 64 images of 4x4 to 26x26, 32 to 128 channels); 0.60-0.98x with
-    8 or 16 channels. A 5x5 one: 1.57-1.85x on one thread, 1.16-1.70x on two (2 to 64 images of 10x10 to 24x24,
-    32 to 64 channels); with 16 channels 1.05-1.34x on one thread but 0.70-0.79x on two, with 8 0.65-0.92x.
-    With tile_size's F(4x4, 3x3) where it picks it, a 3x3 one: 1.31-2.30x on one thread, 1.28-1.59x on two (8 to
-    64 images of 8x8 to 26x26, 32 to 224 channels; docs/benchmarks.md)."""
+    products' steps too short for the transforms to pay; 16 on one thread in 4x4 tiles) and at most WBUF / T; an
+    image per thread at least (a row splits over the images) and MIN_MACS multiply-adds a thread. Measured against
+    the implicit GEMM (znver4; a 3x3 convolution's forward and both gradients, docs/benchmarks.md): 1.04-1.62x
+    faster on one thread and 1.12-1.45x on two inside the rule (1 to 64 images of 4x4 to 26x26, 32 to 128 channels);
+    0.60-0.98x with 8 or 16 channels. A 5x5 one: 1.57-1.85x on one thread, 1.16-1.70x on two (2 to 64 images of
+    10x10 to 24x24, 32 to 64 channels); with 16 channels 1.05-1.34x on one thread but 0.70-0.79x on two, with 8
+    0.65-0.92x. With tile_size's F(4x4, 3x3) where it picks it, a 3x3 one: 1.31-2.30x on one thread, 1.28-1.59x on
+    two (8 to 64 images of 8x8 to 26x26, 32 to 224 channels; docs/benchmarks.md); with 16 channels 1.22-1.47x on one
+    thread (0.93x at 14x14, its 4x4 tiles half over the edge) but 0.76-1.05x on two."""
     N, C, H, W = _cg_dims(x_shape, a)
     r = a["kh"]
     return (r in (3, 5) and (a["kw"], a["sh"], a["sw"], a["dh"], a["dw"]) == (r, 1, 1, 1, 1)
-            and C % MR == 0 and O % MR == 0 and 32 <= min(C, O) and (r + 1) ** 2 * max(C, O) <= WBUF
+            and C % MR == 0 and O % MR == 0 and (r + 1) ** 2 * max(C, O) <= WBUF
+            and (32 <= min(C, O) or 16 <= min(C, O) and threads == 1 and tile_size(a, C, O) == 4)
             and N >= threads and N * a["oh"] * a["ow"] * C * O * r * r >= MIN_MACS * threads)
 
 
