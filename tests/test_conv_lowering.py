@@ -161,24 +161,26 @@ def test_pooling_gradient_made_inside_the_convolutions_output_gradient(i):
         np.testing.assert_allclose(g, t, rtol=2e-4, atol=2e-4 * np.abs(t).max(), err_msg=k)
 
 
-@pytest.mark.parametrize("stride,padding,C", [(1, 1, 8), (1, (2, 1), 8), (1, "same", 16), (2, 1, 8), (1, 1, 3)])
-def test_a_padded_convolutions_input_gradient_is_made_unpadded(stride, padding, C):
+@pytest.mark.parametrize("stride,padding,C,kw", [(1, 1, 8, {}), (1, (2, 1), 8, {}), (1, "same", 16, {}),
+                                                (2, 1, 8, {}), (1, 1, 3, {}), (1, 3, 8, {"dilation": 2}),
+                                                (2, (1, 2), 8, {"groups": 2})])
+def test_a_padded_convolutions_input_gradient_is_made_unpadded(stride, padding, C, kw):
     """The input gradient of a zero-padded convolution (the transposed implicit convolution, or col2im: stride 2,
-    3 channels) is made at the unpadded input's shape, not made padded and then cropped by a slice; the
+    3 channels, groups) is made at the unpadded input's shape, not made padded and then cropped by a slice; the
     gradients against torch in float64."""
     rng = np.random.default_rng(5)
-    w, h = rng.normal(size=(8, C, 3, 4)) * 0.3, rng.normal(size=(2, C, 9, 10))
+    w, h = rng.normal(size=(8, C // kw.get("groups", 1), 3, 4)) * 0.3, rng.normal(size=(2, C, 9, 10))
     x = rng.normal(size=(2, C, 9, 10))
 
     def loss(q, x):
-        return btjit.sum(btjit.relu(btjit.conv2d(btjit.tanh(x * q["h"]), q["w"], stride=stride, padding=padding))
-                         ** 2)
+        return btjit.sum(btjit.relu(btjit.conv2d(btjit.tanh(x * q["h"]), q["w"], stride=stride, padding=padding,
+                                                 **kw)) ** 2)
     prog = btjit.trace(loss, {"w": w, "h": h}, x, grad=True, dtype="float64")
     made = {o.id: e.op for e in prog.graph.eqns for o in e.outs}
     assert not [e for e in prog.graph.eqns if e.op == "slice" and made.get(e.ins[0].id) in ("conv_gemm", "col2im")]
     assert any(e.op in ("conv_gemm", "col2im") and e.outs[0].shape == x.shape for e in prog.graph.eqns)
     tw, th = torch.tensor(w, requires_grad=True), torch.tensor(h, requires_grad=True)
-    want = (TF.relu(TF.conv2d(torch.tanh(torch.tensor(x) * th), tw, stride=stride, padding=padding)) ** 2).sum()
+    want = (TF.relu(TF.conv2d(torch.tanh(torch.tensor(x) * th), tw, stride=stride, padding=padding, **kw)) ** 2).sum()
     want.backward()
     assert abs(prog.value_and_grad(x) - want.item()) <= 1e-10 * abs(want.item())
     for k, t in (("w", tw), ("h", th)):
