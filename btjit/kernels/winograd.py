@@ -1,16 +1,15 @@
 # Winograd F(2x2, 3x3), F(4x4, 3x3) and F(2x2, 5x5) convolutions (Lavin and Gray, arXiv 1509.09308): an r x r,
-# stride-1 convolution (r = 3 or 5) as T = (m+r-1)^2 products of (tiles x C) by (C x O) -- T multiply-adds per
-# m x m output tile and channel pair instead of m*m*r*r: 16 for 36, 36 for 144, 36 for 100 -- on the register
-# micro-kernels
-# (btjit/kernels/micro.py's gathered form), between transforms of the input tiles (B^T d B), of the weights
-# (G g G^T: _sandwich) and of the T products (A^T m A), the tiles' in winograd_tiles.py. The weight gradient is the
-# same products' adjoint: dU = sum over tiles of (B^T d B) (x) (A dY A^T), dW = G^T dU G.
-# Tiles go in blocks whose transforms and products stay in L2 (a part's arena scratch, tile-major, their strides
-# off multiples of 4 KB). An NCHW image is first transposed to pixel rows (channels inner), so every transform
-# runs along a contiguous row of channels. Hot loops index typed pointers (common.fptr) by their range variable
-# alone (an offset index into a slice costs numba's negative-index test: a gather per load). k_wino_dw, the weight
-# gradient, is its own entry (two entries: ~8 and ~5 s to compile in one process, sharing the transforms).
-# graph/ops/winograd.py puts these kernels in place of the implicit GEMMs where they are measured faster.
+# stride-1 convolution (r = 3 or 5) as T = (m+r-1)^2 products of (tiles x C) by (C x O) -- T multiply-adds per m x m
+# output tile and channel pair instead of m*m*r*r: 16 for 36, 36 for 144, 36 for 100 -- on the register micro-kernels
+# (btjit/kernels/micro.py's gathered form), between transforms of the input tiles (B^T d B), of the weights (G g G^T:
+# _sandwich) and of the T products (A^T m A), the tiles' in winograd_tiles.py. The weight gradient is the same
+# products' adjoint: dU = sum over tiles of (B^T d B) (x) (A dY A^T), dW = G^T dU G. Tiles go in blocks whose
+# transforms and products stay in L2 (a part's arena scratch, tile-major, their strides off multiples of 4 KB). An
+# NCHW image is first transposed to pixel rows (channels inner), so every transform runs along a contiguous row of
+# channels. Hot loops index typed pointers (common.fptr) by their range variable alone (an offset index into a slice
+# costs numba's negative-index test: a gather per load). k_wino_dw, the weight gradient, is its own entry (two
+# entries: ~9 and ~5 s to compile in one process, sharing the transforms). graph/ops/winograd.py puts these kernels in
+# place of the implicit GEMMs where they are measured faster.
 import numpy as np
 from numba import carray, njit
 
