@@ -260,7 +260,7 @@ def tile_out(a, r, m, om, O, dst, OW, h0, w0, OH, ob, relu, opatch):
     and only the pixels inside OH x OW stored."""
     edge = h0 + m > OH or w0 + m > OW
     d, ds = (opatch, m * O) if edge else (dst + (h0 * OW + w0) * O, OW * O)
-    if r == 3 and m == 2:
+    if m + r - 1 == 4:
         _out3(a, om, O, d, ds, ob, relu)
     else:
         _out6(a, om, O, d, ds, ob, relu, m)
@@ -280,7 +280,7 @@ def tile_dy(a, r, m, src, OH, OW, O, oz, opatch, h0, w0, ot):
         o, s = opatch, m * O
     else:
         o, s = src + (h0 * OW + w0) * O, OW * O
-    if r == 3 and m == 2:
+    if m + r - 1 == 4:
         _dy3(a, o, O, s, O, ot)
     else:
         _dy6(a, o, O, s, O, ot, m)
